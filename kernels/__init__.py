@@ -1,0 +1,40 @@
+"""ftis_kernels: the fused F-TIS loss as a standalone torch function (imports only torch, and triton on demand).
+
+    from ftis_kernels import fused_linear_ftis_loss, LossConfig
+    out = fused_linear_ftis_loss(hidden, lm_head.weight, targets, gen_logprobs, advantages, cu_seqlens)
+    out.loss.backward()
+
+See SPEC section 2 for the contract; kernels/epilogue.py holds the paper's formulas.
+"""
+
+from .api import (
+    BACKENDS,
+    FTISLoss,
+    FusedLinearFTISLoss,
+    ftis_loss,
+    fused_linear_ftis_loss,
+    fused_linear_token_logprobs,
+    resolve_backend,
+    token_logprobs,
+)
+from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "FTISLoss",
+    "FusedLinearFTISLoss",
+    "KL_ESTIMATORS",
+    "KL_REDUCTIONS",
+    "LossConfig",
+    "LossOutput",
+    "METHODS",
+    "NORMALIZATIONS",
+    "STAT_KEYS",
+    "ftis_loss",
+    "fused_linear_ftis_loss",
+    "fused_linear_token_logprobs",
+    "resolve_backend",
+    "token_logprobs",
+]

@@ -1,0 +1,303 @@
+"""Public functions of ftis_kernels: input validation, backend choice, and the nn.Module wrappers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .config import LossConfig, LossOutput
+from .epilogue import ftis_objective
+from .reference import chunked_token_logprobs
+
+BACKENDS = ("auto", "triton", "torch")
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _require_tensor(name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_float(name: str, t: torch.Tensor, backend: str) -> None:
+    allowed = _FLOAT_DTYPES + ((torch.float64,) if backend == "torch" else ())
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise TypeError(f"{name}: dtype {t.dtype} is not supported by the {backend} backend (use {names})")
+
+
+def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got {list(t.shape)}")
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name}: contains NaN or inf")
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """auto -> triton on CUDA, torch otherwise. Triton on CPU needs TRITON_INTERPRET=1 (set before import)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: unknown value {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"backend: 'triton' needs CUDA tensors (got {device.type}); on CPU set TRITON_INTERPRET=1 before "
+            "triton is imported, or use backend='torch'"
+        )
+    return backend
+
+
+def _resolve_config(config: LossConfig | None, overrides: dict) -> LossConfig:
+    if config is None:
+        config = LossConfig()
+    elif not isinstance(config, LossConfig):
+        raise TypeError(f"config: expected a LossConfig, got {type(config).__name__}")
+    return config.replace(**overrides) if overrides else config
+
+
+def _check_inputs(
+    x: torch.Tensor, x_name: str, vocab: int, targets, gen_logprobs, advantages, cu_seqlens,
+    old_logprobs, group_ids, cfg: LossConfig, backend: str,
+) -> torch.Tensor:
+    """Validate the per-token and per-sequence inputs; returns the [N] bool mask of counted tokens."""
+    n = x.shape[0]
+    device = x.device
+    tensors = {"targets": targets, "gen_logprobs": gen_logprobs, "advantages": advantages, "cu_seqlens": cu_seqlens}
+    if old_logprobs is not None:
+        tensors["old_logprobs"] = old_logprobs
+    if group_ids is not None:
+        tensors["group_ids"] = group_ids
+    for name, t in tensors.items():
+        _require_tensor(name, t)
+        if t.device != device:
+            raise ValueError(f"{name}: on {t.device}, but {x_name} is on {device}")
+    for name in ("targets", "cu_seqlens") + (("group_ids",) if group_ids is not None else ()):
+        t = tensors[name]
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor, got {t.dtype}")
+    for name in ("gen_logprobs", "advantages") + (("old_logprobs",) if old_logprobs is not None else ()):
+        _check_float(name, tensors[name], backend)
+
+    _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
+    _check_shape("gen_logprobs", gen_logprobs, (n,), f"one per row of {x_name}")
+    if old_logprobs is not None:
+        _check_shape("old_logprobs", old_logprobs, (n,), f"one per row of {x_name}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D tensor [S+1] with S >= 1, got shape {list(cu_seqlens.shape)}")
+    num_seqs = cu_seqlens.numel() - 1
+    _check_shape("advantages", advantages, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
+    if group_ids is not None:
+        _check_shape("group_ids", group_ids, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
+
+    cu = cu_seqlens.long()
+    if int(cu[0]) != 0 or int(cu[-1]) != n or not bool((cu[1:] > cu[:-1]).all()):
+        raise ValueError(
+            f"cu_seqlens: must increase strictly from 0 to N={n} (the rows of {x_name}), "
+            f"got first={int(cu[0])}, last={int(cu[-1])}"
+        )
+    counted = targets != cfg.ignore_index
+    bad = counted & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        raise ValueError(f"targets: id {value} is outside [0, {vocab}) and is not ignore_index={cfg.ignore_index}")
+    _check_finite("gen_logprobs", gen_logprobs)
+    if bool((gen_logprobs > 0).any()):
+        raise ValueError("gen_logprobs: log-probabilities must be <= 0, found a positive value")
+    if old_logprobs is not None:
+        _check_finite("old_logprobs", old_logprobs)
+        if bool((old_logprobs > 0).any()):
+            raise ValueError("old_logprobs: log-probabilities must be <= 0, found a positive value")
+    _check_finite("advantages", advantages)
+    return counted
+
+
+def _check_matrix(name: str, t, backend: str) -> torch.Tensor:
+    _require_tensor(name, t)
+    if t.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D tensor, got shape {list(t.shape)}")
+    _check_float(name, t, backend)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------- vocabulary pass
+
+
+def _token_logprobs(x, weight, bias, targets, counted, temperature: float, backend: str):
+    if backend == "triton":
+        from .backward import TritonTokenLogprobs
+        from .logprobs import DEFAULT_BLOCKS
+
+        return TritonTokenLogprobs.apply(x, weight, bias, targets, counted, float(temperature), DEFAULT_BLOCKS)
+    return chunked_token_logprobs(x, weight, bias, targets, counted, temperature)
+
+
+def _loss(x, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
+          backend) -> LossOutput:
+    logprobs, entropy = _token_logprobs(x, weight, bias, targets, counted, cfg.temperature, backend)
+    loss, stats = ftis_objective(
+        logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids
+    )
+    return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats)
+
+
+# ----------------------------------------------------------------------------------------------- public API
+
+
+def ftis_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    config: LossConfig | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    backend: str = "auto",
+    **overrides,
+) -> LossOutput:
+    """F-TIS loss of packed completions from logits.
+
+    logits: [N, V] bf16/fp16/fp32 (fp64 on the torch backend); row j predicts targets[j].
+    targets: [N] int, ids in [0, V) or config.ignore_index. gen_logprobs, old_logprobs: [N] fp32, <= 0.
+    advantages: [S] fp32. cu_seqlens: [S+1] int32, 0 = cu[0] < cu[1] < ... < cu[S] = N.
+    group_ids: [S] int (gepo: the groups E_k is taken over; default one group).
+    config / **overrides: LossConfig and field overrides (e.g. method="tis").
+    backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (chunked PyTorch), "auto".
+    Returns LossOutput(loss, logprobs, stats). The gradient w.r.t. logits is the only N x V allocation.
+    """
+    cfg = _resolve_config(config, overrides)
+    _require_tensor("logits", logits)
+    backend = resolve_backend(backend, logits.device)
+    _check_matrix("logits", logits, backend)
+    counted = _check_inputs(logits, "logits", logits.shape[1], targets, gen_logprobs, advantages, cu_seqlens,
+                            old_logprobs, group_ids, cfg, backend)
+    return _loss(logits, None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
+                 group_ids, backend)
+
+
+def fused_linear_ftis_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    config: LossConfig | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+    backend: str = "auto",
+    **overrides,
+) -> LossOutput:
+    """F-TIS loss of packed completions from hidden states and the lm_head, without any N x V tensor.
+
+    hidden: [N, d]; weight: [V, d] (the lm_head / tied embedding); bias: [V] or None; all the same dtype,
+    bf16/fp16/fp32 (fp64 on the torch backend). Other arguments as in `ftis_loss`.
+    The loss is differentiable w.r.t. hidden, weight and bias (gradients only for those that require them).
+    """
+    cfg = _resolve_config(config, overrides)
+    _require_tensor("hidden", hidden)
+    backend = resolve_backend(backend, hidden.device)
+    _check_linear(hidden, weight, bias, backend)
+    counted = _check_inputs(hidden, "hidden", weight.shape[0], targets, gen_logprobs, advantages, cu_seqlens,
+                            old_logprobs, group_ids, cfg, backend)
+    return _loss(hidden, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
+                 group_ids, backend)
+
+
+def _check_linear(hidden, weight, bias, backend: str) -> None:
+    _check_matrix("hidden", hidden, backend)
+    _check_matrix("weight", weight, backend)
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight: expected shape [V, {hidden.shape[1]}] to match hidden's d, got {list(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight: on {weight.device}, but hidden is on {hidden.device}")
+    if bias is not None:
+        _require_tensor("bias", bias)
+        _check_shape("bias", bias, (weight.shape[0],), "one per vocabulary row of weight")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias: dtype {bias.dtype} differs from hidden's {hidden.dtype}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias: on {bias.device}, but hidden is on {hidden.device}")
+
+
+def _check_targets_only(targets, n: int, vocab: int, x_name: str, device) -> torch.Tensor:
+    _require_tensor("targets", targets)
+    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise TypeError(f"targets: expected an integer tensor, got {targets.dtype}")
+    _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
+    if targets.device != device:
+        raise ValueError(f"targets: on {targets.device}, but {x_name} is on {device}")
+    if bool(((targets < 0) | (targets >= vocab)).any()):
+        raise ValueError(f"targets: ids must lie in [0, {vocab})")
+    return torch.ones_like(targets, dtype=torch.bool)
+
+
+def _check_temperature(temperature: float) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
+    return float(temperature)
+
+
+@torch.no_grad()
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T)[j, targets[j]] as [N] fp32, without materialising log_softmax. No gradient."""
+    temperature = _check_temperature(temperature)
+    _require_tensor("logits", logits)
+    backend = resolve_backend("auto", logits.device)
+    _check_matrix("logits", logits, backend)
+    counted = _check_targets_only(targets, logits.shape[0], logits.shape[1], "logits", logits.device)
+    return _token_logprobs(logits, None, None, targets, counted, temperature, backend)[0].float()
+
+
+@torch.no_grad()
+def fused_linear_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log_softmax((hidden @ weight^T + bias) / T)[j, targets[j]] as [N] fp32, with no N x V tensor. No gradient."""
+    temperature = _check_temperature(temperature)
+    _require_tensor("hidden", hidden)
+    backend = resolve_backend("auto", hidden.device)
+    _check_linear(hidden, weight, bias, backend)
+    counted = _check_targets_only(targets, hidden.shape[0], weight.shape[0], "hidden", hidden.device)
+    return _token_logprobs(hidden, weight, bias, targets, counted, temperature, backend)[0].float()
+
+
+# ----------------------------------------------------------------------------------------------- modules
+
+
+class FTISLoss(torch.nn.Module):
+    """nn.Module form of `ftis_loss`: holds a LossConfig and a backend; forward returns LossOutput."""
+
+    def __init__(self, config: LossConfig | None = None, backend: str = "auto"):
+        super().__init__()
+        self.config = _resolve_config(config, {})
+        if backend not in BACKENDS:
+            raise ValueError(f"backend: unknown value {backend!r}; expected one of {', '.join(BACKENDS)}")
+        self.backend = backend
+
+    def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, old_logprobs=None, group_ids=None):
+        return ftis_loss(logits, targets, gen_logprobs, advantages, cu_seqlens, config=self.config,
+                         old_logprobs=old_logprobs, group_ids=group_ids, backend=self.backend)
+
+
+class FusedLinearFTISLoss(FTISLoss):
+    """nn.Module form of `fused_linear_ftis_loss`: forward(hidden, weight, targets, ..., bias=None)."""
+
+    def forward(self, hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=None, old_logprobs=None,
+                group_ids=None):
+        return fused_linear_ftis_loss(hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=bias,
+                                      config=self.config, old_logprobs=old_logprobs, group_ids=group_ids,
+                                      backend=self.backend)

@@ -1,0 +1,133 @@
+"""Triton backward pass: recompute logit tiles and turn dL/dl_t into the gradient of the logits, or of hidden,
+weight and bias, without an N x V scratch.
+
+With c_t = (dL/dl_t) / T and p = softmax(logits / T), the gradient of the logits is c_t * (onehot(target) - p).
+Each program owns one [BLOCK_N, BLOCK_V] tile (flattened on grid axis 0, so neither N nor V is bounded by a
+grid limit): it recomputes the tile from the saved log-sum-exp, forms the gradient in registers and either
+stores it (logits mode) or multiplies it into dH = G @ W and dW = G^T @ H, accumulated with fp32 atomics
+(fused-linear mode). Token blocks whose c_t are all zero (ignored tokens, filtered or zero-advantage sequences)
+are skipped in fused-linear mode: their gradient is exactly zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .logprobs import DEFAULT_BLOCKS, Blocks, _dot_precision, _logit_tile, _mm, _upcast_dots, triton_forward
+
+
+@triton.jit
+def _backward_kernel(
+    X, W, B, T, LSE, C, DX, DW, DB,
+    N, V, D, stride_x, stride_w, stride_dx, inv_temp, v_blocks,
+    FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
+    NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    pid_n = pid // v_blocks
+    pid_v = pid % v_blocks
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rn < N
+    rn64 = rn.to(tl.int64)
+    rv = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
+    col_ok = rv < V
+    coef = tl.load(C + rn, mask=row_ok, other=0.0)
+    if FUSED:
+        if tl.max(tl.abs(coef), 0) == 0.0:
+            return
+    lse = tl.load(LSE + rn, mask=row_ok, other=0.0)
+    target = tl.load(T + rn, mask=row_ok, other=-1)
+    z = _logit_tile(X, W, B, rn64, row_ok, rv, col_ok, D, stride_x, stride_w, inv_temp,
+                    FUSED, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST)
+    p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
+    onehot = tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
+    grad = coef[:, None] * (onehot - p)
+    if FUSED:
+        rv64 = rv.to(tl.int64)
+        g = grad.to(X.dtype.element_ty)
+        for d0 in range(0, D, BLOCK_D):
+            rd = d0 + tl.arange(0, BLOCK_D)
+            d_ok = rd < D
+            if NEED_DX:
+                w = tl.load(W + rv64[:, None] * stride_w + rd[None, :], mask=col_ok[:, None] & d_ok[None, :],
+                            other=0.0)
+                dh = _mm(g, w, None, PRECISION, UPCAST)
+                tl.atomic_add(DX + rn64[:, None] * D + rd[None, :], dh, mask=row_ok[:, None] & d_ok[None, :],
+                              sem="relaxed")
+            if NEED_DW:
+                h = tl.load(X + rn64[:, None] * stride_x + rd[None, :], mask=row_ok[:, None] & d_ok[None, :],
+                            other=0.0)
+                dw = _mm(tl.trans(g), h, None, PRECISION, UPCAST)
+                tl.atomic_add(DW + rv64[:, None] * D + rd[None, :], dw, mask=col_ok[:, None] & d_ok[None, :],
+                              sem="relaxed")
+        if NEED_DB:
+            tl.atomic_add(DB + rv, tl.sum(grad, 0), mask=col_ok, sem="relaxed")
+    else:
+        tl.store(DX + rn64[:, None] * stride_dx + rv[None, :], grad.to(DX.dtype.element_ty),
+                 mask=row_ok[:, None] & col_ok[None, :])
+
+
+def backward_grid(n: int, vocab: int, blocks: Blocks) -> tuple[tuple[int], int]:
+    """((tiles,), vocabulary blocks): one program per [BLOCK_N, BLOCK_V] tile, flattened onto axis 0."""
+    v_blocks = triton.cdiv(vocab, blocks.block_v)
+    return (triton.cdiv(n, blocks.block_n) * v_blocks,), v_blocks
+
+
+def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, needs, blocks: Blocks = DEFAULT_BLOCKS):
+    """Gradients (dx, dweight, dbias) given c_t = (dL/dl_t) / T per token ([N] fp32, 0 where ignored).
+    `needs` = which of the three are wanted; the others come back as None."""
+    fused = weight is not None
+    n = x.shape[0]
+    vocab = weight.shape[0] if fused else x.shape[1]
+    dim = x.shape[1] if fused else 1
+    x, targets = x.contiguous(), targets.contiguous()
+    need_dx, need_dw, need_db = needs[0], fused and needs[1], bias is not None and needs[2]
+    if fused:
+        weight = weight.contiguous()
+        dx = torch.zeros((n, dim), dtype=torch.float32, device=x.device) if need_dx else None
+        dw = torch.zeros((vocab, dim), dtype=torch.float32, device=x.device) if need_dw else None
+        db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
+    else:
+        dx, dw, db = torch.empty_like(x), None, None
+    placeholder = coef  # stands in for pointers the constexpr flags keep the kernel from touching
+    grid, v_blocks = backward_grid(n, vocab, blocks)
+    _backward_kernel[grid](
+        x, weight if fused else x, placeholder if bias is None else bias, targets, lse, coef,
+        placeholder if dx is None else dx, placeholder if dw is None else dw, placeholder if db is None else db,
+        n, vocab, dim, x.stride(0), weight.stride(0) if fused else 0, 0 if dx is None else dx.stride(0),
+        1.0 / temperature, v_blocks,
+        FUSED=fused, HAS_BIAS=bias is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
+        BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=blocks.block_d,
+        PRECISION=_dot_precision(x.dtype), UPCAST=_upcast_dots(x.dtype), num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+    )
+    if fused:
+        dx = None if dx is None else dx.to(x.dtype)
+        dw = None if dw is None else dw.to(weight.dtype)
+        db = None if db is None else db.to(bias.dtype)
+    return dx, dw, db
+
+
+class TritonTokenLogprobs(torch.autograd.Function):
+    """(x, weight, bias) -> per-token log-probs [N] fp32 (differentiable) and entropy [N] (not), on Triton.
+    Logits mode: x is logits [N, V], weight and bias None. Fused-linear mode: x is hidden [N, d]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, counted, temperature: float, blocks: Blocks):
+        target_minus_lse, entropy, lse = triton_forward(x, weight, bias, targets, temperature, blocks)
+        logprobs = torch.where(counted, target_minus_lse, torch.zeros_like(lse))
+        ctx.save_for_backward(x, weight, bias, targets, counted, lse)
+        ctx.temperature, ctx.blocks = temperature, blocks
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        x, weight, bias, targets, counted, lse = ctx.saved_tensors
+        coef = torch.where(counted, grad_logprobs.float(), torch.zeros_like(lse)) / ctx.temperature
+        dx, dw, db = triton_backward(
+            x, weight, bias, targets, lse, coef.contiguous(), ctx.temperature, ctx.needs_input_grad[:3], ctx.blocks
+        )
+        return dx, dw, db, None, None, None, None

@@ -1,0 +1,182 @@
+"""The F-TIS objective on per-token log-probs: O(N) work between the vocabulary passes.
+
+Everything here is plain differentiable torch on [N] / [S] vectors: the loss depends on the logits only through
+the per-token log-probs l_t, so autograd through this file yields dL/dl_t, which the backward vocabulary pass
+(Triton or chunked torch) turns into the gradient of the logits, or of hidden, weight and bias.
+Notation as in SPEC section 1: l_t (with gradient), lb_t = l_t detached, g_t generation log-prob, o_t old
+log-prob, A_i advantage of sequence i, |a_i| its counted tokens, S sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import LossConfig
+
+LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped to [-20, 20] before exp
+
+
+def sequence_index(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[N] int64: the sequence each packed token belongs to."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seqs = torch.arange(lengths.numel(), device=cu_seqlens.device)
+    return torch.repeat_interleave(seqs, lengths, output_size=num_tokens)
+
+
+def segment_sum(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """Differentiable sum of `values` into `size` buckets given by `index`."""
+    return values.new_zeros(size).index_add(0, index, values)
+
+
+def segment_logsumexp(values: torch.Tensor, index: torch.Tensor, size: int) -> torch.Tensor:
+    """log(sum(exp(values))) per bucket; -inf entries are ignored, an empty bucket gives -inf. No gradient."""
+    peak = values.new_full((size,), -torch.inf).scatter_reduce(0, index, values, "amax", include_self=True)
+    safe_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+    total = segment_sum(torch.exp(values - safe_peak[index]), index, size)
+    return safe_peak + torch.log(total)
+
+
+def ppo(ratio: torch.Tensor, advantage: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """PPO(r, A) = min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)."""
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    return torch.minimum(ratio * advantage, clipped * advantage)
+
+
+def clip_active(ratio: torch.Tensor, advantage: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """Where the clipped branch of PPO is strictly the smaller one (its gradient is zero)."""
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+    return clipped * advantage < ratio * advantage
+
+
+def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def kl_per_token(x: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi_theta || pi_gen) from x_t = g_t - lb_t (no gradient flows: x is detached).
+
+    k3: exp(x) - x - 1 (with x clamped to [-20, 20] throughout) · k2: x^2 / 2 · k1: -x
+    """
+    if estimator == "k3":
+        xc = torch.clamp(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return torch.exp(xc) - xc - 1.0
+    if estimator == "k2":
+        return 0.5 * x * x
+    return -x
+
+
+def _mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return total / torch.clamp(count, min=1)
+
+
+def ftis_objective(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    gen_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    counted: torch.Tensor,
+    cfg: LossConfig,
+    old_logprobs: torch.Tensor | None = None,
+    group_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and stats of one update from per-token log-probs.
+
+    logprobs: [N] l_t, differentiable, computed in the arithmetic dtype (fp32, or fp64 for fp64 inputs);
+    entropy: [N] detached; gen_logprobs / old_logprobs: [N]; advantages: [S]; cu_seqlens: [S+1];
+    counted: [N] bool, False where the target is ignore_index; group_ids: [S] (gepo only).
+    Returns the scalar loss and a dict of detached scalar stats.
+    """
+    dtype = logprobs.dtype
+    num_tokens, num_seqs = logprobs.numel(), advantages.numel()
+    seq = sequence_index(cu_seqlens, num_tokens)
+    zero = logprobs.new_zeros(())
+    g = torch.where(counted, gen_logprobs.to(dtype), zero)
+    adv = advantages.to(dtype)
+    lb = logprobs.detach()
+    count_f = counted.to(dtype)
+    tokens_per_seq = segment_sum(count_f, seq, num_seqs)  # |a_i|
+    num_counted = count_f.sum()
+
+    # KL_i from x_t = g_t - lb_t, reduced over the sequence's counted tokens.
+    kl_tok = torch.where(counted, kl_per_token(g - lb, cfg.kl_estimator), zero)
+    kl_seq = segment_sum(kl_tok, seq, num_seqs)
+    if cfg.kl_reduction == "mean":
+        kl_seq = _mean(kl_seq, tokens_per_seq)
+    elif cfg.kl_reduction == "padded_mean":
+        kl_seq = kl_seq / cfg.kl_max_len
+
+    # The filter: A_i <= 0 and KL_i >= g; a filtered sequence keeps its place in every normaliser, advantage 0.
+    if cfg.filtered:
+        filtered = (adv <= 0) & (kl_seq >= cfg.kl_threshold)
+    else:
+        filtered = torch.zeros_like(adv, dtype=torch.bool)
+    adv = torch.where(filtered, zero, adv)
+
+    # Truncated IS weight w_t = min(exp(lb_t - g_t), C): a constant (built from lb), reported for every method.
+    raw_weight = exp_log_ratio(torch.where(counted, lb - g, zero))
+    is_weight = torch.clamp(raw_weight, max=cfg.is_cap)
+
+    if cfg.base_method == "gepo":
+        loss, clipped, clip_count = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids)
+    else:
+        old = lb if old_logprobs is None else old_logprobs.to(dtype)
+        reference = g if cfg.base_method == "vis" else old
+        ratio = exp_log_ratio(torch.where(counted, logprobs - reference, zero))
+        adv_tok = adv[seq]
+        u = ppo(ratio, adv_tok, cfg)
+        if cfg.base_method == "tis":
+            u = is_weight * u
+        u = torch.where(counted, u, zero)
+        if cfg.normalization == "sequence":
+            loss = -_mean(segment_sum(u, seq, num_seqs), tokens_per_seq).sum() / num_seqs
+        elif cfg.normalization == "token":
+            loss = -u.sum() / torch.clamp(num_counted, min=1)
+        else:
+            loss = -u.sum() / (num_seqs * cfg.norm_max_len)
+        clipped = (clip_active(ratio.detach(), adv_tok, cfg) & counted).to(dtype).sum()
+        clip_count = num_counted
+
+    with torch.no_grad():
+        stats = {
+            "is_weight_mean": _mean(torch.where(counted, is_weight, zero).sum(), num_counted),
+            "is_truncated_frac": _mean(((raw_weight > cfg.is_cap) & counted).to(dtype).sum(), num_counted),
+            "filtered_frac": filtered.to(dtype).mean(),
+            "kl_mean": kl_seq.mean(),
+            "clip_frac": _mean(clipped, clip_count),
+            "entropy_mean": _mean(torch.where(counted, entropy.to(dtype), zero).sum(), num_counted),
+            "logprob_mean": _mean(torch.where(counted, lb, zero).sum(), num_counted),
+        }
+    return loss, {k: v.detach() for k, v in stats.items()}
+
+
+def _gepo(
+    logprobs: torch.Tensor,
+    g: torch.Tensor,
+    adv: torch.Tensor,
+    seq: torch.Tensor,
+    tokens_per_seq: torch.Tensor,
+    counted: torch.Tensor,
+    cfg: LossConfig,
+    group_ids: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GEPO: s_i = exp(mean_t l_t), q_i = exp(mean_t g_t), E_k = sum q_j^2 / sum q_j over group k,
+    u_i = PPO(s_i / E_k, A_i), L = -mean_i u_i. Returns loss, clipped-sequence count, sequence count."""
+    num_seqs = adv.numel()
+    zero = logprobs.new_zeros(())
+    has_tokens = tokens_per_seq > 0
+    mean_l = _mean(segment_sum(torch.where(counted, logprobs, zero), seq, num_seqs), tokens_per_seq)
+    mean_g = _mean(segment_sum(g, seq, num_seqs), tokens_per_seq)
+    if group_ids is None:
+        group, num_groups = torch.zeros(num_seqs, dtype=torch.long, device=adv.device), 1
+    else:
+        unique, group = torch.unique(group_ids, return_inverse=True)
+        num_groups = unique.numel()
+    # log E_k = logsumexp(2 * mean_g) - logsumexp(mean_g) over the group's sequences that have tokens.
+    masked_g = torch.where(has_tokens, mean_g, torch.full_like(mean_g, -torch.inf))
+    log_e = segment_logsumexp(2.0 * masked_g, group, num_groups) - segment_logsumexp(masked_g, group, num_groups)
+    log_e = torch.where(torch.isfinite(log_e), log_e, torch.zeros_like(log_e))
+    ratio = exp_log_ratio(mean_l - log_e[group])
+    u = torch.where(has_tokens, ppo(ratio, adv, cfg), zero)
+    clipped = (clip_active(ratio.detach(), adv, cfg) & has_tokens).to(logprobs.dtype).sum()
+    return -u.sum() / num_seqs, clipped, logprobs.new_tensor(float(num_seqs))

@@ -1,0 +1,131 @@
+"""A float64 oracle written straight from SPEC section 1, one sequence at a time, with full log_softmax.
+
+Deliberately naive and independent of kernels/epilogue.py: it materialises the logits and loops in Python.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+CLAMP = 20.0
+
+
+def _exp_clamped(x: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(x, -CLAMP, CLAMP))
+
+
+def _ppo(r, a, eps_low, eps_high):
+    return torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+
+
+def _clipped(r, a, eps_low, eps_high) -> bool:
+    return bool(torch.clamp(r, 1 - eps_low, 1 + eps_high) * a < r * a)
+
+
+def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
+    """Returns (loss, logprobs [N], stats dict of floats). `logits` is a float64 [N, V] tensor (may require grad)."""
+    n = logits.shape[0]
+    logp_all = torch.log_softmax(logits.double() / cfg.temperature, dim=-1)
+    p_all = logp_all.detach().exp()
+    entropy_all = -(p_all * logp_all.detach()).sum(-1)
+    gen, adv = gen.double(), adv.double()
+    old = None if old is None else old.double()
+    cu = [int(c) for c in cu]
+    num_seqs = len(cu) - 1
+    base = cfg.method.removeprefix("f-")
+    filtered_method = cfg.method.startswith("f-")
+
+    logprobs = torch.zeros(n, dtype=torch.float64)
+    seq_terms = []  # per sequence: (list of counted token indices, l tensor, g, o)
+    for i in range(num_seqs):
+        toks = [t for t in range(cu[i], cu[i + 1]) if int(targets[t]) != cfg.ignore_index]
+        l = torch.stack([logp_all[t, int(targets[t])] for t in toks]) if toks else torch.zeros(0, dtype=torch.float64)
+        for k, t in enumerate(toks):
+            logprobs[t] = l[k].detach()
+        g = gen[toks]
+        o = old[toks] if old is not None else l.detach()
+        seq_terms.append((toks, l, g, o))
+
+    # KL_i and the filter
+    kls, filtered, eff_adv = [], [], []
+    for i, (toks, l, g, o) in enumerate(seq_terms):
+        x = g - l.detach()
+        if cfg.kl_estimator == "k3":
+            xc = torch.clamp(x, -CLAMP, CLAMP)
+            k = torch.exp(xc) - xc - 1
+        elif cfg.kl_estimator == "k2":
+            k = x * x / 2
+        else:
+            k = -x
+        kl = float(k.sum())
+        if cfg.kl_reduction == "mean":
+            kl = kl / max(len(toks), 1)
+        elif cfg.kl_reduction == "padded_mean":
+            kl = kl / cfg.kl_max_len
+        f = filtered_method and float(adv[i]) <= 0 and kl >= cfg.kl_threshold
+        kls.append(kl)
+        filtered.append(f)
+        eff_adv.append(0.0 if f else float(adv[i]))
+
+    total_tokens = sum(len(t[0]) for t in seq_terms)
+    weights, truncated, clip_count, clip_total = [], 0, 0, 0
+    for toks, l, g, o in seq_terms:
+        for k in range(len(toks)):
+            raw = math.exp(max(-CLAMP, min(CLAMP, float(l[k].detach()) - float(g[k]))))
+            weights.append(min(raw, cfg.is_cap))
+            truncated += raw > cfg.is_cap
+
+    if base == "gepo":
+        mean_l = [t[1].mean() if len(t[0]) else torch.zeros((), dtype=torch.float64) for t in seq_terms]
+        mean_g = [float(t[2].mean()) if len(t[0]) else None for t in seq_terms]
+        gids = [0] * num_seqs if group_ids is None else [int(x) for x in group_ids]
+        e = {}
+        for k in set(gids):
+            qs = [math.exp(mean_g[j]) for j in range(num_seqs) if gids[j] == k and mean_g[j] is not None]
+            e[k] = sum(q * q for q in qs) / sum(qs) if qs else 1.0
+        us = []
+        for i in range(num_seqs):
+            if not seq_terms[i][0]:
+                us.append(torch.zeros((), dtype=torch.float64))
+                continue
+            r = _exp_clamped(mean_l[i] - math.log(e[gids[i]]))
+            a = torch.tensor(eff_adv[i], dtype=torch.float64)
+            us.append(_ppo(r, a, cfg.eps_low, cfg.eps_high))
+            clip_count += _clipped(r.detach(), a, cfg.eps_low, cfg.eps_high)
+        clip_total = num_seqs
+        loss = -torch.stack(us).sum() / num_seqs
+    else:
+        per_seq = []
+        for i, (toks, l, g, o) in enumerate(seq_terms):
+            a = torch.tensor(eff_adv[i], dtype=torch.float64)
+            ref = g if base == "vis" else o
+            r = _exp_clamped(l - ref)
+            u = _ppo(r, a, cfg.eps_low, cfg.eps_high)
+            if base == "tis":
+                w = torch.clamp(_exp_clamped(l.detach() - g), max=cfg.is_cap)
+                u = w * u
+            per_seq.append(u)
+            clip_count += sum(_clipped(r[k].detach(), a, cfg.eps_low, cfg.eps_high) for k in range(len(toks)))
+        clip_total = total_tokens
+        if cfg.normalization == "sequence":
+            loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / num_seqs
+        elif cfg.normalization == "token":
+            loss = -sum(u.sum() for u in per_seq) / max(total_tokens, 1)
+        else:
+            loss = -sum(u.sum() for u in per_seq) / (num_seqs * cfg.norm_max_len)
+
+    counted = [t for toks, *_ in seq_terms for t in toks]
+    stats = {
+        "is_weight_mean": sum(weights) / max(total_tokens, 1),
+        "is_truncated_frac": truncated / max(total_tokens, 1),
+        "filtered_frac": sum(filtered) / num_seqs,
+        "kl_mean": sum(kls) / num_seqs,
+        "clip_frac": clip_count / max(clip_total, 1),
+        "entropy_mean": float(entropy_all[counted].sum()) / max(total_tokens, 1),
+        "logprob_mean": float(logprobs[counted].sum()) / max(total_tokens, 1),
+    }
+    if not torch.is_tensor(loss):
+        loss = torch.zeros((), dtype=torch.float64)
+    return loss, logprobs, stats

@@ -1,0 +1,268 @@
+"""The fused loss op against the float64 oracle: every method and option, both backends, both entry points."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ftis_kernels
+from ftis_kernels import LossConfig, STAT_KEYS
+
+from .oracle import oracle
+from .problems import make_problem
+
+BACKENDS = ["torch", "triton"]
+
+CASES = {
+    "nois": dict(method="nois"),
+    "vis": dict(method="vis"),
+    "tis": dict(method="tis"),
+    "f-nois": dict(method="f-nois"),
+    "f-vis": dict(method="f-vis"),
+    "f-tis": dict(method="f-tis"),
+    "gepo": dict(method="gepo"),
+    "gepo-groups": dict(method="gepo", _groups=True),
+    "k1-mean": dict(kl_estimator="k1", kl_reduction="mean"),
+    "k2-padded": dict(kl_estimator="k2", kl_reduction="padded_mean", kl_max_len=16),
+    "token-norm": dict(normalization="token"),
+    "constant-norm": dict(normalization="constant", norm_max_len=12),
+    "temperature": dict(temperature=0.7),
+    "old-logprobs-tis": dict(method="f-tis", _old=True, eps_high=0.28),
+    "old-logprobs-nois": dict(method="nois", _old=True),
+    "cap-3": dict(is_cap=3.0, eps_low=0.1),
+}
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+
+
+def configure(case: dict, problem) -> tuple[LossConfig, dict]:
+    """LossConfig for a case, with kl_threshold at the median oracle KL so that some sequences are filtered."""
+    options = {k: v for k, v in case.items() if not k.startswith("_")}
+    probe = LossConfig(**{**options, "method": "tis"})
+    kls = sorted(_sequence_kls(problem, probe))
+    middle = len(kls) // 2
+    options["kl_threshold"] = (kls[middle - 1] + kls[middle]) / 2  # between two sequences, never on one
+    extra = {
+        "old_logprobs": problem.old if case.get("_old") else None,
+        "group_ids": problem.group_ids if case.get("_groups") else None,
+    }
+    return LossConfig(**options), extra
+
+
+def _sequence_kls(problem, cfg) -> list[float]:
+    kls = []
+    for i in range(problem.adv.numel()):
+        one = slice(int(problem.cu[i]), int(problem.cu[i + 1]))
+        cu = torch.tensor([0, one.stop - one.start], dtype=torch.int32)
+        _, _, st = oracle(problem.logits()[one], problem.targets[one], problem.gen[one], problem.adv[i : i + 1], cu, cfg)
+        kls.append(st["kl_mean"])
+    return kls
+
+
+def run_ours(problem, cfg, extra, backend, fused, dtype=torch.float32):
+    hidden = problem.hidden.to(dtype).requires_grad_()
+    weight = problem.weight.to(dtype).requires_grad_()
+    bias = problem.bias.to(dtype).requires_grad_()
+    if fused:
+        out = ftis_kernels.fused_linear_ftis_loss(
+            hidden, weight, problem.targets, problem.gen, problem.adv, problem.cu, bias=bias, config=cfg,
+            backend=backend, **extra,
+        )
+        out.loss.backward()
+        return out, {"hidden": hidden.grad, "weight": weight.grad, "bias": bias.grad}
+    logits = problem.logits().to(dtype).requires_grad_()
+    out = ftis_kernels.ftis_loss(logits, problem.targets, problem.gen, problem.adv, problem.cu, config=cfg,
+                                 backend=backend, **extra)
+    out.loss.backward()
+    return out, {"logits": logits.grad}
+
+
+def run_oracle(problem, cfg, extra, dtype=torch.float64):
+    """The oracle on inputs rounded to `dtype` first, so that only the op's own arithmetic is compared."""
+    hidden = problem.hidden.to(dtype).double().requires_grad_()
+    weight = problem.weight.to(dtype).double().requires_grad_()
+    bias = problem.bias.to(dtype).double().requires_grad_()
+    logits = (hidden @ weight.T + bias)
+    logits.retain_grad()
+    loss, logprobs, stats = oracle(logits, problem.targets, problem.gen, problem.adv, problem.cu, cfg,
+                                   old=extra["old_logprobs"], group_ids=extra["group_ids"])
+    loss.backward()
+    grads = {"hidden": hidden.grad, "weight": weight.grad, "bias": bias.grad, "logits": logits.grad}
+    return loss.detach(), logprobs, stats, grads
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-linear", "logits"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_matches_float64_oracle_in_fp32(case, backend, fused):
+    problem = make_problem(seed=sum(map(ord, case)))
+    cfg, extra = configure(CASES[case], problem)
+    out, grads = run_ours(problem, cfg, extra, backend, fused)
+    ref_loss, ref_logprobs, ref_stats, ref_grads = run_oracle(problem, cfg, extra)
+
+    assert out.loss.dtype == torch.float32 and out.loss.dim() == 0
+    assert rel_err(out.loss, ref_loss) <= 1e-4
+    assert rel_err(out.logprobs, ref_logprobs) <= 1e-4
+    assert set(out.stats) == set(STAT_KEYS)
+    for key in STAT_KEYS:
+        assert float(out.stats[key]) == pytest.approx(ref_stats[key], rel=1e-4, abs=1e-6), key
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-linear", "logits"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_error_is_bounded(dtype, backend, fused):
+    """Half-precision inputs, fp32 arithmetic: the only rounding left is the gradient's own dtype (the gradient
+    tile is rounded to the input dtype before the matmuls, as the stored logits gradient is). Bound: 2e-2 on
+    gradients (bf16 has 8 bits of mantissa), 1e-4 on loss and log-probs."""
+    problem = make_problem(seed=7, n_seqs=5)
+    cfg, extra = configure(CASES["f-tis"], problem)
+    out, grads = run_ours(problem, cfg, extra, backend, fused, dtype=dtype)
+    ref_loss, ref_logprobs, _, ref_grads = run_oracle(problem, cfg, extra, dtype=dtype)
+    if not fused:  # the oracle's logits come from rounded hidden/weight; ours are rounded once more
+        ref_loss, ref_logprobs, _, ref_grads = _oracle_from_logits(problem.logits().to(dtype), problem, cfg, extra)
+    assert rel_err(out.loss, ref_loss) <= 1e-4
+    assert rel_err(out.logprobs, ref_logprobs) <= 1e-4
+    for name, grad in grads.items():
+        assert grad.dtype == dtype
+        assert rel_err(grad, ref_grads[name]) <= 2e-2, name
+
+
+def _oracle_from_logits(logits_half, problem, cfg, extra):
+    logits = logits_half.double().requires_grad_()
+    loss, logprobs, stats = oracle(logits, problem.targets, problem.gen, problem.adv, problem.cu, cfg,
+                                   old=extra["old_logprobs"], group_ids=extra["group_ids"])
+    loss.backward()
+    return loss.detach(), logprobs, stats, {"logits": logits.grad}
+
+
+def test_filter_zeroes_the_gradient_of_filtered_sequences():
+    """A filtered sequence (A <= 0, KL >= g) contributes no gradient but still counts in the normaliser."""
+    problem = make_problem(seed=3, n_seqs=4, spread=3.0)
+    problem.adv[:] = torch.tensor([-1.0, -0.5, 0.7, 0.9])
+    hidden = problem.hidden.float().requires_grad_()
+    common = dict(bias=problem.bias.float(), backend="torch", kl_threshold=0.0)
+    out = ftis_kernels.fused_linear_ftis_loss(hidden, problem.weight.float(), problem.targets, problem.gen,
+                                              problem.adv, problem.cu, **common)
+    out.loss.backward()
+    assert float(out.stats["filtered_frac"]) == 0.5
+    first_two = slice(0, int(problem.cu[2]))
+    assert torch.all(hidden.grad[first_two] == 0)
+    assert torch.any(hidden.grad[int(problem.cu[2]):] != 0)
+    # the unfiltered sequences' loss is divided by all 4 sequences
+    kept = ftis_kernels.fused_linear_ftis_loss(
+        problem.hidden.float()[first_two.stop:], problem.weight.float(), problem.targets[first_two.stop:],
+        problem.gen[first_two.stop:], problem.adv[2:], problem.cu[2:] - problem.cu[2], **common,
+    )
+    assert float(out.loss) == pytest.approx(float(kept.loss) * 2 / 4, rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_triton_and_torch_backends_agree_on_a_larger_vocabulary(backend):
+    problem = make_problem(seed=11, n_seqs=4, max_len=20, vocab=333, dim=40)
+    cfg, extra = configure(CASES["f-tis"], problem)
+    out, grads = run_ours(problem, cfg, extra, backend, fused=True)
+    ref_loss, _, _, ref_grads = run_oracle(problem, cfg, extra)
+    assert rel_err(out.loss, ref_loss) <= 1e-4
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) <= 1e-4, name
+
+
+def test_module_wrappers_match_the_functions():
+    problem = make_problem(seed=5)
+    cfg = LossConfig(method="tis", is_cap=1.5)
+    module = ftis_kernels.FusedLinearFTISLoss(cfg, backend="torch")
+    args = (problem.hidden.float(), problem.weight.float(), problem.targets, problem.gen, problem.adv, problem.cu)
+    a = module(*args, bias=problem.bias.float())
+    b = ftis_kernels.fused_linear_ftis_loss(*args, bias=problem.bias.float(), config=cfg, backend="torch")
+    assert torch.equal(a.loss, b.loss)
+    logits = problem.logits().float()
+    c = ftis_kernels.FTISLoss(cfg, backend="torch")(logits, problem.targets, problem.gen, problem.adv, problem.cu)
+    assert float(c.loss) == pytest.approx(float(a.loss), rel=1e-5)
+
+
+def test_overrides_replace_config_fields():
+    problem = make_problem(seed=9)
+    logits = problem.logits().float()
+    args = (logits, problem.targets, problem.gen, problem.adv, problem.cu)
+    via_override = ftis_kernels.ftis_loss(*args, config=LossConfig(method="nois"), method="vis", backend="torch")
+    via_config = ftis_kernels.ftis_loss(*args, config=LossConfig(method="vis"), backend="torch")
+    assert torch.equal(via_override.loss, via_config.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_token_logprobs_helpers_match_log_softmax(backend, monkeypatch):
+    problem = make_problem(seed=13, ignore_frac=0.0)
+    logits = problem.logits()
+    ref = torch.log_softmax(logits / 0.8, -1).gather(1, problem.targets[:, None]).squeeze(1)
+    if backend == "triton":
+        monkeypatch.setattr(ftis_kernels.api, "resolve_backend", lambda b, d: "triton")
+    a = ftis_kernels.token_logprobs(logits.float(), problem.targets, temperature=0.8)
+    b = ftis_kernels.fused_linear_token_logprobs(problem.hidden.float(), problem.weight.float(), problem.targets,
+                                                 temperature=0.8, bias=problem.bias.float())
+    assert a.dtype == torch.float32 and not a.requires_grad
+    assert rel_err(a, ref) <= 1e-5 and rel_err(b, ref) <= 1e-5
+
+
+def test_gradcheck_float64_torch_backend():
+    """torch.autograd.gradcheck through the whole op (old log-probs given, so no detached quantity moves)."""
+    problem = make_problem(seed=17, n_seqs=3, max_len=4, vocab=11, dim=5)
+    hidden = problem.hidden.clone().requires_grad_()
+    weight = problem.weight.clone().requires_grad_()
+    bias = problem.bias.clone().requires_grad_()
+    old = problem.old.double()
+    gen = problem.gen.double() - 30.0  # w = C everywhere: the truncated weight is a constant, as the op treats it
+
+    def loss_fn(method):
+        def f(h, w, b):
+            return ftis_kernels.fused_linear_ftis_loss(h, w, problem.targets, gen, problem.adv.double(), problem.cu,
+                                                       bias=b, old_logprobs=old, method=method, backend="torch",
+                                                       kl_threshold=1e9).loss
+        return f
+
+    for method in ("nois", "tis", "vis", "gepo"):
+        assert torch.autograd.gradcheck(loss_fn(method), (hidden, weight, bias))
+    logits = problem.logits().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda z: ftis_kernels.ftis_loss(z, problem.targets, gen, problem.adv.double(), problem.cu, old_logprobs=old,
+                                         backend="torch", temperature=0.6).loss,
+        (logits,),
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_log_ratios_give_finite_loss_and_gradients(backend):
+    problem = make_problem(seed=19)
+    gen = torch.full_like(problem.gen, -1e4)
+    gen[::2] = 0.0
+    old = torch.full_like(problem.old, -1e4)
+    logits = (problem.logits() * 1e3).float().requires_grad_()  # log-probs down to about -1e4 as well
+    for method in ("f-tis", "vis", "gepo"):
+        for estimator in ("k1", "k2", "k3"):
+            out = ftis_kernels.ftis_loss(logits, problem.targets, gen, problem.adv, problem.cu, old_logprobs=old,
+                                         method=method, kl_estimator=estimator, backend=backend)
+            (grad,) = torch.autograd.grad(out.loss, logits)
+            assert torch.isfinite(out.loss) and torch.isfinite(grad).all()
+            assert all(torch.isfinite(v) for v in out.stats.values())
+
+
+def test_ignored_positions_count_nowhere():
+    """Changing the logits, generation log-probs or targets' neighbours at ignored positions changes nothing."""
+    problem = make_problem(seed=23, ignore_frac=0.4)
+    ignored = problem.targets == -100
+    assert ignored.any()
+    logits = problem.logits().float()
+    out = ftis_kernels.ftis_loss(logits, problem.targets, problem.gen, problem.adv, problem.cu, backend="torch")
+    logits2, gen2 = logits.clone(), problem.gen.clone()
+    logits2[ignored] = torch.randn_like(logits2[ignored]) * 5
+    gen2[ignored] = -3.0
+    out2 = ftis_kernels.ftis_loss(logits2, problem.targets, gen2, problem.adv, problem.cu, backend="torch")
+    assert torch.equal(out.loss, out2.loss)
+    assert torch.all(out.logprobs[ignored] == 0)
+    for key in STAT_KEYS:
+        assert torch.equal(out.stats[key], out2.stats[key]), key

@@ -1,0 +1,155 @@
+"""The Triton vocabulary passes (run by Triton's interpreter on CPU) against the chunked torch twin and float64
+log_softmax, over tile shapes that leave ragged edges in N, V and d, and several vocabulary slices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftis_kernels.backward import TritonTokenLogprobs, backward_grid
+from ftis_kernels.logprobs import Blocks, forward_grid
+from ftis_kernels.reference import chunked_token_logprobs
+
+BLOCKS = [
+    Blocks(block_n=16, block_v=16, block_d=16, splits=1),
+    Blocks(block_n=16, block_v=32, block_d=16, splits=3),
+    Blocks(block_n=32, block_v=16, block_d=32, splits=8),
+]
+
+
+def _inputs(seed, n=37, vocab=75, dim=24, ignore=True):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, dim, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, dim, generator=g, dtype=torch.float64) / dim**0.5
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    if ignore:
+        targets[::5] = -100
+    return hidden, weight, bias, targets
+
+
+def _float64_reference(hidden, weight, bias, targets, temperature, grad_out):
+    h, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logits = (h @ w.T + b) / temperature
+    logp = torch.log_softmax(logits, -1)
+    counted = targets != -100
+    lp = torch.where(counted, logp.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    entropy = -(logp.exp() * logp).sum(-1)
+    (lp * grad_out).sum().backward()
+    return lp.detach(), entropy.detach(), h.grad, w.grad, b.grad
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=lambda b: f"n{b.block_n}-v{b.block_v}-d{b.block_d}-s{b.splits}")
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_fused_linear_pass_matches_float64(blocks, with_bias):
+    hidden, weight, bias, targets = _inputs(1)
+    counted = targets != -100
+    grad_out = torch.randn(hidden.shape[0], dtype=torch.float64)
+    ref_lp, ref_ent, ref_dh, ref_dw, ref_db = _float64_reference(
+        hidden, weight, bias if with_bias else torch.zeros_like(bias), targets, 0.9, grad_out
+    )
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    b = bias.float().requires_grad_() if with_bias else None
+    lp, ent = TritonTokenLogprobs.apply(h, w, b, targets, counted, 0.9, blocks)
+    (lp * grad_out.float()).sum().backward()
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-4, atol=1e-5)
+    if with_bias:
+        torch.testing.assert_close(b.grad.double(), ref_db, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("blocks", BLOCKS, ids=lambda b: f"n{b.block_n}-v{b.block_v}-s{b.splits}")
+def test_logits_pass_matches_float64_and_writes_only_the_input_gradient(blocks):
+    hidden, weight, bias, targets = _inputs(2)
+    counted = targets != -100
+    logits64 = (hidden @ weight.T + bias).requires_grad_()
+    grad_out = torch.randn(hidden.shape[0], dtype=torch.float64)
+    logp = torch.log_softmax(logits64 / 1.3, -1)
+    ref_lp = torch.where(counted, logp.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    (ref_lp * grad_out).sum().backward()
+    logits = logits64.detach().float().requires_grad_()
+    lp, _ = TritonTokenLogprobs.apply(logits, None, None, targets, counted, 1.3, blocks)
+    (lp * grad_out.float()).sum().backward()
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits.grad.double(), logits64.grad, rtol=1e-4, atol=1e-6)
+    assert torch.all(logits.grad[~counted] == 0)
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
+    """LoRA members freeze the lm_head: the pass must not compute (or allocate) dW then."""
+    hidden, weight, _, targets = _inputs(3, ignore=False)
+    counted = torch.ones_like(targets, dtype=torch.bool)
+    h = hidden.float().requires_grad_()
+    w = weight.float()
+    lp, _ = TritonTokenLogprobs.apply(h, w, None, targets, counted, 1.0, BLOCKS[1])
+    lp.sum().backward()
+    ref_lp, ref_ent = chunked_token_logprobs(hidden, weight, None, targets, counted, 1.0)
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    assert h.grad is not None and w.grad is None
+
+
+def test_blocks_with_all_zero_gradient_are_skipped_exactly():
+    """Token blocks whose upstream gradient is zero contribute exactly nothing (they are skipped)."""
+    hidden, weight, _, targets = _inputs(4, n=48, ignore=False)
+    counted = torch.ones_like(targets, dtype=torch.bool)
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    lp, _ = TritonTokenLogprobs.apply(h, w, None, targets, counted, 1.0, BLOCKS[0])
+    grad_out = torch.zeros(48)
+    grad_out[16:32] = 1.0
+    (lp * grad_out).sum().backward()
+    assert torch.all(h.grad[:16] == 0) and torch.all(h.grad[32:] == 0)
+    assert torch.any(h.grad[16:32] != 0)
+
+
+def test_half_precision_inputs_run_with_fp32_accumulation():
+    hidden, weight, bias, targets = _inputs(5)
+    counted = targets != -100
+    for dtype in (torch.bfloat16, torch.float16):
+        h, w, b = hidden.to(dtype), weight.to(dtype), bias.to(dtype)
+        lp, ent = TritonTokenLogprobs.apply(h, w, b, targets, counted, 1.0, BLOCKS[1])
+        ref_lp, ref_ent = chunked_token_logprobs(h.double(), w.double(), b.double(), targets, counted, 1.0)
+        assert lp.dtype == torch.float32
+        torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+
+
+def test_no_grid_dimension_limits_the_number_of_tokens():
+    """Liger's kernel breaks at L >= 65,536 (grid axis 1). Ours keeps tokens on axis 0 (limit 2^31 - 1) and the
+    vocabulary slices on axis 1 small, at any N."""
+    blocks = Blocks()
+    for n in (65_536, 1_000_000, 50_000_000):
+        (n_blocks, splits), _ = forward_grid(n, 151_936, torch.device("cpu"), blocks)
+        (tiles,), _ = backward_grid(n, 151_936, blocks)
+        assert n_blocks * blocks.block_n >= n and splits <= 65_535
+        assert tiles < 2**31 - 1
+    (n_blocks, splits), per_split = forward_grid(4096, 151_936, torch.device("cpu"), blocks.replace(splits=4))
+    assert splits == 4 and per_split % blocks.block_v == 0 and splits * per_split >= 151_936
+
+
+def test_a_long_sequence_beyond_65536_tokens_runs():
+    """A 70,000-token batch through the Triton pass (tiny vocabulary so the interpreter stays quick)."""
+    g = torch.Generator().manual_seed(6)
+    n, vocab = 70_000, 16
+    logits = torch.randn(n, vocab, generator=g)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    counted = torch.ones(n, dtype=torch.bool)
+    blocks = Blocks(block_n=4096, block_v=16, block_d=16, splits=1)
+    lp, _ = TritonTokenLogprobs.apply(logits, None, None, targets, counted, 1.0, blocks)
+    ref = torch.log_softmax(logits.double(), -1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(lp.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_torch_pass_is_independent_of_the_chunk_size():
+    hidden, weight, bias, targets = _inputs(7)
+    counted = targets != -100
+    outs = []
+    for chunk in (75, 75 * 5, 75 * 100):
+        h = hidden.float().requires_grad_()
+        lp, ent = chunked_token_logprobs(h, weight.float(), bias.float(), targets, counted, 1.0, chunk_elements=chunk)
+        lp.sum().backward()
+        outs.append((lp.detach(), ent, h.grad))
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
