@@ -1,0 +1,55 @@
+"""Generators: prompts in, completions with per-token generation log-probs out; `sync(model)` after each update.
+
+Both generators return, for every prompt, n `Completion`s whose log-probs are the sampler's own log-probs of the
+sampled tokens after temperature (and top-p / top-k, which bias importance ratios and are warned about).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Completion:
+    token_ids: torch.Tensor  # int32 [L], up to and including EOS when it stopped there
+    logprobs: torch.Tensor  # float32 [L]
+    finish_reason: str  # "stop" (EOS) | "length" (max_new_tokens)
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    n: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int = 0
+
+
+_warned_biased = False
+
+
+def warn_if_biased(top_p: float, top_k: int | None) -> None:
+    """Warn once: with top_p < 1 or top_k the sampler renormalises over a truncated vocabulary, so its log-probs
+    are not log_softmax(logits / T) and the importance ratios computed by the trainer are biased."""
+    global _warned_biased
+    if (top_p < 1.0 or top_k is not None) and not _warned_biased:
+        _warned_biased = True
+        warnings.warn(
+            f"rollout.top_p={top_p}, rollout.top_k={top_k}: generation log-probs are renormalised over a truncated "
+            "vocabulary, so importance weights against the trainer's full-vocabulary log-probs are biased; "
+            "use top_p=1 and no top_k for unbiased ratios",
+            stacklevel=2,
+        )
+
+
+def cut_at_eos(token_ids: torch.Tensor, logprobs: torch.Tensor, eos_ids: set[int], limit: int) -> Completion:
+    """The completion up to and including its first EOS token ("stop"), else its first `limit` tokens ("length")."""
+    ids = token_ids.tolist()
+    for i, token in enumerate(ids[:limit]):
+        if token in eos_ids:
+            return Completion(token_ids[: i + 1].to(torch.int32), logprobs[: i + 1].float(), "stop")
+    return Completion(token_ids[:limit].to(torch.int32), logprobs[:limit].float(), "length")

@@ -1,0 +1,88 @@
+"""Tasks: a training set, held-out eval sets, a reward, and how a question becomes a prompt."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..rewards import Reward, binary_answer_reward, load_reward, tiny_answer_reward
+
+# The <think>/<answer> instruction (R1 style) that goes with binary_answer_reward's format.
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the user with the answer. "
+    "The reasoning process and answer are enclosed within <think> </think> and <answer> </answer> tags, "
+    "respectively, i.e., <think> reasoning process here </think><answer> answer here </answer>."
+)
+
+
+@dataclass(frozen=True)
+class Example:
+    question: str
+    answer: str  # the gold answer the reward compares with
+
+
+@dataclass
+class Task:
+    name: str
+    train: list[Example]
+    evals: dict[str, list[Example]]
+    reward: Reward
+    system_prompt: str | None = SYSTEM_PROMPT
+    prompt_format: str = "auto"  # auto | chat | plain
+    notes: dict = field(default_factory=dict)
+
+
+class TaskError(ValueError):
+    """A task, dataset or path that cannot be loaded; the message names the config field."""
+
+
+def load_task(data, seed: int, eval_datasets: list[str] | None = None) -> Task:
+    """Build the task named by `data.task` (a DataSettings), with its eval sets and reward."""
+    from . import math as math_tasks
+    from . import tiny
+
+    if data.task in tiny.TINY_TASKS:
+        task = tiny.make_task(data.task, seed)
+    elif data.task in math_tasks.MATH_TASKS:
+        task = math_tasks.make_task(data, eval_datasets)
+    else:
+        known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS)))
+        raise TaskError(f"data.task: unknown task {data.task!r}; expected one of {known}")
+    if eval_datasets is not None:
+        unknown = [name for name in eval_datasets if name not in task.evals]
+        if unknown:
+            raise TaskError(f"eval.datasets: unknown dataset {unknown[0]!r} for task {task.name} "
+                            f"(available: {', '.join(task.evals)})")
+        task.evals = {name: task.evals[name] for name in eval_datasets}
+    if data.system_prompt is not None:
+        task.system_prompt = data.system_prompt
+    if data.prompt_format != "auto":
+        task.prompt_format = data.prompt_format
+    if data.reward is not None:
+        try:
+            task.reward = load_reward(data.reward)
+        except ValueError as exc:
+            raise TaskError(f"data.reward: {exc}") from None
+    return task
+
+
+def prompt_text(tokenizer, task: Task, question: str) -> str:
+    """The prompt string for a question: the tokenizer's chat template (system + user) when the task's format is
+    chat, or auto with a template available; else the system prompt and the question as plain text."""
+    use_chat = task.prompt_format == "chat" or (task.prompt_format == "auto" and getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        messages = [{"role": "user", "content": question}]
+        if task.system_prompt:
+            messages.insert(0, {"role": "system", "content": task.system_prompt})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if task.system_prompt:
+        return f"{task.system_prompt}\n\n{question}\n"
+    return question
+
+
+def prompt_ids(tokenizer, task: Task, question: str) -> list[int]:
+    return tokenizer(prompt_text(tokenizer, task, question), add_special_tokens=False)["input_ids"]
+
+
+__all__ = ["Example", "SYSTEM_PROMPT", "Task", "TaskError", "binary_answer_reward", "load_task", "prompt_ids",
+           "prompt_text", "tiny_answer_reward"]

@@ -1,0 +1,148 @@
+"""Checkpoints: run_dir/checkpoints/step-<N>/, written to a temporary directory and renamed when complete.
+
+Layout of step-<N>/: state.json (step, data position, policy versions, member names), and per member
+members/<name>/ with the model (HF format) or the LoRA adapter (peft format), the tokenizer, optimizer.pt and
+rng.pt. A directory named step-<N> is complete by construction (the rename is the last act).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+import uuid
+
+import torch
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def checkpoint_root(run_dir: pathlib.Path) -> pathlib.Path:
+    return run_dir / "checkpoints"
+
+
+def complete_checkpoints(run_dir: pathlib.Path) -> list[tuple[int, pathlib.Path]]:
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = STEP_DIR.match(path.name)
+        if match and (path / "state.json").is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: pathlib.Path) -> tuple[int, pathlib.Path] | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    member.model.save_pretrained(str(directory / "model"), safe_serialization=True)
+    member.tokenizer.save_pretrained(str(directory / "model"))
+    if save_optimizer:
+        torch.save(member.optimizer.state_dict(), directory / "optimizer.pt")
+    torch.save(rng_state(), directory / "rng.pt")
+
+
+def staging_dir(run_dir: pathlib.Path, step: int) -> pathlib.Path:
+    return checkpoint_root(run_dir) / f".tmp-step-{step}"
+
+
+def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimizer: bool) -> pathlib.Path:
+    """Write the members this process holds into the step's staging directory (every rank may add its own)."""
+    tmp = staging_dir(run_dir, step)
+    for member in members:
+        target = tmp / "members" / member.name
+        if target.exists():
+            shutil.rmtree(target)
+        save_member(member, target, save_optimizer)
+    return tmp
+
+
+def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last: int) -> pathlib.Path:
+    """Write state.json and rename the staging directory to step-<N> (the act that makes it complete); prune."""
+    tmp = staging_dir(run_dir, step)
+    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    final = checkpoint_root(run_dir) / f"step-{step}"
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    prune(run_dir, keep_last)
+    return final
+
+
+def write_checkpoint(run_dir: pathlib.Path, step: int, members: list, state: dict, save_optimizer: bool,
+                     keep_last: int) -> pathlib.Path:
+    """Single-process checkpoint: stage every member, then finalize."""
+    stage_members(run_dir, step, members, save_optimizer)
+    return finalize_checkpoint(run_dir, step, state, keep_last)
+
+
+def prune(run_dir: pathlib.Path, keep_last: int) -> None:
+    for _, path in complete_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+    for leftover in checkpoint_root(run_dir).glob(".tmp-step-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def read_state(checkpoint: pathlib.Path) -> dict:
+    return json.loads((checkpoint / "state.json").read_text())
+
+
+def member_dir(checkpoint: pathlib.Path, name: str) -> pathlib.Path:
+    return checkpoint / "members" / name
+
+
+def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True) -> None:
+    """Load weights (full model or LoRA adapter), optimizer and RNG state saved by save_member."""
+    directory = member_dir(checkpoint, member.name)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint {checkpoint} has no member {member.name!r}")
+    model_dir = directory / "model"
+    if member.settings.lora is not None:  # peft: load the adapter weights in place
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        weights = load_file(str(model_dir / "adapter_model.safetensors"), device=str(member.device))
+        set_peft_model_state_dict(member.model, weights)
+    else:
+        from safetensors.torch import load_file
+
+        state = {}
+        for shard in sorted(model_dir.glob("*.safetensors")):
+            state.update(load_file(str(shard), device=str(member.device)))
+        missing, unexpected = member.model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not _tied(member.model, k)]
+        if missing or unexpected:
+            raise RuntimeError(f"checkpoint {model_dir} does not match the model: missing {missing[:3]}, "
+                               f"unexpected {unexpected[:3]}")
+    optimizer_file = directory / "optimizer.pt"
+    if load_optimizer and optimizer_file.exists():
+        member.optimizer.load_state_dict(torch.load(optimizer_file, map_location=member.device, weights_only=True))
+    rng_file = directory / "rng.pt"
+    if rng_file.exists():
+        set_rng_state(torch.load(rng_file, weights_only=False))
+
+
+def _tied(model, key: str) -> bool:
+    return key.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)

@@ -1,0 +1,293 @@
+"""The run configuration: one pydantic tree, loaded from YAML, with dotted `--set` overrides.
+
+Every field has a description and a default that serves a first run; `ftis-engine train --dry-run` prints the
+resolved tree. Errors are raised as ConfigError with a one-line message that names the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ftis_kernels import LossConfig
+
+
+class ConfigError(ValueError):
+    """A bad config file, key, value, override or path. The message is one line naming the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraSettings(_Section):
+    r: int = Field(128, gt=0, description="LoRA rank (the paper: 128).")
+    alpha: int = Field(256, gt=0, description="LoRA alpha (the paper: 256).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"], min_length=1,
+        description="Module names LoRA adapts (the paper: q_proj and v_proj).",
+    )
+
+
+class VllmSettings(_Section):
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0.0, le=1.0,
+        description="Fraction of the GPU's total memory vLLM may take (weights + KV cache); the trainer shares the rest.",
+    )
+    max_model_len: int | None = Field(None, gt=0, description="vLLM context length; default prompt + max_new_tokens.")
+    enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower decode, faster start, less memory).")
+    sleep_level: Literal[1, 2] = Field(
+        1, description="Sleep level during the update: 1 offloads weights to CPU, 2 discards them (reloaded by sync)."
+    )
+
+
+class MemberSettings(_Section):
+    name: str = Field(..., min_length=1, description="A unique name for this member (used in logs and checkpoints).")
+    model: str = Field(
+        ...,
+        min_length=1,
+        description="HF hub id, local path, or a built-in tiny model: builtin:tiny-s | builtin:tiny-m | builtin:tiny-l.",
+    )
+    tokenizer: str | None = Field(None, description="Tokenizer id or path; default: the model's own.")
+    lora: LoraSettings | None = Field(None, description="Train a LoRA adapter (peft) instead of all weights.")
+    lr: float = Field(1e-6, gt=0.0, description="Learning rate (paper: 1e-6..5e-6 full, 1e-4 LoRA).")
+    optimizer: Literal["adamw", "adam"] = Field("adam", description="Optimizer (the paper: Adam).")
+    weight_decay: float = Field(0.0, ge=0.0, description="Weight decay (AdamW).")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this value.")
+    generator: Literal["hf", "vllm"] = Field("hf", description="Who generates rollouts: transformers (CPU/GPU) or vLLM (GPU).")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU.")
+    seed: int | None = Field(None, description="Seed for a built-in model's random init; default: run seed + member index.")
+    vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
+
+
+class AlgorithmSettings(_Section):
+    method: Literal["nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo"] = Field(
+        "f-tis", description="Loss: nois | vis | tis | f-nois | f-vis | f-tis (default) | gepo."
+    )
+    is_cap: float = Field(2.0, gt=0.0, description="C: truncation of the importance weight min(exp(l - g), C).")
+    kl_threshold: float = Field(50.0, description="g: a sequence with A <= 0 and KL >= g is filtered.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+    kl_reduction: Literal["sum", "mean", "padded_mean"] = Field("sum", description="KL over a sequence's tokens.")
+    kl_max_len: int | None = Field(None, gt=0, description="Padded length for padded_mean (the authors: 768).")
+    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip: 1 - eps_low.")
+    eps_high: float = Field(0.2, ge=0.0, description="PPO clip: 1 + eps_high.")
+    normalization: Literal["sequence", "token", "constant"] = Field(
+        "sequence", description="sequence (GRPO) | token (DAPO) | constant (Dr. GRPO)."
+    )
+    norm_max_len: int | None = Field(None, gt=0, description="Divisor length for normalization: constant.")
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="group: A = (r - mean) / (std + 1e-8); none: A = r - mean."
+    )
+
+    @model_validator(mode="after")
+    def _lengths_given(self) -> "AlgorithmSettings":
+        if self.kl_reduction == "padded_mean" and self.kl_max_len is None:
+            raise ValueError("kl_max_len is required when kl_reduction is padded_mean")
+        if self.normalization == "constant" and self.norm_max_len is None:
+            raise ValueError("norm_max_len is required when normalization is constant")
+        return self
+
+    def loss_config(self, temperature: float) -> LossConfig:
+        fields = self.model_dump(exclude={"scale_rewards"})
+        return LossConfig(**fields, temperature=temperature)
+
+
+class RolloutSettings(_Section):
+    group_size: int = Field(12, ge=2, description="G: completions per prompt.")
+    prompts_per_step: int = Field(24, ge=1, description="Prompts per step across the swarm (vertical: dealt round-robin).")
+    max_new_tokens: int = Field(768, ge=1, description="Completion length limit in tokens.")
+    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the trainer divides logits by it).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; < 1 biases the IS ratios (warned).")
+    top_k: int | None = Field(None, gt=0, description="Top-k sampling; set biases the IS ratios (warned).")
+    generation_batch_size: int = Field(256, ge=1, description="Sequences per generate() call of the HF generator.")
+
+
+class DataSettings(_Section):
+    task: str = Field(
+        "gsm8k", description="gsm8k | math500 | a built-in tiny task (tiny-digits, tiny-add)."
+    )
+    train_path: str | None = Field(None, description="Local JSONL for the training split (default: the HF hub dataset).")
+    eval_paths: dict[str, str] = Field(
+        default_factory=dict, description="Local JSONL per eval dataset name, e.g. {gsm8k: ..., math500: ...}."
+    )
+    system_prompt: str | None = Field(None, description="System prompt; default: the paper's <think>/<answer> prompt.")
+    prompt_format: Literal["auto", "chat", "plain"] = Field(
+        "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if available."
+    )
+    reward: str | None = Field(None, description="Reward override as 'module:function' (completion, gold) -> float.")
+    max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts are dropped from the training set.")
+    shuffle: bool = Field(True, description="Shuffle the training prompts (each epoch, by the run seed).")
+
+
+class TrainSettings(_Section):
+    steps: int = Field(50, ge=1, description="Training steps (one update per member per step).")
+    micro_batch_tokens: int = Field(
+        8192, ge=1, description="Token budget of one packed forward/backward (prompt + completion tokens)."
+    )
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (under --nproc: each rank takes its local GPU).")
+    backend: Literal["auto", "triton", "torch"] = Field("auto", description="Fused-loss backend.")
+    attn_implementation: Literal["auto", "flash_attention_2", "sdpa", "eager"] = Field(
+        "auto", description="auto: flash_attention_2 when installed on GPU, else sdpa."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+
+
+class EvalSettings(_Section):
+    every: int = Field(10, ge=0, description="Evaluate every N steps (0: only at step 0 and the end).")
+    datasets: list[str] | None = Field(None, description="Eval datasets (default: the task's: gsm8k -> gsm8k, math500).")
+    max_samples: int | None = Field(None, ge=1, description="Evaluate on the first N examples of each set (default: all).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
+    batch_size: int = Field(256, ge=1, description="Prompts per greedy generate() call.")
+    at_start: bool = Field(True, description="Evaluate at step 0 before training.")
+
+
+class SwarmSettings(_Section):
+    timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every collective; a dead or hung peer ends the run.")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl when members are on GPUs, else gloo.")
+    max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")
+
+
+class CheckpointSettings(_Section):
+    every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_last: int = Field(2, ge=1, description="Complete checkpoints to keep.")
+    save_optimizer: bool = Field(True, description="Save optimizer state (needed for an exact --resume).")
+
+
+class RunConfig(_Section):
+    run_name: str = Field("ftis-run", min_length=1, description="Run directory name under the output dir.")
+    seed: int = Field(0, description="Seeds data order, model init of built-in models, sampling.")
+    output_dir: str = Field("runs", description="Where run directories are created (overridden by --output-dir).")
+    members: list[MemberSettings] = Field(..., min_length=1, description="The models that train together.")
+    algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="The loss (SPEC section 1).")
+    collaboration: Literal["vertical", "horizontal", "alone"] = Field(
+        "vertical", description="vertical: a member generates a prompt's whole group; horizontal: groups split; alone."
+    )
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings, description="Generation.")
+    data: DataSettings = Field(default_factory=DataSettings, description="Task and data.")
+    train: TrainSettings = Field(default_factory=TrainSettings, description="Update.")
+    eval: EvalSettings = Field(default_factory=EvalSettings, description="Evaluation.")
+    swarm: SwarmSettings = Field(default_factory=SwarmSettings, description="Multi-process exchange.")
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints.")
+
+    @field_validator("run_name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        if "/" in value or value in (".", ".."):
+            raise ValueError("must be a plain directory name")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        names = [m.name for m in self.members]
+        if len(set(names)) != len(names):
+            raise ValueError("members: names must be unique")
+        if self.collaboration == "horizontal" and self.rollout.group_size < len(self.members):
+            raise ValueError("rollout.group_size must be >= the number of members in horizontal mode")
+        if self.collaboration != "horizontal" and self.rollout.prompts_per_step < len(self.members):
+            raise ValueError("rollout.prompts_per_step must be >= the number of members (each member needs a prompt)")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _location(error: dict) -> str:
+    return ".".join(str(part) for part in error["loc"]) or "config"
+
+
+def format_validation_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = _location(first)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key"
+    elif first["type"] == "missing":
+        message = "required field is missing"
+    return f"{where}: {message}"
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(raw: dict, assignment: str) -> None:
+    """Apply one `dotted.path=value` override to the raw (unvalidated) config dict; list indices allowed."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment}: expected KEY=VALUE")
+    key, text = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    if not key.strip() or any(not p for p in parts):
+        raise ConfigError(f"--set {assignment}: empty key")
+    node: Any = raw
+    for depth, part in enumerate(parts[:-1]):
+        node = _child(node, part, ".".join(parts[: depth + 1]), create=True)
+    last = parts[-1]
+    value = _parse_value(text)
+    if isinstance(node, list):
+        index = _index(node, last, key)
+        node[index] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is not a section")
+
+
+def _index(node: list, part: str, where: str) -> int:
+    try:
+        index = int(part)
+    except ValueError:
+        raise ConfigError(f"--set {where}: {part!r} is not a list index") from None
+    if not -len(node) <= index < len(node):
+        raise ConfigError(f"--set {where}: index {index} is out of range (the list has {len(node)} items)")
+    return index
+
+
+def _child(node: Any, part: str, where: str, create: bool) -> Any:
+    if isinstance(node, list):
+        return node[_index(node, part, where)]
+    if isinstance(node, dict):
+        if node.get(part) is None and create:
+            node[part] = {}
+        return node[part]
+    raise ConfigError(f"--set {where}: not a section")
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read YAML, apply `--set` overrides, validate. Raises ConfigError (one line naming the field)."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"--config {path}:{where} is not valid YAML") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of sections at the top level")
+    raw = copy.deepcopy(raw)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return validate_config(raw)
+
+
+def validate_config(raw: dict) -> RunConfig:
+    try:
+        config = RunConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+    return config
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

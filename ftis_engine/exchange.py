@@ -1,0 +1,90 @@
+"""Rollout exchange between members, and the receiving side's checks (peers' rollouts are untrusted input).
+
+`share(buffers)` takes the wire buffers of the members this process holds and returns every member's buffer.
+LocalExchange: all members in one process. DistributedExchange (exchange_dist.py): one member per process over
+torch.distributed. Whatever the transport, a receiver decodes, validates and re-scores each peer's rollouts; a
+bad batch is dropped whole, with one warning naming the peer, and counted in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .rollouts import Rollout, RolloutError, decode, validate
+
+log = logging.getLogger("ftis_engine.exchange")
+
+
+class LocalExchange:
+    """All members live in this process: every buffer is already here."""
+
+    world_size = 1
+    rank = 0
+
+    def share(self, buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return dict(buffers)
+
+    def barrier(self) -> None:
+        pass
+
+    def all_agree(self, value: int) -> int:
+        return value
+
+    def gather_records(self, records: list[dict]) -> list[dict]:
+        return records
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class RolloutChecker:
+    """What a receiver needs to check and re-score a peer's rollouts."""
+
+    tokenizer: object
+    reward: object  # (completion text, gold) -> float
+    golds: list[str]  # gold answer of every training prompt, by prompt index
+    vocab_size: int
+    max_new_tokens: int
+    dealt: dict[int, set[int]] = field(default_factory=dict)  # member -> prompt indices dealt to it this step
+
+    def score(self, rollout: Rollout) -> float:
+        text = self.tokenizer.decode(rollout.completion_ids.tolist(), skip_special_tokens=True)
+        return float(self.reward(text, self.golds[rollout.prompt_index]))
+
+    def accept(self, buffer: torch.Tensor, sender: int) -> list[Rollout]:
+        """Decode and validate a peer's buffer, re-score every rollout; raise RolloutError on any problem."""
+        rollouts = decode(buffer)
+        validate(rollouts, sender=sender, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens,
+                 allowed_prompts=self.dealt.get(sender), num_prompts=len(self.golds))
+        for i, rollout in enumerate(rollouts):
+            local = self.score(rollout)
+            if abs(local - rollout.reward) > 1e-6:
+                raise RolloutError(f"sequence {i}: claims reward {rollout.reward:g}, re-scored {local:g}")
+        return rollouts
+
+
+@dataclass
+class Received:
+    rollouts: list[Rollout]
+    rejected: list[tuple[int, str]]  # (sender, reason)
+
+
+def receive(buffers: dict[int, torch.Tensor], receiver: int, own: list[Rollout], checker: RolloutChecker,
+            names: list[str]) -> Received:
+    """The receiver's training rollouts: its own (trusted) plus every peer batch that passes the checks."""
+    accepted = list(own)
+    rejected = []
+    for sender in sorted(buffers):
+        if sender == receiver:
+            continue
+        try:
+            accepted.extend(checker.accept(buffers[sender], sender))
+        except RolloutError as exc:
+            rejected.append((sender, str(exc)))
+            log.warning("%s: dropped the rollouts of peer %s (member %d): %s", names[receiver], names[sender], sender,
+                        exc)
+    return Received(accepted, rejected)

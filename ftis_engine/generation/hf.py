@@ -1,0 +1,134 @@
+"""The transformers generator: `model.generate` on the member's own model (it shares the trainer's weights, so
+`sync` has nothing to do). Serves CPU runs and tests.
+
+Log-probs are the sampler's scores: generation runs with the model's own defaults disabled and our processor chain
+(temperature, top-k, top-p) followed by a recorder, which reads the final processed scores of each step and,
+on the next step, the log-prob of the token that was sampled from them. Memory: one [batch, V] tensor, not one per step.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from . import Completion, SamplingSettings, cut_at_eos, warn_if_biased
+
+
+class _SampledLogprobRecorder(LogitsProcessor):
+    """Last processor of the chain: remembers log_softmax(scores) and gathers the sampled token's entry next step."""
+
+    def __init__(self) -> None:
+        self.previous: torch.Tensor | None = None
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self.collect(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def collect(self, sampled: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.logprobs.append(self.previous.gather(1, sampled[:, None]).squeeze(1))
+            self.previous = None
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return ids
+
+
+class HFGenerator:
+    """Sampling and greedy decoding with transformers, batched over prompts (left padding)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 256):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.batch_size = batch_size
+        self.eos_ids = eos_token_ids(model, tokenizer)
+
+    def sync(self, model) -> None:
+        """Nothing to push: generation reads the trainer's own parameters."""
+
+    def sleep(self) -> None:
+        """No separate engine to free."""
+
+    def wake_up(self) -> None:
+        """No separate engine to restore."""
+
+    def _clean_config(self, max_new_tokens: int, do_sample: bool) -> GenerationConfig:
+        # A fresh config so that a model's shipped defaults (temperature 0.7, top_k 20, repetition penalty...)
+        # can't alter the distribution we sample from and record.
+        sampling = dict(temperature=1.0, top_p=1.0, top_k=0) if do_sample else {}
+        return GenerationConfig(
+            do_sample=do_sample, max_new_tokens=max_new_tokens, repetition_penalty=1.0,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=sorted(self.eos_ids), bos_token_id=None,
+            use_cache=True, **sampling,
+        )
+
+    def _batches(self, prompts: list[list[int]]):
+        for start in range(0, len(prompts), self.batch_size):
+            chunk = prompts[start : start + self.batch_size]
+            width = max(len(p) for p in chunk)
+            pad = self.tokenizer.pad_token_id
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], dtype=torch.long, device=self.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], dtype=torch.long,
+                                device=self.device)
+            yield ids, mask
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, on_batch=None) -> list[list[Completion]]:
+        """n sampled completions for each prompt (token ids), each with the sampler's log-probs."""
+        warn_if_biased(sampling.top_p, sampling.top_k)
+        repeated = [p for p in prompts for _ in range(sampling.n)]
+        completions: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(sampling.seed)
+            for ids, mask in self._batches(repeated):
+                recorder = _SampledLogprobRecorder()
+                chain = [TemperatureLogitsWarper(sampling.temperature)] if sampling.temperature != 1.0 else []
+                if sampling.top_k is not None:
+                    chain.append(TopKLogitsWarper(top_k=sampling.top_k))
+                if sampling.top_p < 1.0:
+                    chain.append(TopPLogitsWarper(top_p=sampling.top_p))
+                out = self.model.generate(
+                    input_ids=ids, attention_mask=mask,
+                    generation_config=self._clean_config(sampling.max_new_tokens, do_sample=True),
+                    logits_processor=LogitsProcessorList(chain + [recorder]),
+                )
+                new_tokens = out[:, ids.shape[1] :]
+                recorder.collect(new_tokens[:, -1])
+                logprobs = torch.stack(recorder.logprobs, dim=1)
+                for row in range(new_tokens.shape[0]):
+                    completions.append(cut_at_eos(new_tokens[row].cpu(), logprobs[row].cpu(), self.eos_ids,
+                                                  sampling.max_new_tokens))
+                if on_batch is not None:
+                    on_batch(ids.shape[0])
+        self.model.train(was_training)
+        return [completions[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, on_batch=None) -> list[torch.Tensor]:
+        """Greedy completions (token ids, cut after the first EOS) for evaluation."""
+        outputs: list[torch.Tensor] = []
+        was_training = self.model.training
+        self.model.eval()
+        for ids, mask in self._batches(prompts):
+            out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                      generation_config=self._clean_config(max_new_tokens, do_sample=False))
+            for row in out[:, ids.shape[1] :].cpu():
+                done = cut_at_eos(row, torch.zeros(row.numel()), self.eos_ids, max_new_tokens)
+                outputs.append(done.token_ids)
+            if on_batch is not None:
+                on_batch(ids.shape[0])
+        self.model.train(was_training)
+        return outputs

@@ -1,0 +1,148 @@
+"""A Member = model (+ LoRA) + tokenizer + optimizer + generator, on one device."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import ConfigError, MemberSettings, RunConfig
+from .models import ModelSpecError, check_model_spec, load_model, load_tokenizer, vocabulary_hash
+
+
+@dataclass
+class Member:
+    index: int
+    settings: MemberSettings
+    model: torch.nn.Module  # a transformers PreTrainedModel, or a peft PeftModel around one
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    generator: object
+    device: torch.device
+    dtype: torch.dtype
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    @property
+    def causal_lm(self):
+        """The transformers model underneath a possible peft wrapper (LoRA layers injected in place)."""
+        return self.model.get_base_model() if self.settings.lora is not None else self.model
+
+    def body_and_head(self):
+        """(decoder body returning last_hidden_state, lm_head module). Tied embeddings share the head's weight."""
+        lm = self.causal_lm
+        return lm.get_decoder(), lm.get_output_embeddings()
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
+    """auto: this process's GPU (by local rank under --nproc/torchrun) when CUDA is available, else CPU."""
+    if spec == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", (local_rank or 0) % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"train.device: unknown device {spec!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device: {spec!r} requested but CUDA is not available")
+    if device.type == "cuda" and local_rank is not None and device.index is None:
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+    return device
+
+
+def resolve_dtype(settings: MemberSettings, device: torch.device) -> torch.dtype:
+    if settings.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, settings.dtype)
+
+
+def attention_implementation(choice: str, device: torch.device) -> str:
+    if choice != "auto":
+        return choice
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def preflight(config: RunConfig, members: list[int] | None = None) -> list[object]:
+    """Check every member's model, tokenizer and generator before anything is written; members must share one
+    tokenizer vocabulary. Returns the tokenizers. Raises ConfigError naming the member field."""
+    tokenizers, hashes = [], {}
+    for i, member in enumerate(config.members):
+        if members is not None and i not in members:
+            tokenizers.append(None)
+            continue
+        try:
+            check_model_spec(member.model)
+        except ModelSpecError as exc:
+            raise ConfigError(f"members.{i}.model: {exc}") from None
+        try:
+            tokenizer = load_tokenizer(member.tokenizer or member.model)
+        except ModelSpecError as exc:
+            field_name = "tokenizer" if member.tokenizer else "model"
+            raise ConfigError(f"members.{i}.{field_name}: {exc}") from None
+        if member.generator == "vllm":
+            from .generation.vllm import check_available
+
+            problem = check_available()
+            if problem:
+                raise ConfigError(f"members.{i}.generator: {problem}")
+        tokenizers.append(tokenizer)
+        hashes[i] = vocabulary_hash(tokenizer)
+    if len(set(hashes.values())) > 1:
+        first = next(iter(hashes))
+        other = next(i for i in hashes if hashes[i] != hashes[first])
+        raise ConfigError(
+            f"members.{other}.model: its tokenizer vocabulary differs from members.{first}'s; members exchange "
+            "token ids and must share one vocabulary"
+        )
+    return tokenizers
+
+
+def build_member(index: int, config: RunConfig, tokenizer, device: torch.device) -> Member:
+    """Load the model (random init for built-ins), wrap it in LoRA if asked, build its optimizer and generator."""
+    settings = config.members[index]
+    dtype = resolve_dtype(settings, device)
+    attn = attention_implementation(config.train.attn_implementation, device)
+    seed = settings.seed if settings.seed is not None else config.seed + index
+    try:
+        model = load_model(settings.model, len(tokenizer), dtype, seed, attn)
+    except ModelSpecError as exc:
+        raise ConfigError(f"members.{index}.model: {exc}") from None
+    model.to(device)
+    if settings.lora is not None:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=settings.lora.r, lora_alpha=settings.lora.alpha, lora_dropout=settings.lora.dropout,
+                          target_modules=list(settings.lora.target_modules), task_type="CAUSAL_LM")
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)  # the adapter's random init (lora_A) is part of the run's seed
+                model = get_peft_model(model, lora)
+        except ValueError as exc:
+            raise ConfigError(f"members.{index}.lora.target_modules: {str(exc).splitlines()[0]}") from None
+    if config.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        if settings.lora is not None:
+            model.enable_input_require_grads()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt_cls = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
+    optimizer = opt_cls(params, lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+    if settings.generator == "vllm":
+        from .generation.vllm import VLLMGenerator
+
+        generator = VLLMGenerator(model, tokenizer, device, settings, config, seed)
+    else:
+        from .generation.hf import HFGenerator
+
+        generator = HFGenerator(model, tokenizer, device, batch_size=config.rollout.generation_batch_size)
+    return Member(index=index, settings=settings, model=model, tokenizer=tokenizer, optimizer=optimizer,
+                  generator=generator, device=device, dtype=dtype)

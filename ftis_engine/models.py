@@ -1,0 +1,136 @@
+"""Loading members' models and tokenizers: any HF causal LM, or a built-in tiny Qwen2 that needs no download.
+
+Built-in models (`builtin:tiny-s`, `builtin:tiny-m`, `builtin:tiny-l`) are Qwen2 architectures of three sizes,
+randomly initialised from a seed, with the character-level tokenizer shipped in ftis_engine/assets/tiny-tokenizer
+(101 tokens: printable ASCII, newline, tab, <|endoftext|>, <|im_start|>, <|im_end|>, <unk>).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+import string
+
+import torch
+
+BUILTIN_PREFIX = "builtin:"
+TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
+
+# Qwen2 shapes of the built-in models: hidden size, layers, attention heads, kv heads, MLP size, tied embeddings.
+# Weights are drawn with std 0.1 (not transformers' 0.02): a frozen random lm_head of std 0.02 bounds the logit
+# range to about +-2 nats, too flat for a LoRA member to ever express a confident answer.
+TINY_MODELS = {
+    "tiny-s": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=192, tie_word_embeddings=True, initializer_range=0.1),
+    "tiny-m": dict(hidden_size=96, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
+                   intermediate_size=256, tie_word_embeddings=False, initializer_range=0.1),
+    "tiny-l": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                   intermediate_size=384, tie_word_embeddings=False, initializer_range=0.1),
+}
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class ModelSpecError(ValueError):
+    """A model or tokenizer that cannot be found or loaded."""
+
+
+def is_builtin(spec: str) -> bool:
+    return spec.startswith(BUILTIN_PREFIX)
+
+
+def builtin_name(spec: str) -> str:
+    name = spec.removeprefix(BUILTIN_PREFIX)
+    if name not in TINY_MODELS:
+        raise ModelSpecError(f"unknown built-in model {spec!r}; built-ins: "
+                             + ", ".join(BUILTIN_PREFIX + n for n in TINY_MODELS))
+    return name
+
+
+def build_tiny_tokenizer():
+    """The character-level tokenizer of the built-in models (the shipped asset is this, saved)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {}
+    for token in SPECIAL_TOKENS + tuple(string.printable[:95]) + ("\n", "\t"):
+        vocab.setdefault(token, len(vocab))
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[:3]])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_tiny_tokenizer(directory: pathlib.Path = TOKENIZER_DIR) -> None:
+    build_tiny_tokenizer().save_pretrained(str(directory))
+
+
+def load_tokenizer(spec: str):
+    """Tokenizer for a model spec (HF id, local path or built-in), left-padded, with a pad token."""
+    from transformers import AutoTokenizer
+
+    source = str(TOKENIZER_DIR) if is_builtin(spec) else spec
+    if is_builtin(spec):
+        builtin_name(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # transformers raises OSError, ValueError, HFValidationError...
+        raise ModelSpecError(f"cannot load tokenizer {spec!r}: {_first_line(exc)}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def vocabulary_hash(tokenizer) -> str:
+    """sha256 of the token -> id mapping: members must share it to exchange token ids."""
+    items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
+
+
+def check_model_spec(spec: str) -> None:
+    """Fail fast on a model that cannot be found, without loading weights."""
+    if is_builtin(spec):
+        builtin_name(spec)
+        return
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(spec)
+    except Exception as exc:
+        raise ModelSpecError(f"cannot load model {spec!r}: {_first_line(exc)}") from None
+
+
+def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_implementation: str):
+    """A causal LM (PreTrainedModel) on CPU in `dtype`. Built-ins are initialised from `seed`."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if is_builtin(spec):
+        shape = TINY_MODELS[builtin_name(spec)]
+        config = Qwen2Config(
+            vocab_size=vocab_size, max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=None,
+            eos_token_id=0, pad_token_id=0, attn_implementation=attn_implementation, **shape,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2ForCausalLM(config)
+        return model.to(dtype)
+    try:
+        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation)
+    except Exception as exc:
+        raise ModelSpecError(f"cannot load model {spec!r}: {_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,89 @@
+"""Reward functions: plain callables (completion: str, gold: str) -> float.
+
+`binary_answer_reward` is the paper's reward (SPEC section 4). Others can be plugged in by dotted path
+(`data.reward: "my_module:my_reward"`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+from typing import Callable
+
+Reward = Callable[[str, str], float]
+
+_TAGS = ("<think>", "</think>", "<answer>", "</answer>")
+_FORMAT = re.compile(r"\s*<think>(.*?)</think>\s*<answer>(.*?)</answer>\s*", re.DOTALL)
+
+
+def extract_answer(completion: str) -> str | None:
+    """The text inside <answer>...</answer> when the completion is exactly
+    `<think>...</think><answer>...</answer>` (each tag once, in this order, nothing but white space around and
+    between the two blocks, nothing after </answer>); else None."""
+    if any(completion.count(tag) != 1 for tag in _TAGS):
+        return None
+    match = _FORMAT.fullmatch(completion)
+    return match.group(2).strip() if match else None
+
+
+def _timeout() -> int | None:
+    # math-verify times out through SIGALRM, which only the main thread can use.
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str):
+    from math_verify import parse
+
+    # Bare answers ("18", "\frac{1}{2}") parse more reliably inside $...$ than as free text.
+    candidates = [text] if "$" in text or "\\boxed" in text else [f"${text}$", text]
+    for candidate in candidates:
+        parsed = parse(candidate, parsing_timeout=_timeout())
+        if parsed:
+            return parsed
+    return []
+
+
+def _normalise(text: str) -> str:
+    return re.sub(r"\s+", "", text).removeprefix("$").removesuffix("$").rstrip(".")
+
+
+def answers_match(answer: str, gold: str) -> bool:
+    """math-verify equivalence of two answer strings (numbers, fractions, LaTeX expressions, tuples...), falling
+    back to white-space-insensitive string equality when math-verify parses neither (e.g. text answers)."""
+    from math_verify import verify
+
+    parsed_gold, parsed_answer = _parse(gold), _parse(answer)
+    if parsed_gold and parsed_answer and verify(parsed_gold, parsed_answer, timeout_seconds=_timeout()):
+        return True
+    return _normalise(answer) == _normalise(gold) and bool(_normalise(gold))
+
+
+def binary_answer_reward(completion: str, gold: str) -> float:
+    """1.0 when the completion is `<think>...</think><answer>...</answer>` and the answer equals the gold answer
+    by math-verify; else 0.0."""
+    answer = extract_answer(completion)
+    if answer is None or not answer:
+        return 0.0
+    return 1.0 if answers_match(answer, gold) else 0.0
+
+
+def tiny_answer_reward(completion: str, gold: str) -> float:
+    """Reward of the built-in tiny tasks: 1.0 when the completion begins with the gold answer
+    (leading white space ignored); else 0.0."""
+    return 1.0 if completion.lstrip().startswith(gold) else 0.0
+
+
+def load_reward(path: str) -> Reward:
+    """Import a reward callable from 'package.module:function' (or 'package.module.function')."""
+    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"expected 'module:function', got {path!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+    reward = getattr(module, attr, None)
+    if not callable(reward):
+        raise ValueError(f"{path!r} is not a callable in {module_name}")
+    return reward

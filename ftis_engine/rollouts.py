@@ -1,0 +1,232 @@
+"""Rollouts: what members generate and exchange, the wire format (8 bytes a token), advantages, and packing.
+
+The wire format of one member's rollouts is one int32 buffer:
+    [S] [S x 6 header words] [N token ids] [N generation log-probs as float32 bits]
+with header words (prompt index, length, reward as float32 bits, member, policy version, finish reason), so a
+step's exchange costs 4 + 24 S + 8 N bytes for S sequences of N tokens in all. No padding goes on the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+HEADER_WORDS = 6
+HEADER_BYTES = 4 * HEADER_WORDS
+
+
+@dataclass
+class Rollout:
+    """One completion. completion_ids: int32 [L]; gen_logprobs: float32 [L], the generating policy's log-prob of
+    each token at the sampling temperature; reward: as scored by the receiver (peers' claims are re-checked)."""
+
+    member: int
+    prompt_index: int
+    completion_ids: torch.Tensor
+    gen_logprobs: torch.Tensor
+    reward: float
+    finish_reason: str
+    policy_version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.completion_ids.numel())
+
+
+class RolloutError(ValueError):
+    """A rollout buffer or rollout that fails validation (peers' rollouts are untrusted input)."""
+
+
+def wire_bytes(num_sequences: int, num_tokens: int) -> int:
+    return 4 + HEADER_BYTES * num_sequences + 8 * num_tokens
+
+
+def encode(rollouts: list[Rollout]) -> torch.Tensor:
+    """One member's rollouts as a flat int32 buffer (see the module docstring)."""
+    n_seq = len(rollouts)
+    header = torch.zeros((n_seq, HEADER_WORDS), dtype=torch.int32)
+    for i, r in enumerate(rollouts):
+        header[i, 0] = r.prompt_index
+        header[i, 1] = r.num_tokens
+        header[i, 2] = _float_bits(r.reward)
+        header[i, 3] = r.member
+        header[i, 4] = r.policy_version
+        header[i, 5] = FINISH_REASONS.index(r.finish_reason)
+    ids = [r.completion_ids.to(torch.int32) for r in rollouts]
+    logprobs = [r.gen_logprobs.to(torch.float32).view(torch.int32) for r in rollouts]
+    return torch.cat([torch.tensor([n_seq], dtype=torch.int32), header.flatten(), *ids, *logprobs])
+
+
+def _float_bits(value: float) -> int:
+    return int(torch.tensor([value], dtype=torch.float32).view(torch.int32)[0])
+
+
+def decode(buffer: torch.Tensor) -> list[Rollout]:
+    """Parse a buffer made by `encode`. Raises RolloutError when its sizes are inconsistent (truncated, padded,
+    negative lengths, unknown finish reason). Says nothing yet about the values: see `validate`."""
+    buffer = buffer.to("cpu", torch.int32).flatten()
+    if buffer.numel() < 1:
+        raise RolloutError("empty buffer")
+    n_seq = int(buffer[0])
+    if n_seq < 0 or 1 + HEADER_WORDS * n_seq > buffer.numel():
+        raise RolloutError(f"header claims {n_seq} sequences but the buffer holds {buffer.numel()} words")
+    header = buffer[1 : 1 + HEADER_WORDS * n_seq].view(n_seq, HEADER_WORDS)
+    lengths = header[:, 1].long()
+    if bool((lengths < 1).any()):
+        raise RolloutError("a sequence length in the header is < 1")
+    n_tok = int(lengths.sum())
+    expected = 1 + HEADER_WORDS * n_seq + 2 * n_tok
+    if buffer.numel() != expected:
+        raise RolloutError(f"buffer holds {buffer.numel()} words, its header implies {expected}")
+    start = 1 + HEADER_WORDS * n_seq
+    ids = buffer[start : start + n_tok]
+    logprobs = buffer[start + n_tok :].view(torch.float32)
+    rewards = header[:, 2].contiguous().view(torch.float32)
+    out, offset = [], 0
+    for i in range(n_seq):
+        length = int(lengths[i])
+        reason = int(header[i, 5])
+        if not 0 <= reason < len(FINISH_REASONS):
+            raise RolloutError(f"sequence {i}: unknown finish reason code {reason}")
+        out.append(Rollout(
+            member=int(header[i, 3]), prompt_index=int(header[i, 0]),
+            completion_ids=ids[offset : offset + length].clone(), gen_logprobs=logprobs[offset : offset + length].clone(),
+            reward=float(rewards[i]), finish_reason=FINISH_REASONS[reason], policy_version=int(header[i, 4]),
+        ))
+        offset += length
+    return out
+
+
+def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
+             allowed_prompts: set[int] | None, num_prompts: int) -> None:
+    """Check a peer's rollouts before training on them; raises RolloutError naming the first problem."""
+    for i, r in enumerate(rollouts):
+        where = f"sequence {i}"
+        if r.member != sender:
+            raise RolloutError(f"{where}: claims member {r.member}, sent by member {sender}")
+        if not 0 <= r.prompt_index < num_prompts:
+            raise RolloutError(f"{where}: prompt index {r.prompt_index} is outside the dataset (0..{num_prompts - 1})")
+        if allowed_prompts is not None and r.prompt_index not in allowed_prompts:
+            raise RolloutError(f"{where}: prompt index {r.prompt_index} was not dealt to member {sender} this step")
+        if r.gen_logprobs.numel() != r.num_tokens:
+            raise RolloutError(f"{where}: {r.gen_logprobs.numel()} log-probs for {r.num_tokens} tokens")
+        if not 1 <= r.num_tokens <= max_new_tokens:
+            raise RolloutError(f"{where}: {r.num_tokens} tokens, outside 1..max_new_tokens={max_new_tokens}")
+        if bool(((r.completion_ids < 0) | (r.completion_ids >= vocab_size)).any()):
+            raise RolloutError(f"{where}: token id outside the vocabulary [0, {vocab_size})")
+        if not bool(torch.isfinite(r.gen_logprobs).all()):
+            raise RolloutError(f"{where}: NaN or inf generation log-prob")
+        if bool((r.gen_logprobs > 0).any()):
+            raise RolloutError(f"{where}: positive generation log-prob")
+        if not math.isfinite(r.reward):
+            raise RolloutError(f"{where}: reward is not finite")
+
+
+def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = True) -> torch.Tensor:
+    """A_i = (r_i - mean(r)) / (std(r) + 1e-8) over each group (std unbiased, as torch.std); scale=False drops the
+    division. A group of one has no spread: its advantage is 0."""
+    rewards = rewards.double()
+    advantages = torch.zeros_like(rewards)
+    for key in torch.unique(groups):
+        members = groups == key
+        r = rewards[members]
+        if r.numel() < 2:
+            continue
+        centred = r - r.mean()
+        advantages[members] = centred / (r.std() + 1e-8) if scale else centred
+    return advantages.float()
+
+
+@dataclass
+class TrainItem:
+    """A rollout ready for the update: its prompt's token ids, its advantage and its group."""
+
+    rollout: Rollout
+    prompt_ids: list[int]
+    advantage: float
+    group: int
+
+    @property
+    def num_input_tokens(self) -> int:
+        return len(self.prompt_ids) + self.rollout.num_tokens - 1
+
+
+@dataclass
+class PackedBatch:
+    """Sequences packed back to back without padding into one row.
+
+    input_ids / position_ids: [T] (positions restart at 0 for each sequence); target_rows: [N] indices into T of
+    the positions that predict each completion token; targets, gen_logprobs: [N]; advantages, group_ids: [S];
+    cu_seqlens: [S+1] int32 over the N completion tokens.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    target_rows: torch.Tensor
+    targets: torch.Tensor
+    gen_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    group_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.advantages.numel())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.targets.numel())
+
+
+def pack(items: list[TrainItem]) -> PackedBatch:
+    """Pack items into one row: each contributes prompt + completion[:-1] as input, and its completion tokens
+    as targets, predicted from the positions len(prompt)-1 ... end of its segment."""
+    inputs, positions, rows, targets, logprobs, lengths = [], [], [], [], [], [0]
+    offset = 0
+    for item in items:
+        completion = item.rollout.completion_ids.long()
+        segment = torch.cat([torch.tensor(item.prompt_ids, dtype=torch.long), completion[:-1]])
+        inputs.append(segment)
+        positions.append(torch.arange(segment.numel()))
+        first = offset + len(item.prompt_ids) - 1
+        rows.append(torch.arange(first, first + completion.numel()))
+        targets.append(completion)
+        logprobs.append(item.rollout.gen_logprobs.float())
+        lengths.append(completion.numel())
+        offset += segment.numel()
+    return PackedBatch(
+        input_ids=torch.cat(inputs), position_ids=torch.cat(positions), target_rows=torch.cat(rows),
+        targets=torch.cat(targets), gen_logprobs=torch.cat(logprobs),
+        advantages=torch.tensor([it.advantage for it in items], dtype=torch.float32),
+        group_ids=torch.tensor([it.group for it in items], dtype=torch.long),
+        cu_seqlens=torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32),
+    )
+
+
+def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool = False) -> list[list[TrainItem]]:
+    """Split items into consecutive micro-batches of at most `token_budget` input tokens (a sequence longer than
+    the budget gets a micro-batch of its own). keep_groups=True never splits a group (items sorted by group)."""
+    if keep_groups:
+        items = sorted(items, key=lambda it: it.group)
+        units: list[list[TrainItem]] = []
+        for item in items:
+            if units and units[-1][0].group == item.group:
+                units[-1].append(item)
+            else:
+                units.append([item])
+    else:
+        units = [[item] for item in items]
+    batches: list[list[TrainItem]] = []
+    used = 0
+    for unit in units:
+        size = sum(it.num_input_tokens for it in unit)
+        if batches and used + size <= token_budget:
+            batches[-1].extend(unit)
+            used += size
+        else:
+            batches.append(list(unit))
+            used = size
+    return batches

@@ -1,0 +1,111 @@
+"""One F-TIS update of one member: pack, run the model body to hidden states, fused loss on the lm_head, step.
+
+Micro-batches are cut by a token budget, and each micro-batch's loss is weighted by its share of the whole
+batch's normaliser (sequences, or counted tokens for normalization=token), so the accumulated gradient equals
+the gradient of the loss over the whole batch: micro-batching changes memory, never the update.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftis_kernels import STAT_KEYS, LossConfig, fused_linear_ftis_loss
+
+from .rollouts import PackedBatch, TrainItem, micro_batches, pack
+
+SEQUENCE_STATS = ("filtered_frac", "kl_mean")
+
+
+def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
+    """[N, d] final hidden states at the rows that predict the completion tokens (no logits are formed).
+    The sequences are packed in one row with restarting position_ids and no attention mask, which transformers
+    turns into per-sequence attention (flash-attn varlen, or a block-diagonal mask for sdpa/eager)."""
+    body, _ = member.body_and_head()
+    out = body(
+        input_ids=batch.input_ids[None].to(member.device),
+        position_ids=batch.position_ids[None].to(member.device),
+        use_cache=False,
+    )
+    return out.last_hidden_state[0, batch.target_rows.to(member.device)]
+
+
+def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str):
+    """LossOutput of one packed micro-batch (loss normalised within the micro-batch)."""
+    _, head = member.body_and_head()
+    hidden = packed_hidden(member, batch)
+    device = member.device
+    return fused_linear_ftis_loss(
+        hidden, head.weight, batch.targets.to(device), batch.gen_logprobs.to(device), batch.advantages.to(device),
+        batch.cu_seqlens.to(device), bias=head.bias, config=cfg, group_ids=batch.group_ids.to(device),
+        backend=backend,
+    )
+
+
+def normaliser_share(batch: PackedBatch, cfg: LossConfig, total_sequences: int, total_tokens: int) -> float:
+    """The micro-batch's weight in the whole-batch loss."""
+    if cfg.normalization == "token" and cfg.base_method != "gepo":
+        return batch.num_tokens / total_tokens
+    return batch.num_sequences / total_sequences
+
+
+def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
+                         on_micro_batch=None) -> dict[str, float]:
+    """Forward and backward over all micro-batches (gradients accumulate in .grad); returns the whole-batch loss
+    and stats (token stats weighted by tokens, sequence stats by sequences)."""
+    batches = micro_batches(items, token_budget, keep_groups=cfg.base_method == "gepo")
+    total_sequences = len(items)
+    total_tokens = sum(it.rollout.num_tokens for it in items)
+    totals = {key: 0.0 for key in STAT_KEYS}
+    loss_total = 0.0
+    for group in batches:
+        batch = pack(group)
+        out = batch_loss(member, batch, cfg, backend)
+        share = normaliser_share(batch, cfg, total_sequences, total_tokens)
+        (out.loss * share).backward()
+        loss_total += float(out.loss.detach()) * share
+        for key in STAT_KEYS:
+            by_sequence = key in SEQUENCE_STATS or (key == "clip_frac" and cfg.base_method == "gepo")
+            weight = batch.num_sequences / total_sequences if by_sequence else batch.num_tokens / total_tokens
+            totals[key] += float(out.stats[key]) * weight
+        if on_micro_batch is not None:
+            on_micro_batch(batch.num_tokens)
+    return {"loss": loss_total, **totals, "micro_batches": len(batches)}
+
+
+def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
+                  on_micro_batch=None) -> dict[str, float]:
+    """One optimizer step of `member` on `items`: gradients, clipping to members.N.grad_clip, Adam step."""
+    member.model.train()
+    member.optimizer.zero_grad(set_to_none=True)
+    stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch)
+    params = member.trainable_parameters()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, member.settings.grad_clip)
+    member.optimizer.step()
+    member.optimizer.zero_grad(set_to_none=True)
+    stats["grad_norm"] = float(grad_norm)
+    return stats
+
+
+def check_packed_attention(member) -> None:
+    """Fail fast if this transformers version lets packed sequences attend to each other: two short sequences
+    packed in one row must give the hidden states they give alone."""
+    body, _ = member.body_and_head()
+    gen = torch.Generator().manual_seed(0)
+    vocab = member.causal_lm.config.vocab_size
+    a, b = torch.randint(0, vocab, (5,), generator=gen), torch.randint(0, vocab, (3,), generator=gen)
+    device = member.device
+    with torch.no_grad():
+        alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0] for x in (a, b)])
+        packed = body(input_ids=torch.cat([a, b])[None].to(device),
+                      position_ids=torch.cat([torch.arange(5), torch.arange(3)])[None].to(device),
+                      use_cache=False).last_hidden_state[0]
+    error = float((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp(min=1e-6))
+    tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
+    if error > tolerance:
+        import transformers
+
+        raise RuntimeError(
+            f"{member.name}: packed sequences are not isolated by transformers {transformers.__version__} with "
+            f"attn_implementation={member.causal_lm.config._attn_implementation} (relative error {error:.3g}); "
+            "use a transformers version that detects packing from position_ids"
+        )

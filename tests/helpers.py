@@ -1,0 +1,45 @@
+"""Small configs and members for the trainer tests."""
+
+from __future__ import annotations
+
+import pathlib
+
+import torch
+
+from ftis_engine.config import load_config
+from ftis_engine.members import build_member, preflight
+from ftis_engine.rollouts import Rollout, TrainItem
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+# A shortened tiny default: a few steps, small groups, eval and checkpoints every 2 steps.
+SHORT = [
+    "train.steps=4", "rollout.group_size=4", "rollout.prompts_per_step=4", "rollout.max_new_tokens=3",
+    "eval.every=2", "eval.max_samples=16", "checkpoint.every=2", "checkpoint.keep_last=3", "train.threads=1",
+]
+
+
+def short_config(*overrides: str, **kwargs):
+    return load_config(TINY, [*SHORT, *overrides])
+
+
+def member(index: int = 0, *overrides: str):
+    cfg = short_config(*overrides)
+    tokenizers = preflight(cfg)
+    return build_member(index, cfg, tokenizers[index], torch.device("cpu")), cfg
+
+
+def random_items(vocab: int, n_groups: int = 3, per_group: int = 4, seed: int = 0) -> list[TrainItem]:
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for group in range(n_groups):
+        for _ in range(per_group):
+            length = int(torch.randint(1, 6, (1,), generator=g))
+            prompt = torch.randint(4, vocab, (int(torch.randint(2, 7, (1,), generator=g)),), generator=g).tolist()
+            rollout = Rollout(member=0, prompt_index=group, completion_ids=torch.randint(4, vocab, (length,), generator=g,
+                                                                                         dtype=torch.int32),
+                              gen_logprobs=-torch.rand(length, generator=g) * 6, reward=float(torch.rand(1, generator=g) > 0.5),
+                              finish_reason="length", policy_version=0)
+            items.append(TrainItem(rollout, prompt, float(torch.randn(1, generator=g)), group))
+    return items

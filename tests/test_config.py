@@ -1,0 +1,93 @@
+"""Config loading, dotted overrides and the errors that name the field."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from ftis_engine.config import ConfigError, RunConfig, dump_config, load_config
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def test_tiny_default_loads_with_documented_fields():
+    cfg = load_config(TINY)
+    assert cfg.algorithm.method == "f-tis" and cfg.collaboration == "vertical"
+    assert len(cfg.members) >= 2 and any(m.lora for m in cfg.members)
+    assert len({m.model for m in cfg.members}) >= 2  # different sizes
+    for name, field in RunConfig.model_fields.items():
+        assert field.description, f"{name} has no description"
+
+
+def test_every_field_of_every_section_has_a_description():
+    def walk(model_cls, prefix=""):
+        for name, field in model_cls.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            annotation = field.annotation
+            for candidate in getattr(annotation, "__args__", ()) + (annotation,):
+                if isinstance(candidate, type) and hasattr(candidate, "model_fields"):
+                    walk(candidate, f"{prefix}{name}.")
+
+    walk(RunConfig)
+
+
+def test_dotted_overrides_reach_nested_fields_and_list_items():
+    cfg = load_config(TINY, ["members.1.lr=0.5", "algorithm.method=gepo", "rollout.group_size=4",
+                             "members.0.lora.r=8", "eval.datasets=[tiny-last]", "members.-1.name=last"])
+    assert cfg.members[1].lr == 0.5 and cfg.algorithm.method == "gepo" and cfg.rollout.group_size == 4
+    assert cfg.members[0].lora.r == 8  # a section created by the override, its other fields defaulted
+    assert cfg.eval.datasets == ["tiny-last"] and cfg.members[-1].name == "last"
+
+
+def test_dump_round_trips(tmp_path):
+    cfg = load_config(TINY, ["algorithm.kl_threshold=5"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["algorithm.method=ppo"], "algorithm.method"),
+        (["algorithm.kl_reduction=padded_mean"], "algorithm"),
+        (["members.0.lr=-1"], "members.0.lr"),
+        (["members.0.generator=sglang"], "members.0.generator"),
+        (["members.7.lr=1"], "members.7"),
+        (["members.x.lr=1"], "members.x"),
+        (["rollout.group_size=1"], "rollout.group_size"),
+        (["rollout.top_p=1.5"], "rollout.top_p"),
+        (["collaboration=diagonal"], "collaboration"),
+        (["algorihtm.method=tis"], "algorihtm"),
+        (["members.0.colour=red"], "members.0.colour"),
+        (["train.steps=0"], "train.steps"),
+        (["members.1.name=tiny-s"], "members"),
+        (["run_name=a/b"], "run_name"),
+        (["nonsense"], "nonsense"),
+        (["collaboration=horizontal", "rollout.group_size=1"], "rollout.group_size"),
+    ],
+)
+def test_bad_values_raise_one_line_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError) as info:
+        load_config(TINY, overrides)
+    message = str(info.value)
+    assert field in message and "\n" not in message
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("members: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(broken)
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("3\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(scalar)
+    empty_members = tmp_path / "empty.yaml"
+    empty_members.write_text("members: []\n")
+    with pytest.raises(ConfigError, match="members"):
+        load_config(empty_members)

@@ -1,0 +1,75 @@
+"""The HF generator: sampler log-probs, EOS handling, seeding."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ftis_engine.generation as generation
+from ftis_engine.generation import SamplingSettings, cut_at_eos
+from ftis_kernels import fused_linear_token_logprobs
+
+from .helpers import member
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_generation_logprobs_are_the_trainers_logprobs_of_the_sampled_tokens(temperature):
+    m, _ = member(1)
+    prompts = [m.tokenizer("12=")["input_ids"], m.tokenizer("98765=")["input_ids"]]
+    groups = m.generator.generate(prompts, SamplingSettings(n=3, max_new_tokens=12, temperature=temperature, seed=5))
+    body, head = m.body_and_head()
+    for prompt, completions in zip(prompts, groups):
+        assert len(completions) == 3
+        for c in completions:
+            ids = torch.tensor(prompt + c.token_ids.tolist())
+            with torch.no_grad():
+                hidden = body(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+            rows = hidden[len(prompt) - 1 : len(prompt) - 1 + c.token_ids.numel()]
+            recomputed = fused_linear_token_logprobs(rows, head.weight, c.token_ids.long(), temperature=temperature)
+            torch.testing.assert_close(c.logprobs, recomputed, rtol=0, atol=2e-5)
+
+
+def test_completions_stop_at_eos_or_at_max_new_tokens():
+    m, _ = member(0)
+    prompts = [m.tokenizer(f"{i}=")["input_ids"] for i in range(8)]
+    groups = m.generator.generate(prompts, SamplingSettings(n=8, max_new_tokens=40, seed=0))
+    reasons = set()
+    for completions in groups:
+        for c in completions:
+            reasons.add(c.finish_reason)
+            eos_positions = [i for i, t in enumerate(c.token_ids.tolist()) if t in m.generator.eos_ids]
+            if c.finish_reason == "stop":
+                assert eos_positions == [c.token_ids.numel() - 1]
+            else:
+                assert c.token_ids.numel() == 40 and not eos_positions
+            assert c.logprobs.shape == c.token_ids.shape and bool((c.logprobs <= 0).all())
+    assert reasons == {"stop", "length"}
+
+
+def test_same_seed_same_completions_other_seed_other_ones():
+    m, _ = member(0)
+    prompts = [m.tokenizer("3=")["input_ids"]]
+    a = m.generator.generate(prompts, SamplingSettings(n=4, max_new_tokens=6, seed=1))[0]
+    b = m.generator.generate(prompts, SamplingSettings(n=4, max_new_tokens=6, seed=1))[0]
+    c = m.generator.generate(prompts, SamplingSettings(n=4, max_new_tokens=6, seed=2))[0]
+    assert all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(a, b))
+    assert not all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(a, c))
+
+
+def test_cut_at_eos():
+    done = cut_at_eos(torch.tensor([5, 6, 0, 7]), torch.tensor([-1.0, -2.0, -3.0, -4.0]), {0}, 4)
+    assert done.token_ids.tolist() == [5, 6, 0] and done.finish_reason == "stop"
+    cut = cut_at_eos(torch.tensor([5, 6, 7]), torch.zeros(3), {0}, 2)
+    assert cut.token_ids.tolist() == [5, 6] and cut.finish_reason == "length"
+
+
+def test_top_p_below_one_warns_once_about_biased_ratios(monkeypatch):
+    monkeypatch.setattr(generation, "_warned_biased", False)
+    m, _ = member(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            m.generator.generate([m.tokenizer("3=")["input_ids"]], SamplingSettings(n=2, max_new_tokens=2, top_p=0.9))
+    assert sum("biased" in str(w.message) for w in caught) == 1
