@@ -128,12 +128,7 @@ _UsageError = typer.BadParameter.__mro__[1]
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage and config errors become one line on stderr and exit code 2."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # checkpoint writes: our own bars and summaries say what is happening
+    quiet_libraries()
     try:
         code = app(args=argv, standalone_mode=False)
     except (ConfigError, TaskError, UsageFailure) as exc:
@@ -146,6 +141,16 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         _fail("aborted", code=130)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def quiet_libraries() -> None:
+    """Warnings to stderr as one line each; no third-party progress bars (ours say what is happening)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
 
 def _fail(message: str, code: int = 2) -> None:

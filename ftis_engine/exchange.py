@@ -36,6 +36,9 @@ class LocalExchange:
     def gather_records(self, records: list[dict]) -> list[dict]:
         return records
 
+    def all_gather_object(self, value) -> list:
+        return [value]
+
     def close(self) -> None:
         pass
 
@@ -88,3 +91,68 @@ def receive(buffers: dict[int, torch.Tensor], receiver: int, own: list[Rollout],
             log.warning("%s: dropped the rollouts of peer %s (member %d): %s", names[receiver], names[sender], sender,
                         exc)
     return Received(accepted, rejected)
+
+
+class DistributedExchange:
+    """One member per process over torch.distributed (NCCL between GPUs, gloo on CPU).
+
+    share(): every rank's buffer size is all-gathered first (one int64 each), then each rank broadcasts its own
+    packed buffer, exactly its size: no padding to a common length goes on the wire. Every collective runs
+    under the process group's timeout (swarm.timeout_s), so a dead or hung peer raises instead of blocking.
+    """
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, backend: str):
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        # NCCL moves device tensors only; gloo works on CPU tensors.
+        self.device = device if backend == "nccl" else torch.device("cpu")
+
+    def share(self, buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        import torch.distributed as dist
+
+        own = buffers[self.rank].to(self.device, torch.int32).contiguous()
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([own.numel()], dtype=torch.int64, device=self.device))
+        received = {}
+        for src, size in enumerate(sizes):
+            tensor = own if src == self.rank else torch.empty(int(size.item()), dtype=torch.int32, device=self.device)
+            dist.broadcast(tensor, src=src)
+            received[src] = tensor.cpu()
+        return received
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.backend == "gloo":
+            dist.monitored_barrier(wait_all_ranks=True)  # names the ranks that did not arrive
+        else:
+            dist.barrier()
+
+    def all_agree(self, value: int) -> int:
+        """The minimum of every rank's value (e.g. the newest checkpoint step that all ranks have)."""
+        import torch.distributed as dist
+
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+    def gather_records(self, records: list[dict]) -> list[dict]:
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, records)
+        return [r for part in gathered for r in part]
+
+    def all_gather_object(self, value) -> list:
+        import torch.distributed as dist
+
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()

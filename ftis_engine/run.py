@@ -10,6 +10,7 @@ Evaluation (greedy pass@1) at step 0, every eval.every steps and at the end; che
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pathlib
@@ -147,7 +148,12 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
 
     sharing = config.collaboration != "alone"
     buffers = {m: encode(rollouts) for m, rollouts in own.items()}
+    start = time.perf_counter()
+    if sharing:
+        swarm.exchange.barrier()  # waiting for slower peers is not the exchange's cost: time it apart
+    exchange_wait = time.perf_counter() - start
     received = swarm.exchange.share(buffers) if sharing else buffers
+    exchange_seconds = time.perf_counter() - start - exchange_wait
 
     records = []
     loss_cfg = config.algorithm.loss_config(config.rollout.temperature)
@@ -183,10 +189,20 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
             "exchange_bytes": wire_bytes(len(mine), sent_tokens) if sharing else 0,
             "exchange_tokens": sent_tokens,
             "exchange_sequences": len(mine) if sharing else 0,
+            "exchange_seconds": exchange_seconds,
+            "exchange_wait_seconds": exchange_wait,
+            "rollouts_sha256": buffer_digest(buffers[member.index]),
+            "received_sha256": {swarm.names[m]: buffer_digest(b) for m, b in received.items() if m != member.index}
+            if sharing else {},
             "rejected_batches": len(got.rejected) if sharing else 0,
             "lr": member.optimizer.param_groups[0]["lr"],
         })
     return records
+
+
+def buffer_digest(buffer: torch.Tensor) -> str:
+    """Fingerprint of a wire buffer (sender and receivers log it: equal digests mean bit-exact delivery)."""
+    return hashlib.sha256(buffer.numpy().tobytes()).hexdigest()[:16]
 
 
 def _mean(values) -> float:
@@ -247,7 +263,7 @@ def restore(swarm: Swarm) -> int:
 
 def summary_line(step: int, steps: int, records: list[dict]) -> str:
     parts = []
-    for r in records:
+    for r in sorted(records, key=lambda r: r["kind"] == "eval"):
         if r["kind"] == "train":
             parts.append(f"{r['member']}: reward {r['reward_mean']:.3f} loss {r['loss']:+.4f} "
                          f"w {r['is_weight_mean']:.2f} filt {r['filtered_frac']:.2f}")
@@ -277,6 +293,7 @@ def setup_swarm(config: RunConfig, run_dir: pathlib.Path, exchange=None, local_m
                   [m.name for m in config.members])
     limit = config.data.max_prompt_tokens
     train_indices = [i for i, ex in enumerate(task.train) if len(prompt_ids(first, task, ex.question)) <= limit]
+    train_indices = exchange.all_gather_object(train_indices)[0]  # every rank draws prompts from rank 0's list
     if not train_indices:
         raise RuntimeError(f"data.max_prompt_tokens={limit}: no training prompt is that short")
     probe.train_indices = train_indices

@@ -1,0 +1,133 @@
+"""Multi-process runs: one member per rank over torch.distributed.
+
+`ftis-engine train --nproc N` starts N local workers through torch.distributed's elastic agent (what torchrun
+uses); the same config runs under `torchrun` too (single- or multi-node), the ranks coming from the environment.
+A worker that fails ends the others (the agent stops them); with swarm.max_restarts > 0 the agent restarts every
+rank and each resumes from the newest complete checkpoint that all ranks have.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pathlib
+import sys
+import uuid
+
+import torch
+
+from .config import ConfigError, RunConfig, validate_config
+
+log = logging.getLogger("ftis_engine.launch")
+
+CONFIG_ERROR_EXIT = 2
+
+
+def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
+    """Run the swarm in several processes; returns the exit code for the command line."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
+        return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
+    if nproc != len(config.members):
+        raise ConfigError(f"--nproc {nproc}: one member per process, and the config has {len(config.members)} members")
+    from .members import preflight
+
+    preflight(config)  # bad models, tokenizers or generators stop here, before any process starts
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # The agent logs every worker failure with a traceback; the workers' own one-line errors and our summary say it.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ftis-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=config.swarm.max_restarts,
+        monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
+    )
+    try:
+        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume)
+    except ChildFailedError as exc:
+        failures = exc.failures
+        if any(f.exitcode == CONFIG_ERROR_EXIT for f in failures.values()):
+            return CONFIG_ERROR_EXIT  # the worker already printed its one-line error
+        names = [m.name for m in config.members]
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
+            who = names[rank] if rank < len(names) else f"rank {rank}"
+            parts.append(f"rank {rank} ({who}) failed with {how}")
+        restarts = config.swarm.max_restarts
+        tried = f" after {restarts} restart(s)" if restarts else ""
+        sys.stderr.write(f"error: swarm stopped{tried}: {'; '.join(parts)} (a rank that lost its peer says so above); "
+                         "the newest complete checkpoint is intact, continue with --resume\n")
+        return 1
+    return 0
+
+
+def _round_store(rank: int, world: int, timeout: datetime.timedelta):
+    """The rendezvous store under a prefix unique to this launch and restart round. torch's env:// default keys
+    every round alike, so after an elastic restart a rank can read the address a dead rank published in the
+    previous round and fail to connect."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it (torchrun, --nproc)
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                     is_master=rank == 0 and not agent_store, timeout=timeout)
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "manual")
+    return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
+def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
+    """One rank: build its member, join the process group, train. Config errors print one line and exit 2."""
+    from .exchange import DistributedExchange
+    from .members import preflight, resolve_device
+    from .models import vocabulary_hash
+    from .progress import Progress
+    from .run import setup_swarm, train
+    from .tasks import TaskError
+
+    from .cli import quiet_libraries
+
+    quiet_libraries()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    exchange = None
+    try:
+        config = validate_config(config_data)
+        if world != len(config.members):
+            raise ConfigError(f"WORLD_SIZE={world}: one member per rank, and the config has {len(config.members)}")
+        device = resolve_device(config.train.device, local_rank)
+        backend = config.swarm.backend
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
+        torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
+                                             world_size=world, timeout=timeout)
+        exchange = DistributedExchange(rank, world, device, backend)
+        tokenizers = preflight(config, members=[rank])
+        hashes = exchange.all_gather_object(vocabulary_hash(tokenizers[rank]))
+        if len(set(hashes)) > 1:
+            other = next(i for i, h in enumerate(hashes) if h != hashes[0])
+            raise ConfigError(f"members.{other}.model: its tokenizer vocabulary differs from members.0's; members "
+                              "exchange token ids and must share one vocabulary")
+        swarm = setup_swarm(config, pathlib.Path(run_dir), exchange=exchange, local_members=[rank],
+                            local_rank=local_rank, tokenizers=tokenizers, progress=Progress(enabled=rank == 0))
+        train(config, pathlib.Path(run_dir), resume=resume or restarted, swarm=swarm)
+    except (ConfigError, TaskError) as exc:
+        if rank == 0 or "tokenizer vocabulary" not in str(exc):
+            sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
+        sys.stderr.flush()
+        os._exit(CONFIG_ERROR_EXIT)
+    except Exception as exc:  # a dead or hung peer surfaces here as a collective's error or timeout
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        lost = isinstance(exc, (RuntimeError, torch.distributed.DistError)) and exchange is not None
+        what = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)" if lost else "failed"
+        sys.stderr.write(f"error: rank {rank} {what}: {type(exc).__name__}: {first}\n")
+        sys.stderr.flush()
+        os._exit(1)  # no teardown: the process group may be waiting on a peer that is gone
+    if exchange is not None:
+        exchange.close()
+    return 0

@@ -1,0 +1,47 @@
+"""One rank of a hand-launched swarm (as torchrun would start it), for the tests: `python swarm_worker.py MODE
+ARGS...` runs `ftis-engine ARGS` in this process; MODE other than `none` corrupts what this rank puts on the wire."""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import torch
+
+from ftis_engine import exchange
+from ftis_engine.rollouts import HEADER_WORDS
+
+
+def corrupt(buffer: torch.Tensor, mode: str) -> torch.Tensor:
+    buffer = buffer.clone()
+    n_seq = int(buffer[0])
+    first_token = 1 + HEADER_WORDS * n_seq
+    n_tok = (buffer.numel() - first_token) // 2
+    if mode == "ids":  # a token id outside the vocabulary
+        buffer[first_token] = 10_000_000
+    elif mode == "nan":  # a NaN generation log-prob
+        buffer[first_token + n_tok] = struct.unpack("<i", struct.pack("<f", float("nan")))[0]
+    elif mode == "reward":  # claim the opposite reward for the first sequence
+        claimed = struct.unpack("<f", struct.pack("<i", int(buffer[1 + 2])))[0]
+        buffer[1 + 2] = struct.unpack("<i", struct.pack("<f", 1.0 - claimed))[0]
+    elif mode == "truncated":
+        buffer = buffer[:-3]
+    return buffer
+
+
+def main() -> None:
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode != "none":
+        honest_share = exchange.DistributedExchange.share
+
+        def share(self, buffers):
+            return honest_share(self, {self.rank: corrupt(buffers[self.rank], mode)})
+
+        exchange.DistributedExchange.share = share
+    from ftis_engine.cli import main as cli_main
+
+    cli_main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Members in separate processes (gloo on CPU): exchange, untrusted peers, tokenizer check, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from .helpers import SHORT, TINY
+
+HERE = pathlib.Path(__file__).resolve().parent
+pytestmark = pytest.mark.slow
+
+
+def _env(**extra) -> dict:
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", **extra}
+
+
+def _args(out: pathlib.Path, *overrides: str, config: pathlib.Path = TINY) -> list[str]:
+    args = ["train", "--config", str(config), "--output-dir", str(out)]
+    for o in [*SHORT, "run_name=swarm", "eval.every=0", *overrides]:
+        args += ["--set", o]
+    return args
+
+
+def _records(out: pathlib.Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "swarm" / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(records: list[dict]) -> list[dict]:
+    return [r for r in records if r["kind"] == "train"]
+
+
+def _steps(out: pathlib.Path) -> dict[str, list[int]]:
+    steps: dict[str, list[int]] = {}
+    for r in _train(_records(out)):
+        steps.setdefault(r["member"], []).append(r["step"])
+    return steps
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300):
+    """Start `world` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        mode = (modes or {}).get(rank, "none")
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "swarm_worker.py"), mode, *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, err))
+    return results
+
+
+def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp_path):
+    assert _cli(*_args(tmp_path / "local", "train.steps=2", "checkpoint.every=0")).returncode == 0
+    result = _cli(*_args(tmp_path / "dist", "train.steps=2", "checkpoint.every=0"), "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    local, dist = _train(_records(tmp_path / "local")), _train(_records(tmp_path / "dist"))
+    key = lambda r: (r["step"], r["member"])  # noqa: E731
+    for a, b in zip(sorted(local, key=key), sorted(dist, key=key)):
+        for field in ("reward_mean", "loss", "tokens", "sequences", "exchange_bytes", "rollouts_sha256", "kl_mean"):
+            assert a[field] == pytest.approx(b[field], rel=1e-6), field
+    sent = {(r["step"], r["member"]): r["rollouts_sha256"] for r in dist}
+    for r in dist:
+        for peer, digest in r["received_sha256"].items():
+            assert digest == sent[(r["step"], peer)]  # what the peer encoded is what arrived
+        assert r["exchange_bytes"] == 4 + 24 * r["exchange_sequences"] + 8 * r["exchange_tokens"]
+        assert r["sequences"] == 2 * r["own_sequences"]  # its own plus its peer's
+
+
+def test_three_processes_every_member_trains_on_every_members_rollouts(tmp_path):
+    config = tmp_path / "three.yaml"
+    text = TINY.read_text().replace("algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:")
+    config.write_text(text)
+    result = _cli(*_args(tmp_path, "train.steps=2", "checkpoint.every=0", "rollout.prompts_per_step=6",
+                         config=config), "--nproc", "3")
+    assert result.returncode == 0, result.stderr
+    records = _train(_records(tmp_path))
+    assert {r["member"] for r in records} == {"tiny-s", "tiny-m-lora", "tiny-l"}
+    for r in records:
+        assert r["own_sequences"] == 2 * 4 and r["sequences"] == 6 * 4 and r["rejected_batches"] == 0
+        assert len(r["received_sha256"]) == 2
+
+
+@pytest.mark.parametrize("mode", ["ids", "nan", "reward", "truncated"])
+def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_path, mode):
+    results = _hand_launch(2, _args(tmp_path, "train.steps=2", "checkpoint.every=0"), modes={1: mode})
+    assert [code for code, _ in results] == [0, 0], results
+    warnings = [line for line in results[0][1].splitlines() if "dropped the rollouts of peer tiny-m-lora" in line]
+    assert len(warnings) == 2  # one line per step
+    records = _train(_records(tmp_path))
+    honest = [r for r in records if r["member"] == "tiny-s"]
+    assert all(r["rejected_batches"] == 1 and r["sequences"] == r["own_sequences"] for r in honest)
+    assert all(r["loss"] is not None and abs(r["loss"]) < 1e3 for r in records)
+    cheated = [r for r in records if r["member"] == "tiny-m-lora"]
+    assert all(r["rejected_batches"] == 0 and r["sequences"] == 2 * r["own_sequences"] for r in cheated)
+
+
+def test_mismatched_tokenizers_stop_at_start_with_exit_2(tmp_path):
+    from ftis_engine.models import build_tiny_tokenizer
+
+    other = build_tiny_tokenizer()
+    other.add_tokens(["<extra>"])
+    other.save_pretrained(str(tmp_path / "other-tokenizer"))
+    results = _hand_launch(2, _args(tmp_path / "out", f"members.1.tokenizer={tmp_path / 'other-tokenizer'}"))
+    assert [code for code, _ in results] == [2, 2]
+    assert "tokenizer vocabulary differs" in results[0][1] and len(results[0][1].strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "swarm" / "metrics.jsonl").exists()
+
+
+def _worker_pid(parent: psutil.Process, rank: int) -> int | None:
+    """The elastic agent spawns local ranks in order (spawn start method: their rank is set after start, so it is
+    not in /proc/PID/environ): the workers sorted by start time and pid are ranks 0, 1, ..."""
+    workers = []
+    for child in parent.children(recursive=True):
+        try:
+            cmdline = " ".join(child.cmdline())
+            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+                workers.append((child.create_time(), child.pid))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    workers.sort()
+    return workers[rank][1] if len(workers) > rank else None
+
+
+def _kill_rank_after_first_checkpoint(out: pathlib.Path, proc: subprocess.Popen, rank: int = 1) -> None:
+    checkpoint = out / "swarm" / "checkpoints" / "step-2"
+    deadline = time.time() + 240
+    while not checkpoint.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert checkpoint.exists(), "no checkpoint appeared"
+    pid = _worker_pid(psutil.Process(proc.pid), rank)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
+    args = _args(tmp_path, "train.steps=40", "checkpoint.every=2", "swarm.timeout_s=60")
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _kill_rank_after_first_checkpoint(tmp_path, proc)
+    killed = time.time()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - killed < 60  # well within swarm.timeout_s
+    # the survivor reports the lost peer, the launcher that the swarm stopped and how to continue
+    assert "lost contact with a peer" in err or "rank 1 (tiny-m-lora) failed with signal 9" in err
+    assert "swarm stopped" in err and "--resume" in err
+    steps = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "swarm" / "checkpoints").glob("step-*"))
+    assert steps and all((tmp_path / "swarm" / "checkpoints" / f"step-{s}" / "state.json").is_file() for s in steps)
+
+
+def test_with_restarts_a_killed_rank_comes_back_and_the_run_finishes_with_no_gap(tmp_path):
+    args = _args(tmp_path, "train.steps=8", "checkpoint.every=2")
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _kill_rank_after_first_checkpoint(tmp_path, proc)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
