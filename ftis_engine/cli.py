@@ -63,9 +63,10 @@ def train(
             cfg.swarm.max_restarts = max_restarts
         code = launch_distributed(cfg, run_dir, resume, nproc)
         raise typer.Exit(code)
-    from .members import preflight
+    from .members import check_generator_placement, preflight
     from .run import setup_swarm, train as run_training
 
+    check_generator_placement(cfg, distributed=False)
     tokenizers = preflight(cfg)
     swarm = setup_swarm(cfg, run_dir, tokenizers=tokenizers)
     from .progress import Progress

@@ -65,6 +65,13 @@ class MemberSettings(_Section):
     seed: int | None = Field(None, description="Seed for a built-in model's random init; default: run seed + member index.")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
 
+    @model_validator(mode="after")
+    def _lora_keeps_its_base(self) -> "MemberSettings":
+        if self.lora is not None and self.generator == "vllm" and self.vllm.sleep_level == 2:
+            raise ValueError("vllm.sleep_level 2 discards the engine's base weights, which a LoRA member never "
+                             "pushes; use sleep_level 1")
+        return self
+
 
 class AlgorithmSettings(_Section):
     method: Literal["nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo"] = Field(

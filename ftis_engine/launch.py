@@ -30,8 +30,9 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
     if nproc != len(config.members):
         raise ConfigError(f"--nproc {nproc}: one member per process, and the config has {len(config.members)} members")
-    from .members import preflight
+    from .members import check_generator_placement, preflight
 
+    check_generator_placement(config, distributed=True)
     preflight(config)  # bad models, tokenizers or generators stop here, before any process starts
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -97,6 +98,9 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         config = validate_config(config_data)
         if world != len(config.members):
             raise ConfigError(f"WORLD_SIZE={world}: one member per rank, and the config has {len(config.members)}")
+        from .members import check_generator_placement
+
+        check_generator_placement(config, distributed=True)
         device = resolve_device(config.train.device, local_rank)
         backend = config.swarm.backend
         if backend == "auto":

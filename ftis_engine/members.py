@@ -72,6 +72,19 @@ def attention_implementation(choice: str, device: torch.device) -> str:
     return "sdpa"
 
 
+def check_generator_placement(config: RunConfig, distributed: bool) -> None:
+    """vLLM engines join the process's torch.distributed world: one engine per process, and in a multi-process
+    run every rank builds one (all members use vllm) or none does."""
+    vllm = [i for i, m in enumerate(config.members) if m.generator == "vllm"]
+    if not distributed and len(vllm) > 1:
+        raise ConfigError(f"members.{vllm[1]}.generator: one vLLM engine per process; run one process per member "
+                          f"with --nproc {len(config.members)} (or torchrun)")
+    if distributed and 0 < len(vllm) < len(config.members):
+        other = next(i for i in range(len(config.members)) if i not in vllm)
+        raise ConfigError(f"members.{other}.generator: in a multi-process run either every member uses vllm or "
+                          "none does (the engines set up their process groups together)")
+
+
 def preflight(config: RunConfig, members: list[int] | None = None) -> list[object]:
     """Check every member's model, tokenizer and generator before anything is written; members must share one
     tokenizer vocabulary. Returns the tokenizers. Raises ConfigError naming the member field."""

@@ -1,18 +1,217 @@
-"""vLLM generator (placeholder until the vLLM issue): reports that it is unavailable."""
+"""The vLLM generator: a `vllm.LLM` in the trainer's own process, on the member's GPU, sharing it with training.
+
+- Engine: bf16, seeded, `enable_sleep_mode=True`, `gpu_memory_utilization` from the member's config, and
+  `logprobs_mode="processed_logprobs"`, so the log-prob returned for each sampled token is the log-prob under the
+  distribution actually sampled from (after temperature; with top_p = 1 and no top_k that is
+  log_softmax(logits / T), the trainer's own quantity). Requires vLLM >= 0.10.2, where "processed" took that
+  meaning.
+- Sleep (level 1 by default) while the trainer updates; wake before generating.
+- Weight sync: `sync(model)` marks the weights stale; the next `wake_up()` wakes the weights only, pushes the
+  trainer's parameters into the engine in place (`load_weights` on the engine's model, through `apply_model`),
+  then wakes the KV cache and resets the prefix cache (cached prefixes were computed by the old weights).
+  A LoRA member pushes only its adapter: saved in peft format and loaded as a new LoRARequest (the base
+  weights in the engine never change, nothing is merged).
+- In a single process the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer can reach its
+  model; under --nproc/torchrun it joins the ranks' torch.distributed world with the "external_launcher"
+  executor (one engine per rank, tensor parallel 1), as TRL's colocate mode does.
+"""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
+import pathlib
+import shutil
+import tempfile
+
+import torch
+
+from . import Completion, SamplingSettings, warn_if_biased
+
+log = logging.getLogger("ftis_engine.vllm")
 
 INSTALL_HINT = "pip install ftis-engine[gpu]"
+SUPPORTED = ">=0.10.2,<0.34"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def check_available() -> str | None:
     """None when vLLM can run here, else the reason (with the install hint)."""
     if importlib.util.find_spec("vllm") is None:
         return f"vLLM is not installed ({INSTALL_HINT})"
-    import torch
+    from importlib.metadata import version
 
+    from packaging.specifiers import SpecifierSet
+
+    installed = version("vllm")
+    if installed not in SpecifierSet(SUPPORTED):
+        return f"vLLM {installed} is outside the supported range {SUPPORTED} ({INSTALL_HINT})"
     if not torch.cuda.is_available():
         return "vLLM needs a CUDA GPU and none is available (use generator: hf on CPU)"
     return None
+
+
+def sampled_logprobs(output) -> list[float]:
+    """The log-prob of each sampled token of a vLLM CompletionOutput (requested with logprobs=0): works for the
+    list-of-dicts container and for FlatLogprobs, which indexes the same way."""
+    values = []
+    for position, token in enumerate(output.token_ids):
+        entry = output.logprobs[position][token]
+        values.append(float(entry.logprob))
+    return values
+
+
+def completions_from_vllm(request_output, eos_ids: set[int]) -> list[Completion]:
+    """Completions (token ids, sampled-token log-probs, finish reason) of one vLLM RequestOutput."""
+    completions = []
+    for output in request_output.outputs:
+        reason = output.finish_reason
+        if reason in ("abort", "error") or reason is None:
+            raise RuntimeError(f"vLLM did not finish a completion (finish_reason={reason!r})")
+        ids = torch.tensor(list(output.token_ids), dtype=torch.int32)
+        logprobs = torch.tensor(sampled_logprobs(output), dtype=torch.float32)
+        if not bool(torch.isfinite(logprobs).all()):
+            raise RuntimeError("vLLM returned a NaN or infinite log-prob for a sampled token")
+        # processed log-probs are <= 0 up to float rounding; the exchange rejects positive values outright
+        logprobs = logprobs.clamp(max=0.0)
+        stopped = reason == "stop" and ids.numel() > 0 and int(ids[-1]) in eos_ids
+        completions.append(Completion(ids, logprobs, "stop" if stopped else "length"))
+    return completions
+
+
+def _lora_rank(r: int) -> int:
+    return next(x for x in LORA_RANKS if x >= r)
+
+
+class VLLMGenerator:
+    """Colocated vLLM engine for one member (see the module docstring)."""
+
+    def __init__(self, model, tokenizer, device: torch.device, settings, config, seed: int):
+        problem = check_available()
+        if problem:
+            raise RuntimeError(problem)
+        from vllm import LLM
+
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.lora = settings.lora is not None
+        self.eos_ids = {int(tokenizer.eos_token_id)} | _generation_eos(model)
+        self.sleep_level = settings.vllm.sleep_level
+        self._work = pathlib.Path(tempfile.mkdtemp(prefix=f"ftis-vllm-{settings.name}-"))
+        source = settings.model
+        if source.startswith("builtin:"):  # vLLM loads from disk: write the built-in model's initial weights
+            base = model.get_base_model() if self.lora else model
+            base.save_pretrained(str(self._work / "base"))
+            tokenizer.save_pretrained(str(self._work / "base"))
+            source = str(self._work / "base")
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not distributed:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine's model is reachable
+        max_len = settings.vllm.max_model_len or (config.data.max_prompt_tokens + max(
+            config.rollout.max_new_tokens, config.eval.max_new_tokens or 0))
+        kwargs = dict(
+            model=source, tokenizer=settings.tokenizer or source, dtype="bfloat16", seed=seed,
+            gpu_memory_utilization=settings.vllm.gpu_memory_utilization, enable_sleep_mode=True,
+            logprobs_mode="processed_logprobs", max_model_len=max_len, enforce_eager=settings.vllm.enforce_eager,
+            enable_prefix_caching=True, tensor_parallel_size=1,
+        )
+        if distributed:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if self.lora:
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(settings.lora.r))
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            self.llm = LLM(**kwargs)  # vLLM seeds the process-wide RNGs; keep the trainer's streams as they were
+        self._model = model
+        self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
+        self._lora_request = None
+        self._lora_version = 0
+        self._asleep = False
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+
+    def sync(self, model) -> None:
+        """The trainer's weights changed: push them at the next wake_up (the engine may be asleep now)."""
+        self._model = model
+        self._stale = True
+        if not self._asleep:
+            self._push()
+
+    def sleep(self) -> None:
+        if not self._asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        if self._asleep:
+            self.llm.wake_up(tags=["weights"])
+            if self.sleep_level == 2:
+                self._stale = True  # level 2 discarded the weights: they must be loaded again
+            if self._stale:
+                self._push()
+            self.llm.wake_up(tags=["kv_cache"])
+            self.llm.wake_up()  # anything else (scheduling) that a version of vLLM tracks
+            self._asleep = False
+        elif self._stale:
+            self._push()
+
+    def _push(self) -> None:
+        if self.lora:
+            self._push_adapter()
+        else:
+            weights = [(name, tensor.detach()) for name, tensor in self._model.state_dict().items()]
+            self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
+        self.llm.reset_prefix_cache()
+        self._stale = False
+
+    def _push_adapter(self) -> None:
+        from vllm.lora.request import LoRARequest
+
+        self._lora_version += 1
+        path = self._work / f"adapter-{self._lora_version}"
+        self._model.save_pretrained(str(path))
+        if self._lora_request is not None:
+            self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
+            shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
+        # a fresh id per version: vLLM caches adapters by id and would otherwise keep serving the old one
+        self._lora_request = LoRARequest(f"{self.settings.name}-v{self._lora_version}", self._lora_version, str(path))
+
+    # ------------------------------------------------------------------------------------------- generation
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings, on_batch=None) -> list[list[Completion]]:
+        from vllm import SamplingParams
+
+        warn_if_biased(sampling.top_p, sampling.top_k)
+        self.wake_up()
+        params = []
+        for i in range(len(prompts)):
+            extra = {"top_k": sampling.top_k} if sampling.top_k is not None else {}
+            params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                                         max_tokens=sampling.max_new_tokens, logprobs=0,
+                                         seed=sampling.seed + i * sampling.n, **extra))
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
+        if on_batch is not None:
+            on_batch(len(prompts) * sampling.n)
+        return [completions_from_vllm(out, self.eos_ids) for out in outputs]
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int, on_batch=None) -> list[torch.Tensor]:
+        from vllm import SamplingParams
+
+        self.wake_up()
+        params = SamplingParams(n=1, temperature=0.0, max_tokens=max_new_tokens)
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                    lora_request=self._lora_request)
+        if on_batch is not None:
+            on_batch(len(prompts))
+        return [torch.tensor(list(out.outputs[0].token_ids), dtype=torch.int32) for out in outputs]
+
+    def close(self) -> None:
+        shutil.rmtree(self._work, ignore_errors=True)
+
+
+def _generation_eos(model) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}

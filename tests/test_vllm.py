@@ -1,0 +1,245 @@
+"""vLLM generator and flash-attn paths. The conversion and the refusal paths run anywhere; the engine tests need
+vLLM and a CUDA GPU and skip with the reason otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from ftis_engine.config import ConfigError, load_config
+from ftis_engine.generation import vllm as vllm_gen
+from ftis_engine.members import check_generator_placement
+
+from .helpers import TINY
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+HAVE_VLLM_GPU = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+needs_vllm = pytest.mark.skipif(not HAVE_VLLM_GPU, reason="needs vLLM (pip install ftis-engine[gpu]) and a CUDA GPU")
+
+
+@dataclass
+class _Logprob:  # vllm.logprobs.Logprob
+    logprob: float
+    rank: int | None = 1
+    decoded_token: str | None = None
+
+
+@dataclass
+class _CompletionOutput:  # vllm.outputs.CompletionOutput (the fields we read)
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, _Logprob]]
+    finish_reason: str | None
+    text: str = ""
+
+
+@dataclass
+class _RequestOutput:
+    outputs: list[_CompletionOutput] = field(default_factory=list)
+
+
+class _FlatLogprobs:
+    """Shaped like vllm's FlatLogprobs: flat arrays, indexable per position as a dict (sampled token first)."""
+
+    def __init__(self, per_position: list[dict[int, float]]):
+        self.start_indices, self.token_ids, self.logprobs = [], [], []
+        for entry in per_position:
+            self.start_indices.append(len(self.token_ids))
+            for tok, lp in entry.items():
+                self.token_ids.append(tok)
+                self.logprobs.append(lp)
+        self.end_indices = self.start_indices[1:] + [len(self.token_ids)]
+
+    def __getitem__(self, position: int) -> dict[int, _Logprob]:
+        lo, hi = self.start_indices[position], self.end_indices[position]
+        return {self.token_ids[i]: _Logprob(self.logprobs[i]) for i in range(lo, hi)}
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+
+def test_vllm_outputs_become_completions_with_the_sampled_tokens_logprobs():
+    eos = {0}
+    stopped = _CompletionOutput(0, [5, 9, 0], [{5: _Logprob(-0.5)}, {9: _Logprob(-1.25), 7: _Logprob(-0.1)},
+                                               {0: _Logprob(-2.0)}], "stop")
+    truncated = _CompletionOutput(1, [4, 4], [{4: _Logprob(-0.3)}, {4: _Logprob(1e-7)}], "length")
+    flat = _CompletionOutput(2, [8, 0], _FlatLogprobs([{8: -0.75, 3: -0.2}, {0: -0.01}]), "stop")
+    done = vllm_gen.completions_from_vllm(_RequestOutput([stopped, truncated, flat]), eos)
+    assert [c.finish_reason for c in done] == ["stop", "length", "stop"]
+    assert done[0].token_ids.tolist() == [5, 9, 0] and done[0].token_ids.dtype == torch.int32
+    assert done[0].logprobs.tolist() == [-0.5, -1.25, -2.0]  # the sampled token's entry, not the top-1's
+    assert done[1].logprobs.tolist() == [-0.30000001192092896, 0.0]  # rounding above 0 is clamped to 0
+    assert done[2].logprobs.tolist() == [-0.75, -0.009999999776482582]
+
+
+def test_a_failed_or_nan_completion_is_an_error():
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        vllm_gen.completions_from_vllm(_RequestOutput([_CompletionOutput(0, [1], [{1: _Logprob(-1.0)}], "abort")]), {0})
+    with pytest.raises(RuntimeError, match="NaN"):
+        vllm_gen.completions_from_vllm(
+            _RequestOutput([_CompletionOutput(0, [1], [{1: _Logprob(float("nan"))}], "length")]), {0})
+
+
+def test_without_vllm_the_config_check_names_the_install_hint(monkeypatch):
+    monkeypatch.setattr(vllm_gen.importlib.util, "find_spec", lambda name: None)
+    assert "pip install ftis-engine[gpu]" in vllm_gen.check_available()
+
+
+def test_a_vllm_version_outside_the_supported_range_is_refused(monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(vllm_gen.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.2")
+    assert "outside the supported range" in vllm_gen.check_available()
+
+
+def test_lora_ranks_round_up_to_what_vllm_accepts():
+    assert [vllm_gen._lora_rank(r) for r in (1, 4, 16, 100, 128, 300)] == [1, 8, 16, 128, 128, 320]
+
+
+def test_generator_placement_rules():
+    both = load_config(TINY, ["members.0.generator=vllm", "members.1.generator=vllm"])
+    with pytest.raises(ConfigError, match="members.1.generator: one vLLM engine per process"):
+        check_generator_placement(both, distributed=False)
+    check_generator_placement(both, distributed=True)
+    mixed = load_config(TINY, ["members.0.generator=vllm"])
+    check_generator_placement(mixed, distributed=False)
+    with pytest.raises(ConfigError, match="members.1.generator"):
+        check_generator_placement(mixed, distributed=True)
+    with pytest.raises(ConfigError, match="sleep_level"):
+        load_config(TINY, ["members.1.generator=vllm", "members.1.vllm.sleep_level=2"])
+
+
+PAPER = sorted((ROOT / "configs" / "paper").glob("*.yaml"))
+
+
+def test_paper_configs_cover_the_papers_setups():
+    names = {p.stem for p in PAPER}
+    for pair in ("qwen2.5-1.5b+3b", "qwen2.5-coder-1.5b+3b", "qwen2.5-1.5b+coder-1.5b", "qwen2.5-3b+coder-3b",
+                 "qwen2.5-1.5b+1.5b-lora", "qwen2.5-3b+3b-lora"):
+        assert pair in names
+    assert sum(n.startswith("alone-") for n in names) == 6
+
+
+@pytest.mark.parametrize("path", PAPER, ids=[p.stem for p in PAPER])
+def test_paper_config_has_the_papers_hyperparameters(path):
+    cfg = load_config(path)
+    assert cfg.data.task == "gsm8k" and cfg.eval.datasets == ["gsm8k", "math500"]
+    assert (cfg.algorithm.method, cfg.algorithm.kl_threshold, cfg.algorithm.is_cap) == ("f-tis", 50.0, 2.0)
+    assert (cfg.rollout.group_size, cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p) == (
+        12, 768, 1.0, 1.0)
+    assert cfg.train.steps == 50 and cfg.rollout.prompts_per_step == (24 if len(cfg.members) == 2 else 12)
+    for m in cfg.members:
+        assert m.generator == "vllm" and m.grad_clip == 1.0 and m.optimizer == "adam"
+        if m.lora:
+            assert (m.lora.r, m.lora.alpha, m.lora.target_modules, m.lr) == (128, 256, ["q_proj", "v_proj"], 1e-4)
+        else:
+            assert m.lr == 1e-6
+    for variant in ("method=gepo", "method=tis", "kl_threshold=5", "kl_threshold=100"):
+        load_config(path, [f"algorithm.{variant}"])
+    load_config(path, ["collaboration=horizontal"])
+
+
+def test_every_paper_config_passes_dry_run(capsys):
+    from ftis_engine.cli import main
+
+    for path in PAPER:
+        with pytest.raises(SystemExit) as done:
+            main(["train", "--config", str(path), "--dry-run"])
+        assert done.value.code == 0, path
+        assert f"run_name: {path.stem}" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------------------- GPU only
+
+
+def _vllm_member(tmp_path, lora: bool = False):
+    """A member whose model is a random Qwen2 with attention heads vLLM's kernels support (head_dim 64), saved
+    locally with the shipped tokenizer: no download."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from ftis_engine.members import build_member, preflight
+    from ftis_engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-s")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, initializer_range=0.1)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "model"))
+    tokenizer.save_pretrained(str(tmp_path / "model"))
+    overrides = ["members.1.generator=vllm", "members.1.vllm.gpu_memory_utilization=0.2", "train.device=cuda",
+                 f"members.1.model={tmp_path / 'model'}", "rollout.max_new_tokens=32", "data.max_prompt_tokens=64"]
+    if not lora:
+        overrides.append("members.1.lora=null")
+    cfg = load_config(TINY, overrides)
+    tokenizers = preflight(cfg, members=[1])
+    return build_member(1, cfg, tokenizers[1], torch.device("cuda"))
+
+
+@needs_vllm
+def test_vllm_logprobs_match_the_trainers_recompute(tmp_path):
+    from ftis_engine.generation import SamplingSettings
+    from ftis_kernels import fused_linear_token_logprobs
+
+    member = _vllm_member(tmp_path)
+    prompts = [member.tokenizer("48217=")["input_ids"]]
+    completions = member.generator.generate(prompts, SamplingSettings(n=4, max_new_tokens=32, temperature=0.8, seed=0))
+    body, head = member.body_and_head()
+    diffs = []
+    for c in completions[0]:
+        ids = torch.tensor(prompts[0] + c.token_ids.tolist(), device="cuda")
+        with torch.no_grad():
+            hidden = body(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        rows = hidden[len(prompts[0]) - 1 : len(prompts[0]) - 1 + c.token_ids.numel()]
+        ours = fused_linear_token_logprobs(rows, head.weight, c.token_ids.long().cuda(), temperature=0.8).cpu()
+        diffs.append((ours - c.logprobs).abs())
+    assert float(torch.cat(diffs).mean()) < 0.05  # bf16 engines: small, not zero
+
+
+@needs_vllm
+def test_weight_sync_changes_the_generated_logprobs_and_sleep_wake_round_trips(tmp_path):
+    from ftis_engine.generation import SamplingSettings
+
+    member = _vllm_member(tmp_path)
+    prompt = [member.tokenizer("1 2 3 4")["input_ids"]]
+    sampling = SamplingSettings(n=1, max_new_tokens=8, seed=0)
+    before = member.generator.generate(prompt, sampling)[0][0]
+    member.generator.sleep()
+    member.generator.wake_up()
+    again = member.generator.generate(prompt, sampling)[0][0]
+    assert torch.equal(before.token_ids, again.token_ids)  # sleep/wake keeps the weights
+    with torch.no_grad():
+        for p in member.model.parameters():
+            p.mul_(0.9)
+    member.generator.sleep()
+    member.generator.sync(member.model)
+    member.generator.wake_up()
+    after = member.generator.generate(prompt, sampling)[0][0]
+    assert not torch.allclose(before.logprobs[:1], after.logprobs[:1])
+
+
+needs_flash = pytest.mark.skipif(
+    importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available(),
+    reason="needs flash-attn (pip install ftis-engine[gpu]) and a CUDA GPU",
+)
+
+
+@needs_flash
+def test_flash_attention_and_sdpa_agree_on_packed_sequences():
+    from ftis_engine.models import load_model
+
+    a, b = torch.randint(0, 100, (37,)), torch.randint(0, 100, (21,))
+    ids = torch.cat([a, b])[None].cuda()
+    pos = torch.cat([torch.arange(37), torch.arange(21)])[None].cuda()
+    out = {}
+    for impl in ("flash_attention_2", "sdpa"):
+        model = load_model("builtin:tiny-l", 101, torch.bfloat16, 0, impl).cuda()
+        with torch.no_grad():
+            out[impl] = model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state.float()
+    scale = out["sdpa"].abs().max()
+    assert float((out["flash_attention_2"] - out["sdpa"]).abs().max() / scale) < 2e-2
