@@ -1,0 +1,186 @@
+"""One full F-TIS update (forward, loss, backward, AdamW step) of a model with Qwen2.5 shapes and random weights:
+the fused path (hidden states + fused_linear_ftis_loss on the lm_head) against the logits path (the model's
+logits + log_softmax + the same loss). Reports tokens/s, MFU and peak memory.
+
+    python benchmarks/update.py                    # GPU: Qwen2.5-1.5B and -3B shapes, 16 x 1024-token sequences
+    python benchmarks/update.py --models 1.5b --sequences 32
+    python benchmarks/update.py --quick            # CPU, a tiny model (CI keeps this from rotting)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from ftis_engine.config import MemberSettings  # noqa: E402
+from ftis_engine.members import Member  # noqa: E402
+from ftis_engine.rollouts import Rollout, TrainItem, pack  # noqa: E402
+from ftis_engine.update import batch_loss  # noqa: E402
+from ftis_kernels import LossConfig  # noqa: E402
+from ftis_kernels.epilogue import ftis_objective  # noqa: E402
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+# Qwen2.5 shapes (config.json of the hub models); weights are random.
+SHAPES = {
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+               num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "tiny": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
+}
+CONFIG = LossConfig(method="f-tis")
+
+
+def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, attn_implementation=attn)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    settings = MemberSettings(name=f"qwen2.5-{shape}", model="benchmark")
+    return Member(0, settings, model, None, optimizer, None, device, dtype)
+
+
+def batch(vocab: int, sequences: int, prompt_len: int, completion_len: int, seed: int = 0) -> list[TrainItem]:
+    g = torch.Generator().manual_seed(seed)
+    items = []
+    for i in range(sequences):
+        prompt = torch.randint(0, vocab, (prompt_len,), generator=g).tolist()
+        ids = torch.randint(0, vocab, (completion_len,), generator=g, dtype=torch.int32)
+        rollout = Rollout(i % 2, i, ids, -torch.rand(completion_len, generator=g) * 5, float(i % 2), "length", 0)
+        items.append(TrainItem(rollout, prompt, float(torch.randn(1, generator=g)), i // 4))
+    return items
+
+
+def logits_path_loss(member: Member, packed) -> torch.Tensor:
+    """The model's own logits for the packed row, log_softmax, the same F-TIS objective."""
+    device = member.device
+    out = member.model(input_ids=packed.input_ids[None].to(device), position_ids=packed.position_ids[None].to(device),
+                       use_cache=False)
+    logits = out.logits[0, packed.target_rows.to(device)].float() / CONFIG.temperature
+    logp = torch.log_softmax(logits, -1)
+    token = logp.gather(1, packed.targets[:, None].to(device)).squeeze(1)
+    counted = torch.ones_like(token, dtype=torch.bool)
+    loss, _ = ftis_objective(token, torch.zeros_like(token), packed.gen_logprobs.to(device),
+                             packed.advantages.to(device), packed.cu_seqlens.to(device), counted, CONFIG)
+    return loss
+
+
+def update(member: Member, packed, path: str) -> None:
+    member.optimizer.zero_grad(set_to_none=True)
+    if path == "fused":
+        loss = batch_loss(member, packed, CONFIG, backend="auto").loss
+    else:
+        loss = logits_path_loss(member, packed)
+    loss.backward()
+    member.optimizer.step()
+
+
+def model_flops_per_token(member: Member, context: int) -> float:
+    """6 x parameters touched per token (the lm_head counted once even when tied) + attention 12 L d context."""
+    cfg = member.model.config
+    params = sum(p.numel() for p in member.model.parameters())
+    if cfg.tie_word_embeddings:
+        params += cfg.vocab_size * cfg.hidden_size  # the tied matrix also serves as the head's matmul
+    params -= cfg.vocab_size * cfg.hidden_size  # the embedding lookup is not a matmul
+    return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
+
+
+def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | None) -> dict:
+    row = {"model": shape, "path": path, "sequences": args.sequences, "prompt_len": args.prompt_len,
+           "completion_len": args.completion_len}
+    try:
+        member = build(shape, device, dtype, args.attn)
+        packed = pack(batch(member.model.config.vocab_size, args.sequences, args.prompt_len, args.completion_len))
+        tokens = packed.input_ids.numel()
+        update(member, packed, path)  # warm-up (and optimizer state)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            update(member, packed, path)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        seconds = statistics.median(times)
+        row.update(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds)
+        flops = model_flops_per_token(member, (args.prompt_len + args.completion_len) // 2) * tokens
+        row["achieved_tflops"] = flops / seconds / 1e12
+        if peak_tflops:
+            row["mfu"] = row["achieved_tflops"] / peak_tflops
+        if device.type == "cuda":
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except torch.OutOfMemoryError:
+        row["skipped"] = "out of memory"
+    finally:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--models", nargs="*", default=["1.5b", "3b"], choices=list(SHAPES))
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--completion-len", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"])
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the device's dense bf16 peak for MFU (H100/H200 SXM: 989)")
+    parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "update")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.quick:
+        args.models, args.sequences, args.prompt_len, args.completion_len, args.repeats = ["tiny"], 4, 16, 24, 2
+    peak = args.peak_tflops if device.type == "cuda" else None
+    rows = []
+    for shape in args.models:
+        for path in ("fused", "logits"):
+            rows.append(measure(shape, path, args, device, dtype, peak))
+            print(json.dumps(rows[-1]), flush=True)
+    lines = ["| model | path | tokens | tokens/s | achieved TFLOP/s | MFU | peak GiB | speed vs logits | memory vs logits |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['model']} | {r['path']} | skipped: {r['skipped']} | | | | | | |")
+            continue
+        other = next((o for o in rows if o["model"] == r["model"] and o["path"] == "logits" and "seconds" in o), None)
+        speed = f"{other['seconds'] / r['seconds']:.2f}x" if other else "n/a"
+        mem = f"{r['peak_gib'] / other['peak_gib']:.2f}" if other and "peak_gib" in r else "n/a"
+        mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
+        peak_gib = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "n/a"
+        lines.append(f"| {r['model']} | {r['path']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['achieved_tflops']:.2f} | {mfu} | {peak_gib} | {speed} | {mem} |")
+    table = "\n".join(lines)
+    print(table)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python benchmarks/update.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "cpus": os.cpu_count(), "peak_tflops": peak}
+    args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    args.output.with_suffix(".md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
