@@ -84,9 +84,14 @@ def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last
     tmp = staging_dir(run_dir, step)
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
     final = checkpoint_root(run_dir) / f"step-{step}"
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if final.exists():  # never a moment without a complete step-N: move the old one aside first
+        old = checkpoint_root(run_dir) / f".old-step-{step}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
     prune(run_dir, keep_last)
     return final
 
@@ -126,16 +131,11 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
         weights = load_file(str(model_dir / "adapter_model.safetensors"), device=str(member.device))
         set_peft_model_state_dict(member.model, weights)
     else:
-        from safetensors.torch import load_file
-
-        state = {}
-        for shard in sorted(model_dir.glob("*.safetensors")):
-            state.update(load_file(str(shard), device=str(member.device)))
-        missing, unexpected = member.model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not _tied(member.model, k)]
-        if missing or unexpected:
-            raise RuntimeError(f"checkpoint {model_dir} does not match the model: missing {missing[:3]}, "
-                               f"unexpected {unexpected[:3]}")
+        # through transformers' own loader: it maps the saved (original-format) names back to the module's
+        # names, which differ for families whose weights transformers converts on load (e.g. MoE experts)
+        saved = type(member.model).from_pretrained(str(model_dir), dtype=member.dtype)
+        member.model.load_state_dict(saved.state_dict(), strict=True)
+        del saved
     optimizer_file = directory / "optimizer.pt"
     if load_optimizer and optimizer_file.exists():
         member.optimizer.load_state_dict(torch.load(optimizer_file, map_location=member.device, weights_only=True))
@@ -143,6 +143,3 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
     if rng_file.exists():
         set_rng_state(torch.load(rng_file, weights_only=False))
 
-
-def _tied(model, key: str) -> bool:
-    return key.endswith("lm_head.weight") and getattr(model.config, "tie_word_embeddings", False)

@@ -53,9 +53,8 @@ def train(
         typer.echo(dump_config(cfg), nl=False)
         return
     run_dir = run_directory(cfg)
-    if (run_dir / "metrics.jsonl").exists() and not resume:
-        raise UsageFailure(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
-                           "another run_name/--output-dir")
+    if not _under_torchrun():  # under torchrun the ranks decide together (launch.run_worker)
+        check_fresh_run(run_dir, resume)
     if nproc > 1 or _under_torchrun():
         from .launch import launch_distributed
 
@@ -74,6 +73,13 @@ def train(
     swarm.progress = Progress()
     run_training(cfg, run_dir, resume=resume, swarm=swarm)
     typer.echo(f"run directory: {run_dir}", err=True)
+
+
+def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
+    """A new run never writes into a directory that holds one: that needs --resume."""
+    if (run_dir / "metrics.jsonl").exists() and not resume:
+        raise UsageFailure(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
+                           "another run_name/--output-dir")
 
 
 def _under_torchrun() -> bool:

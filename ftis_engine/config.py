@@ -78,12 +78,12 @@ class AlgorithmSettings(_Section):
         "f-tis", description="Loss: nois | vis | tis | f-nois | f-vis | f-tis (default) | gepo."
     )
     is_cap: float = Field(2.0, gt=0.0, description="C: truncation of the importance weight min(exp(l - g), C).")
-    kl_threshold: float = Field(50.0, description="g: a sequence with A <= 0 and KL >= g is filtered.")
+    kl_threshold: float = Field(50.0, description="g: a sequence with A <= 0 and KL >= g is filtered (.inf: never).")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
     kl_reduction: Literal["sum", "mean", "padded_mean"] = Field("sum", description="KL over a sequence's tokens.")
     kl_max_len: int | None = Field(None, gt=0, description="Padded length for padded_mean (the authors: 768).")
     eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip: 1 - eps_low.")
-    eps_high: float = Field(0.2, ge=0.0, description="PPO clip: 1 + eps_high.")
+    eps_high: float = Field(0.2, ge=0.0, allow_inf_nan=False, description="PPO clip: 1 + eps_high.")
     normalization: Literal["sequence", "token", "constant"] = Field(
         "sequence", description="sequence (GRPO) | token (DAPO) | constant (Dr. GRPO)."
     )
@@ -91,6 +91,13 @@ class AlgorithmSettings(_Section):
     scale_rewards: Literal["group", "none"] = Field(
         "group", description="group: A = (r - mean) / (std + 1e-8); none: A = r - mean."
     )
+
+    @field_validator("kl_threshold")
+    @classmethod
+    def _not_nan(cls, value: float) -> float:
+        if value != value:
+            raise ValueError("must be a number (.inf disables the filter), not NaN")
+        return value
 
     @model_validator(mode="after")
     def _lengths_given(self) -> "AlgorithmSettings":
@@ -109,7 +116,8 @@ class RolloutSettings(_Section):
     group_size: int = Field(12, ge=2, description="G: completions per prompt.")
     prompts_per_step: int = Field(24, ge=1, description="Prompts per step across the swarm (vertical: dealt round-robin).")
     max_new_tokens: int = Field(768, ge=1, description="Completion length limit in tokens.")
-    temperature: float = Field(1.0, gt=0.0, description="Sampling temperature (the trainer divides logits by it).")
+    temperature: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                               description="Sampling temperature (the trainer divides logits by it).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; < 1 biases the IS ratios (warned).")
     top_k: int | None = Field(None, gt=0, description="Top-k sampling; set biases the IS ratios (warned).")
     generation_batch_size: int = Field(256, ge=1, description="Sequences per generate() call of the HF generator.")
@@ -156,7 +164,11 @@ class EvalSettings(_Section):
 
 
 class SwarmSettings(_Section):
-    timeout_s: float = Field(600.0, gt=0.0, description="Timeout of every collective; a dead or hung peer ends the run.")
+    timeout_s: float = Field(
+        1800.0, gt=0.0,
+        description="Timeout of every collective; a dead or hung peer ends the run. Members also wait for each "
+                    "other's generation and eval, so it must exceed the slowest member's eval.",
+    )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl when members are on GPUs, else gloo.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")
 
@@ -199,6 +211,10 @@ class RunConfig(_Section):
             raise ValueError("rollout.group_size must be >= the number of members in horizontal mode")
         if self.collaboration != "horizontal" and self.rollout.prompts_per_step < len(self.members):
             raise ValueError("rollout.prompts_per_step must be >= the number of members (each member needs a prompt)")
+        try:  # the loss op's own checks, now rather than at the first step
+            self.algorithm.loss_config(self.rollout.temperature)
+        except ValueError as exc:
+            raise ValueError(f"algorithm: {exc}".replace("LossConfig.", "")) from None
         return self
 
 

@@ -24,7 +24,7 @@ class LocalExchange:
     world_size = 1
     rank = 0
 
-    def share(self, buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def share(self, buffers: dict[int, torch.Tensor], limits: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
         return dict(buffers)
 
     def barrier(self) -> None:
@@ -52,17 +52,20 @@ class RolloutChecker:
     golds: list[str]  # gold answer of every training prompt, by prompt index
     vocab_size: int
     max_new_tokens: int
-    dealt: dict[int, set[int]] = field(default_factory=dict)  # member -> prompt indices dealt to it this step
+    dealt: dict[int, dict[int, int]] = field(default_factory=dict)  # member -> {prompt index: completions}
 
     def score(self, rollout: Rollout) -> float:
-        text = self.tokenizer.decode(rollout.completion_ids.tolist(), skip_special_tokens=True)
+        try:
+            text = self.tokenizer.decode(rollout.completion_ids.tolist(), skip_special_tokens=True)
+        except Exception as exc:  # ids the tokenizer cannot decode
+            raise RolloutError(f"cannot decode completion: {exc}") from None
         return float(self.reward(text, self.golds[rollout.prompt_index]))
 
     def accept(self, buffer: torch.Tensor, sender: int) -> list[Rollout]:
         """Decode and validate a peer's buffer, re-score every rollout; raise RolloutError on any problem."""
         rollouts = decode(buffer)
         validate(rollouts, sender=sender, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens,
-                 allowed_prompts=self.dealt.get(sender), num_prompts=len(self.golds))
+                 expected=self.dealt.get(sender), num_prompts=len(self.golds))
         for i, rollout in enumerate(rollouts):
             local = self.score(rollout)
             if abs(local - rollout.reward) > 1e-6:
@@ -108,15 +111,22 @@ class DistributedExchange:
         # NCCL moves device tensors only; gloo works on CPU tensors.
         self.device = device if backend == "nccl" else torch.device("cpu")
 
-    def share(self, buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    def share(self, buffers: dict[int, torch.Tensor], limits: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
+        """limits: member -> the most words an honest buffer of theirs can hold this step. A size announced
+        outside [1, limit] is never received (every rank sees the same sizes and skips that broadcast alike)
+        and comes back as an empty buffer, which the receiver's checks reject."""
         import torch.distributed as dist
 
         own = buffers[self.rank].to(self.device, torch.int32).contiguous()
         sizes = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)]
         dist.all_gather(sizes, torch.tensor([own.numel()], dtype=torch.int64, device=self.device))
         received = {}
-        for src, size in enumerate(sizes):
-            tensor = own if src == self.rank else torch.empty(int(size.item()), dtype=torch.int32, device=self.device)
+        for src, size in enumerate(int(s.item()) for s in sizes):
+            limit = (limits or {}).get(src)
+            if size < 1 or (limit is not None and size > limit):
+                received[src] = torch.zeros(0, dtype=torch.int32)
+                continue
+            tensor = own if src == self.rank else torch.empty(size, dtype=torch.int32, device=self.device)
             dist.broadcast(tensor, src=src)
             received[src] = tensor.cpu()
         return received

@@ -111,6 +111,18 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
                                              world_size=world, timeout=timeout)
         exchange = DistributedExchange(rank, world, device, backend)
+        if not restarted:  # a restart resumes by design; a first start must not write into another run
+            from .cli import UsageFailure, check_fresh_run
+
+            problem = None
+            if rank == 0:
+                try:
+                    check_fresh_run(pathlib.Path(run_dir), resume)
+                except UsageFailure as exc:
+                    problem = str(exc)
+            problem = exchange.all_gather_object(problem)[0]
+            if problem:
+                raise ConfigError(problem) if rank == 0 else ConfigError("(rank 0 reported the error)")
         tokenizers = preflight(config, members=[rank])
         hashes = exchange.all_gather_object(vocabulary_hash(tokenizers[rank]))
         if len(set(hashes)) > 1:
@@ -121,7 +133,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
                             local_rank=local_rank, tokenizers=tokenizers, progress=Progress(enabled=rank == 0))
         train(config, pathlib.Path(run_dir), resume=resume or restarted, swarm=swarm)
     except (ConfigError, TaskError) as exc:
-        if rank == 0 or "tokenizer vocabulary" not in str(exc):
+        if rank == 0 or ("tokenizer vocabulary" not in str(exc) and "rank 0 reported" not in str(exc)):
             sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
         sys.stderr.flush()
         os._exit(CONFIG_ERROR_EXIT)

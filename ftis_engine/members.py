@@ -37,6 +37,11 @@ class Member:
         lm = self.causal_lm
         return lm.get_decoder(), lm.get_output_embeddings()
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the lm_head: the token ids the loss accepts (may exceed the tokenizer's length)."""
+        return int(self.causal_lm.get_output_embeddings().weight.shape[0])
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
 

@@ -100,17 +100,33 @@ def decode(buffer: torch.Tensor) -> list[Rollout]:
     return out
 
 
+def max_buffer_words(num_sequences: int, max_new_tokens: int) -> int:
+    """The largest honest buffer for `num_sequences` completions: what a receiver is willing to allocate."""
+    return 1 + HEADER_WORDS * num_sequences + 2 * num_sequences * max_new_tokens
+
+
 def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
-             allowed_prompts: set[int] | None, num_prompts: int) -> None:
-    """Check a peer's rollouts before training on them; raises RolloutError naming the first problem."""
+             expected: dict[int, int] | None, num_prompts: int) -> None:
+    """Check a peer's rollouts before training on them; raises RolloutError naming the first problem.
+    expected: prompt index -> number of completions dealt to the sender this step (None: not checked)."""
+    if expected is not None:
+        counts: dict[int, int] = {}
+        for r in rollouts:
+            counts[r.prompt_index] = counts.get(r.prompt_index, 0) + 1
+        for prompt, count in counts.items():
+            if prompt not in expected:
+                raise RolloutError(f"prompt index {prompt} was not dealt to member {sender} this step")
+            if count != expected[prompt]:
+                raise RolloutError(f"{count} completions of prompt {prompt}, {expected[prompt]} were dealt")
+        missing = set(expected) - set(counts)
+        if missing:
+            raise RolloutError(f"no completions of dealt prompt {min(missing)}")
     for i, r in enumerate(rollouts):
         where = f"sequence {i}"
         if r.member != sender:
             raise RolloutError(f"{where}: claims member {r.member}, sent by member {sender}")
         if not 0 <= r.prompt_index < num_prompts:
             raise RolloutError(f"{where}: prompt index {r.prompt_index} is outside the dataset (0..{num_prompts - 1})")
-        if allowed_prompts is not None and r.prompt_index not in allowed_prompts:
-            raise RolloutError(f"{where}: prompt index {r.prompt_index} was not dealt to member {sender} this step")
         if r.gen_logprobs.numel() != r.num_tokens:
             raise RolloutError(f"{where}: {r.gen_logprobs.numel()} log-probs for {r.num_tokens} tokens")
         if not 1 <= r.num_tokens <= max_new_tokens:

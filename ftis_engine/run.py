@@ -21,16 +21,16 @@ from dataclasses import dataclass, field
 import torch
 
 from .checkpoint import finalize_checkpoint, latest_checkpoint, read_state, restore_member, stage_members
-from .config import RunConfig, dump_config
+from .config import ConfigError, RunConfig, dump_config
 from .evaluate import evaluate_member
 from .exchange import LocalExchange, RolloutChecker, receive
 from .generation import SamplingSettings
 from .members import Member, build_member, preflight, resolve_device
 from .metrics import MetricsLogger, truncate_metrics
 from .progress import Progress
-from .rollouts import Rollout, TrainItem, encode, group_advantages, wire_bytes
+from .rollouts import Rollout, TrainItem, encode, group_advantages, max_buffer_words, wire_bytes
 from .tasks import Task, load_task, prompt_ids
-from .update import check_packed_attention, update_member
+from .update import check_model, update_member
 
 log = logging.getLogger("ftis_engine")
 
@@ -65,17 +65,16 @@ class Swarm:
 
 
 def prompts_for_step(step: int, indices: list[int], per_step: int, seed: int, shuffle: bool) -> list[int]:
-    """The step's prompts (step >= 1): consecutive slices of epoch-wise permutations of the training set,
-    identical in every process (no communication needed)."""
-    start = (step - 1) * per_step
-    chosen = []
-    for position in range(start, start + per_step):
-        epoch, offset = divmod(position, len(indices))
-        order = list(indices)
-        if shuffle:
-            random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
-        chosen.append(order[offset])
-    return chosen
+    """The step's prompts (step >= 1): the next slice of this epoch's permutation of the training set, identical
+    in every process (no communication needed). An epoch is floor(len / per_step) whole slices, so a step never
+    holds a prompt twice (the few left over join the next epoch's shuffle)."""
+    if len(indices) < per_step:
+        raise ValueError(f"rollout.prompts_per_step={per_step} exceeds the {len(indices)} usable training prompts")
+    epoch, slot = divmod(step - 1, len(indices) // per_step)
+    order = list(indices)
+    if shuffle:
+        random.Random(f"{seed}-epoch-{epoch}").shuffle(order)
+    return order[slot * per_step : (slot + 1) * per_step]
 
 
 def deal(prompts: list[int], member: int, num_members: int, collaboration: str, group_size: int) -> list[tuple[int, int]]:
@@ -152,7 +151,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     if sharing:
         swarm.exchange.barrier()  # waiting for slower peers is not the exchange's cost: time it apart
     exchange_wait = time.perf_counter() - start
-    received = swarm.exchange.share(buffers) if sharing else buffers
+    limits = {m: max_buffer_words(sum(n for _, n in a), config.rollout.max_new_tokens) for m, a in assignments.items()}
+    received = swarm.exchange.share(buffers, limits) if sharing else buffers
     exchange_seconds = time.perf_counter() - start - exchange_wait
 
     records = []
@@ -160,8 +160,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     for member in swarm.members:
         checker = RolloutChecker(
             tokenizer=member.tokenizer, reward=swarm.task.reward, golds=[ex.answer for ex in swarm.task.train],
-            vocab_size=len(member.tokenizer), max_new_tokens=config.rollout.max_new_tokens,
-            dealt={m: {p for p, _ in a} for m, a in assignments.items()},
+            vocab_size=member.vocab_size, max_new_tokens=config.rollout.max_new_tokens,
+            dealt={m: dict(a) for m, a in assignments.items()},
         )
         got = receive(received, member.index, own[member.index], checker, swarm.names) if sharing else None
         rollouts = got.rollouts if sharing else own[member.index]
@@ -286,7 +286,7 @@ def setup_swarm(config: RunConfig, run_dir: pathlib.Path, exchange=None, local_m
     for i in indices:
         device = resolve_device(config.train.device, local_rank if local_rank is not None else i)
         member = build_member(i, config, tokenizers[i], device)
-        check_packed_attention(member)
+        check_model(member)
         members.append(member)
     first = tokenizers[0] if tokenizers[0] is not None else members[0].tokenizer
     probe = Swarm(config, task, members, exchange, run_dir, None, progress or Progress(enabled=False), [],
@@ -294,8 +294,16 @@ def setup_swarm(config: RunConfig, run_dir: pathlib.Path, exchange=None, local_m
     limit = config.data.max_prompt_tokens
     train_indices = [i for i, ex in enumerate(task.train) if len(prompt_ids(first, task, ex.question)) <= limit]
     train_indices = exchange.all_gather_object(train_indices)[0]  # every rank draws prompts from rank 0's list
-    if not train_indices:
-        raise RuntimeError(f"data.max_prompt_tokens={limit}: no training prompt is that short")
+    if len(train_indices) < config.rollout.prompts_per_step:
+        raise ConfigError(f"data.max_prompt_tokens={limit}: only {len(train_indices)} training prompts are that "
+                          f"short, fewer than rollout.prompts_per_step={config.rollout.prompts_per_step}")
+    for name, examples in task.evals.items():  # eval prompts obey the same limit (a vLLM engine is sized by it)
+        keep = [i for i, ex in enumerate(examples) if len(prompt_ids(first, task, ex.question)) <= limit]
+        kept = [examples[i] for i in exchange.all_gather_object(keep)[0]]
+        if len(kept) < len(examples):
+            log.warning("eval %s: %d of %d prompts exceed data.max_prompt_tokens=%d and are left out", name,
+                        len(examples) - len(kept), len(examples), limit)
+        task.evals[name] = kept
     probe.train_indices = train_indices
     return probe
 
@@ -309,7 +317,7 @@ def train(config: RunConfig, run_dir: pathlib.Path, resume: bool = False, swarm:
     if swarm.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
-        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 is logged anew
     swarm.exchange.barrier()
     if swarm.is_main:  # rank 0 writes what every rank reports
         swarm.logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None)

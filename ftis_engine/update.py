@@ -86,26 +86,40 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
     return stats
 
 
-def check_packed_attention(member) -> None:
-    """Fail fast if this transformers version lets packed sequences attend to each other: two short sequences
-    packed in one row must give the hidden states they give alone."""
-    body, _ = member.body_and_head()
+def check_model(member) -> None:
+    """Fail fast on a model the fused path would get wrong: (1) packed sequences must be isolated (two short
+    sequences packed in one row give the hidden states they give alone); (2) the model's logits must be
+    lm_head(final hidden state), with no soft-capping or scaling that the fused head would leave out."""
+    from ftis_kernels import fused_linear_token_logprobs
+
+    from .config import ConfigError
+
+    body, head = member.body_and_head()
     gen = torch.Generator().manual_seed(0)
-    vocab = member.causal_lm.config.vocab_size
+    vocab = member.vocab_size
     a, b = torch.randint(0, vocab, (5,), generator=gen), torch.randint(0, vocab, (3,), generator=gen)
     device = member.device
+    tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
     with torch.no_grad():
         alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0] for x in (a, b)])
         packed = body(input_ids=torch.cat([a, b])[None].to(device),
                       position_ids=torch.cat([torch.arange(5), torch.arange(3)])[None].to(device),
                       use_cache=False).last_hidden_state[0]
-    error = float((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp(min=1e-6))
-    tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
-    if error > tolerance:
-        import transformers
+        error = float((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp(min=1e-6))
+        if error > tolerance:
+            import transformers
 
-        raise RuntimeError(
-            f"{member.name}: packed sequences are not isolated by transformers {transformers.__version__} with "
-            f"attn_implementation={member.causal_lm.config._attn_implementation} (relative error {error:.3g}); "
-            "use a transformers version that detects packing from position_ids"
+            raise ConfigError(
+                f"members.{member.index}.model: packed sequences are not isolated by transformers "
+                f"{transformers.__version__} with attn_implementation={member.causal_lm.config._attn_implementation} "
+                f"(relative error {error:.3g}); use a transformers version that detects packing from position_ids"
+            )
+        logits = member.causal_lm(input_ids=a[None].to(device), use_cache=False).logits[0].float()
+        expected = torch.log_softmax(logits, -1).gather(1, b[:1].repeat(5)[:, None].to(device)).squeeze(1)
+        fused = fused_linear_token_logprobs(alone[:5], head.weight, b[:1].repeat(5).to(device), bias=head.bias)
+    gap = float((fused - expected).abs().max())
+    if gap > (1e-3 if member.dtype == torch.float32 else 0.1):
+        raise ConfigError(
+            f"members.{member.index}.model: its logits are not lm_head(hidden) (log-prob gap {gap:.3g}; soft-capping "
+            "or logit scaling?): the fused loss would score tokens differently from the model that samples them"
         )

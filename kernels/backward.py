@@ -24,7 +24,7 @@ def _backward_kernel(
     N, V, D, stride_x, stride_w, stride_dx, inv_temp, v_blocks,
     FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, FP32_GRAD: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_n = pid // v_blocks
@@ -47,20 +47,23 @@ def _backward_kernel(
     grad = coef[:, None] * (onehot - p)
     if FUSED:
         rv64 = rv.to(tl.int64)
-        g = grad.to(X.dtype.element_ty)
+        # bf16 keeps fp32's exponent range, so the tile may be rounded to it for the tensor cores; fp16 would
+        # flush the many tiny c_t * p_v entries to zero, so fp16 inputs multiply in fp32 instead.
+        g = grad if FP32_GRAD else grad.to(X.dtype.element_ty)
         for d0 in range(0, D, BLOCK_D):
             rd = d0 + tl.arange(0, BLOCK_D)
             d_ok = rd < D
             if NEED_DX:
                 w = tl.load(W + rv64[:, None] * stride_w + rd[None, :], mask=col_ok[:, None] & d_ok[None, :],
                             other=0.0)
-                dh = _mm(g, w, None, PRECISION, UPCAST)
+                dh = _mm(g, w.to(tl.float32), None, "ieee", True) if FP32_GRAD else _mm(g, w, None, PRECISION, UPCAST)
                 tl.atomic_add(DX + rn64[:, None] * D + rd[None, :], dh, mask=row_ok[:, None] & d_ok[None, :],
                               sem="relaxed")
             if NEED_DW:
                 h = tl.load(X + rn64[:, None] * stride_x + rd[None, :], mask=row_ok[:, None] & d_ok[None, :],
                             other=0.0)
-                dw = _mm(tl.trans(g), h, None, PRECISION, UPCAST)
+                dw = _mm(tl.trans(g), h.to(tl.float32), None, "ieee", True) if FP32_GRAD \
+                    else _mm(tl.trans(g), h, None, PRECISION, UPCAST)
                 tl.atomic_add(DW + rv64[:, None] * D + rd[None, :], dw, mask=col_ok[:, None] & d_ok[None, :],
                               sem="relaxed")
         if NEED_DB:
@@ -101,7 +104,8 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
         1.0 / temperature, v_blocks,
         FUSED=fused, HAS_BIAS=bias is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
         BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=blocks.block_d,
-        PRECISION=_dot_precision(x.dtype), UPCAST=_upcast_dots(x.dtype), num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        PRECISION=_dot_precision(x.dtype), UPCAST=_upcast_dots(x.dtype), FP32_GRAD=x.dtype == torch.float16,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
     )
     if fused:
         dx = None if dx is None else dx.to(x.dtype)

@@ -26,6 +26,13 @@ def corrupt(buffer: torch.Tensor, mode: str) -> torch.Tensor:
         buffer[1 + 2] = struct.unpack("<i", struct.pack("<f", 1.0 - claimed))[0]
     elif mode == "truncated":
         buffer = buffer[:-3]
+    elif mode == "oversized":  # announces more than any honest buffer this step could hold
+        buffer = torch.cat([buffer, torch.zeros(1_000_000, dtype=torch.int32)])
+    elif mode == "extra":  # one more completion of the first prompt than was dealt (a re-encoded copy)
+        from ftis_engine.rollouts import decode, encode
+
+        rollouts = decode(buffer)
+        buffer = encode(rollouts + rollouts[:1])
     return buffer
 
 
@@ -34,8 +41,8 @@ def main() -> None:
     if mode != "none":
         honest_share = exchange.DistributedExchange.share
 
-        def share(self, buffers):
-            return honest_share(self, {self.rank: corrupt(buffers[self.rank], mode)})
+        def share(self, buffers, limits=None):
+            return honest_share(self, {self.rank: corrupt(buffers[self.rank], mode)}, limits)
 
         exchange.DistributedExchange.share = share
     from ftis_engine.cli import main as cli_main

@@ -91,3 +91,18 @@ def test_bad_files(tmp_path):
     empty_members.write_text("members: []\n")
     with pytest.raises(ConfigError, match="members"):
         load_config(empty_members)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("algorithm.kl_threshold=.nan", "algorithm.kl_threshold"),
+    ("algorithm.eps_high=.inf", "algorithm.eps_high"),
+    ("rollout.temperature=.inf", "rollout.temperature"),
+    ("algorithm.is_cap=.nan", "algorithm.is_cap"),
+])
+def test_non_finite_loss_settings_are_refused_at_load_time(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(TINY, [override])
+
+
+def test_an_infinite_kl_threshold_disables_the_filter():
+    assert load_config(TINY, ["algorithm.kl_threshold=.inf"]).algorithm.kl_threshold == float("inf")

@@ -163,3 +163,16 @@ def test_gsm8k_task_runs_on_the_real_data_with_tiny_models(tmp_path, shared_data
     assert run_cli(*train_args(tmp_path, *overrides)) == 0
     datasets = {r["dataset"] for r in records(tmp_path / "e2e") if r["kind"] == "eval"}
     assert datasets == {"gsm8k", "math500"}
+
+
+@pytest.mark.slow
+def test_resume_without_any_checkpoint_starts_over_without_duplicating_step_0(tmp_path):
+    import shutil
+
+    assert run_cli(*train_args(tmp_path, "train.steps=2", "eval.every=0")) == 0
+    shutil.rmtree(tmp_path / "e2e" / "checkpoints")  # as if the run died before its first checkpoint
+    assert run_cli(*train_args(tmp_path, "train.steps=2", "eval.every=0"), "--resume") == 0
+    lines = records(tmp_path / "e2e")
+    assert sorted((r["step"], r["member"]) for r in lines if r["kind"] == "eval" and r["step"] == 0) == [
+        (0, "tiny-m-lora"), (0, "tiny-s")]
+    assert train_steps(tmp_path / "e2e") == {m: [1, 2] for m in ("tiny-s", "tiny-m-lora")}

@@ -73,3 +73,23 @@ def test_top_p_below_one_warns_once_about_biased_ratios(monkeypatch):
         for _ in range(2):
             m.generator.generate([m.tokenizer("3=")["input_ids"]], SamplingSettings(n=2, max_new_tokens=2, top_p=0.9))
     assert sum("biased" in str(w.message) for w in caught) == 1
+
+
+def test_a_models_shipped_sampling_defaults_do_not_leak_into_the_recorded_distribution():
+    """Models ship generation configs (min_p, top_k, temperature...); sampling must use exactly ours."""
+    m, _ = member(1)
+    m.causal_lm.generation_config.min_p = 0.999  # would turn sampling into greedy decoding
+    m.causal_lm.generation_config.top_k = 3
+    m.causal_lm.generation_config.temperature = 0.3
+    prompt = m.tokenizer("12=")["input_ids"]
+    completions = m.generator.generate([prompt], SamplingSettings(n=8, max_new_tokens=6, seed=3))[0]
+    body, head = m.body_and_head()
+    for c in completions:
+        ids = torch.tensor(prompt + c.token_ids.tolist())
+        with torch.no_grad():
+            hidden = body(input_ids=ids[None], use_cache=False).last_hidden_state[0]
+        rows = hidden[len(prompt) - 1 : len(prompt) - 1 + c.token_ids.numel()]
+        torch.testing.assert_close(c.logprobs, fused_linear_token_logprobs(rows, head.weight, c.token_ids.long()),
+                                   rtol=0, atol=2e-5)
+    assert m.causal_lm.generation_config.min_p == 0.999  # the model's own config is left as it was
+    assert len({tuple(c.token_ids.tolist()) for c in completions}) > 1  # sampled, not greedy

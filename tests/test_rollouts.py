@@ -64,7 +64,7 @@ def test_validation_names_the_problem(mutate, reason):
     rollouts = _rollouts(1)
     mutate(rollouts[0])
     with pytest.raises(RolloutError, match=reason):
-        validate(rollouts, sender=1, vocab_size=100, max_new_tokens=8, allowed_prompts=None, num_prompts=100)
+        validate(rollouts, sender=1, vocab_size=100, max_new_tokens=8, expected=None, num_prompts=100)
 
 
 def test_group_advantages_match_the_formula_per_group():
@@ -127,3 +127,42 @@ def test_micro_batching_does_not_change_the_gradient(method, normalization):
     assert stats["micro_batches"] > 1
     for whole, split in zip(*grads):
         torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_a_peer_cannot_inflate_a_group_with_extra_or_missing_completions():
+    from ftis_engine.exchange import RolloutChecker
+    from ftis_engine.rewards import tiny_answer_reward
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(str(i % 10) for i in ids)
+
+    rollouts = _rollouts(3)
+    for r in rollouts:
+        r.reward = tiny_answer_reward(Tok().decode(r.completion_ids.tolist()), "7")
+    checker = RolloutChecker(Tok(), tiny_answer_reward, ["7"] * 100, vocab_size=100, max_new_tokens=8,
+                             dealt={1: {10: 1, 11: 1, 12: 1}})
+    assert len(checker.accept(encode(rollouts), sender=1)) == 3
+    with pytest.raises(RolloutError, match="completions of prompt 10"):
+        checker.accept(encode(rollouts + [rollouts[0]] * 40), sender=1)
+    with pytest.raises(RolloutError, match="no completions of dealt prompt 12"):
+        checker.accept(encode(rollouts[:2]), sender=1)
+    with pytest.raises(RolloutError, match="not dealt"):
+        validate(rollouts, sender=1, vocab_size=100, max_new_tokens=8, expected={10: 1, 11: 1}, num_prompts=100)
+
+
+def test_prompts_never_repeat_within_a_step_and_an_epoch_covers_distinct_prompts():
+    from ftis_engine.run import prompts_for_step
+
+    indices = list(range(100, 150))  # 50 usable prompts, 24 a step: 2 steps an epoch
+    seen_in_epoch = set()
+    for step in range(1, 41):
+        prompts = prompts_for_step(step, indices, 24, seed=0, shuffle=True)
+        assert len(prompts) == 24 and len(set(prompts)) == 24 and set(prompts) <= set(indices)
+        if step % 2 == 1:
+            seen_in_epoch = set()
+        assert not seen_in_epoch & set(prompts)
+        seen_in_epoch |= set(prompts)
+    assert prompts_for_step(3, indices, 24, 0, True) == prompts_for_step(3, indices, 24, 0, True)
+    with pytest.raises(ValueError, match="prompts_per_step"):
+        prompts_for_step(1, indices[:10], 24, 0, True)

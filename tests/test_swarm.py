@@ -57,13 +57,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300):
+def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300,
+                 env_extra: dict | None = None):
     """Start `world` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
     port = _free_port()
     procs = []
     for rank in range(world):
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
         mode = (modes or {}).get(rank, "none")
         procs.append(subprocess.Popen([sys.executable, str(HERE / "swarm_worker.py"), mode, *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -105,7 +106,7 @@ def test_three_processes_every_member_trains_on_every_members_rollouts(tmp_path)
         assert len(r["received_sha256"]) == 2
 
 
-@pytest.mark.parametrize("mode", ["ids", "nan", "reward", "truncated"])
+@pytest.mark.parametrize("mode", ["ids", "nan", "reward", "truncated", "oversized", "extra"])
 def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_path, mode):
     results = _hand_launch(2, _args(tmp_path, "train.steps=2", "checkpoint.every=0"), modes={1: mode})
     assert [code for code, _ in results] == [0, 0], results
@@ -117,6 +118,18 @@ def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_pat
     assert all(r["loss"] is not None and abs(r["loss"]) < 1e3 for r in records)
     cheated = [r for r in records if r["member"] == "tiny-m-lora"]
     assert all(r["rejected_batches"] == 0 and r["sequences"] == 2 * r["own_sequences"] for r in cheated)
+
+
+def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_run(tmp_path):
+    args = _args(tmp_path, "train.steps=2", "checkpoint.every=0")
+    assert [code for code, _ in _hand_launch(2, args)] == [0, 0]
+    refused = _hand_launch(2, args)
+    assert [code for code, _ in refused] == [2, 2]
+    assert "already holds a run" in refused[0][1] and len(refused[0][1].strip().splitlines()) == 1
+    longer = _args(tmp_path, "train.steps=3", "checkpoint.every=0")
+    resumed = _hand_launch(2, longer, env_extra={"TORCHELASTIC_RESTART_COUNT": "1"})
+    assert [code for code, _ in resumed] == [0, 0], resumed
+    assert _steps(tmp_path) == {m: [1, 2, 3] for m in ("tiny-s", "tiny-m-lora")}
 
 
 def test_mismatched_tokenizers_stop_at_start_with_exit_2(tmp_path):

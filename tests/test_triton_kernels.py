@@ -153,3 +153,18 @@ def test_chunked_torch_pass_is_independent_of_the_chunk_size():
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_fp16_gradients_keep_the_many_tiny_softmax_terms():
+    """With a larger vocabulary most c_t * p_v are below fp16's normal range: rounding the gradient tile to fp16
+    before the matmuls would lose them (the kernel multiplies fp16 inputs in fp32)."""
+    hidden, weight, _, targets = _inputs(8, n=32, vocab=3000, dim=32, ignore=False)
+    counted = torch.ones_like(targets, dtype=torch.bool)
+    h, w = hidden.half().requires_grad_(), weight.half().requires_grad_()
+    lp, _ = TritonTokenLogprobs.apply(h, w, None, targets, counted, 1.0, Blocks(block_n=16, block_v=64, block_d=16))
+    (lp * 1e-3).sum().backward()  # small upstream gradients, as a mean over many tokens gives
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.log_softmax(h64 @ w64.T, -1).gather(1, targets[:, None]).squeeze(1)
+    (ref * 1e-3).sum().backward()
+    for ours, exact in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert float((ours.double() - exact).abs().max() / exact.abs().max()) < 2e-2

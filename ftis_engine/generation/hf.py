@@ -8,6 +8,8 @@ on the next step, the log-prob of the token that was sampled from them. Memory: 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
@@ -72,6 +74,19 @@ class HFGenerator:
             use_cache=True, **sampling,
         )
 
+    @contextlib.contextmanager
+    def _without_model_defaults(self):
+        """transformers fills every field our config leaves unset (min_p, typical_p, ...) from the model's own
+        generation config, and such warpers would run after the log-prob recorder: swap in a blank one."""
+        lm = self.model.get_base_model() if hasattr(self.model, "peft_config") else self.model
+        saved = lm.generation_config
+        lm.generation_config = GenerationConfig(eos_token_id=sorted(self.eos_ids),
+                                                pad_token_id=self.tokenizer.pad_token_id)
+        try:
+            yield
+        finally:
+            lm.generation_config = saved
+
     def _batches(self, prompts: list[list[int]]):
         for start in range(0, len(prompts), self.batch_size):
             chunk = prompts[start : start + self.batch_size]
@@ -91,7 +106,7 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
+        with torch.random.fork_rng(devices=devices), self._without_model_defaults():
             torch.manual_seed(sampling.seed)
             for ids, mask in self._batches(repeated):
                 recorder = _SampledLogprobRecorder()
@@ -123,8 +138,9 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         for ids, mask in self._batches(prompts):
-            out = self.model.generate(input_ids=ids, attention_mask=mask,
-                                      generation_config=self._clean_config(max_new_tokens, do_sample=False))
+            with self._without_model_defaults():
+                out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                          generation_config=self._clean_config(max_new_tokens, do_sample=False))
             for row in out[:, ids.shape[1] :].cpu():
                 done = cut_at_eos(row, torch.zeros(row.numel()), self.eos_ids, max_new_tokens)
                 outputs.append(done.token_ids)

@@ -159,7 +159,14 @@ class VLLMGenerator:
         if self.lora:
             self._push_adapter()
         else:
-            weights = [(name, tensor.detach()) for name, tensor in self._model.state_dict().items()]
+            state = self._model.state_dict()
+            try:  # transformers >= 5 renames some families' weights on load; vLLM expects the checkpoint's names
+                from transformers.core_model_loading import revert_weight_conversion
+
+                state = revert_weight_conversion(self._model, state)
+            except ImportError:
+                pass
+            weights = [(name, tensor.detach()) for name, tensor in state.items()]
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.llm.reset_prefix_cache()
         self._stale = False
