@@ -132,9 +132,8 @@ def _check_matrix(name: str, t, backend: str) -> torch.Tensor:
 def _token_logprobs(x, weight, bias, targets, counted, temperature: float, backend: str):
     if backend == "triton":
         from .backward import TritonTokenLogprobs
-        from .logprobs import DEFAULT_BLOCKS
 
-        return TritonTokenLogprobs.apply(x, weight, bias, targets, counted, float(temperature), DEFAULT_BLOCKS)
+        return TritonTokenLogprobs.apply(x, weight, bias, targets, counted, float(temperature), None)
     return chunked_token_logprobs(x, weight, bias, targets, counted, temperature)
 
 

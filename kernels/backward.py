@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .logprobs import DEFAULT_BLOCKS, Blocks, _dot_precision, _logit_tile, _mm, _upcast_dots, triton_forward
+from .logprobs import Blocks, _dot_precision, _logit_tile, _mm, _upcast_dots, default_blocks, triton_forward
 
 
 @triton.jit
@@ -79,10 +79,11 @@ def backward_grid(n: int, vocab: int, blocks: Blocks) -> tuple[tuple[int], int]:
     return (triton.cdiv(n, blocks.block_n) * v_blocks,), v_blocks
 
 
-def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, needs, blocks: Blocks = DEFAULT_BLOCKS):
+def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, needs, blocks: Blocks | None = None):
     """Gradients (dx, dweight, dbias) given c_t = (dL/dl_t) / T per token ([N] fp32, 0 where ignored).
     `needs` = which of the three are wanted; the others come back as None."""
     fused = weight is not None
+    blocks = blocks or default_blocks("backward", "fused" if fused else "logits", x.dtype)
     n = x.shape[0]
     vocab = weight.shape[0] if fused else x.shape[1]
     dim = x.shape[1] if fused else 1
@@ -119,7 +120,7 @@ class TritonTokenLogprobs(torch.autograd.Function):
     Logits mode: x is logits [N, V], weight and bias None. Fused-linear mode: x is hidden [N, d]."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, counted, temperature: float, blocks: Blocks):
+    def forward(ctx, x, weight, bias, targets, counted, temperature: float, blocks: Blocks | None = None):
         target_minus_lse, entropy, lse = triton_forward(x, weight, bias, targets, temperature, blocks)
         logprobs = torch.where(counted, target_minus_lse, torch.zeros_like(lse))
         ctx.save_for_backward(x, weight, bias, targets, counted, lse)

@@ -18,7 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-NEG_BIG = -1.0e30  # a finite "minus infinity" for running maxima: exp(NEG_BIG - m) == 0 and 0 * NEG_BIG == 0
+# a finite "minus infinity" for running maxima: exp(NEG_BIG - m) == 0 and 0 * NEG_BIG == 0 (a constexpr: jit code
+# may only read constexpr globals)
+NEG_BIG = tl.constexpr(-1.0e30)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,31 @@ class Blocks:
 
 
 DEFAULT_BLOCKS = Blocks()
+
+# Tiles per (pass, mode, input dtype), chosen so that ptxas compiles each kernel for sm_90a without register spills
+# (benchmarks/compile_sm90.py --sweep), preferring large matmul tiles in fused-linear mode (fewer re-reads of the
+# weight, fewer atomics) and high occupancy in the memory-bound logits mode. Speed on the device is still to be
+# measured; fp16's fused backward multiplies in fp32 and spills a little at every size tried.
+_TILES = {
+    ("forward", "fused", "half"): Blocks(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3),
+    ("forward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
+    ("backward", "fused", "bf16"): Blocks(block_n=128, block_v=128, block_d=16, num_warps=8, num_stages=3),
+    ("backward", "fused", "fp16"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
+    ("backward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
+    ("forward", "logits", "any"): Blocks(block_n=8, block_v=512, block_d=16, num_warps=8, num_stages=3),
+    ("backward", "logits", "any"): Blocks(block_n=8, block_v=512, block_d=16, num_warps=8, num_stages=3),
+}
+
+
+def default_blocks(kernel: str, mode: str, dtype) -> Blocks:
+    """Tile sizes per pass ("forward" | "backward"), mode ("fused" | "logits") and input dtype (a torch dtype or
+    one of "bf16", "fp16", "fp32")."""
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, dtype)
+    for key in ((kernel, mode, name), (kernel, mode, "half" if name in ("bf16", "fp16") else name),
+                (kernel, mode, "any")):
+        if key in _TILES:
+            return _TILES[key]
+    return DEFAULT_BLOCKS
 
 
 def _dot_precision(dtype: torch.dtype) -> tl.constexpr:
@@ -140,10 +167,11 @@ def forward_grid(n: int, vocab: int, device: torch.device, blocks: Blocks) -> tu
     return (n_blocks, triton.cdiv(vocab, v_per_split)), v_per_split
 
 
-def triton_forward(x, weight, bias, targets, temperature: float, blocks: Blocks = DEFAULT_BLOCKS):
+def triton_forward(x, weight, bias, targets, temperature: float, blocks: Blocks | None = None):
     """Per-token (target logit - lse, entropy, lse) in fp32 at temperature T, targets outside [0, V) give no
     target logit (the caller masks them). Logits mode: weight is None and x is [N, V]."""
     fused = weight is not None
+    blocks = blocks or default_blocks("forward", "fused" if fused else "logits", x.dtype)
     n = x.shape[0]
     vocab = weight.shape[0] if fused else x.shape[1]
     dim = x.shape[1] if fused else 1
