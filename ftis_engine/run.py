@@ -289,8 +289,6 @@ def setup_swarm(config: RunConfig, run_dir: pathlib.Path, exchange=None, local_m
         check_model(member)
         members.append(member)
     first = tokenizers[0] if tokenizers[0] is not None else members[0].tokenizer
-    probe = Swarm(config, task, members, exchange, run_dir, None, progress or Progress(enabled=False), [],
-                  [m.name for m in config.members])
     limit = config.data.max_prompt_tokens
     train_indices = [i for i, ex in enumerate(task.train) if len(prompt_ids(first, task, ex.question)) <= limit]
     train_indices = exchange.all_gather_object(train_indices)[0]  # every rank draws prompts from rank 0's list
@@ -304,8 +302,8 @@ def setup_swarm(config: RunConfig, run_dir: pathlib.Path, exchange=None, local_m
             log.warning("eval %s: %d of %d prompts exceed data.max_prompt_tokens=%d and are left out", name,
                         len(examples) - len(kept), len(examples), limit)
         task.evals[name] = kept
-    probe.train_indices = train_indices
-    return probe
+    return Swarm(config, task, members, exchange, run_dir, None, progress or Progress(enabled=False), train_indices,
+                 [m.name for m in config.members])
 
 
 def train(config: RunConfig, run_dir: pathlib.Path, resume: bool = False, swarm: Swarm | None = None,
@@ -319,8 +317,8 @@ def train(config: RunConfig, run_dir: pathlib.Path, resume: bool = False, swarm:
         (run_dir / "config.yaml").write_text(dump_config(config))
         truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 is logged anew
     swarm.exchange.barrier()
-    if swarm.is_main:  # rank 0 writes what every rank reports
-        swarm.logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None)
+    if swarm.is_main:  # rank 0 writes what every rank reports; TensorBoard forgets what the log dropped
+        swarm.logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0)
     steps = config.train.steps
     final: list[dict] = []
     with progress:
@@ -329,15 +327,16 @@ def train(config: RunConfig, run_dir: pathlib.Path, resume: bool = False, swarm:
         for step in range(start_step + 1, steps + 1):
             records = run_step(swarm, step)
             last = step == steps
-            if last or (config.eval.every and step % config.eval.every == 0):
-                evals = evaluate_all(swarm, step)
-                records += evals
-                final = evals
-            _log(swarm, step, steps, records)
+            evaluating = last or (config.eval.every and step % config.eval.every == 0)
+            if evaluating:
+                records += evaluate_all(swarm, step)
+            logged = _log(swarm, step, steps, records)
+            if evaluating:
+                final = [r for r in logged if r["kind"] == "eval"]
             if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                 save_checkpoint(swarm, step)
-        if start_step >= steps:
-            final = evaluate_all(swarm, steps)
+        if start_step >= steps:  # nothing left to train: report the finished run's accuracy
+            final = swarm.exchange.gather_records(evaluate_all(swarm, steps))
     if swarm.is_main:
         swarm.logger.close()
         from .plots import make_plots

@@ -90,6 +90,8 @@ def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp
             assert digest == sent[(r["step"], peer)]  # what the peer encoded is what arrived
         assert r["exchange_bytes"] == 4 + 24 * r["exchange_sequences"] + 8 * r["exchange_tokens"]
         assert r["sequences"] == 2 * r["own_sequences"]  # its own plus its peer's
+    final = json.loads((tmp_path / "dist" / "swarm" / "final_eval.json").read_text())
+    assert {r["member"] for r in final} == {"tiny-s", "tiny-m-lora"}  # rank 0 reports every rank's accuracy
 
 
 def test_three_processes_every_member_trains_on_every_members_rollouts(tmp_path):
