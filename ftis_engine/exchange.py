@@ -1,7 +1,7 @@
 """Rollout exchange between members, and the receiving side's checks (peers' rollouts are untrusted input).
 
 `share(buffers)` takes the wire buffers of the members this process holds and returns every member's buffer.
-LocalExchange: all members in one process. DistributedExchange (exchange_dist.py): one member per process over
+LocalExchange: all members in one process. DistributedExchange: one member per process over
 torch.distributed. Whatever the transport, a receiver decodes, validates and re-scores each peer's rollouts; a
 bad batch is dropped whole, with one warning naming the peer, and counted in the metrics.
 """
