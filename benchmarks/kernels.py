@@ -107,31 +107,34 @@ def _tis_ratio(x):
         return torch.clamp(torch.exp(lb - x["gen"]), max=CONFIG.is_cap).view(x["seqs"], x["seq_len"])
 
 
-def liger_fused_linear(x):
+def _liger_ratio(x):
+    """Skip when Liger-Kernel is absent; else the TIS ratio it takes, computed once per input set."""
     if importlib.util.find_spec("liger_kernel") is None:
         raise Skip("liger-kernel is not installed (pip install liger-kernel)")
+    if "liger_ratio" not in _compiled:
+        _compiled["liger_ratio"] = _tis_ratio(x)
+    return _compiled["liger_ratio"]
+
+
+def liger_fused_linear(x):
+    ratio = _liger_ratio(x)
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     if "liger" not in _compiled:
         _compiled["liger"] = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo",
                                                       epsilon_low=0.2, epsilon_high=0.2, temperature=1.0)
-        _compiled["liger_ratio"] = _tis_ratio(x)
     b, t = x["seqs"], x["seq_len"]
     loss, _ = _compiled["liger"](x["hidden"].view(b, t, -1), x["weight"], x["targets"].view(b, t),
-                                 torch.ones(b, t, device=x["hidden"].device), x["adv"],
-                                 vllm_is_ratio=_compiled["liger_ratio"])
+                                 torch.ones(b, t, device=x["hidden"].device), x["adv"], vllm_is_ratio=ratio)
     return loss
 
 
 def liger_triton(x):
-    if importlib.util.find_spec("liger_kernel") is None:
-        raise Skip("liger-kernel is not installed (pip install liger-kernel)")
     if x["hidden"].device.type != "cuda":
         raise Skip("triton_grpo_loss needs CUDA")
+    ratio = _liger_ratio(x)
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-    if "liger_ratio" not in _compiled:
-        _compiled["liger_ratio"] = _tis_ratio(x)
     b, t = x["seqs"], x["seq_len"]
     hidden = x["hidden"].view(b, t, -1)
     # [B, T+1, V]: the last row predicts nothing (Liger's layout); the logits exist in full
@@ -139,7 +142,7 @@ def liger_triton(x):
     loss, _ = triton_grpo_loss(logits, None, None, x["targets"].view(b, t), x["adv"],
                                torch.ones(b, t, device=logits.device, dtype=torch.int32), temperature=1.0, beta=0.0,
                                eps_low=0.2, eps_high=0.2, inplace=True, loss_type="grpo", reduce=True,
-                               vllm_is_ratio=_compiled["liger_ratio"])
+                               vllm_is_ratio=ratio)
     return loss
 
 

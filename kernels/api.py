@@ -62,6 +62,29 @@ def _resolve_config(config: LossConfig | None, overrides: dict) -> LossConfig:
     return config.replace(**overrides) if overrides else config
 
 
+def _check_targets(targets, n: int, vocab: int, x_name: str, device, ignore_index: int | None) -> torch.Tensor:
+    """Targets are [N] integer ids in [0, V) or ignore_index; returns the [N] bool mask of counted tokens."""
+    _require_tensor("targets", targets)
+    if targets.device != device:
+        raise ValueError(f"targets: on {targets.device}, but {x_name} is on {device}")
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise TypeError(f"targets: expected an integer tensor, got {targets.dtype}")
+    _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
+    counted = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
+    bad = counted & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        value = int(targets[bad][0])
+        allowed = f" and is not ignore_index={ignore_index}" if ignore_index is not None else ""
+        raise ValueError(f"targets: id {value} is outside [0, {vocab}){allowed}")
+    return counted
+
+
+def _check_logprobs(name: str, t: torch.Tensor) -> None:
+    _check_finite(name, t)
+    if bool((t > 0).any()):
+        raise ValueError(f"{name}: log-probabilities must be <= 0, found a positive value")
+
+
 def _check_inputs(
     x: torch.Tensor, x_name: str, vocab: int, targets, gen_logprobs, advantages, cu_seqlens,
     old_logprobs, group_ids, cfg: LossConfig, backend: str,
@@ -69,7 +92,8 @@ def _check_inputs(
     """Validate the per-token and per-sequence inputs; returns the [N] bool mask of counted tokens."""
     n = x.shape[0]
     device = x.device
-    tensors = {"targets": targets, "gen_logprobs": gen_logprobs, "advantages": advantages, "cu_seqlens": cu_seqlens}
+    counted = _check_targets(targets, n, vocab, x_name, device, cfg.ignore_index)
+    tensors = {"gen_logprobs": gen_logprobs, "advantages": advantages, "cu_seqlens": cu_seqlens}
     if old_logprobs is not None:
         tensors["old_logprobs"] = old_logprobs
     if group_ids is not None:
@@ -78,14 +102,13 @@ def _check_inputs(
         _require_tensor(name, t)
         if t.device != device:
             raise ValueError(f"{name}: on {t.device}, but {x_name} is on {device}")
-    for name in ("targets", "cu_seqlens") + (("group_ids",) if group_ids is not None else ()):
+    for name in ("cu_seqlens",) + (("group_ids",) if group_ids is not None else ()):
         t = tensors[name]
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got {t.dtype}")
     for name in ("gen_logprobs", "advantages") + (("old_logprobs",) if old_logprobs is not None else ()):
         _check_float(name, tensors[name], backend)
 
-    _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
     _check_shape("gen_logprobs", gen_logprobs, (n,), f"one per row of {x_name}")
     if old_logprobs is not None:
         _check_shape("old_logprobs", old_logprobs, (n,), f"one per row of {x_name}")
@@ -102,18 +125,9 @@ def _check_inputs(
             f"cu_seqlens: must increase strictly from 0 to N={n} (the rows of {x_name}), "
             f"got first={int(cu[0])}, last={int(cu[-1])}"
         )
-    counted = targets != cfg.ignore_index
-    bad = counted & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        value = int(targets[bad][0])
-        raise ValueError(f"targets: id {value} is outside [0, {vocab}) and is not ignore_index={cfg.ignore_index}")
-    _check_finite("gen_logprobs", gen_logprobs)
-    if bool((gen_logprobs > 0).any()):
-        raise ValueError("gen_logprobs: log-probabilities must be <= 0, found a positive value")
+    _check_logprobs("gen_logprobs", gen_logprobs)
     if old_logprobs is not None:
-        _check_finite("old_logprobs", old_logprobs)
-        if bool((old_logprobs > 0).any()):
-            raise ValueError("old_logprobs: log-probabilities must be <= 0, found a positive value")
+        _check_logprobs("old_logprobs", old_logprobs)
     _check_finite("advantages", advantages)
     return counted
 
@@ -231,18 +245,6 @@ def _check_linear(hidden, weight, bias, backend: str) -> None:
             raise ValueError(f"bias: on {bias.device}, but hidden is on {hidden.device}")
 
 
-def _check_targets_only(targets, n: int, vocab: int, x_name: str, device) -> torch.Tensor:
-    _require_tensor("targets", targets)
-    if targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise TypeError(f"targets: expected an integer tensor, got {targets.dtype}")
-    _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
-    if targets.device != device:
-        raise ValueError(f"targets: on {targets.device}, but {x_name} is on {device}")
-    if bool(((targets < 0) | (targets >= vocab)).any()):
-        raise ValueError(f"targets: ids must lie in [0, {vocab})")
-    return torch.ones_like(targets, dtype=torch.bool)
-
-
 def _check_temperature(temperature: float) -> float:
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
         raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
@@ -256,7 +258,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     _require_tensor("logits", logits)
     backend = resolve_backend("auto", logits.device)
     _check_matrix("logits", logits, backend)
-    counted = _check_targets_only(targets, logits.shape[0], logits.shape[1], "logits", logits.device)
+    counted = _check_targets(targets, logits.shape[0], logits.shape[1], "logits", logits.device, None)
     return _token_logprobs(logits, None, None, targets, counted, temperature, backend)[0].float()
 
 
@@ -270,7 +272,7 @@ def fused_linear_token_logprobs(
     _require_tensor("hidden", hidden)
     backend = resolve_backend("auto", hidden.device)
     _check_linear(hidden, weight, bias, backend)
-    counted = _check_targets_only(targets, hidden.shape[0], weight.shape[0], "hidden", hidden.device)
+    counted = _check_targets(targets, hidden.shape[0], weight.shape[0], "hidden", hidden.device, None)
     return _token_logprobs(hidden, weight, bias, targets, counted, temperature, backend)[0].float()
 
 

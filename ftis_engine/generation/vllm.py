@@ -80,6 +80,16 @@ def completions_from_vllm(request_output, eos_ids: set[int]) -> list[Completion]
     return completions
 
 
+def checkpoint_names(model, state: dict) -> dict:
+    """The state dict under the checkpoint's weight names, which vLLM's loaders expect: transformers >= 5 renames
+    some families' weights on load (e.g. fused MoE experts); older versions keep the checkpoint's names."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return state
+    return revert_weight_conversion(model, state)
+
+
 def _lora_rank(r: int) -> int:
     return next(x for x in LORA_RANKS if x >= r)
 
@@ -159,13 +169,7 @@ class VLLMGenerator:
         if self.lora:
             self._push_adapter()
         else:
-            state = self._model.state_dict()
-            try:  # transformers >= 5 renames some families' weights on load; vLLM expects the checkpoint's names
-                from transformers.core_model_loading import revert_weight_conversion
-
-                state = revert_weight_conversion(self._model, state)
-            except ImportError:
-                pass
+            state = checkpoint_names(self._model, self._model.state_dict())
             weights = [(name, tensor.detach()) for name, tensor in state.items()]
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.llm.reset_prefix_cache()
