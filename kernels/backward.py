@@ -21,31 +21,43 @@ from .logprobs import Blocks, _dot_precision, _logit_tile, _mm, _upcast_dots, de
 @triton.jit
 def _backward_kernel(
     X, W, B, T, LSE, C, DX, DW, DB,
-    N, V, D, stride_x, stride_w, stride_dx, inv_temp, v_blocks,
+    N, V, D, stride_x, stride_w, stride_dx, inv_temp, v_blocks, v_offset,
     FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
-    NEED_DB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, FP32_GRAD: tl.constexpr,
+    NEED_DB: tl.constexpr, STORE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    FP32_GRAD: tl.constexpr,
 ):
+    # Tiles are visited in groups of GROUP_N token blocks that sweep the vocabulary tiles together, so the
+    # programs running at one time share their weight tiles (and hidden blocks) in L2.
     pid = tl.program_id(0).to(tl.int64)
-    pid_n = pid // v_blocks
-    pid_v = pid % v_blocks
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_N * v_blocks
+    first_n = (pid // per_group) * GROUP_N
+    group_size = tl.minimum(n_blocks - first_n, GROUP_N)
+    pid_n = first_n + (pid % per_group) % group_size
+    pid_v = (pid % per_group) // group_size
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rn < N
     rn64 = rn.to(tl.int64)
     rv = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
     col_ok = rv < V
     coef = tl.load(C + rn, mask=row_ok, other=0.0)
+    store_mask = row_ok[:, None] & col_ok[None, :]
+    g_ptrs = DX + rn64[:, None] * stride_dx + rv[None, :]
     if FUSED:
         if tl.max(tl.abs(coef), 0) == 0.0:
+            if STORE_GRAD:  # the chunk buffer is not zeroed: write the tile's zeros without recomputing it
+                tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), DX.dtype.element_ty), mask=store_mask)
             return
     lse = tl.load(LSE + rn, mask=row_ok, other=0.0)
-    target = tl.load(T + rn, mask=row_ok, other=-1)
+    # targets are global ids; this launch sees columns [v_offset, v_offset + V) of the vocabulary
+    target = tl.load(T + rn, mask=row_ok, other=-1) - v_offset
     z = _logit_tile(X, W, B, rn64, row_ok, rv, col_ok, D, stride_x, stride_w, inv_temp,
                     FUSED, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST)
     p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
     onehot = tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
     grad = coef[:, None] * (onehot - p)
-    if FUSED:
+    if FUSED and not STORE_GRAD:
         rv64 = rv.to(tl.int64)
         # bf16 keeps fp32's exponent range, so the tile may be rounded to it for the tensor cores; fp16 would
         # flush the many tiny c_t * p_v entries to zero, so fp16 inputs multiply in fp32 instead.
@@ -69,14 +81,81 @@ def _backward_kernel(
         if NEED_DB:
             tl.atomic_add(DB + rv, tl.sum(grad, 0), mask=col_ok, sem="relaxed")
     else:
-        tl.store(DX + rn64[:, None] * stride_dx + rv[None, :], grad.to(DX.dtype.element_ty),
-                 mask=row_ok[:, None] & col_ok[None, :])
+        # logits mode (the gradient of the logits), or a fused chunk whose gradient cuBLAS multiplies out
+        tl.store(g_ptrs, grad.to(DX.dtype.element_ty), mask=store_mask)
 
 
 def backward_grid(n: int, vocab: int, blocks: Blocks) -> tuple[tuple[int], int]:
     """((tiles,), vocabulary blocks): one program per [BLOCK_N, BLOCK_V] tile, flattened onto axis 0."""
     v_blocks = triton.cdiv(vocab, blocks.block_v)
     return (triton.cdiv(n, blocks.block_n) * v_blocks,), v_blocks
+
+
+def _launch(x, weight, bias, targets, lse, coef, dx, dw, db, vocab: int, dim: int, temperature: float,
+            blocks: Blocks, needs, v_offset: int = 0, store_grad: bool = False) -> None:
+    fused = weight is not None
+    placeholder = coef  # stands in for pointers the constexpr flags keep the kernel from touching
+    grid, v_blocks = backward_grid(x.shape[0], vocab, blocks)
+    _backward_kernel[grid](
+        x, weight if fused else x, placeholder if bias is None else bias, targets, lse, coef,
+        placeholder if dx is None else dx, placeholder if dw is None else dw, placeholder if db is None else db,
+        x.shape[0], vocab, dim, x.stride(0), weight.stride(0) if fused else 0, 0 if dx is None else dx.stride(0),
+        1.0 / temperature, v_blocks, v_offset,
+        FUSED=fused, HAS_BIAS=bias is not None, NEED_DX=needs[0], NEED_DW=needs[1], NEED_DB=needs[2],
+        STORE_GRAD=store_grad, BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=blocks.block_d,
+        GROUP_N=blocks.group_n, PRECISION=_dot_precision(x.dtype), UPCAST=_upcast_dots(x.dtype),
+        FP32_GRAD=x.dtype == torch.float16, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+    )
+
+
+_ADDMM_OUT_DTYPE: dict[str, bool] = {}
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b in the input dtype: one cuBLAS call with an fp32 output where this torch
+    has addmm(out_dtype=) for the device (CUDA, torch >= 2.8), else a product in the input dtype added in fp32."""
+    if a.dtype != acc.dtype and _ADDMM_OUT_DTYPE.get(acc.device.type, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _ADDMM_OUT_DTYPE[acc.device.type] = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            _ADDMM_OUT_DTYPE[acc.device.type] = False
+    acc += a @ b if a.dtype == acc.dtype else (a @ b).to(acc.dtype)
+
+
+def chunk_columns(n: int, vocab: int, blocks: Blocks) -> int:
+    """Vocabulary columns per chunk of the chunked backward: a multiple of block_v with n * columns <=
+    blocks.chunk_elements (at least one tile), never more than the vocabulary."""
+    columns = max(1, blocks.chunk_elements // max(1, n)) // blocks.block_v * blocks.block_v
+    return min(max(columns, blocks.block_v), vocab)
+
+
+def _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx, need_dw, need_db,
+                      blocks: Blocks):
+    """Fused-linear backward by vocabulary chunks: the Triton kernel recomputes a chunk's logit tiles and stores
+    its gradient G_c [N, chunk] in the input dtype; cuBLAS adds G_c W_c into the fp32 dH and writes
+    dW_c = G_c^T H (each row of dW once, accumulated in fp32 inside the matmul). Scratch: N x chunk entries."""
+    n, dim = x.shape
+    vocab = weight.shape[0]
+    columns = chunk_columns(n, vocab, blocks)
+    grad_dtype = x.dtype
+    scratch = torch.empty((n, columns), dtype=grad_dtype, device=x.device)
+    dx = torch.zeros((n, dim), dtype=torch.float32, device=x.device) if need_dx else None
+    dw = torch.empty_like(weight) if need_dw else None
+    db = torch.empty(vocab, dtype=torch.float32, device=x.device) if need_db else None
+    for v0 in range(0, vocab, columns):
+        v1 = min(v0 + columns, vocab)
+        g = scratch[:, : v1 - v0]
+        _launch(x, weight[v0:v1], None if bias is None else bias[v0:v1], targets, lse, coef, g, None, None,
+                v1 - v0, dim, temperature, blocks, (False, False, False), v_offset=v0, store_grad=True)
+        if need_dx:
+            _add_product(dx, g, weight[v0:v1])
+        if need_dw:
+            torch.mm(g.t(), x, out=dw[v0:v1])
+        if need_db:
+            db[v0:v1] = g.sum(0, dtype=torch.float32)
+    return (None if dx is None else dx.to(x.dtype), dw, None if db is None else db.to(bias.dtype))
 
 
 def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, needs, blocks: Blocks | None = None):
@@ -89,6 +168,10 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
     dim = x.shape[1] if fused else 1
     x, targets = x.contiguous(), targets.contiguous()
     need_dx, need_dw, need_db = needs[0], fused and needs[1], bias is not None and needs[2]
+    if fused and blocks.strategy == "chunked" and x.dtype != torch.float16:
+        weight = weight.contiguous()
+        return _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx, need_dw, need_db,
+                                 blocks)
     if fused:
         weight = weight.contiguous()
         dx = torch.zeros((n, dim), dtype=torch.float32, device=x.device) if need_dx else None
@@ -96,18 +179,8 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
         db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None
     else:
         dx, dw, db = torch.empty_like(x), None, None
-    placeholder = coef  # stands in for pointers the constexpr flags keep the kernel from touching
-    grid, v_blocks = backward_grid(n, vocab, blocks)
-    _backward_kernel[grid](
-        x, weight if fused else x, placeholder if bias is None else bias, targets, lse, coef,
-        placeholder if dx is None else dx, placeholder if dw is None else dw, placeholder if db is None else db,
-        n, vocab, dim, x.stride(0), weight.stride(0) if fused else 0, 0 if dx is None else dx.stride(0),
-        1.0 / temperature, v_blocks,
-        FUSED=fused, HAS_BIAS=bias is not None, NEED_DX=need_dx, NEED_DW=need_dw, NEED_DB=need_db,
-        BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=blocks.block_d,
-        PRECISION=_dot_precision(x.dtype), UPCAST=_upcast_dots(x.dtype), FP32_GRAD=x.dtype == torch.float16,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-    )
+    _launch(x, weight, bias, targets, lse, coef, dx, dw, db, vocab, dim, temperature, blocks,
+            (need_dx, need_dw, need_db))
     if fused:
         dx = None if dx is None else dx.to(x.dtype)
         dw = None if dw is None else dw.to(weight.dtype)

@@ -33,6 +33,12 @@ class Blocks:
     num_warps: int = 8
     num_stages: int = 3
     splits: int | None = None
+    # backward only: "atomic" multiplies each gradient tile into fp32 dH/dW with atomics inside the kernel;
+    # "chunked" stores the bf16/fp32 gradient of one vocabulary chunk (at most chunk_elements entries) and lets
+    # cuBLAS do dH += G_c W_c and dW_c = G_c^T H, so each dW row is written once and no atomics are needed.
+    strategy: str = "atomic"
+    chunk_elements: int = 1 << 28
+    group_n: int = 8  # token blocks that walk the vocabulary tiles together (L2 reuse of the weight tiles)
 
     def replace(self, **changes) -> "Blocks":
         return dataclasses.replace(self, **changes)

@@ -168,3 +168,75 @@ def test_fp16_gradients_keep_the_many_tiny_softmax_terms():
     (ref * 1e-3).sum().backward()
     for ours, exact in ((h.grad, h64.grad), (w.grad, w64.grad)):
         assert float((ours.double() - exact).abs().max() / exact.abs().max()) < 2e-2
+
+
+CHUNKED = [
+    # chunk_elements / n gives 32 columns per chunk (3 chunks, the last ragged) and 16 (5 chunks)
+    Blocks(block_n=16, block_v=16, block_d=16, splits=2, strategy="chunked", chunk_elements=37 * 32, group_n=2),
+    Blocks(block_n=32, block_v=16, block_d=32, splits=1, strategy="chunked", chunk_elements=37 * 16, group_n=8),
+]
+
+
+@pytest.mark.parametrize("blocks", CHUNKED, ids=["3-chunks-group2", "5-chunks-group8"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_chunked_backward_matches_float64(blocks, with_bias):
+    """The vocabulary-chunked backward (Triton gradient tiles + matmuls per chunk) against float64 autograd, with
+    chunks that do not divide the vocabulary and targets in every chunk."""
+    hidden, weight, bias, targets = _inputs(9)
+    counted = targets != -100
+    grad_out = torch.randn(hidden.shape[0], dtype=torch.float64)
+    ref_lp, _, ref_dh, ref_dw, ref_db = _float64_reference(
+        hidden, weight, bias if with_bias else torch.zeros_like(bias), targets, 0.7, grad_out
+    )
+    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    b = bias.float().requires_grad_() if with_bias else None
+    lp, _ = TritonTokenLogprobs.apply(h, w, b, targets, counted, 0.7, blocks)
+    (lp * grad_out.float()).sum().backward()
+    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-4, atol=1e-5)
+    if with_bias:
+        torch.testing.assert_close(b.grad.double(), ref_db, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_backward_writes_zeros_for_skipped_blocks_and_respects_frozen_weights():
+    """Skipped blocks (zero upstream gradient) must still write zeros into the unzeroed chunk buffer; a frozen
+    weight gets no gradient."""
+    from ftis_kernels.backward import chunk_columns
+
+    hidden, weight, _, targets = _inputs(10, n=48, ignore=False)
+    counted = torch.ones_like(targets, dtype=torch.bool)
+    blocks = CHUNKED[0]
+    assert chunk_columns(48, 75, blocks) == 16 and chunk_columns(48, 75, blocks.replace(chunk_elements=1)) == 16
+    assert chunk_columns(48, 75, blocks.replace(chunk_elements=10**9)) == 75
+    grad_out = torch.zeros(48)
+    grad_out[16:32] = torch.randn(16, dtype=torch.float64).float()
+    for frozen in (False, True):
+        h = hidden.float().requires_grad_()
+        w = weight.float().requires_grad_(not frozen)
+        lp, _ = TritonTokenLogprobs.apply(h, w, None, targets, counted, 1.0, blocks)
+        (lp * grad_out).sum().backward()
+        _, _, ref_dh, ref_dw, _ = _float64_reference(hidden, weight, torch.zeros(75, dtype=torch.float64),
+                                                     targets, 1.0, grad_out.double())
+        assert torch.all(h.grad[:16] == 0) and torch.all(h.grad[32:] == 0)
+        torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-5)
+        if frozen:
+            assert w.grad is None
+        else:
+            torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_backward_in_bf16_keeps_fp32_accumulation():
+    hidden, weight, _, targets = _inputs(11, n=64, vocab=300, dim=32, ignore=False)
+    counted = torch.ones_like(targets, dtype=torch.bool)
+    blocks = Blocks(block_n=16, block_v=32, block_d=16, strategy="chunked", chunk_elements=64 * 96)
+    h, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    lp, _ = TritonTokenLogprobs.apply(h, w, None, targets, counted, 1.0, blocks)
+    grad_out = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    (lp * grad_out).sum().backward()
+    h64, w64 = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = torch.log_softmax(h64 @ w64.T, -1).gather(1, targets[:, None]).squeeze(1)
+    (ref * grad_out.double()).sum().backward()
+    for ours, exact in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        assert ours.dtype == torch.bfloat16
+        assert float((ours.double() - exact).abs().max() / exact.abs().max()) < 2e-2

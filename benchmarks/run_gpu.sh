@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU benchmarks in one device call (see benchmarks/README.md). Stages run in the order given; a stage that
+# fails is reported and the next one still runs. Results and logs go to benchmarks/results/gpu (or $RESULTS);
+# under the device tool, which returns at most 8 files, they also come back packed as $OUT/gpu-results.tar.gz.
+#
+#   bash benchmarks/run_gpu.sh [check] [tune] [kernels] [kernels-16k] [update] [exchange]    (default: all but tune)
+set -uo pipefail
+out="${RESULTS:-benchmarks/results/gpu}"
+mkdir -p "$out"
+if [ -d .whl ]; then  # Liger-Kernel and Cut Cross-Entropy carried as wheels (pure Python)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'transformers', transformers.__version__)"
+  python3 -m pip list 2>/dev/null | grep -iE "^(liger|cut.cross|peft) " || true
+} | tee "$out/versions.txt"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(check kernels update exchange)
+status=0
+for stage in "${stages[@]}"; do
+  start=$(date +%s)
+  case "$stage" in
+    check) python3 benchmarks/check_gpu.py --output "$out/check_gpu.json" ;;
+    tune) python3 benchmarks/tune.py --output "$out/tune.json" ;;
+    kernels) python3 benchmarks/kernels.py --dims 1536 --tokens 4096 16384 65536 --output "$out/kernels" ;;
+    kernels-16k) python3 benchmarks/kernels.py --dims 1536 --tokens 16384 --output "$out/kernels" ;;
+    update) python3 benchmarks/update.py --output "$out/update" ;;
+    exchange) python3 benchmarks/exchange.py --processes 2 --output "$out/exchange-gpu.json" ;;
+    *) echo "unknown stage $stage"; false ;;
+  esac 2>&1 | tee "$out/$stage.log"
+  rc=${PIPESTATUS[0]}
+  echo "== stage $stage: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$out/stages.txt"
+  [ "$rc" -ne 0 ] && status=1
+done
+if [ -n "${OUT:-}" ]; then
+  tar -czf "$OUT/gpu-results.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
+fi
+exit $status
