@@ -10,7 +10,9 @@ mkdir -p "$out"
 if [ -d .whl ]; then  # Liger-Kernel and Cut Cross-Entropy carried as wheels (pure Python)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+# the packages from the working tree without installing it (ftis_kernels lives in kernels/)
+mkdir -p /tmp/ftis-src && ln -sfn "$PWD/kernels" /tmp/ftis-src/ftis_kernels && ln -sfn "$PWD/ftis_engine" /tmp/ftis-src/ftis_engine
+export PYTHONPATH="$PWD:/tmp/ftis-src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \

@@ -31,6 +31,10 @@ FORWARD = [
     Blocks(block_n=64, block_v=256, block_d=64, num_warps=4, num_stages=4),
     Blocks(block_n=128, block_v=128, block_d=64, num_warps=4, num_stages=4),
     Blocks(block_n=256, block_v=128, block_d=64, num_warps=8, num_stages=3),
+    Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4),
+    Blocks(block_n=256, block_v=128, block_d=64, num_warps=8, num_stages=4),
+    Blocks(block_n=128, block_v=256, block_d=128, num_warps=8, num_stages=2),
+    Blocks(block_n=256, block_v=256, block_d=32, num_warps=8, num_stages=3),
 ]
 BACKWARD = [
     Blocks(block_n=128, block_v=128, block_d=16, num_warps=8, num_stages=3, strategy="atomic"),
@@ -44,6 +48,11 @@ BACKWARD = [
     Blocks(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3, strategy="chunked",
            chunk_elements=1 << 29),
     Blocks(block_n=128, block_v=128, block_d=64, num_warps=8, num_stages=3, strategy="chunked",
+           chunk_elements=1 << 27),
+    Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=4, strategy="chunked"),
+    Blocks(block_n=256, block_v=128, block_d=64, num_warps=8, num_stages=3, strategy="chunked"),
+    Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, strategy="chunked", group_n=16),
+    Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3, strategy="chunked",
            chunk_elements=1 << 27),
 ]
 

@@ -51,9 +51,10 @@ DEFAULT_BLOCKS = Blocks()
 # weight, fewer atomics) and high occupancy in the memory-bound logits mode. Speed on the device is still to be
 # measured; fp16's fused backward multiplies in fp32 and spills a little at every size tried.
 _TILES = {
-    ("forward", "fused", "half"): Blocks(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3),
+    ("forward", "fused", "half"): Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
     ("forward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
-    ("backward", "fused", "bf16"): Blocks(block_n=128, block_v=128, block_d=16, num_warps=8, num_stages=3),
+    ("backward", "fused", "bf16"): Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3,
+                                          strategy="chunked"),
     ("backward", "fused", "fp16"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
     ("backward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
     ("forward", "logits", "any"): Blocks(block_n=8, block_v=512, block_d=16, num_warps=8, num_stages=3),
