@@ -10,6 +10,7 @@ logits + log_softmax + the same loss). Reports tokens/s, MFU and peak memory.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -45,12 +46,15 @@ SHAPES = {
 CONFIG = LossConfig(method="f-tis")
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str):
+def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, checkpointing: bool = False):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, attn_implementation=attn)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)
+    model.train()
+    if checkpointing:  # activations of one layer at a time: what RL trainers run 1.5B+ models with
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     settings = MemberSettings(name=f"qwen2.5-{shape}", model="benchmark")
     return Member(0, settings, model, None, optimizer, None, device, dtype)
@@ -103,9 +107,10 @@ def model_flops_per_token(member: Member, context: int) -> float:
 
 def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | None) -> dict:
     row = {"model": shape, "path": path, "sequences": args.sequences, "prompt_len": args.prompt_len,
-           "completion_len": args.completion_len}
+           "completion_len": args.completion_len, "checkpointing": args.checkpointing}
+    member = packed = None
     try:
-        member = build(shape, device, dtype, args.attn)
+        member = build(shape, device, dtype, args.attn, args.checkpointing)
         packed = pack(batch(member.model.config.vocab_size, args.sequences, args.prompt_len, args.completion_len))
         tokens = packed.input_ids.numel()
         update(member, packed, path)  # warm-up (and optimizer state)
@@ -130,6 +135,8 @@ def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | Non
     except torch.OutOfMemoryError:
         row["skipped"] = "out of memory"
     finally:
+        member = packed = None  # free this model before the next one is built
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
@@ -144,6 +151,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--completion-len", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"])
+    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                        help="keep every layer's activations (default: gradient checkpointing, as RL trainers run)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the device's dense bf16 peak for MFU (H100/H200 SXM: 989)")
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "update")
