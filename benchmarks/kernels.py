@@ -6,6 +6,8 @@
 
 Peers (each computes a loss from hidden states [N, d] and the lm_head [V, d], then its gradient):
   ours-fused-linear   ftis_kernels.fused_linear_ftis_loss (F-TIS; no N x V tensor)
+  ours-fused-linear-tis  the same op with method="tis": no KL filter, so every token has a gradient (with random
+                      inputs F-TIS filters most A < 0 sequences and the backward skips their tiles)
   ours-logits         logits = hidden @ W^T, then ftis_kernels.ftis_loss (F-TIS)
   naive-torch         logits + log_softmax + the same F-TIS loss under autograd
   naive-torch-compile the same under torch.compile
@@ -74,6 +76,11 @@ CONFIG = LossConfig(method="f-tis")
 def ours_fused_linear(x):
     return ftis_kernels.fused_linear_ftis_loss(x["hidden"], x["weight"], x["targets"], x["gen"], x["adv"], x["cu"],
                                                config=CONFIG).loss
+
+
+def ours_fused_linear_tis(x):
+    return ftis_kernels.fused_linear_ftis_loss(x["hidden"], x["weight"], x["targets"], x["gen"], x["adv"], x["cu"],
+                                               config=CONFIG.replace(method="tis")).loss
 
 
 def ours_logits(x):
@@ -165,6 +172,7 @@ def torch_linear_ce(x):
 
 PEERS = {
     "ours-fused-linear": ours_fused_linear,
+    "ours-fused-linear-tis": ours_fused_linear_tis,
     "ours-logits": ours_logits,
     "naive-torch": naive_torch,
     "naive-torch-compile": naive_torch_compile,

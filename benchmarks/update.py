@@ -125,6 +125,15 @@ def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | Non
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
         seconds = statistics.median(times)
+        if args.profile and device.type == "cuda":  # where one update's GPU time goes, by kernel
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                update(member, packed, path)
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.profile)
+            print(f"profile {shape} {path}:\n{table}", flush=True)
+            row["profile"] = table
         row.update(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds)
         flops = model_flops_per_token(member, (args.prompt_len + args.completion_len) // 2) * tokens
         row["achieved_tflops"] = flops / seconds / 1e12
@@ -151,6 +160,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--completion-len", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"])
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="also profile one update and print its K most expensive GPU kernels")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="keep every layer's activations (default: gradient checkpointing, as RL trainers run)")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
