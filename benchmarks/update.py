@@ -159,7 +159,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--completion-len", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flash_attention_2", "eager"])
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2", "eager"])
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile one update and print its K most expensive GPU kernels")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
