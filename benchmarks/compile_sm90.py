@@ -38,6 +38,7 @@ class Variant:
     dtype: str  # bf16 | fp16 | fp32
     bias: bool = False
     needs: tuple[bool, bool, bool] = (True, True, False)
+    strategy: str | None = None  # backward only: force a strategy (with its own tiles) instead of the default
 
 
 def _forward(v: Variant, blocks: Blocks):
@@ -50,19 +51,27 @@ def _forward(v: Variant, blocks: Blocks):
 
 
 def _backward(v: Variant, blocks: Blocks):
-    grad = PTR[v.dtype] if v.mode == "logits" else "*fp32"
+    # the chunked strategy stores the gradient tile in the input dtype (cuBLAS multiplies it out); the atomic one
+    # adds into fp32 dH / dW; logits mode stores the gradient of the logits
+    store = v.mode == "logits" or (blocks.strategy == "chunked" and v.dtype != "fp16")
+    grad = PTR[v.dtype] if store else "*fp32"
     sig = {"X": PTR[v.dtype], "W": PTR[v.dtype], "B": PTR[v.dtype], "T": "*i64", "LSE": "*fp32", "C": "*fp32",
            "DX": grad, "DW": "*fp32", "DB": "*fp32", "N": "i32", "V": "i32", "D": "i32", "stride_x": "i32",
-           "stride_w": "i32", "stride_dx": "i32", "inv_temp": "fp32", "v_blocks": "i64"}
-    const = dict(FUSED=v.mode == "fused", HAS_BIAS=v.bias, NEED_DX=v.needs[0], NEED_DW=v.needs[1],
-                 NEED_DB=v.needs[2] and v.bias, BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v,
-                 BLOCK_D=blocks.block_d, PRECISION="ieee" if v.dtype == "fp32" else "tf32", UPCAST=False,
-                 FP32_GRAD=v.dtype == "fp16")
+           "stride_w": "i32", "stride_dx": "i32", "inv_temp": "fp32", "v_blocks": "i64", "v_offset": "i32"}
+    const = dict(FUSED=v.mode == "fused", HAS_BIAS=v.bias, NEED_DX=v.needs[0] and not store,
+                 NEED_DW=v.needs[1] and not store, NEED_DB=v.needs[2] and v.bias and not store,
+                 STORE_GRAD=store and v.mode == "fused", BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v,
+                 BLOCK_D=blocks.block_d, GROUP_N=blocks.group_n, PRECISION="ieee" if v.dtype == "fp32" else "tf32",
+                 UPCAST=False, FP32_GRAD=v.dtype == "fp16")
     return backward._backward_kernel, sig, const
 
 
+ATOMIC_TILES = Blocks(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3, strategy="atomic")
+
+
 def compile_variant(v: Variant, blocks: Blocks | None = None) -> dict:
-    blocks = blocks or default_blocks(v.kernel, v.mode, v.dtype)
+    if blocks is None:
+        blocks = ATOMIC_TILES if v.strategy == "atomic" else default_blocks(v.kernel, v.mode, v.dtype)
     fn, sig, const = (_forward if v.kernel == "forward" else _backward)(v, blocks)
     for name in const:
         sig[name] = "constexpr"
@@ -73,6 +82,7 @@ def compile_variant(v: Variant, blocks: Blocks | None = None) -> dict:
     usage["wgmma"] = "wgmma.mma_async" in compiled.asm["ptx"]
     usage["shared_static"] = compiled.metadata.shared
     usage["blocks"] = [blocks.block_n, blocks.block_v, blocks.block_d, blocks.num_warps, blocks.num_stages]
+    usage["strategy"] = blocks.strategy if v.kernel == "backward" and v.mode == "fused" else "-"
     return usage
 
 
@@ -106,6 +116,7 @@ VARIANTS = [
     Variant("backward", "fused", "bf16"), Variant("backward", "fused", "bf16", bias=True, needs=(True, True, True)),
     Variant("backward", "fused", "bf16", needs=(True, False, False)),  # LoRA: frozen lm_head
     Variant("backward", "fused", "fp16"), Variant("backward", "fused", "fp32"),
+    Variant("backward", "fused", "bf16", strategy="atomic"),  # the atomic strategy stays available
     Variant("backward", "logits", "bf16"), Variant("backward", "logits", "fp32"),
 ]
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmarks in one device call (see benchmarks/README.md). Stages run in the order given; a stage that
 # fails is reported and the next one still runs. Results and logs go to benchmarks/results/gpu (or $RESULTS);
-# under the device tool, which returns at most 8 files, they also come back packed as $OUT/gpu-results.tar.gz.
+# where $OUT is set (a folder that a remote runner copies back), they are also packed as $OUT/gpu-results.tar.gz.
 #
 #   bash benchmarks/run_gpu.sh [check] [tune] [kernels] [kernels-16k] [update] [exchange]    (default: all but tune)
 set -uo pipefail

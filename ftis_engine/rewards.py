@@ -1,6 +1,6 @@
 """Reward functions: plain callables (completion: str, gold: str) -> float.
 
-`binary_answer_reward` is the paper's reward (SPEC section 4). Others can be plugged in by dotted path
+`binary_answer_reward` is the paper's reward (docs/algorithm.md, section 2). Others can be plugged in by dotted path
 (`data.reward: "my_module:my_reward"`).
 """
 

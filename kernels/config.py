@@ -43,7 +43,7 @@ def _positive_int_or_none(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Hyper-parameters of the F-TIS loss (SPEC section 1). Defaults are the paper's.
+    """Hyper-parameters of the F-TIS loss (docs/algorithm.md). Defaults are the paper's.
 
     method: nois | vis | tis | f-nois | f-vis | f-tis | gepo ("f-" adds the KL filter).
     is_cap: C, the truncation of the importance weight w_t = min(exp(lb_t - g_t), C).

@@ -3,7 +3,7 @@
 Everything here is plain differentiable torch on [N] / [S] vectors: the loss depends on the logits only through
 the per-token log-probs l_t, so autograd through this file yields dL/dl_t, which the backward vocabulary pass
 (Triton or chunked torch) turns into the gradient of the logits, or of hidden, weight and bias.
-Notation as in SPEC section 1: l_t (with gradient), lb_t = l_t detached, g_t generation log-prob, o_t old
+Notation as in docs/algorithm.md: l_t (with gradient), lb_t = l_t detached, g_t generation log-prob, o_t old
 log-prob, A_i advantage of sequence i, |a_i| its counted tokens, S sequences.
 """
 

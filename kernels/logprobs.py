@@ -46,17 +46,19 @@ class Blocks:
 
 DEFAULT_BLOCKS = Blocks()
 
-# Tiles per (pass, mode, input dtype), chosen so that ptxas compiles each kernel for sm_90a without register spills
-# (benchmarks/compile_sm90.py --sweep), preferring large matmul tiles in fused-linear mode (fewer re-reads of the
-# weight, fewer atomics) and high occupancy in the memory-bound logits mode. Speed on the device is still to be
-# measured; fp16's fused backward multiplies in fp32 and spills a little at every size tried.
+# Tiles per (pass, mode, input dtype). The bf16/fp16 fused tiles and the chunked bf16 backward were chosen by
+# timing on an H100 (benchmarks/tune.py, results/gpu_h100.md): 128 x 256 x 64 tiles ran the forward in 17.5 ms
+# against 34.1 ms for the 128 x 128 x 32 ones, although ptxas reports small spills for them; the rest (fp32, the
+# fp16 backward, logits mode) were chosen spill-free by ptxas (benchmarks/compile_sm90.py --sweep) and are not
+# yet timed on a GPU. fp32 runs the chunked backward too (deterministic, no atomics); fp16 keeps the atomic one.
 _TILES = {
     ("forward", "fused", "half"): Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3),
     ("forward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
     ("backward", "fused", "bf16"): Blocks(block_n=128, block_v=256, block_d=64, num_warps=8, num_stages=3,
                                           strategy="chunked"),
     ("backward", "fused", "fp16"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
-    ("backward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3),
+    ("backward", "fused", "fp32"): Blocks(block_n=64, block_v=64, block_d=32, num_warps=8, num_stages=3,
+                                          strategy="chunked"),
     ("forward", "logits", "any"): Blocks(block_n=8, block_v=512, block_d=16, num_warps=8, num_stages=3),
     ("backward", "logits", "any"): Blocks(block_n=8, block_v=512, block_d=16, num_warps=8, num_stages=3),
 }

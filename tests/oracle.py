@@ -1,4 +1,4 @@
-"""A float64 oracle written straight from SPEC section 1, one sequence at a time, with full log_softmax.
+"""A float64 oracle written straight from docs/algorithm.md, one sequence at a time, with full log_softmax.
 
 Deliberately naive and independent of kernels/epilogue.py: it materialises the logits and loops in Python.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 from ftis_engine.config import ConfigError, RunConfig, dump_config, load_config
 
@@ -41,6 +42,14 @@ def test_dotted_overrides_reach_nested_fields_and_list_items():
     assert cfg.eval.datasets == ["tiny-last"] and cfg.members[-1].name == "last"
 
 
+def test_attention_choices_reach_the_model_loader():
+    from ftis_engine.members import attention_implementation
+
+    cfg = load_config(TINY, ["train.attn_implementation=flex_attention"])
+    assert attention_implementation(cfg.train.attn_implementation, torch.device("cuda")) == "flex_attention"
+    assert attention_implementation("auto", torch.device("cpu")) == "sdpa"
+
+
 def test_dump_round_trips(tmp_path):
     cfg = load_config(TINY, ["algorithm.kl_threshold=5"])
     path = tmp_path / "resolved.yaml"
@@ -67,6 +76,7 @@ def test_dump_round_trips(tmp_path):
         (["run_name=a/b"], "run_name"),
         (["nonsense"], "nonsense"),
         (["collaboration=horizontal", "rollout.group_size=1"], "rollout.group_size"),
+        (["train.attn_implementation=flash_attention_3"], "train.attn_implementation"),
     ],
 )
 def test_bad_values_raise_one_line_naming_the_field(overrides, field):

@@ -1,4 +1,4 @@
-"""binary_answer_reward (SPEC section 4) on the real GSM8K and MATH-500 answers, and the format rules."""
+"""binary_answer_reward (docs/algorithm.md, section 2) on the real GSM8K and MATH-500 answers, and the format rules."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every bad input of SPEC section 2 raises ValueError / TypeError naming the argument."""
+"""Every bad input of the op (README, The fused loss op) raises ValueError / TypeError naming the argument."""
 
 from __future__ import annotations
 
