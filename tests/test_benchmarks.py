@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import exchange, kernels, update
+from benchmarks import exchange, kernels, tiny_default, update
 
 
 def test_kernel_benchmark_quick(tmp_path):
@@ -44,3 +44,12 @@ def test_exchange_benchmark_quick(tmp_path):
     (row,) = rows
     assert row["bytes_per_member"] == row["expected_bytes"]
     assert row["median_ms"] > 0
+
+
+@pytest.mark.slow
+def test_tiny_default_benchmark_records_time_load_and_accuracy(tmp_path):
+    rows = tiny_default.main(["--steps", "2", "--threads", "1", "--output", str(tmp_path / "tiny")])
+    (row,) = rows
+    assert row["exit_code"] == 0 and row["seconds"] > 0 and row["threads"] == 1
+    assert set(row["accuracy"]) == {"tiny-s", "tiny-m-lora"} and "loadavg_1min_before" in row
+    assert (tmp_path / "tiny.md").read_text().count("|") > 10

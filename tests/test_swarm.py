@@ -181,9 +181,11 @@ def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     killed = time.time()
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode != 0
-    assert time.time() - killed < 60  # well within swarm.timeout_s
+    # liveness, not speed: the survivor gives up on its own within swarm.timeout_s (60 s), plus its current step
+    # and shutdown, instead of waiting forever
+    assert time.time() - killed < 60 + 120
     # the survivor reports the lost peer, the launcher that the swarm stopped and how to continue
     assert "lost contact with a peer" in err or "rank 1 (tiny-m-lora) failed with signal 9" in err
     assert "swarm stopped" in err and "--resume" in err
