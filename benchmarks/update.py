@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from ftis_engine.config import MemberSettings  # noqa: E402
-from ftis_engine.members import Member  # noqa: E402
+from ftis_engine.members import Member, enable_checkpointing  # noqa: E402
 from ftis_engine.rollouts import Rollout, TrainItem, pack  # noqa: E402
 from ftis_engine.update import batch_loss  # noqa: E402
 from ftis_kernels import LossConfig  # noqa: E402
@@ -54,7 +54,7 @@ def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, check
         model = Qwen2ForCausalLM(config).to(dtype)
     model.train()
     if checkpointing:  # activations of one layer at a time: what RL trainers run 1.5B+ models with
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     settings = MemberSettings(name=f"qwen2.5-{shape}", model="benchmark")
     return Member(0, settings, model, None, optimizer, None, device, dtype)

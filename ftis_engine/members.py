@@ -77,6 +77,16 @@ def attention_implementation(choice: str, device: torch.device) -> str:
     return "sdpa"
 
 
+def enable_checkpointing(model) -> None:
+    """Recompute each layer's activations in backward, non-reentrant (transformers >= 5.2x names it activation
+    checkpointing; older releases gradient checkpointing)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def check_generator_placement(config: RunConfig, distributed: bool) -> None:
     """vLLM engines join the process's torch.distributed world: one engine per process, and in a multi-process
     run every rank builds one (all members use vllm) or none does."""
@@ -148,7 +158,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device)
         except ValueError as exc:
             raise ConfigError(f"members.{index}.lora.target_modules: {str(exc).splitlines()[0]}") from None
     if config.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        enable_checkpointing(model)
         if settings.lora is not None:
             model.enable_input_require_grads()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -128,7 +128,9 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
             _ADDMM_OUT_DTYPE[acc.device.type] = True
             return
-        except (RuntimeError, TypeError, NotImplementedError):
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError, NotImplementedError):  # no such overload for this device or torch
             _ADDMM_OUT_DTYPE[acc.device.type] = False
     acc += a @ b if a.dtype == acc.dtype else (a @ b).to(acc.dtype)
 
@@ -147,6 +149,8 @@ def _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx,
     dW_c = G_c^T H (each row of dW once, accumulated in fp32 inside the matmul). Scratch: N x chunk entries."""
     n, dim = x.shape
     vocab = weight.shape[0]
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
     columns = chunk_columns(n, vocab, blocks)
     grad_dtype = x.dtype
     scratch = torch.empty((n, columns), dtype=grad_dtype, device=x.device)

@@ -55,3 +55,25 @@ def test_a_checkpoint_restores_every_weight_exactly(tmp_path, architecture):
     after = m.model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["full", "lora"])
+def test_gradient_checkpointing_leaves_the_gradient_unchanged(index):
+    """train.gradient_checkpointing recomputes activations in backward; the update's gradient must not move."""
+    from ftis_engine.update import accumulate_gradients
+    from ftis_kernels import LossConfig
+
+    from .helpers import random_items
+
+    grads = []
+    for checkpointing in ("false", "true"):
+        m, _ = member(index, f"train.gradient_checkpointing={checkpointing}")
+        engaged = getattr(m.causal_lm, "is_activation_checkpointing", None)  # transformers >= 5.2x
+        engaged = m.causal_lm.is_gradient_checkpointing if engaged is None else engaged
+        assert engaged == (checkpointing == "true")
+        m.model.train()
+        accumulate_gradients(m, random_items(m.vocab_size), LossConfig(method="tis"), 4096, "torch")
+        grads.append({name: p.grad.clone() for name, p in m.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
