@@ -34,7 +34,7 @@ BOUNDS = {"loss": 1e-3, "logprobs": 1e-3, "stats": 1e-3, "grad": 3e-2}
 
 def rel(a: torch.Tensor, b: torch.Tensor, rows: int = 2048) -> float:
     """max |a - b| / max |b| in float64, a block of rows at a time (a logits gradient is N x V)."""
-    a, b = a.reshape(a.shape[0], -1) if a.dim() else a.reshape(1, 1), b.reshape(b.shape[0], -1) if b.dim() else b.reshape(1, 1)
+    a, b = (t.reshape(t.shape[0], -1) if t.dim() else t.reshape(1, 1) for t in (a, b))
     diff, scale = 0.0, 0.0
     for i in range(0, a.shape[0], rows):
         ai, bi = a[i:i + rows].double(), b[i:i + rows].double()

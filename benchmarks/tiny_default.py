@@ -77,8 +77,8 @@ def main(argv=None) -> list[dict]:
                     row["repeat"] = repeat
                     rows.append(row)
                     print(json.dumps(row), flush=True)
-    lines = ["| steps | threads | seed | busy processes beside | wall s | load avg before -> after | accuracy at step 0 "
-             "| final accuracy |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| steps | threads | seed | busy processes beside | wall s | load avg before -> after "
+             "| accuracy at step 0 | final accuracy |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r.get("accuracy", {}).items())) or r.get("error", "")
         acc0 = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r.get("accuracy_step0", {}).items()))

@@ -63,6 +63,12 @@ def bench(fn) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median"))
 
 
+def cublas_products(h: torch.Tensor, w: torch.Tensor) -> dict:
+    """The two products of a backward on a full [N, V] bf16 gradient: dH = G W and dW = G^T H."""
+    grad = torch.randn(h.shape[0], w.shape[0], device=h.device, dtype=torch.bfloat16)
+    return {"cublas_dh_ms": bench(lambda: grad @ w), "cublas_dw_ms": bench(lambda: grad.t() @ h)}
+
+
 def describe(b: Blocks) -> dict:
     return {k: v for k, v in vars(b).items() if k != "splits"}
 
@@ -87,10 +93,7 @@ def main(argv=None) -> dict:
         out["cublas_logits_fp32_out_ms"] = bench(lambda: torch.mm(h, w.t(), out_dtype=torch.float32))
     except (RuntimeError, TypeError) as exc:
         out["cublas_logits_fp32_out_ms"] = f"unavailable: {exc}"
-    g = torch.randn(n, v, device=h.device, dtype=torch.bfloat16)
-    out["cublas_dh_ms"] = bench(lambda: g @ w)
-    out["cublas_dw_ms"] = bench(lambda: g.t() @ h)
-    del g
+    out.update(cublas_products(h, w))
     torch.cuda.empty_cache()
     print(json.dumps(out), flush=True)
 

@@ -39,9 +39,21 @@ def _float64_reference(hidden, weight, bias, targets, temperature, grad_out):
     return lp.detach(), entropy.detach(), h.grad, w.grad, b.grad
 
 
-@pytest.mark.parametrize("blocks", BLOCKS, ids=lambda b: f"n{b.block_n}-v{b.block_v}-d{b.block_d}-s{b.splits}")
+CHUNKED = [
+    # chunk_elements / n gives 32 columns per chunk (3 chunks, the last ragged) and 16 (5 chunks)
+    Blocks(block_n=16, block_v=16, block_d=16, splits=2, strategy="chunked", chunk_elements=37 * 32, group_n=2),
+    Blocks(block_n=32, block_v=16, block_d=32, splits=1, strategy="chunked", chunk_elements=37 * 16, group_n=8),
+]
+
+
+def _blocks_id(b: Blocks) -> str:
+    return f"{b.strategy}-n{b.block_n}-v{b.block_v}-d{b.block_d}-s{b.splits}-c{b.chunk_elements}"
+
+
+@pytest.mark.parametrize("blocks", BLOCKS + CHUNKED, ids=_blocks_id)
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
 def test_fused_linear_pass_matches_float64(blocks, with_bias):
+    """Both backward strategies; the chunked blocks cut the vocabulary (75) into ragged chunks of 32 and 16."""
     hidden, weight, bias, targets = _inputs(1)
     counted = targets != -100
     grad_out = torch.randn(hidden.shape[0], dtype=torch.float64)
@@ -170,33 +182,6 @@ def test_fp16_gradients_keep_the_many_tiny_softmax_terms():
         assert float((ours.double() - exact).abs().max() / exact.abs().max()) < 2e-2
 
 
-CHUNKED = [
-    # chunk_elements / n gives 32 columns per chunk (3 chunks, the last ragged) and 16 (5 chunks)
-    Blocks(block_n=16, block_v=16, block_d=16, splits=2, strategy="chunked", chunk_elements=37 * 32, group_n=2),
-    Blocks(block_n=32, block_v=16, block_d=32, splits=1, strategy="chunked", chunk_elements=37 * 16, group_n=8),
-]
-
-
-@pytest.mark.parametrize("blocks", CHUNKED, ids=["3-chunks-group2", "5-chunks-group8"])
-@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
-def test_chunked_backward_matches_float64(blocks, with_bias):
-    """The vocabulary-chunked backward (Triton gradient tiles + matmuls per chunk) against float64 autograd, with
-    chunks that do not divide the vocabulary and targets in every chunk."""
-    hidden, weight, bias, targets = _inputs(9)
-    counted = targets != -100
-    grad_out = torch.randn(hidden.shape[0], dtype=torch.float64)
-    ref_lp, _, ref_dh, ref_dw, ref_db = _float64_reference(
-        hidden, weight, bias if with_bias else torch.zeros_like(bias), targets, 0.7, grad_out
-    )
-    h, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
-    b = bias.float().requires_grad_() if with_bias else None
-    lp, _ = TritonTokenLogprobs.apply(h, w, b, targets, counted, 0.7, blocks)
-    (lp * grad_out.float()).sum().backward()
-    torch.testing.assert_close(lp.double(), ref_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(h.grad.double(), ref_dh, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(w.grad.double(), ref_dw, rtol=1e-4, atol=1e-5)
-    if with_bias:
-        torch.testing.assert_close(b.grad.double(), ref_db, rtol=1e-4, atol=1e-5)
 
 
 def test_chunked_backward_writes_zeros_for_skipped_blocks_and_respects_frozen_weights():
