@@ -302,7 +302,8 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
                 mem.append((r.get("peak_bytes") or 0) / 2**30)
         axes[0].bar(xs, ms, width, label=peer)
         axes[1].bar(xs, mem, width, label=peer)
-    for ax, title in zip(axes, ("fwd+bwd time (ms)", "peak memory above inputs (GiB)")):
+    axes[0].set_yscale("log")  # peers differ by 100x
+    for ax, title in zip(axes, ("fwd+bwd time (ms, log scale)", "peak memory above inputs (GiB)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"d={d}\nN={n}" for d, n in shapes])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
