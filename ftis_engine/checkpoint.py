@@ -13,7 +13,6 @@ import pathlib
 import random
 import re
 import shutil
-import uuid
 
 import torch
 
@@ -94,13 +93,6 @@ def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last
         os.replace(tmp, final)
     prune(run_dir, keep_last)
     return final
-
-
-def write_checkpoint(run_dir: pathlib.Path, step: int, members: list, state: dict, save_optimizer: bool,
-                     keep_last: int) -> pathlib.Path:
-    """Single-process checkpoint: stage every member, then finalize."""
-    stage_members(run_dir, step, members, save_optimizer)
-    return finalize_checkpoint(run_dir, step, state, keep_last)
 
 
 def prune(run_dir: pathlib.Path, keep_last: int) -> None:

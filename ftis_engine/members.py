@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -21,7 +21,6 @@ class Member:
     generator: object
     device: torch.device
     dtype: torch.dtype
-    extra: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -12,7 +12,6 @@ class Progress:
 
     def __init__(self, enabled: bool = True, console: Console | None = None):
         self.console = console or Console(stderr=True)
-        self.enabled = enabled
         self._bars = RichProgress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=self.console, transient=True, disable=not enabled,

@@ -141,21 +141,6 @@ def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_t
             raise RolloutError(f"{where}: reward is not finite")
 
 
-def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = True) -> torch.Tensor:
-    """A_i = (r_i - mean(r)) / (std(r) + 1e-8) over each group (std unbiased, as torch.std); scale=False drops the
-    division. A group of one has no spread: its advantage is 0."""
-    rewards = rewards.double()
-    advantages = torch.zeros_like(rewards)
-    for key in torch.unique(groups):
-        members = groups == key
-        r = rewards[members]
-        if r.numel() < 2:
-            continue
-        centred = r - r.mean()
-        advantages[members] = centred / (r.std() + 1e-8) if scale else centred
-    return advantages.float()
-
-
 @dataclass
 class TrainItem:
     """A rollout ready for the update: its prompt's token ids, its advantage and its group."""

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from ftis_kernels import group_advantages
 
 from .checkpoint import finalize_checkpoint, latest_checkpoint, read_state, restore_member, stage_members
 from .config import ConfigError, RunConfig, dump_config
@@ -28,7 +29,7 @@ from .generation import SamplingSettings
 from .members import Member, build_member, preflight, resolve_device
 from .metrics import MetricsLogger, truncate_metrics
 from .progress import Progress
-from .rollouts import Rollout, TrainItem, encode, group_advantages, max_buffer_words, wire_bytes
+from .rollouts import Rollout, TrainItem, encode, max_buffer_words, wire_bytes
 from .tasks import Task, load_task, prompt_ids
 from .update import check_model, update_member
 

@@ -18,6 +18,7 @@ from .api import (
     token_logprobs,
 )
 from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput
+from .epilogue import group_advantages
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "ftis_loss",
     "fused_linear_ftis_loss",
     "fused_linear_token_logprobs",
+    "group_advantages",
     "resolve_backend",
     "token_logprobs",
 ]

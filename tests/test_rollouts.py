@@ -1,12 +1,11 @@
-"""Rollouts: the wire format, group advantages, packing, and micro-batch invariance of the gradient."""
+"""Rollouts: the wire format, packing, and micro-batch invariance of the gradient."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftis_engine.rollouts import (RolloutError, Rollout, decode, encode, group_advantages, micro_batches, pack,
-                                  validate, wire_bytes)
+from ftis_engine.rollouts import Rollout, RolloutError, decode, encode, micro_batches, pack, validate, wire_bytes
 from ftis_engine.run import deal
 from ftis_engine.update import accumulate_gradients, packed_hidden
 
@@ -65,19 +64,6 @@ def test_validation_names_the_problem(mutate, reason):
     mutate(rollouts[0])
     with pytest.raises(RolloutError, match=reason):
         validate(rollouts, sender=1, vocab_size=100, max_new_tokens=8, expected=None, num_prompts=100)
-
-
-def test_group_advantages_match_the_formula_per_group():
-    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 0.0])
-    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 2])
-    adv = group_advantages(rewards, groups)
-    for key in (0, 1):
-        r = rewards[groups == key].double()
-        expected = (r - r.mean()) / (r.std() + 1e-8)
-        torch.testing.assert_close(adv[groups == key].double(), expected, rtol=1e-6, atol=1e-6)
-    assert adv[groups == 2].item() == 0.0  # a group of one has no spread
-    unscaled = group_advantages(rewards, groups, scale=False)
-    torch.testing.assert_close(unscaled[:4], torch.tensor([0.5, -0.5, -0.5, 0.5]))
 
 
 def test_vertical_deals_whole_groups_round_robin_and_horizontal_splits_each_group():

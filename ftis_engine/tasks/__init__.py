@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..rewards import Reward, binary_answer_reward, load_reward, tiny_answer_reward
 
@@ -29,7 +29,6 @@ class Task:
     reward: Reward
     system_prompt: str | None = SYSTEM_PROMPT
     prompt_format: str = "auto"  # auto | chat | plain
-    notes: dict = field(default_factory=dict)
 
 
 class TaskError(ValueError):
