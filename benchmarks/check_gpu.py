@@ -24,11 +24,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ftis_kernels  # noqa: E402
 from benchmarks.kernels import make_inputs  # noqa: E402
-from ftis_kernels.logprobs import Blocks, default_blocks  # noqa: E402
+from ftis_kernels.logprobs import ATOMIC_HALF_BLOCKS, default_blocks  # noqa: E402
 
 # bf16 inputs, fp32 accumulation on both sides: the log-probs differ only by summation order; the gradients by
 # the bf16 rounding of the gradient tile before its matmuls (2^-8 relative) summed over many tokens.
-STRATEGY_TILES = {"atomic": Blocks(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3, strategy="atomic")}
 BOUNDS = {"loss": 1e-3, "logprobs": 1e-3, "stats": 1e-3, "grad": 3e-2}
 
 
@@ -52,7 +51,7 @@ def run(x: dict, entry: str, method: str, backend: str, strategy: str | None) ->
     w = x["weight"].detach().clone().requires_grad_(entry == "fused")
     original = bwd.default_blocks
     if strategy is not None:  # force the fused backward strategy under test (the atomic one with its own tiles)
-        forced = STRATEGY_TILES.get(strategy)
+        forced = ATOMIC_HALF_BLOCKS if strategy == "atomic" else None
         bwd.default_blocks = lambda kernel, mode, dtype: forced or original(kernel, mode, dtype)
     try:
         if entry == "fused":

@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from ftis_kernels import backward, logprobs  # noqa: E402
-from ftis_kernels.logprobs import Blocks, default_blocks  # noqa: E402
+from ftis_kernels.logprobs import ATOMIC_HALF_BLOCKS, Blocks, default_blocks  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
@@ -66,12 +66,9 @@ def _backward(v: Variant, blocks: Blocks):
     return backward._backward_kernel, sig, const
 
 
-ATOMIC_TILES = Blocks(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3, strategy="atomic")
-
-
 def compile_variant(v: Variant, blocks: Blocks | None = None) -> dict:
     if blocks is None:
-        blocks = ATOMIC_TILES if v.strategy == "atomic" else default_blocks(v.kernel, v.mode, v.dtype)
+        blocks = ATOMIC_HALF_BLOCKS if v.strategy == "atomic" else default_blocks(v.kernel, v.mode, v.dtype)
     fn, sig, const = (_forward if v.kernel == "forward" else _backward)(v, blocks)
     for name in const:
         sig[name] = "constexpr"

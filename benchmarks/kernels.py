@@ -23,6 +23,7 @@ achieved TFLOP/s counting 6 N V d. Writes JSON, a markdown table with ratios to 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -73,14 +74,12 @@ CONFIG = LossConfig(method="f-tis")
 # ----------------------------------------------------------------------------------------------- peers
 
 
-def ours_fused_linear(x):
+def ours_fused_linear(x, config: LossConfig = CONFIG):
     return ftis_kernels.fused_linear_ftis_loss(x["hidden"], x["weight"], x["targets"], x["gen"], x["adv"], x["cu"],
-                                               config=CONFIG).loss
+                                               config=config).loss
 
 
-def ours_fused_linear_tis(x):
-    return ftis_kernels.fused_linear_ftis_loss(x["hidden"], x["weight"], x["targets"], x["gen"], x["adv"], x["cu"],
-                                               config=CONFIG.replace(method="tis")).loss
+ours_fused_linear_tis = functools.partial(ours_fused_linear, config=CONFIG.replace(method="tis"))
 
 
 def ours_logits(x):

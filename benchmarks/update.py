@@ -18,12 +18,13 @@ import platform
 import statistics
 import sys
 import time
+import typing
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from ftis_engine.config import MemberSettings  # noqa: E402
+from ftis_engine.config import MemberSettings, TrainSettings  # noqa: E402
 from ftis_engine.members import Member, enable_checkpointing  # noqa: E402
 from ftis_engine.rollouts import Rollout, TrainItem, pack  # noqa: E402
 from ftis_engine.update import batch_loss  # noqa: E402
@@ -44,6 +45,7 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=True),
 }
 CONFIG = LossConfig(method="f-tis")
+ATTENTION = typing.get_args(TrainSettings.model_fields["attn_implementation"].annotation)  # the trainer's choices
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, checkpointing: bool = False):
@@ -108,7 +110,6 @@ def model_flops_per_token(member: Member, context: int) -> float:
 def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | None) -> dict:
     row = {"model": shape, "path": path, "sequences": args.sequences, "prompt_len": args.prompt_len,
            "completion_len": args.completion_len, "checkpointing": args.checkpointing}
-    member = packed = None
     try:
         member = build(shape, device, dtype, args.attn, args.checkpointing)
         packed = pack(batch(member.model.config.vocab_size, args.sequences, args.prompt_len, args.completion_len))
@@ -159,7 +160,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--completion-len", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "flex_attention", "flash_attention_2", "eager"])
+    parser.add_argument("--attn", default="sdpa", choices=[a for a in ATTENTION if a != "auto"])
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile one update and print its K most expensive GPU kernels")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",

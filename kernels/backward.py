@@ -181,12 +181,12 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
     dim = x.shape[1] if fused else 1
     x, targets = x.contiguous(), targets.contiguous()
     need_dx, need_dw, need_db = needs[0], fused and needs[1], bias is not None and needs[2]
-    if fused and blocks.strategy == "chunked" and x.dtype != torch.float16:
+    if fused:
         weight = weight.contiguous()
+    if fused and blocks.strategy == "chunked" and x.dtype != torch.float16:
         return _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx, need_dw, need_db,
                                  blocks)
     if fused:
-        weight = weight.contiguous()
         dx = torch.zeros((n, dim), dtype=torch.float32, device=x.device) if need_dx else None
         dw = torch.zeros((vocab, dim), dtype=torch.float32, device=x.device) if need_dw else None
         db = torch.zeros(vocab, dtype=torch.float32, device=x.device) if need_db else None

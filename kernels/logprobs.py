@@ -63,6 +63,10 @@ _TILES = {
     ("backward", "logits", "any"): Blocks(block_n=8, block_v=512, block_d=16, num_warps=8, num_stages=3),
 }
 
+# The bf16/fp16 fused backward's tiles when strategy="atomic" is asked for (fp16's default strategy; bf16 for
+# comparison): spill-free under ptxas, 106 ms at N=16384, d=1536 on an H100 against the chunked default's 37 ms.
+ATOMIC_HALF_BLOCKS = Blocks(block_n=128, block_v=128, block_d=32, num_warps=8, num_stages=3, strategy="atomic")
+
 
 def default_blocks(kernel: str, mode: str, dtype) -> Blocks:
     """Tile sizes per pass ("forward" | "backward"), mode ("fused" | "logits") and input dtype (a torch dtype or
