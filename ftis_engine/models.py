@@ -2,7 +2,9 @@
 
 Built-in models (`builtin:tiny-s`, `builtin:tiny-m`, `builtin:tiny-l`) are Qwen2 architectures of three sizes,
 randomly initialised from a seed, with the character-level tokenizer shipped in ftis_engine/assets/tiny-tokenizer
-(101 tokens: printable ASCII, newline, tab, <|endoftext|>, <|im_start|>, <|im_end|>, <unk>).
+(101 tokens: printable ASCII, newline, tab, <|endoftext|>, <|im_start|>, <|im_end|>, <unk>). Two more,
+`builtin:shape-0.5b` and `builtin:shape-1.5b`, have the layer shapes of Qwen2.5-0.5B and -1.5B (the same
+tokenizer, so a far smaller embedding): random stand-ins for GPU measurements where nothing can be downloaded.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ TINY_MODELS = {
                    intermediate_size=256, tie_word_embeddings=False, initializer_range=0.1),
     "tiny-l": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                    intermediate_size=384, tie_word_embeddings=False, initializer_range=0.1),
+    # Qwen2.5-0.5B / -1.5B layer shapes (config.json of the hub models), transformers' usual init
+    "shape-0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                       intermediate_size=4864, tie_word_embeddings=True, initializer_range=0.02),
+    "shape-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                       intermediate_size=8960, tie_word_embeddings=True, initializer_range=0.02),
 }
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHAT_TEMPLATE = (

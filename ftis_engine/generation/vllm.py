@@ -101,6 +101,7 @@ class VLLMGenerator:
         problem = check_available()
         if problem:
             raise RuntimeError(problem)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a dozen INFO lines per sleep/wake; read at import
         from vllm import LLM
 
         self.tokenizer = tokenizer
@@ -115,7 +116,10 @@ class VLLMGenerator:
             base.save_pretrained(str(self._work / "base"))
             tokenizer.save_pretrained(str(self._work / "base"))
             source = str(self._work / "base")
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left
+        # initialised by an earlier engine of this process: a new engine runs on its own then too
+        distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                       and torch.distributed.get_world_size() > 1)
         if not distributed:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine's model is reachable
         max_len = settings.vllm.max_model_len or (config.data.max_prompt_tokens + max(
@@ -126,6 +130,11 @@ class VLLMGenerator:
             logprobs_mode="processed_logprobs", max_model_len=max_len, enforce_eager=settings.vllm.enforce_eager,
             enable_prefix_caching=True, tensor_parallel_size=1,
         )
+        if not settings.vllm.enforce_eager:
+            # vLLM >= 0.11 turns on inductor's combo kernels under torch >= 2.9; with torch 2.11 their benchmarking
+            # fails an assertion (len(launchers) == 1) while compiling a Qwen2 (vLLM 0.24, H100): keep them off
+            kwargs["compilation_config"] = {"inductor_compile_config": {"combo_kernels": False,
+                                                                        "benchmark_combo_kernel": False}}
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.lora:
@@ -160,7 +169,9 @@ class VLLMGenerator:
             if self._stale:
                 self._push()
             self.llm.wake_up(tags=["kv_cache"])
-            self.llm.wake_up()  # anything else (scheduling) that a version of vLLM tracks
+            sleeping = getattr(self.llm.llm_engine, "is_sleeping", None)
+            if sleeping is None or sleeping():  # anything else (scheduling) that a version of vLLM still holds
+                self.llm.wake_up()
             self._asleep = False
         elif self._stale:
             self._push()

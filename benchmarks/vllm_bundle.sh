@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Builds what vLLM needs on a GPU machine that has torch 2.11 (cu130) and no network, as pieces small enough to
+# carry one per call (benchmarks/README.md, "vLLM on the lent GPU"). Run here, where pip reaches the registries:
+#
+#   bash benchmarks/vllm_bundle.sh [HAVE.txt]     -> .vb/0/p00 .vb/1/p01 .vb/2/p02 (git-ignored through .git/info/exclude)
+#
+# HAVE.txt lists the distribution names the GPU machine already holds, one a line (default: the package list of
+# the workplace's 'cuda' image, read from /work/.library/device/KINDS.md). Then, on the GPU machine, one call per
+# piece (`mkdir -p /root/vb && cp .vb/N/p0N /root/vb/`, carrying .vb/N) back to back, the last one followed by
+# `bash benchmarks/run_vllm_gpu.sh`, which joins and installs them.
+#
+# What is left out, because an offline engine on a Hopper GPU never loads it (vLLM imports these only when asked
+# for): flashinfer (its 440 MB cubin wheel), tilelang, cutlass-dsl and the CUDA compiler wheels it pulls, quack,
+# tokenspeed, humming-kernels, fastsafetensors, the FlashAttention-2 and MoE libraries inside vLLM's wheel, the
+# Blackwell attention sources and the Rust frontend binary; and the server-only sentry, supervisor, rignore, fastar.
+set -euo pipefail
+VLLM=0.24.0
+PIECE=66060288   # 63 MiB: a piece plus the working tree stays under a call's 64 MiB
+work="${WORK:-/tmp/vllm-bundle}"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+have="${1:-}"
+rm -rf "$work" && mkdir -p "$work/bund/whl" "$work/deps" "$work/vllm"
+if [ -z "$have" ]; then
+  have="$work/have.txt"
+  sed -n '/^## Python packages already there/,$p' /work/.library/device/KINDS.md | tail -1 | sed 's/^Packages: //' |
+    tr ',' '\n' | sed 's/^ *//;s/\.$//' > "$have"
+fi
+tr 'A-Z_' 'a-z-' < "$have" | sort -u > "$work/have.norm"
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
+      --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_26_x86_64
+      --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
+      --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux2014_x86_64
+      --platform manylinux1_x86_64 --platform any)
+python3 -m pip install -q uv
+# the dependency closure of vLLM and ftis-engine for the GPU machine, minus what it has and what is never loaded
+printf 'vllm==%s\ndatasets>=2.19\nmath-verify[antlr4-13-2]>=0.7\npydantic>=2.6\n' "$VLLM" > "$work/req.in"
+uv pip compile "$work/req.in" --python-version 3.12 --python-platform x86_64-manylinux_2_28 --no-header \
+  --no-annotate -q -o "$work/req.txt"
+skip='^(vllm|flashinfer-.*|tilelang|z3-solver|nvidia-.*|cuda-tile|humming-kernels|quack-kernels|tokenspeed-.*|fastsafetensors|sentry-sdk|supervisor|rignore|fastar)=='
+tr 'A-Z_' 'a-z-' < "$work/req.txt" | grep -v -E "$skip" | while read -r line; do
+  grep -qx "${line%%==*}" "$work/have.norm" || echo "$line"
+done > "$work/missing.txt"
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/bund/whl" -r "$work/missing.txt"
+python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/deps" "vllm==$VLLM"
+(cd "$work/vllm" && unzip -q "$work"/deps/vllm-*.whl &&
+  rm -f vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so vllm/_moe_C_stable_libtorch.abi3.so vllm/vllm-rs \
+        vllm/third_party/deep_gemm/_C.cpython-31[34]-*.so &&
+  rm -rf vllm/third_party/fmha_sm100 &&
+  tar -cf - vllm "vllm-$VLLM.dist-info" | xz -6 -T0 > "$work/bund/vllm-trim.tar.xz")
+(cd "$work" && tar -cf bundle.tar bund && md5sum bundle.tar)
+mkdir -p "$repo/.git/info" && (grep -qx '/.vb/' "$repo/.git/info/exclude" 2>/dev/null || echo '/.vb/' >> "$repo/.git/info/exclude")
+rm -rf "$repo/.vb" && split -b "$PIECE" -d "$work/bundle.tar" "$work/p"
+for piece in "$work"/p0*; do n="${piece##*p0}"; mkdir -p "$repo/.vb/$n" && mv "$piece" "$repo/.vb/$n/"; done
+ls -l "$repo"/.vb/*/
