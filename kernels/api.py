@@ -12,6 +12,7 @@ from .reference import chunked_token_logprobs
 
 BACKENDS = ("auto", "triton", "torch")
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 
 
 # ----------------------------------------------------------------------------------------------- validation
@@ -67,8 +68,9 @@ def _check_targets(targets, n: int, vocab: int, x_name: str, device, ignore_inde
     _require_tensor("targets", targets)
     if targets.device != device:
         raise ValueError(f"targets: on {targets.device}, but {x_name} is on {device}")
-    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
-        raise TypeError(f"targets: expected an integer tensor, got {targets.dtype}")
+    if targets.dtype not in _ID_DTYPES:
+        raise TypeError(f"targets: expected a signed integer tensor (int64 or int32; ignore_index is negative), "
+                        f"got {targets.dtype}")
     _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
     counted = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
     bad = counted & ((targets < 0) | (targets >= vocab))
@@ -120,11 +122,15 @@ def _check_inputs(
         _check_shape("group_ids", group_ids, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
 
     cu = cu_seqlens.long()
-    if int(cu[0]) != 0 or int(cu[-1]) != n or not bool((cu[1:] > cu[:-1]).all()):
-        raise ValueError(
-            f"cu_seqlens: must increase strictly from 0 to N={n} (the rows of {x_name}), "
-            f"got first={int(cu[0])}, last={int(cu[-1])}"
-        )
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens: cu_seqlens[0] must be 0, got {int(cu[0])}")
+    steps = cu[1:] <= cu[:-1]
+    if bool(steps.any()):
+        i = int(steps.nonzero()[0, 0]) + 1
+        raise ValueError(f"cu_seqlens: must increase strictly (every sequence has at least one token), but "
+                         f"cu_seqlens[{i}]={int(cu[i])} <= cu_seqlens[{i - 1}]={int(cu[i - 1])}")
+    if int(cu[-1]) != n:
+        raise ValueError(f"cu_seqlens: the last entry must be N={n} (the rows of {x_name}), got {int(cu[-1])}")
     _check_logprobs("gen_logprobs", gen_logprobs)
     if old_logprobs is not None:
         _check_logprobs("old_logprobs", old_logprobs)
@@ -151,13 +157,41 @@ def _token_logprobs(x, weight, bias, targets, counted, temperature: float, backe
     return chunked_token_logprobs(x, weight, bias, targets, counted, temperature)
 
 
-def _loss(x, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
-          backend) -> LossOutput:
+def _check_count(name: str, value, own: int, what: str) -> int | None:
+    """A whole batch's count passed to a micro-batch call: None, or an int >= this call's own count."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < max(own, 1):
+        raise ValueError(f"{name}: must be an int >= this call's {own} {what} (the whole batch's count, of which "
+                         f"this call is a part), got {value!r}")
+    return value
+
+
+def _check_finite_logprobs(x: torch.Tensor, x_name: str, counted: torch.Tensor, logprobs: torch.Tensor) -> None:
+    """NaN or inf in the inputs of the vocabulary pass: a counted row's log-prob is then not finite (its
+    log-sum-exp reads all of weight and bias), so one check of [N] finds it; the rows of ignored targets (whose
+    log-prob is 0 by definition, but which a NaN would still turn into NaN gradients) are read directly."""
+    names = "logits" if x_name == "logits" else "hidden, weight or bias"
+    bad = ~torch.isfinite(logprobs.detach())
+    if not bool(counted.all()):
+        bad |= ~counted & ~torch.isfinite(x.detach()).all(dim=1)
+    if bool(bad.any()):
+        raise ValueError(f"{names}: contains NaN or inf (it reaches row {int(bad.nonzero()[0, 0])} of {x_name})")
+
+
+def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
+          group_ids, backend, num_sequences, num_tokens) -> LossOutput:
+    num_sequences = _check_count("num_sequences", num_sequences, advantages.numel(), "sequences")
+    if num_tokens is not None:
+        num_tokens = _check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
     logprobs, entropy = _token_logprobs(x, weight, bias, targets, counted, cfg.temperature, backend)
-    loss, stats = ftis_objective(
-        logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids
+    _check_finite_logprobs(x, x_name, counted, logprobs)
+    loss, (sums, counts) = ftis_objective(
+        logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
+        num_sequences=num_sequences, num_tokens=num_tokens,
     )
-    return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats)
+    stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
+    return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts)
 
 
 # ----------------------------------------------------------------------------------------------- public API
@@ -174,17 +208,25 @@ def ftis_loss(
     old_logprobs: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     backend: str = "auto",
+    num_sequences: int | None = None,
+    num_tokens: int | None = None,
     **overrides,
 ) -> LossOutput:
     """F-TIS loss of packed completions from logits.
 
     logits: [N, V] bf16/fp16/fp32 (fp64 on the torch backend); row j predicts targets[j].
     targets: [N] int, ids in [0, V) or config.ignore_index. gen_logprobs, old_logprobs: [N] fp32, <= 0.
-    advantages: [S] fp32. cu_seqlens: [S+1] int32, 0 = cu[0] < cu[1] < ... < cu[S] = N.
+    advantages: [S] fp32. cu_seqlens: [S+1] int32, 0 = cu[0] < cu[1] < ... < cu[S] = N: every sequence has at
+    least one row (an empty completion has nothing to train on: leave it out), so N >= S >= 1.
     group_ids: [S] int (gepo: the groups E_k is taken over; default one group).
     config / **overrides: LossConfig and field overrides (e.g. method="tis").
     backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (chunked PyTorch), "auto".
-    Returns LossOutput(loss, logprobs, stats). The gradient w.r.t. logits is the only N x V allocation.
+    num_sequences, num_tokens: when this call is one micro-batch of a larger batch (gradient accumulation), the
+    whole batch's sequences and counted tokens: the loss is then divided as the whole batch's is, so the
+    micro-batches' gradients add up to the whole batch's. Split gepo batches at group boundaries (E_k is taken
+    over the groups within the call). None: this call's own counts.
+    Returns LossOutput(loss, logprobs, stats, stat_sums, stat_counts); `combine_stats` merges micro-batches'
+    stats. NaN or inf in the logits raises ValueError. The gradient w.r.t. logits is the only N x V allocation.
     """
     cfg = _resolve_config(config, overrides)
     _require_tensor("logits", logits)
@@ -192,8 +234,8 @@ def ftis_loss(
     _check_matrix("logits", logits, backend)
     counted = _check_inputs(logits, "logits", logits.shape[1], targets, gen_logprobs, advantages, cu_seqlens,
                             old_logprobs, group_ids, cfg, backend)
-    return _loss(logits, None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
-                 group_ids, backend)
+    return _loss(logits, "logits", None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
+                 old_logprobs, group_ids, backend, num_sequences, num_tokens)
 
 
 def fused_linear_ftis_loss(
@@ -209,6 +251,8 @@ def fused_linear_ftis_loss(
     old_logprobs: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
     backend: str = "auto",
+    num_sequences: int | None = None,
+    num_tokens: int | None = None,
     **overrides,
 ) -> LossOutput:
     """F-TIS loss of packed completions from hidden states and the lm_head, without any N x V tensor.
@@ -216,6 +260,7 @@ def fused_linear_ftis_loss(
     hidden: [N, d]; weight: [V, d] (the lm_head / tied embedding); bias: [V] or None; all the same dtype,
     bf16/fp16/fp32 (fp64 on the torch backend). Other arguments as in `ftis_loss`.
     The loss is differentiable w.r.t. hidden, weight and bias (gradients only for those that require them).
+    NaN or inf in hidden, weight or bias raises ValueError (found through the log-probs, at no extra pass).
     """
     cfg = _resolve_config(config, overrides)
     _require_tensor("hidden", hidden)
@@ -223,8 +268,8 @@ def fused_linear_ftis_loss(
     _check_linear(hidden, weight, bias, backend)
     counted = _check_inputs(hidden, "hidden", weight.shape[0], targets, gen_logprobs, advantages, cu_seqlens,
                             old_logprobs, group_ids, cfg, backend)
-    return _loss(hidden, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
-                 group_ids, backend)
+    return _loss(hidden, "hidden", weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
+                 old_logprobs, group_ids, backend, num_sequences, num_tokens)
 
 
 def _check_linear(hidden, weight, bias, backend: str) -> None:
@@ -289,16 +334,18 @@ class FTISLoss(torch.nn.Module):
             raise ValueError(f"backend: unknown value {backend!r}; expected one of {', '.join(BACKENDS)}")
         self.backend = backend
 
-    def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, old_logprobs=None, group_ids=None):
+    def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, old_logprobs=None, group_ids=None,
+                num_sequences=None, num_tokens=None):
         return ftis_loss(logits, targets, gen_logprobs, advantages, cu_seqlens, config=self.config,
-                         old_logprobs=old_logprobs, group_ids=group_ids, backend=self.backend)
+                         old_logprobs=old_logprobs, group_ids=group_ids, backend=self.backend,
+                         num_sequences=num_sequences, num_tokens=num_tokens)
 
 
 class FusedLinearFTISLoss(FTISLoss):
     """nn.Module form of `fused_linear_ftis_loss`: forward(hidden, weight, targets, ..., bias=None)."""
 
     def forward(self, hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=None, old_logprobs=None,
-                group_ids=None):
+                group_ids=None, num_sequences=None, num_tokens=None):
         return fused_linear_ftis_loss(hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=bias,
                                       config=self.config, old_logprobs=old_logprobs, group_ids=group_ids,
-                                      backend=self.backend)
+                                      backend=self.backend, num_sequences=num_sequences, num_tokens=num_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,18 +57,26 @@ class LossConfig:
     ignore_index: target id that marks positions which count nowhere.
     """
 
-    method: str = "f-tis"
-    is_cap: float = 2.0
-    kl_threshold: float = 50.0
-    kl_estimator: str = "k3"
-    kl_reduction: str = "sum"
-    kl_max_len: int | None = None
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    temperature: float = 1.0
-    normalization: str = "sequence"
-    norm_max_len: int | None = None
-    ignore_index: int = -100
+    # Each field's `help` (and `choices`) is also the description of the run config's `algorithm` section
+    # (ftis_engine/config.py derives that section from these fields): the paper's defaults live here only.
+    method: str = field(default="f-tis", metadata={"choices": METHODS, "help": (
+        "Loss: nois | vis | tis | f-nois | f-vis | f-tis (default) | gepo; f- adds the KL filter.")})
+    is_cap: float = field(default=2.0, metadata={"help": "C: truncation of the importance weight min(exp(l - g), C)."})
+    kl_threshold: float = field(default=50.0, metadata={"help": (
+        "g: a sequence with A <= 0 and KL >= g is filtered (.inf: never).")})
+    kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS, "help": "Per-token KL estimator."})
+    kl_reduction: str = field(default="sum", metadata={"choices": KL_REDUCTIONS, "help": (
+        "KL over a sequence's tokens: sum | mean | padded_mean (sum / kl_max_len).")})
+    kl_max_len: int | None = field(default=None, metadata={"help": (
+        "Padded length for kl_reduction padded_mean (the authors: 768).")})
+    eps_low: float = field(default=0.2, metadata={"help": "PPO clip: 1 - eps_low."})
+    eps_high: float = field(default=0.2, metadata={"help": "PPO clip: 1 + eps_high."})
+    temperature: float = field(default=1.0, metadata={"help": (
+        "The generator's sampling temperature; log-probs are log_softmax(logits / T).")})
+    normalization: str = field(default="sequence", metadata={"choices": NORMALIZATIONS, "help": (
+        "sequence (GRPO) | token (DAPO) | constant (Dr. GRPO: S * norm_max_len).")})
+    norm_max_len: int | None = field(default=None, metadata={"help": "Divisor length for normalization constant."})
+    ignore_index: int = field(default=-100, metadata={"help": "Target id that marks positions which count nowhere."})
 
     def __post_init__(self) -> None:
         _choice("method", self.method, METHODS)
@@ -119,10 +128,36 @@ class LossOutput:
 
     loss: scalar (fp32; fp64 for fp64 inputs), differentiable w.r.t. the logits, or hidden, weight and bias.
     logprobs: [N] per-token log pi_theta(target) at the configured temperature, detached; 0 at ignored positions.
-    stats: detached scalars named in STAT_KEYS, averaged over counted tokens (or sequences for
-        filtered_frac and kl_mean, and for clip_frac under gepo).
+    stats: detached scalars named in STAT_KEYS: this call's means, stats[k] = stat_sums[k] / max(stat_counts[k], 1).
+    stat_sums: detached scalars (the arithmetic dtype), the sum behind each mean: over counted tokens for the token
+        stats, over sequences for filtered_frac and kl_mean, and for clip_frac under gepo.
+    stat_counts: detached int64 scalars, what each sum is over: this call's counted tokens or its S sequences.
+        Sums and counts add up over the calls of one batch: `combine_stats` gives the whole batch's means.
     """
 
     loss: torch.Tensor
     logprobs: torch.Tensor
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    stat_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    stat_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def combine_stats(outputs: Iterable[LossOutput]) -> dict[str, float]:
+    """The whole batch's stats from the LossOutputs of its micro-batch calls: per key in STAT_KEYS,
+    sum of stat_sums / max(sum of stat_counts, 1), as one call on the whole batch would report them.
+    One device sync per output."""
+    sums = dict.fromkeys(STAT_KEYS, 0.0)
+    counts = dict.fromkeys(STAT_KEYS, 0)
+    seen = 0
+    for out in outputs:
+        if not isinstance(out, LossOutput):
+            raise TypeError(f"outputs: expected LossOutput items, got {type(out).__name__}")
+        values = torch.stack([out.stat_sums[k].double() for k in STAT_KEYS]).tolist()
+        numbers = torch.stack([out.stat_counts[k] for k in STAT_KEYS]).tolist()
+        for key, value, number in zip(STAT_KEYS, values, numbers):
+            sums[key] += value
+            counts[key] += int(number)
+        seen += 1
+    if seen == 0:
+        raise ValueError("outputs: no LossOutput given")
+    return {key: sums[key] / max(counts[key], 1) for key in STAT_KEYS}

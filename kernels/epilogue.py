@@ -99,17 +99,21 @@ def ftis_objective(
     cfg: LossConfig,
     old_logprobs: torch.Tensor | None = None,
     group_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss and stats of one update from per-token log-probs.
+    num_sequences: int | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+    """Loss and stats of one update (or one micro-batch of it) from per-token log-probs.
 
     logprobs: [N] l_t, differentiable, computed in the arithmetic dtype (fp32, or fp64 for fp64 inputs);
     entropy: [N] detached; gen_logprobs / old_logprobs: [N]; advantages: [S]; cu_seqlens: [S+1];
     counted: [N] bool, False where the target is ignore_index; group_ids: [S] (gepo only).
-    Returns the scalar loss and a dict of detached scalar stats.
+    num_sequences / num_tokens: the whole batch's sequences / counted tokens when this call is one micro-batch
+    of it (the normaliser of sequence, constant and gepo / of token normalisation); None: this call's own.
+    Returns the scalar loss and (sums, counts): per stat key, the detached sum and the int64 count it is over.
     """
     dtype = logprobs.dtype
-    num_tokens, num_seqs = logprobs.numel(), advantages.numel()
-    seq = sequence_index(cu_seqlens, num_tokens)
+    num_seqs = advantages.numel()
+    seq = sequence_index(cu_seqlens, logprobs.numel())
     zero = logprobs.new_zeros(())
     g = torch.where(counted, gen_logprobs.to(dtype), zero)
     adv = advantages.to(dtype)
@@ -117,6 +121,8 @@ def ftis_objective(
     count_f = counted.to(dtype)
     tokens_per_seq = segment_sum(count_f, seq, num_seqs)  # |a_i|
     num_counted = count_f.sum()
+    seq_norm = num_seqs if num_sequences is None else num_sequences
+    token_norm = torch.clamp(num_counted, min=1) if num_tokens is None else num_tokens
 
     # KL_i from x_t = g_t - lb_t, reduced over the sequence's counted tokens.
     kl_tok = torch.where(counted, kl_per_token(g - lb, cfg.kl_estimator), zero)
@@ -138,7 +144,7 @@ def ftis_objective(
     is_weight = torch.clamp(raw_weight, max=cfg.is_cap)
 
     if cfg.base_method == "gepo":
-        loss, clipped, clip_count = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids)
+        loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)
     else:
         old = lb if old_logprobs is None else old_logprobs.to(dtype)
         reference = g if cfg.base_method == "vis" else old
@@ -149,25 +155,26 @@ def ftis_objective(
             u = is_weight * u
         u = torch.where(counted, u, zero)
         if cfg.normalization == "sequence":
-            loss = -_mean(segment_sum(u, seq, num_seqs), tokens_per_seq).sum() / num_seqs
+            loss = -_mean(segment_sum(u, seq, num_seqs), tokens_per_seq).sum() / seq_norm
         elif cfg.normalization == "token":
-            loss = -u.sum() / torch.clamp(num_counted, min=1)
+            loss = -u.sum() / token_norm
         else:
-            loss = -u.sum() / (num_seqs * cfg.norm_max_len)
+            loss = -u.sum() / (seq_norm * cfg.norm_max_len)
         clipped = (clip_active(ratio.detach(), adv_tok, cfg) & counted).to(dtype).sum()
-        clip_count = num_counted
 
     with torch.no_grad():
-        stats = {
-            "is_weight_mean": _mean(torch.where(counted, is_weight, zero).sum(), num_counted),
-            "is_truncated_frac": _mean(((raw_weight > cfg.is_cap) & counted).to(dtype).sum(), num_counted),
-            "filtered_frac": filtered.to(dtype).mean(),
-            "kl_mean": kl_seq.mean(),
-            "clip_frac": _mean(clipped, clip_count),
-            "entropy_mean": _mean(torch.where(counted, entropy.to(dtype), zero).sum(), num_counted),
-            "logprob_mean": _mean(torch.where(counted, lb, zero).sum(), num_counted),
+        tokens = counted.sum()  # int64
+        sequences = torch.tensor(num_seqs, dtype=torch.int64, device=tokens.device)
+        sums = {
+            "is_weight_mean": (torch.where(counted, is_weight, zero).sum(), tokens),
+            "is_truncated_frac": (((raw_weight > cfg.is_cap) & counted).to(dtype).sum(), tokens),
+            "filtered_frac": (filtered.to(dtype).sum(), sequences),
+            "kl_mean": (kl_seq.sum(), sequences),
+            "clip_frac": (clipped, sequences if cfg.base_method == "gepo" else tokens),
+            "entropy_mean": (torch.where(counted, entropy.to(dtype), zero).sum(), tokens),
+            "logprob_mean": (torch.where(counted, lb, zero).sum(), tokens),
         }
-    return loss, {k: v.detach() for k, v in stats.items()}
+    return loss, ({k: v.detach() for k, (v, _) in sums.items()}, {k: n for k, (_, n) in sums.items()})
 
 
 def _gepo(
@@ -179,9 +186,11 @@ def _gepo(
     counted: torch.Tensor,
     cfg: LossConfig,
     group_ids: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    seq_norm: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GEPO: s_i = exp(mean_t l_t), q_i = exp(mean_t g_t), E_k = sum q_j^2 / sum q_j over group k,
-    u_i = PPO(s_i / E_k, A_i), L = -mean_i u_i. Returns loss, clipped-sequence count, sequence count."""
+    u_i = PPO(s_i / E_k, A_i), L = -sum_i u_i / seq_norm (the batch's sequences). Returns the loss and the
+    clipped-sequence count."""
     num_seqs = adv.numel()
     zero = logprobs.new_zeros(())
     has_tokens = tokens_per_seq > 0
@@ -199,4 +208,4 @@ def _gepo(
     ratio = exp_log_ratio(mean_l - log_e[group])
     u = torch.where(has_tokens, ppo(ratio, adv, cfg), zero)
     clipped = (clip_active(ratio.detach(), adv, cfg) & has_tokens).to(logprobs.dtype).sum()
-    return -u.sum() / num_seqs, clipped, logprobs.new_tensor(float(num_seqs))
+    return -u.sum() / seq_norm, clipped

@@ -266,3 +266,66 @@ def test_ignored_positions_count_nowhere():
     assert torch.all(out.logprobs[ignored] == 0)
     for key in STAT_KEYS:
         assert torch.equal(out.stats[key], out2.stats[key]), key
+
+
+# ----------------------------------------------------------------------------------------------- micro-batches
+
+MICRO_CASES = ["f-tis", "tis", "vis", "token-norm", "constant-norm", "gepo-groups", "old-logprobs-tis"]
+
+
+def _part(problem, extra, lo: int, hi: int):
+    """Sequences [lo, hi) of a problem as a problem of their own (rows, cu_seqlens rebased)."""
+    a, b = int(problem.cu[lo]), int(problem.cu[hi])
+    part = type(problem)(problem.hidden[a:b], problem.weight, problem.bias, problem.targets[a:b], problem.gen[a:b],
+                         problem.old[a:b], problem.adv[lo:hi], problem.cu[lo : hi + 1] - a, problem.group_ids[lo:hi])
+    part_extra = {k: (None if v is None else v[a:b] if k == "old_logprobs" else v[lo:hi]) for k, v in extra.items()}
+    return part, part_extra, slice(a, b)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-linear", "logits"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", MICRO_CASES)
+def test_micro_batches_with_the_whole_counts_add_up_to_one_call(case, backend, fused):
+    """Gradient accumulation: each micro-batch's loss divided by the whole batch's sequences (or counted tokens),
+    so the parts' losses and gradients sum to the one call's, and combine_stats gives its stats."""
+    problem = make_problem(5, n_seqs=8)
+    cfg, extra = configure(CASES[case], problem)
+    if case.startswith("gepo"):
+        extra["group_ids"] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])  # split at group boundaries only
+    whole, whole_grads = run_ours(problem, cfg, extra, backend, fused)
+    counts = dict(num_sequences=8, num_tokens=int((problem.targets != cfg.ignore_index).sum()))
+    loss, outputs = 0.0, []
+    grads = {k: torch.zeros_like(v) for k, v in whole_grads.items()}
+    for lo, hi in ((0, 3), (3, 7), (7, 8)):
+        part, part_extra, rows = _part(problem, extra, lo, hi)
+        out, part_grads = run_ours(part, cfg, {**part_extra, **counts}, backend, fused)
+        loss += float(out.loss.detach())
+        outputs.append(out)
+        for k, g in part_grads.items():
+            if k in ("hidden", "logits"):
+                grads[k][rows] += g
+            else:
+                grads[k] += g
+    assert abs(loss - float(whole.loss)) <= 1e-6 * max(1.0, abs(float(whole.loss)))
+    for k in grads:
+        assert rel_err(grads[k], whole_grads[k]) < 1e-5, k
+    merged = ftis_kernels.combine_stats(outputs)
+    for key in STAT_KEYS:
+        assert merged[key] == pytest.approx(float(whole.stats[key]), rel=1e-5, abs=1e-7), key
+
+
+def test_stats_are_the_sums_over_their_counts():
+    problem = make_problem(2)
+    cfg, extra = configure(CASES["gepo-groups"], problem)
+    out, _ = run_ours(problem, cfg, extra, "torch", True)
+    tokens = int((problem.targets != cfg.ignore_index).sum())
+    assert set(out.stat_sums) == set(out.stat_counts) == set(STAT_KEYS)
+    for key in STAT_KEYS:
+        per = 6 if key in ("filtered_frac", "kl_mean", "clip_frac") else tokens  # gepo clips whole sequences
+        assert int(out.stat_counts[key]) == per and out.stat_counts[key].dtype == torch.int64
+        assert float(out.stats[key]) == pytest.approx(float(out.stat_sums[key]) / per, rel=1e-6)
+    assert ftis_kernels.combine_stats([out]) == pytest.approx({k: float(v) for k, v in out.stats.items()}, rel=1e-6)
+    with pytest.raises(ValueError, match="outputs"):
+        ftis_kernels.combine_stats([])
+    with pytest.raises(TypeError, match="outputs"):
+        ftis_kernels.combine_stats([out.stats])

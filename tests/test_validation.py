@@ -21,7 +21,8 @@ def _args(problem):
 def _call(**changes):
     problem = make_problem(seed=1)
     args = _args(problem)
-    kwargs = {k: changes.pop(k) for k in list(changes) if k in ("bias", "old_logprobs", "group_ids", "config", "backend")}
+    keywords = ("bias", "old_logprobs", "group_ids", "config", "backend", "num_sequences", "num_tokens")
+    kwargs = {k: changes.pop(k) for k in list(changes) if k in keywords}
     args.update(changes)
     return ftis_kernels.fused_linear_ftis_loss(
         args.pop("hidden"), args.pop("weight"), args.pop("targets"), args.pop("gen_logprobs"),
@@ -33,6 +34,12 @@ def _n():
     return int(make_problem(seed=1).cu[-1])
 
 
+def _with(t: torch.Tensor, row: int, value: float) -> torch.Tensor:
+    t = t.clone()
+    t[row, 0] = value
+    return t
+
+
 BAD = {
     "hidden 1-D": (dict(hidden=torch.randn(5)), ValueError, "hidden"),
     "hidden int": (dict(hidden=torch.ones(3, 4, dtype=torch.int64)), TypeError, "hidden"),
@@ -42,6 +49,17 @@ BAD = {
     "bias shape": (dict(bias=torch.randn(74)), ValueError, "bias"),
     "bias dtype": (dict(bias=torch.randn(75, dtype=torch.float16)), TypeError, "bias"),
     "targets float": (dict(targets=torch.zeros(_n())), TypeError, "targets"),
+    "targets uint8": (dict(targets=torch.zeros(_n(), dtype=torch.uint8)), TypeError, "targets: expected a signed"),
+    "hidden nan": (dict(hidden=_with(make_problem(seed=1).hidden.float(), 4, float("nan"))), ValueError,
+                   r"hidden, weight or bias: contains NaN or inf \(it reaches row 4 of hidden"),
+    "weight inf": (dict(weight=_with(make_problem(seed=1).weight.float(), 7, float("inf"))), ValueError,
+                   "hidden, weight or bias: contains NaN or inf"),
+    "bias nan": (dict(bias=torch.full((75,), float("nan"))), ValueError, "hidden, weight or bias: contains NaN"),
+    "num_sequences below the call's": (dict(num_sequences=5), ValueError, "num_sequences: must be an int >= this "
+                                                                         "call's 6 sequences"),
+    "num_sequences bool": (dict(num_sequences=True), ValueError, "num_sequences"),
+    "num_sequences float": (dict(num_sequences=6.0), ValueError, "num_sequences"),
+    "num_tokens zero": (dict(num_tokens=0), ValueError, "num_tokens: must be an int >= this call's"),
     "targets length": (dict(targets=torch.zeros(3, dtype=torch.long)), ValueError, "targets"),
     "targets >= V": (dict(targets=torch.full((_n(),), 75)), ValueError, "targets"),
     "targets negative": (dict(targets=torch.full((_n(),), -1)), ValueError, "targets"),
@@ -62,6 +80,9 @@ BAD = {
                               "cu_seqlens"),
     "cu_seqlens float": (dict(cu_seqlens=torch.zeros(7)), TypeError, "cu_seqlens"),
     "cu_seqlens 2-D": (dict(cu_seqlens=torch.zeros(1, 7, dtype=torch.int32)), ValueError, "cu_seqlens"),
+    "cu_seqlens empty sequence": (dict(cu_seqlens=torch.tensor([0, 1, 3, 3, 5, 6, _n()], dtype=torch.int32)),
+                                  ValueError, r"cu_seqlens\[3\]=3 <= cu_seqlens\[2\]=3"),
+    "cu_seqlens only [0]": (dict(cu_seqlens=torch.zeros(1, dtype=torch.int32)), ValueError, "S >= 1"),
     "group_ids length": (dict(group_ids=torch.zeros(3, dtype=torch.long)), ValueError, "group_ids"),
     "config type": (dict(config={"method": "tis"}), TypeError, "config"),
     "unknown backend": (dict(backend="cuda"), ValueError, "backend"),
@@ -128,3 +149,21 @@ def test_ignore_index_is_allowed_but_no_other_out_of_range_id():
     with pytest.raises(ValueError, match="targets"):
         ftis_kernels.ftis_loss(torch.zeros(2, 3), torch.tensor([-99, 1]), torch.zeros(2), torch.zeros(1),
                                torch.tensor([0, 2], dtype=torch.int32), backend="torch")
+
+
+def test_cu_seqlens_errors_point_at_the_entry():
+    n = _n()
+    with pytest.raises(ValueError, match=r"cu_seqlens\[0\] must be 0, got 1"):
+        _call(cu_seqlens=torch.tensor([1, 2, 3, 4, 5, 6, n], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens\[2\]=2 <= cu_seqlens\[1\]=3"):
+        _call(cu_seqlens=torch.tensor([0, 3, 2, 4, 5, 6, n], dtype=torch.int32))
+    with pytest.raises(ValueError, match=f"the last entry must be N={n}"):
+        _call(cu_seqlens=torch.tensor([0, 1, 2, 3, 4, 5, 6], dtype=torch.int32))
+
+
+def test_nan_in_logits_is_named_on_the_logits_entry_point():
+    logits = torch.zeros(3, 5)
+    logits[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"logits: contains NaN or inf \(it reaches row 1 of logits"):
+        ftis_kernels.ftis_loss(logits, torch.tensor([0, 1, 2]), torch.zeros(3), torch.zeros(1),
+                               torch.tensor([0, 3], dtype=torch.int32), backend="torch")
