@@ -26,7 +26,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from ftis_engine.config import MemberSettings, TrainSettings  # noqa: E402
 from ftis_engine.members import Member, enable_checkpointing  # noqa: E402
-from ftis_engine.rollouts import Rollout, TrainItem, pack  # noqa: E402
+from ftis_engine.batch import TrainItem, pack  # noqa: E402
+from ftis_engine.rollouts import Rollout  # noqa: E402
 from ftis_engine.update import batch_loss  # noqa: E402
 from ftis_kernels import LossConfig  # noqa: E402
 from ftis_kernels.epilogue import ftis_objective  # noqa: E402

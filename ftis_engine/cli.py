@@ -6,15 +6,14 @@ A bad config, override or path exits with code 2 and one line naming the field, 
 from __future__ import annotations
 
 import json
-import logging
+import os
 import pathlib
 import sys
-import warnings
-from typing import Optional
 
 import typer
 
 from .config import ConfigError, RunConfig, dump_config, load_config
+from .progress import quiet_libraries
 from .tasks import TaskError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -25,7 +24,7 @@ class UsageFailure(Exception):
     """A one-line error for the user; exits with code 2."""
 
 
-def _load(config: pathlib.Path, overrides: list[str], output_dir: Optional[pathlib.Path]) -> RunConfig:
+def _load(config: pathlib.Path, overrides: list[str], output_dir: pathlib.Path | None) -> RunConfig:
     cfg = load_config(config, overrides)
     if output_dir is not None:
         cfg.output_dir = str(output_dir)
@@ -40,11 +39,11 @@ def run_directory(cfg: RunConfig) -> pathlib.Path:
 def train(
     config: pathlib.Path = typer.Option(..., "--config", help="YAML run config."),
     set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value (list indices allowed)."),
-    output_dir: Optional[pathlib.Path] = typer.Option(None, "--output-dir", help="Parent of the run directory."),
+    output_dir: pathlib.Path | None = typer.Option(None, "--output-dir", help="Parent of the run directory."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this machine, one member each."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
-    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", min=0,
+    max_restarts: int | None = typer.Option(None, "--max-restarts", min=0,
                                                help="--nproc: elastic restarts (default swarm.max_restarts)."),
 ) -> None:
     """Train the members of a config together."""
@@ -53,38 +52,23 @@ def train(
         typer.echo(dump_config(cfg), nl=False)
         return
     run_dir = run_directory(cfg)
-    if not _under_torchrun():  # under torchrun the ranks decide together (launch.run_worker)
-        check_fresh_run(run_dir, resume)
-    if nproc > 1 or _under_torchrun():
+    if nproc > 1 or under_torchrun():
         from .launch import launch_distributed
 
         if max_restarts is not None:
             cfg.swarm.max_restarts = max_restarts
-        code = launch_distributed(cfg, run_dir, resume, nproc)
-        raise typer.Exit(code)
-    from .members import check_generator_placement, preflight
-    from .run import setup_swarm, train as run_training
-
-    check_generator_placement(cfg, distributed=False)
-    tokenizers = preflight(cfg)
-    swarm = setup_swarm(cfg, run_dir, tokenizers=tokenizers)
+        raise typer.Exit(launch_distributed(cfg, run_dir, resume, nproc))
     from .progress import Progress
+    from .run import train as run_training
+    from .session import check_fresh_run, open_run
 
-    swarm.progress = Progress()
-    run_training(cfg, run_dir, resume=resume, swarm=swarm)
+    check_fresh_run(run_dir, resume)  # before any model is loaded
+    swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
+    run_training(swarm, start_step)
     typer.echo(f"run directory: {run_dir}", err=True)
 
 
-def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
-    """A new run never writes into a directory that holds one: that needs --resume."""
-    if (run_dir / "metrics.jsonl").exists() and not resume:
-        raise UsageFailure(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
-                           "another run_name/--output-dir")
-
-
-def _under_torchrun() -> bool:
-    import os
-
+def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
 
 
@@ -95,9 +79,9 @@ def evaluate(
     set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value."),
 ) -> None:
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
-    from .checkpoint import latest_checkpoint, restore_member
-    from .members import preflight
-    from .run import evaluate_all, setup_swarm
+    from .checkpoint import latest_checkpoint
+    from .run import evaluate_all
+    from .session import open_run
 
     cfg = _load(config, set_, None)
     if not (checkpoint / "state.json").is_file():
@@ -105,17 +89,12 @@ def evaluate(
         if found is None:
             raise UsageFailure(f"--checkpoint {checkpoint}: not a complete checkpoint or a run directory holding one")
         checkpoint = found[1]
-    state = json.loads((checkpoint / "state.json").read_text())
-    names = [m.name for m in cfg.members]
-    if state.get("members") != names:
-        raise UsageFailure(f"--checkpoint {checkpoint}: holds members {state.get('members')}, the config has {names}")
-    tokenizers = preflight(cfg)
-    swarm = setup_swarm(cfg, checkpoint, tokenizers=tokenizers)
-    for member in swarm.members:
-        restore_member(member, checkpoint, load_optimizer=False)
-        member.generator.sync(member.model)
-    for record in evaluate_all(swarm, int(state["step"])):
-        typer.echo(json.dumps(record))
+    swarm, step = open_run(cfg, checkpoint, checkpoint=checkpoint)
+    try:
+        for record in evaluate_all(swarm, step):
+            typer.echo(json.dumps(record))
+    finally:
+        swarm.close()
 
 
 @app.command()
@@ -148,16 +127,6 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         _fail("aborted", code=130)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-def quiet_libraries() -> None:
-    """Warnings to stderr as one line each; no third-party progress bars (ours say what is happening)."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
 
 
 def _fail(message: str, code: int = 2) -> None:

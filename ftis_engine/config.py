@@ -7,13 +7,15 @@ resolved tree. Errors are raised as ConfigError with a one-line message that nam
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pathlib
+import re
+import typing
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
 from ftis_kernels import LossConfig
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -66,45 +68,45 @@ class MemberSettings(_Section):
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
 
     @model_validator(mode="after")
-    def _lora_keeps_its_base(self) -> "MemberSettings":
+    def _lora_keeps_its_base(self) -> MemberSettings:
         if self.lora is not None and self.generator == "vllm" and self.vllm.sleep_level == 2:
             raise ValueError("vllm.sleep_level 2 discards the engine's base weights, which a LoRA member never "
                              "pushes; use sleep_level 1")
         return self
 
 
-class AlgorithmSettings(_Section):
-    method: Literal["nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo"] = Field(
-        "f-tis", description="Loss: nois | vis | tis | f-nois | f-vis | f-tis (default) | gepo."
-    )
-    is_cap: float = Field(2.0, gt=0.0, description="C: truncation of the importance weight min(exp(l - g), C).")
-    kl_threshold: float = Field(50.0, description="g: a sequence with A <= 0 and KL >= g is filtered (.inf: never).")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
-    kl_reduction: Literal["sum", "mean", "padded_mean"] = Field("sum", description="KL over a sequence's tokens.")
-    kl_max_len: int | None = Field(None, gt=0, description="Padded length for padded_mean (the authors: 768).")
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="PPO clip: 1 - eps_low.")
-    eps_high: float = Field(0.2, ge=0.0, allow_inf_nan=False, description="PPO clip: 1 + eps_high.")
-    normalization: Literal["sequence", "token", "constant"] = Field(
-        "sequence", description="sequence (GRPO) | token (DAPO) | constant (Dr. GRPO)."
-    )
-    norm_max_len: int | None = Field(None, gt=0, description="Divisor length for normalization: constant.")
-    scale_rewards: Literal["group", "none"] = Field(
-        "group", description="group: A = (r - mean) / (std + 1e-8); none: A = r - mean."
-    )
+# The engine sets these LossConfig fields itself: temperature is rollout.temperature (the sampler's), and packing
+# leaves no ignored targets.
+_SET_BY_THE_ENGINE = ("temperature", "ignore_index")
 
-    @field_validator("kl_threshold")
-    @classmethod
-    def _not_nan(cls, value: float) -> float:
-        if value != value:
-            raise ValueError("must be a number (.inf disables the filter), not NaN")
-        return value
+
+def _loss_config_fields() -> dict[str, Any]:
+    """The algorithm section's fields, taken from LossConfig: names, types, allowed values, defaults and
+    descriptions are declared once, in ftis_kernels, and checked by LossConfig itself (see _loss_op_accepts)."""
+    hints = typing.get_type_hints(LossConfig)
+    fields: dict[str, Any] = {}
+    for spec in dataclasses.fields(LossConfig):
+        if spec.name in _SET_BY_THE_ENGINE:
+            continue
+        choices = spec.metadata.get("choices")
+        annotation = Literal[choices] if choices else hints[spec.name]
+        fields[spec.name] = (annotation, Field(spec.default, description=spec.metadata["help"]))
+    return fields
+
+
+_LossFields = create_model("_LossFields", __base__=_Section, **_loss_config_fields())
+
+
+class AlgorithmSettings(_LossFields):
+    """The loss: every LossConfig option (docs/algorithm.md), plus how rewards become advantages."""
+
+    scale_rewards: Literal["group", "none"] = Field(
+        "group", description="group: A = (r - mean) / (std + 1e-8); none: A = r - mean (Dr. GRPO)."
+    )
 
     @model_validator(mode="after")
-    def _lengths_given(self) -> "AlgorithmSettings":
-        if self.kl_reduction == "padded_mean" and self.kl_max_len is None:
-            raise ValueError("kl_max_len is required when kl_reduction is padded_mean")
-        if self.normalization == "constant" and self.norm_max_len is None:
-            raise ValueError("norm_max_len is required when normalization is constant")
+    def _loss_op_accepts(self) -> AlgorithmSettings:
+        self.loss_config(temperature=1.0)  # LossConfig's own checks; its messages name the field
         return self
 
     def loss_config(self, temperature: float) -> LossConfig:
@@ -206,7 +208,7 @@ class RunConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         names = [m.name for m in self.members]
         if len(set(names)) != len(names):
             raise ValueError("members: names must be unique")
@@ -214,10 +216,7 @@ class RunConfig(_Section):
             raise ValueError("rollout.group_size must be >= the number of members in horizontal mode")
         if self.collaboration != "horizontal" and self.rollout.prompts_per_step < len(self.members):
             raise ValueError("rollout.prompts_per_step must be >= the number of members (each member needs a prompt)")
-        try:  # the loss op's own checks, now rather than at the first step
-            self.algorithm.loss_config(self.rollout.temperature)
-        except ValueError as exc:
-            raise ValueError(f"algorithm: {exc}".replace("LossConfig.", "")) from None
+        self.algorithm.loss_config(self.rollout.temperature)  # with the sampler's temperature
         return self
 
 
@@ -232,6 +231,11 @@ def format_validation_error(error: ValidationError) -> str:
     first = error.errors()[0]
     where = _location(first)
     message = first["msg"].removeprefix("Value error, ")
+    loss_field = re.match(r"LossConfig\.(\w+): (.*)", message)
+    if loss_field:  # a LossConfig check: name the field inside the algorithm section
+        field = loss_field.group(1)
+        where = "rollout.temperature" if field == "temperature" else f"algorithm.{field}"
+        message = loss_field.group(2)
     if first["type"] == "extra_forbidden":
         message = "unknown key"
     elif first["type"] == "missing":

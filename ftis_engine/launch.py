@@ -30,10 +30,10 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
     if nproc != len(config.members):
         raise ConfigError(f"--nproc {nproc}: one member per process, and the config has {len(config.members)} members")
-    from .members import check_generator_placement, preflight
+    from .session import check_before_launch, check_fresh_run
 
-    check_generator_placement(config, distributed=True)
-    preflight(config)  # bad models, tokenizers or generators stop here, before any process starts
+    check_fresh_run(run_dir, resume)
+    check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -79,15 +79,14 @@ def _round_store(rank: int, world: int, timeout: datetime.timedelta):
 
 
 def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
-    """One rank: build its member, join the process group, train. Config errors print one line and exit 2."""
+    """One rank: join the process group, open the run (session.open_run), train. Config errors print one line
+    (an error all ranks found alike: rank 0 alone) and exit 2."""
     from .exchange import DistributedExchange
-    from .members import preflight, resolve_device
-    from .models import vocabulary_hash
-    from .progress import Progress
-    from .run import setup_swarm, train
+    from .members import resolve_device
+    from .progress import quiet_libraries
+    from .run import train
+    from .session import AgreedError, open_run
     from .tasks import TaskError
-
-    from .cli import quiet_libraries
 
     quiet_libraries()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -98,9 +97,6 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         config = validate_config(config_data)
         if world != len(config.members):
             raise ConfigError(f"WORLD_SIZE={world}: one member per rank, and the config has {len(config.members)}")
-        from .members import check_generator_placement
-
-        check_generator_placement(config, distributed=True)
         device = resolve_device(config.train.device, local_rank)
         backend = config.swarm.backend
         if backend == "auto":
@@ -111,29 +107,12 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
                                              world_size=world, timeout=timeout)
         exchange = DistributedExchange(rank, world, device, backend)
-        if not restarted:  # a restart resumes by design; a first start must not write into another run
-            from .cli import UsageFailure, check_fresh_run
-
-            problem = None
-            if rank == 0:
-                try:
-                    check_fresh_run(pathlib.Path(run_dir), resume)
-                except UsageFailure as exc:
-                    problem = str(exc)
-            problem = exchange.all_gather_object(problem)[0]
-            if problem:
-                raise ConfigError(problem) if rank == 0 else ConfigError("(rank 0 reported the error)")
-        tokenizers = preflight(config, members=[rank])
-        hashes = exchange.all_gather_object(vocabulary_hash(tokenizers[rank]))
-        if len(set(hashes)) > 1:
-            other = next(i for i, h in enumerate(hashes) if h != hashes[0])
-            raise ConfigError(f"members.{other}.model: its tokenizer vocabulary differs from members.0's; members "
-                              "exchange token ids and must share one vocabulary")
-        swarm = setup_swarm(config, pathlib.Path(run_dir), exchange=exchange, local_members=[rank],
-                            local_rank=local_rank, tokenizers=tokenizers, progress=Progress(enabled=rank == 0))
-        train(config, pathlib.Path(run_dir), resume=resume or restarted, swarm=swarm)
+        # a restart resumes by design; a first start must not write into another run
+        swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
+                                     first_start=not restarted, exchange=exchange, local_rank=local_rank)
+        train(swarm, start_step)
     except (ConfigError, TaskError) as exc:
-        if rank == 0 or ("tokenizer vocabulary" not in str(exc) and "rank 0 reported" not in str(exc)):
+        if rank == 0 or not isinstance(exc, AgreedError):
             sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
         sys.stderr.flush()
         os._exit(CONFIG_ERROR_EXIT)
@@ -144,6 +123,5 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         sys.stderr.write(f"error: rank {rank} {what}: {type(exc).__name__}: {first}\n")
         sys.stderr.flush()
         os._exit(1)  # no teardown: the process group may be waiting on a peer that is gone
-    if exchange is not None:
-        exchange.close()
+    exchange.close()
     return 0

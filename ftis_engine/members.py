@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, MemberSettings, RunConfig
-from .models import ModelSpecError, check_model_spec, load_model, load_tokenizer, vocabulary_hash
+from .generation import Generator
+from .models import ModelSpecError, check_model_spec, load_model, load_tokenizer
 
 
 @dataclass
@@ -18,7 +19,7 @@ class Member:
     model: torch.nn.Module  # a transformers PreTrainedModel, or a peft PeftModel around one
     tokenizer: object
     optimizer: torch.optim.Optimizer
-    generator: object
+    generator: Generator
     device: torch.device
     dtype: torch.dtype
 
@@ -100,9 +101,9 @@ def check_generator_placement(config: RunConfig, distributed: bool) -> None:
 
 
 def preflight(config: RunConfig, members: list[int] | None = None) -> list[object]:
-    """Check every member's model, tokenizer and generator before anything is written; members must share one
-    tokenizer vocabulary. Returns the tokenizers. Raises ConfigError naming the member field."""
-    tokenizers, hashes = [], {}
+    """Check the model, tokenizer and generator of every member (or of `members`) before anything is written.
+    Returns the tokenizers (None for members not checked). Raises ConfigError naming the member field."""
+    tokenizers = []
     for i, member in enumerate(config.members):
         if members is not None and i not in members:
             tokenizers.append(None)
@@ -123,14 +124,6 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
             if problem:
                 raise ConfigError(f"members.{i}.generator: {problem}")
         tokenizers.append(tokenizer)
-        hashes[i] = vocabulary_hash(tokenizer)
-    if len(set(hashes.values())) > 1:
-        first = next(iter(hashes))
-        other = next(i for i in hashes if hashes[i] != hashes[first])
-        raise ConfigError(
-            f"members.{other}.model: its tokenizer vocabulary differs from members.{first}'s; members exchange "
-            "token ids and must share one vocabulary"
-        )
     return tokenizers
 
 

@@ -1,11 +1,72 @@
-"""metrics.jsonl (one JSON object a line) and TensorBoard events, written as the run goes."""
+"""metrics.jsonl (one JSON object a line) and TensorBoard events, written as the run goes; the records of a step
+(SPEC section 3 names every key) and the stopwatch that times its phases."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pathlib
+import time
+from collections import defaultdict
+
+from .rollouts import Rollout, buffer_digest
+
+
+class Stopwatch:
+    """Seconds spent per phase: `with watch("gen_seconds"): ...` adds the block's wall time to that key."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[key] += time.perf_counter() - start
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+def train_record(step: int, member: int, names: list[str], own: list[Rollout], trained: list[Rollout],
+                 rejected: int, stats: dict[str, float], watch: Stopwatch, delivery, lr: float) -> dict:
+    """The `kind: train` record of one member's step. own: the rollouts it generated; trained: what it trained
+    on (its own and its peers' accepted ones); delivery: the exchange's Delivery of the step."""
+    inbox = delivery.inbox[member]
+    sent = delivery.sent_bytes[member] > 0
+    return {
+        "step": step, "member": names[member], "kind": "train",
+        "reward_mean": _mean(r.reward for r in own),
+        "swarm_reward_mean": _mean(r.reward for r in trained),
+        **stats,
+        "tokens": sum(r.num_tokens for r in trained),
+        "sequences": len(trained),
+        "own_sequences": len(own),
+        "completion_len_mean": _mean(r.num_tokens for r in own),
+        "truncated_frac": _mean(r.finish_reason == "length" for r in own),
+        "gen_seconds": watch.seconds["gen_seconds"],
+        "train_seconds": watch.seconds["train_seconds"],
+        "exchange_bytes": delivery.sent_bytes[member],
+        "exchange_tokens": sum(r.num_tokens for r in own) if sent else 0,
+        "exchange_sequences": len(own) if sent else 0,
+        "exchange_seconds": delivery.seconds,
+        "exchange_wait_seconds": delivery.wait_seconds,
+        "rollouts_sha256": buffer_digest(inbox[member]),
+        "received_sha256": {names[s]: buffer_digest(b) for s, b in inbox.items() if s != member},
+        "rejected_batches": rejected,
+        "lr": lr,
+    }
+
+
+def eval_record(step: int, member: str, dataset: str, accuracy: float, samples: int) -> dict:
+    return {"step": step, "member": member, "kind": "eval", "dataset": dataset, "accuracy": accuracy,
+            "samples": samples}
 
 
 def _clean(value):

@@ -1,6 +1,10 @@
-"""Progress bars (rich) for generation, update and eval, and the one-line step summaries."""
+"""What the user sees: progress bars (rich) for generation, update and eval, the one-line step summaries, and
+third-party libraries kept quiet."""
 
 from __future__ import annotations
+
+import logging
+import warnings
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
@@ -17,7 +21,7 @@ class Progress:
             console=self.console, transient=True, disable=not enabled,
         )
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         self._bars.__enter__()
         return self
 
@@ -35,3 +39,24 @@ class Progress:
 
     def print(self, line: str) -> None:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def summary_line(step: int, steps: int, records: list[dict]) -> str:
+    parts = []
+    for r in sorted(records, key=lambda r: r["kind"] == "eval"):
+        if r["kind"] == "train":
+            parts.append(f"{r['member']}: reward {r['reward_mean']:.3f} loss {r['loss']:+.4f} "
+                         f"w {r['is_weight_mean']:.2f} filt {r['filtered_frac']:.2f}")
+        else:
+            parts.append(f"{r['member']}: {r['dataset']} acc {r['accuracy']:.3f}")
+    return f"step {step}/{steps} | " + " | ".join(parts)
+
+
+def quiet_libraries() -> None:
+    """Warnings to stderr as one line each; no third-party progress bars (ours say what is happening)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import re
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 Reward = Callable[[str, str], float]
 

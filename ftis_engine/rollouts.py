@@ -1,4 +1,4 @@
-"""Rollouts: what members generate and exchange, the wire format (8 bytes a token), advantages, and packing.
+"""Rollouts: what members generate and exchange, and the wire format (8 bytes a token).
 
 The wire format of one member's rollouts is one int32 buffer:
     [S] [S x 6 header words] [N token ids] [N generation log-probs as float32 bits]
@@ -8,6 +8,7 @@ step's exchange costs 4 + 24 S + 8 N bytes for S sequences of N tokens in all. N
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -141,93 +142,6 @@ def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_t
             raise RolloutError(f"{where}: reward is not finite")
 
 
-@dataclass
-class TrainItem:
-    """A rollout ready for the update: its prompt's token ids, its advantage and its group."""
-
-    rollout: Rollout
-    prompt_ids: list[int]
-    advantage: float
-    group: int
-
-    @property
-    def num_input_tokens(self) -> int:
-        return len(self.prompt_ids) + self.rollout.num_tokens - 1
-
-
-@dataclass
-class PackedBatch:
-    """Sequences packed back to back without padding into one row.
-
-    input_ids / position_ids: [T] (positions restart at 0 for each sequence); target_rows: [N] indices into T of
-    the positions that predict each completion token; targets, gen_logprobs: [N]; advantages, group_ids: [S];
-    cu_seqlens: [S+1] int32 over the N completion tokens.
-    """
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    target_rows: torch.Tensor
-    targets: torch.Tensor
-    gen_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    group_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.advantages.numel())
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.targets.numel())
-
-
-def pack(items: list[TrainItem]) -> PackedBatch:
-    """Pack items into one row: each contributes prompt + completion[:-1] as input, and its completion tokens
-    as targets, predicted from the positions len(prompt)-1 ... end of its segment."""
-    inputs, positions, rows, targets, logprobs, lengths = [], [], [], [], [], [0]
-    offset = 0
-    for item in items:
-        completion = item.rollout.completion_ids.long()
-        segment = torch.cat([torch.tensor(item.prompt_ids, dtype=torch.long), completion[:-1]])
-        inputs.append(segment)
-        positions.append(torch.arange(segment.numel()))
-        first = offset + len(item.prompt_ids) - 1
-        rows.append(torch.arange(first, first + completion.numel()))
-        targets.append(completion)
-        logprobs.append(item.rollout.gen_logprobs.float())
-        lengths.append(completion.numel())
-        offset += segment.numel()
-    return PackedBatch(
-        input_ids=torch.cat(inputs), position_ids=torch.cat(positions), target_rows=torch.cat(rows),
-        targets=torch.cat(targets), gen_logprobs=torch.cat(logprobs),
-        advantages=torch.tensor([it.advantage for it in items], dtype=torch.float32),
-        group_ids=torch.tensor([it.group for it in items], dtype=torch.long),
-        cu_seqlens=torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32),
-    )
-
-
-def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool = False) -> list[list[TrainItem]]:
-    """Split items into consecutive micro-batches of at most `token_budget` input tokens (a sequence longer than
-    the budget gets a micro-batch of its own). keep_groups=True never splits a group (items sorted by group)."""
-    if keep_groups:
-        items = sorted(items, key=lambda it: it.group)
-        units: list[list[TrainItem]] = []
-        for item in items:
-            if units and units[-1][0].group == item.group:
-                units[-1].append(item)
-            else:
-                units.append([item])
-    else:
-        units = [[item] for item in items]
-    batches: list[list[TrainItem]] = []
-    used = 0
-    for unit in units:
-        size = sum(it.num_input_tokens for it in unit)
-        if batches and used + size <= token_budget:
-            batches[-1].extend(unit)
-            used += size
-        else:
-            batches.append(list(unit))
-            used = size
-    return batches
+def buffer_digest(buffer: torch.Tensor) -> str:
+    """Fingerprint of a wire buffer (sender and receivers log it: equal digests mean bit-exact delivery)."""
+    return hashlib.sha256(buffer.numpy().tobytes()).hexdigest()[:16]

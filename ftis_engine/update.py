@@ -1,19 +1,16 @@
 """One F-TIS update of one member: pack, run the model body to hidden states, fused loss on the lm_head, step.
 
-Micro-batches are cut by a token budget, and each micro-batch's loss is weighted by its share of the whole
-batch's normaliser (sequences, or counted tokens for normalization=token), so the accumulated gradient equals
-the gradient of the loss over the whole batch: micro-batching changes memory, never the update.
+Micro-batches are cut by a token budget; each is given the whole batch's sequence and token counts, so the op
+normalises every micro-batch's loss by the whole batch and their gradients add up to the whole batch's: micro-
+batching changes memory, never the update (and this file knows none of the normalisation rules).
 """
 
 from __future__ import annotations
 
 import torch
+from ftis_kernels import LossConfig, LossOutput, combine_stats, fused_linear_ftis_loss
 
-from ftis_kernels import STAT_KEYS, LossConfig, fused_linear_ftis_loss
-
-from .rollouts import PackedBatch, TrainItem, micro_batches, pack
-
-SEQUENCE_STATS = ("filtered_frac", "kl_mean")
+from .batch import PackedBatch, TrainItem, micro_batches, pack
 
 
 def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
@@ -29,47 +26,35 @@ def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
     return out.last_hidden_state[0, batch.target_rows.to(member.device)]
 
 
-def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str):
-    """LossOutput of one packed micro-batch (loss normalised within the micro-batch)."""
+def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num_sequences: int | None = None,
+               num_tokens: int | None = None) -> LossOutput:
+    """LossOutput of one packed micro-batch, normalised by the whole batch's counts when given (default: its own)."""
     _, head = member.body_and_head()
     hidden = packed_hidden(member, batch)
     device = member.device
     return fused_linear_ftis_loss(
         hidden, head.weight, batch.targets.to(device), batch.gen_logprobs.to(device), batch.advantages.to(device),
         batch.cu_seqlens.to(device), bias=head.bias, config=cfg, group_ids=batch.group_ids.to(device),
-        backend=backend,
+        backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
     )
-
-
-def normaliser_share(batch: PackedBatch, cfg: LossConfig, total_sequences: int, total_tokens: int) -> float:
-    """The micro-batch's weight in the whole-batch loss."""
-    if cfg.normalization == "token" and cfg.base_method != "gepo":
-        return batch.num_tokens / total_tokens
-    return batch.num_sequences / total_sequences
 
 
 def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
                          on_micro_batch=None) -> dict[str, float]:
     """Forward and backward over all micro-batches (gradients accumulate in .grad); returns the whole-batch loss
-    and stats (token stats weighted by tokens, sequence stats by sequences)."""
+    and stats. GEPO's group term needs whole groups, so its micro-batches never split one."""
     batches = micro_batches(items, token_budget, keep_groups=cfg.base_method == "gepo")
-    total_sequences = len(items)
-    total_tokens = sum(it.rollout.num_tokens for it in items)
-    totals = {key: 0.0 for key in STAT_KEYS}
-    loss_total = 0.0
+    whole = dict(num_sequences=len(items), num_tokens=sum(it.rollout.num_tokens for it in items))
+    loss, outputs = 0.0, []
     for group in batches:
         batch = pack(group)
-        out = batch_loss(member, batch, cfg, backend)
-        share = normaliser_share(batch, cfg, total_sequences, total_tokens)
-        (out.loss * share).backward()
-        loss_total += float(out.loss.detach()) * share
-        for key in STAT_KEYS:
-            by_sequence = key in SEQUENCE_STATS or (key == "clip_frac" and cfg.base_method == "gepo")
-            weight = batch.num_sequences / total_sequences if by_sequence else batch.num_tokens / total_tokens
-            totals[key] += float(out.stats[key]) * weight
+        out = batch_loss(member, batch, cfg, backend, **whole)
+        out.loss.backward()
+        loss += float(out.loss.detach())
+        outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
-    return {"loss": loss_total, **totals, "micro_batches": len(batches)}
+    return {"loss": loss, **combine_stats(outputs), "micro_batches": len(batches)}
 
 
 def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,

@@ -8,7 +8,8 @@ import torch
 
 from ftis_engine.config import load_config
 from ftis_engine.members import build_member, preflight
-from ftis_engine.rollouts import Rollout, TrainItem
+from ftis_engine.batch import TrainItem
+from ftis_engine.rollouts import Rollout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -11,14 +11,11 @@ import sys
 import time
 
 import pytest
-import torch
 
 from ftis_engine.cli import main
-from ftis_engine.rollouts import Rollout
-from ftis_engine.run import setup_swarm, training_items
 from ftis_kernels import STAT_KEYS
 
-from .helpers import SHORT, TINY, short_config
+from .helpers import SHORT, TINY
 
 TRAIN_KEYS = {"step", "member", "kind", "reward_mean", "loss", "tokens", "gen_seconds", "train_seconds",
               "exchange_bytes", "exchange_tokens", "exchange_sequences", *STAT_KEYS}
@@ -129,26 +126,6 @@ def test_other_collaboration_modes_run(tmp_path, mode):
             assert r["exchange_bytes"] == 0 and r["sequences"] == r["own_sequences"] == 2 * 4
         else:  # every member generates half of every prompt's group and trains on the whole groups
             assert r["own_sequences"] == 4 * 2 and r["sequences"] == 4 * 4
-
-
-def test_horizontal_groups_span_members_and_vertical_groups_do_not(tmp_path):
-    cfg = short_config("collaboration=horizontal")
-    swarm = setup_swarm(cfg, tmp_path)
-    member = swarm.members[0]
-
-    def rollout(who, prompt, reward):
-        return Rollout(who, prompt, torch.tensor([5], dtype=torch.int32), torch.tensor([-1.0]), reward, "stop", 0)
-
-    # prompt 3: member 0 scored 1, 0 and member 1 scored 1, 1 -> one group of four
-    mixed = [rollout(0, 3, 1.0), rollout(0, 3, 0.0), rollout(1, 3, 1.0), rollout(1, 3, 1.0)]
-    adv = [it.advantage for it in training_items(swarm, member, mixed)]
-    r = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    expected = ((r - r.mean()) / (r.std() + 1e-8)).tolist()
-    assert adv == pytest.approx(expected, abs=1e-6)
-    # vertical: each prompt's group comes from one member and is normalised on its own
-    vertical = [rollout(0, 3, 1.0), rollout(0, 3, 0.0), rollout(1, 4, 1.0), rollout(1, 4, 1.0)]
-    adv = [it.advantage for it in training_items(swarm, member, vertical)]
-    assert adv[:2] == pytest.approx([0.7071, -0.7071], abs=1e-4) and adv[2:] == [0.0, 0.0]
 
 
 @pytest.mark.slow

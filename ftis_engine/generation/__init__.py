@@ -1,13 +1,18 @@
 """Generators: prompts in, completions with per-token generation log-probs out; `sync(model)` after each update.
 
-Both generators return, for every prompt, n `Completion`s whose log-probs are the sampler's own log-probs of the
-sampled tokens after temperature (and top-p / top-k, which bias importance ratios and are warned about).
+Both generators (hf.py, vllm.py) return, for every prompt, n `Completion`s whose log-probs are the sampler's own
+log-probs of the sampled tokens after temperature (and top-p / top-k, which bias importance ratios and are warned
+about). A generator manages its own memory: `with generator.awake():` around generation and eval (a colocated
+vLLM engine sleeps outside it, so the update has the GPU), and `close()` at the end of a run.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -27,6 +32,27 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int | None = None
     seed: int = 0
+
+
+class Generator(Protocol):
+    """What the step loop needs from a member's sampler."""
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
+                 on_batch: Callable[[int], None] | None = None) -> list[list[Completion]]:
+        """sampling.n completions of each prompt (token ids), each with the sampler's log-probs."""
+
+    def greedy(self, prompts: list[list[int]], max_new_tokens: int,
+               on_batch: Callable[[int], None] | None = None) -> list[torch.Tensor]:
+        """One greedy completion (int32 token ids, cut after EOS) of each prompt, for evaluation."""
+
+    def sync(self, model: torch.nn.Module) -> None:
+        """The trainer's weights changed: generate from them from now on."""
+
+    def awake(self) -> AbstractContextManager[None]:
+        """Hold the generator's memory (engine weights, KV cache) for the duration of the block."""
+
+    def close(self) -> None:
+        """Release what the generator holds beyond the run (engines, temporary files)."""
 
 
 _warned_biased = False

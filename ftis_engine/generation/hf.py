@@ -58,11 +58,12 @@ class HFGenerator:
     def sync(self, model) -> None:
         """Nothing to push: generation reads the trainer's own parameters."""
 
-    def sleep(self) -> None:
-        """No separate engine to free."""
+    def awake(self) -> contextlib.AbstractContextManager[None]:
+        """No separate engine: generation reads the trainer's parameters."""
+        return contextlib.nullcontext()
 
-    def wake_up(self) -> None:
-        """No separate engine to restore."""
+    def close(self) -> None:
+        """Nothing held beyond the model, which the member owns."""
 
     def _clean_config(self, max_new_tokens: int, do_sample: bool) -> GenerationConfig:
         # A fresh config so that a model's shipped defaults (temperature 0.7, top_k 20, repetition penalty...)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -176,6 +177,16 @@ class VLLMGenerator:
         elif self._stale:
             self._push()
 
+    @contextlib.contextmanager
+    def awake(self):
+        """Engine weights and KV cache on the GPU for the block; asleep (level members.N.vllm.sleep_level) after,
+        so that the update has the memory."""
+        self.wake_up()
+        try:
+            yield
+        finally:
+            self.sleep()
+
     def _push(self) -> None:
         if self.lora:
             self._push_adapter()
@@ -229,6 +240,13 @@ class VLLMGenerator:
         return [torch.tensor(list(out.outputs[0].token_ids), dtype=torch.int32) for out in outputs]
 
     def close(self) -> None:
+        """Shut the engine down and delete the temporary weights and adapters it was loaded from."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
+            if callable(shutdown):  # vLLM releases its GPU memory only when the engine is shut down
+                shutdown()
+            del llm
         shutil.rmtree(self._work, ignore_errors=True)
 
 

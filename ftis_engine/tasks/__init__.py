@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..rewards import Reward, binary_answer_reward, load_reward, tiny_answer_reward
@@ -29,6 +30,14 @@ class Task:
     reward: Reward
     system_prompt: str | None = SYSTEM_PROMPT
     prompt_format: str = "auto"  # auto | chat | plain
+
+    def score(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example]) -> list[float]:
+        """The reward of each completion (token ids, special tokens dropped when decoding) against its example's
+        gold answer. The one scoring path: generation, the receiver's re-score of a peer's rollouts and eval all
+        use it, so a peer's claimed reward and the local re-score can never drift apart."""
+        ids = [c.tolist() if hasattr(c, "tolist") else list(c) for c in completions]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        return [float(self.reward(text, example.answer)) for text, example in zip(texts, examples, strict=True)]
 
 
 class TaskError(ValueError):
@@ -83,5 +92,14 @@ def prompt_ids(tokenizer, task: Task, question: str) -> list[int]:
     return tokenizer(prompt_text(tokenizer, task, question), add_special_tokens=False)["input_ids"]
 
 
-__all__ = ["Example", "SYSTEM_PROMPT", "Task", "TaskError", "binary_answer_reward", "load_task", "prompt_ids",
-           "prompt_text", "tiny_answer_reward"]
+__all__ = [
+    "SYSTEM_PROMPT",
+    "Example",
+    "Task",
+    "TaskError",
+    "binary_answer_reward",
+    "load_task",
+    "prompt_ids",
+    "prompt_text",
+    "tiny_answer_reward",
+]
