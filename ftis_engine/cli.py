@@ -15,6 +15,7 @@ import typer
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .progress import quiet_libraries
 from .tasks import TaskError
+from .update import DivergenceError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Collaborative GRPO across heterogeneous LLMs with F-TIS.")
@@ -60,11 +61,17 @@ def train(
         raise typer.Exit(launch_distributed(cfg, run_dir, resume, nproc))
     from .progress import Progress
     from .run import train as run_training
-    from .session import check_fresh_run, open_run
+    from .members import resolve_device
+    from .session import RunLock, check_backend, check_fresh_run, check_resume_config, open_run
 
-    check_fresh_run(run_dir, resume)  # before any model is loaded
-    swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
-    run_training(swarm, start_step)
+    check_backend(cfg, resolve_device(cfg.train.device))
+    with RunLock(run_dir):  # one run at a time in a run directory
+        check_fresh_run(run_dir, resume)  # before any model is loaded
+        if resume:
+            check_resume_config(run_dir, cfg)
+        typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
+        swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
+        run_training(swarm, start_step)
     typer.echo(f"run directory: {run_dir}", err=True)
 
 
@@ -74,21 +81,28 @@ def under_torchrun() -> bool:
 
 @app.command("eval")
 def evaluate(
-    config: pathlib.Path = typer.Option(..., "--config", help="The run's YAML config."),
     checkpoint: pathlib.Path = typer.Option(..., "--checkpoint", help="checkpoints/step-<N> (or a run directory)."),
+    config: pathlib.Path | None = typer.Option(
+        None, "--config", help="Default: the run's own config.yaml; another must build the same models."),
     set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value."),
 ) -> None:
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from .checkpoint import latest_checkpoint
     from .run import evaluate_all
-    from .session import open_run
+    from .session import eval_config, open_run
 
-    cfg = _load(config, set_, None)
     if not (checkpoint / "state.json").is_file():
         found = latest_checkpoint(checkpoint)
         if found is None:
             raise UsageFailure(f"--checkpoint {checkpoint}: not a complete checkpoint or a run directory holding one")
         checkpoint = found[1]
+    run_dir = checkpoint.parent.parent  # <run dir>/checkpoints/step-<N>
+    if config is None:
+        cfg = eval_config(run_dir, None)
+        if set_:
+            cfg = load_config(run_dir / "config.yaml", set_)
+    else:
+        cfg = eval_config(run_dir, _load(config, set_, None))
     swarm, step = open_run(cfg, checkpoint, checkpoint=checkpoint)
     try:
         for record in evaluate_all(swarm, step):
@@ -102,8 +116,12 @@ def plot(run_dir: pathlib.Path = typer.Argument(..., help="A run directory (hold
     """Draw each member's validation curve and the loss stats over steps (run_dir/plots/*.png)."""
     from .plots import make_plots
 
+    from .metrics import read_metrics
+
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageFailure(f"RUN_DIR {run_dir}: no metrics.jsonl there")
+    if not read_metrics(run_dir / "metrics.jsonl"):
+        raise UsageFailure(f"RUN_DIR {run_dir}: metrics.jsonl holds no records yet (the run has not finished a step)")
     for path in make_plots(run_dir):
         typer.echo(str(path))
 
@@ -119,6 +137,10 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, standalone_mode=False)
     except (ConfigError, TaskError, UsageFailure) as exc:
         _fail(str(exc))
+    except DivergenceError as exc:
+        _fail(str(exc), code=1)
+    except KeyboardInterrupt:
+        _fail("interrupted; the newest complete checkpoint is intact: continue with --resume", code=130)
     except _UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:
             sys.stdout.write(exc.ctx.get_help() + "\n")

@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A bad config file, key, value, override or path. The message is one line naming the field."""
 
 
+Beta = typing.Annotated[float, Field(ge=0.0, lt=1.0)]
+Seed = typing.Annotated[int, Field(ge=0, lt=2**63, description="A seed torch accepts: 0 <= seed < 2^63.")]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -57,14 +61,14 @@ class MemberSettings(_Section):
     )
     tokenizer: str | None = Field(None, description="Tokenizer id or path; default: the model's own.")
     lora: LoraSettings | None = Field(None, description="Train a LoRA adapter (peft) instead of all weights.")
-    lr: float = Field(1e-6, gt=0.0, description="Learning rate (paper: 1e-6..5e-6 full, 1e-4 LoRA).")
+    lr: float = Field(1e-6, gt=0.0, allow_inf_nan=False, description="Learning rate (paper: 1e-6..5e-6 full, 1e-4 LoRA).")
     optimizer: Literal["adamw", "adam"] = Field("adam", description="Optimizer (the paper: Adam).")
-    weight_decay: float = Field(0.0, ge=0.0, description="Weight decay (AdamW).")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
-    grad_clip: float = Field(1.0, gt=0.0, description="Clip the global gradient norm to this value.")
+    weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Weight decay (AdamW).")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
+    grad_clip: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="Clip the global gradient norm to this value.")
     generator: Literal["hf", "vllm"] = Field("hf", description="Who generates rollouts: transformers (CPU/GPU) or vLLM (GPU).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU.")
-    seed: int | None = Field(None, description="Seed for a built-in model's random init; default: run seed + member index.")
+    seed: Seed | None = Field(None, description="Seed for a built-in model's random init; default: run seed + member index.")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
 
     @model_validator(mode="after")
@@ -186,7 +190,7 @@ class CheckpointSettings(_Section):
 
 class RunConfig(_Section):
     run_name: str = Field("ftis-run", min_length=1, description="Run directory name under the output dir.")
-    seed: int = Field(0, description="Seeds data order, model init of built-in models, sampling.")
+    seed: Seed = Field(0, description="Seeds data order, model init of built-in models, sampling.")
     output_dir: str = Field("runs", description="Where run directories are created (overridden by --output-dir).")
     members: list[MemberSettings] = Field(..., min_length=1, description="The models that train together.")
     algorithm: AlgorithmSettings = Field(default_factory=AlgorithmSettings, description="The loss (docs/algorithm.md).")

@@ -22,6 +22,7 @@ from .config import ConfigError, RunConfig, validate_config
 log = logging.getLogger("ftis_engine.launch")
 
 CONFIG_ERROR_EXIT = 2
+DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printed which, and at which step)
 
 
 def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
@@ -30,10 +31,18 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
     if nproc != len(config.members):
         raise ConfigError(f"--nproc {nproc}: one member per process, and the config has {len(config.members)} members")
-    from .session import check_before_launch, check_fresh_run
+    from .session import RunLock, check_before_launch, check_fresh_run, check_resume_config
 
-    check_fresh_run(run_dir, resume)
-    check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
+    with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
+        check_fresh_run(run_dir, resume)
+        if resume:
+            check_resume_config(run_dir, config)
+        check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
+        print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
+        return _launch(config, run_dir, resume, nproc)
+
+
+def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -51,6 +60,8 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         failures = exc.failures
         if any(f.exitcode == CONFIG_ERROR_EXIT for f in failures.values()):
             return CONFIG_ERROR_EXIT  # the worker already printed its one-line error
+        if any(f.exitcode == DIVERGED_EXIT for f in failures.values()):
+            return 1  # likewise
         names = [m.name for m in config.members]
         parts = []
         for rank, failure in sorted(failures.items()):
@@ -87,6 +98,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     from .run import train
     from .session import AgreedError, open_run
     from .tasks import TaskError
+    from .update import DivergenceError
 
     quiet_libraries()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -111,6 +123,10 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank)
         train(swarm, start_step)
+    except DivergenceError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
+        os._exit(DIVERGED_EXIT)
     except (ConfigError, TaskError) as exc:
         if rank == 0 or not isinstance(exc, AgreedError):
             sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")

@@ -21,7 +21,7 @@ import torch
 from ftis_kernels import LossConfig, group_advantages
 
 from .batch import TrainItem
-from .checkpoint import finalize_checkpoint, stage_members
+from .checkpoint import finalize_checkpoint, latest_checkpoint, stage_members
 from .config import RunConfig
 from .evaluate import evaluate_member
 from .exchange import Exchange, RolloutChecker, receive
@@ -31,7 +31,7 @@ from .metrics import MetricsLogger, Stopwatch, eval_record, train_record, trunca
 from .progress import Progress, summary_line
 from .rollouts import Rollout, encode, max_buffer_words
 from .tasks import Task, prompt_ids
-from .update import update_member
+from .update import DivergenceError, update_member
 
 log = logging.getLogger("ftis_engine")
 
@@ -128,7 +128,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
                       dealt, swarm.names)
         items = training_items(swarm, member, got.rollouts)
         with watches[member.index]("train_seconds"):
-            stats = update(swarm, member, items)
+            stats = update(swarm, member, items, step)
         member.generator.sync(member.model)
         records.append(train_record(step, member.index, swarm.names, own[member.index], got.rollouts,
                                     len(got.rejected), stats, watches[member.index], delivery,
@@ -169,10 +169,17 @@ def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> lis
             for r, a in zip(rollouts, advantages)]
 
 
-def update(swarm: Swarm, member: Member, items: list[TrainItem]) -> dict[str, float]:
+def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> dict[str, float]:
     bar = swarm.progress.start(f"{member.name}: update", sum(it.rollout.num_tokens for it in items))
-    stats = update_member(member, items, swarm.loss_config, swarm.config.train.micro_batch_tokens,
-                          swarm.config.train.backend, on_micro_batch=lambda k: swarm.progress.advance(bar, k))
+    try:
+        stats = update_member(member, items, swarm.loss_config, swarm.config.train.micro_batch_tokens,
+                              swarm.config.train.backend, on_micro_batch=lambda k: swarm.progress.advance(bar, k))
+    except DivergenceError as exc:
+        newest = latest_checkpoint(swarm.run_dir)
+        kept = (f"the newest complete checkpoint, step-{newest[0]}, is kept" if newest
+                else "no checkpoint was written before it")
+        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; no step was taken "
+                              f"on it and {kept} (lower members.{member.index}.lr, then --resume)") from None
     swarm.progress.finish(bar)
     return stats
 

@@ -15,7 +15,7 @@ import pathlib
 
 import torch
 
-from .checkpoint import latest_checkpoint, read_state, restore_member
+from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
 from .config import ConfigError, RunConfig
 from .exchange import Alone, Exchange, LocalExchange, RolloutChecker
 from .members import build_member, check_generator_placement, preflight, resolve_device
@@ -36,11 +36,153 @@ class RunDirError(ConfigError):
     """A run directory or checkpoint that cannot be used as asked."""
 
 
+def holds_run(run_dir: pathlib.Path) -> bool:
+    """A run has logged a step or written a checkpoint there (an empty metrics.jsonl of a run that failed before
+    its first step does not count)."""
+    metrics = run_dir / "metrics.jsonl"
+    return bool(complete_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
 def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
-    """A new run never writes into a directory that holds one: that needs --resume."""
-    if (run_dir / "metrics.jsonl").exists() and not resume:
+    """A new run never writes into a directory that holds one (that needs --resume), and --resume needs one."""
+    if holds_run(run_dir) and not resume:
         raise RunDirError(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
                           "another run_name/--output-dir")
+    if resume and not holds_run(run_dir):
+        raise RunDirError(f"--resume: {run_dir} holds no run to continue (no metrics and no checkpoint); drop "
+                          "--resume to start it")
+
+
+# the fields a resumed run may change: how long it runs, how often it evaluates and checkpoints, where and how
+# fast the processes run; everything else would make the resumed run a different run than the one it continues
+RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
+             "swarm.timeout_s", "swarm.max_restarts")
+# the member fields that make the model eval loads (with the run's seed: a built-in model is rebuilt from it)
+MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype")
+
+
+def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
+    """(dotted field, saved value, new value) for every leaf that differs."""
+    out: list[tuple[str, object, object]] = []
+
+    def walk(a, b, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in list(a) + [k for k in b if k not in a]:
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}.{i}")
+        elif a != b:
+            out.append((path, a, b))
+
+    walk(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    return out
+
+
+def _saved_config(run_dir: pathlib.Path, what: str) -> RunConfig | None:
+    from .config import load_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise RunDirError(f"{what}: the run's {path} is not a valid config ({exc})") from None
+
+
+def _describe(changes: list[tuple[str, object, object]]) -> str:
+    shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in changes[:3])
+    return shown + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+
+
+def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
+    """--resume continues the run in run_dir: its config.yaml may change only in RESUMABLE fields."""
+    saved = _saved_config(run_dir, "--resume")
+    if saved is None:
+        return
+    changes = [c for c in config_differences(saved, config) if not c[0].startswith(RESUMABLE)]
+    if changes:
+        raise RunDirError(f"--resume: the config differs from the run's config.yaml in {_describe(changes)}; a resumed "
+                          "run may change only train.steps, eval.*, checkpoint.every/keep_last and swarm timeouts "
+                          "(start a new run_name for anything else)")
+
+
+def eval_config(run_dir: pathlib.Path, config: RunConfig | None) -> RunConfig:
+    """The config eval builds the members from: the run's own config.yaml (beside its checkpoints), or the given
+    one, which must then build the same models (seed, members' model, tokenizer, LoRA, init seed, dtype)."""
+    saved = _saved_config(run_dir, "--checkpoint")
+    if config is None:
+        if saved is None:
+            raise RunDirError(f"--checkpoint: {run_dir} has no config.yaml; pass the run's config with --config")
+        return saved
+    if saved is not None:
+        changes = [c for c in config_differences(saved, config) if c[0] == "seed" or (
+            c[0].startswith("members.") and c[0].split(".")[2] in MEMBER_MODEL_KEYS)]
+        if changes:
+            raise RunDirError(f"--config: builds other models than the run trained ({_describe(changes)}, against "
+                              f"{run_dir / 'config.yaml'}); drop --config to use the run's own")
+    return config
+
+
+class RunLock:
+    """Holds a run directory for one run (train, or an --nproc launcher for its ranks): `run_dir/.lock`, locked
+    with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A second run
+    into the same directory stops with one line naming the holder. A directory this lock created and the run
+    left empty is removed again, so a run that fails before its first step leaves nothing behind."""
+
+    def __init__(self, run_dir: pathlib.Path):
+        self.run_dir = run_dir
+        self._fd: int | None = None
+        self._created = False
+        self._top: pathlib.Path | None = None
+
+    def __enter__(self) -> "RunLock":
+        import fcntl
+        import os
+        import socket
+        import time
+
+        self._top = next((d for d in reversed([self.run_dir, *self.run_dir.parents]) if not d.exists()), None)
+        self._created = self._top is not None
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise RunDirError(f"output_dir: cannot create or write the run directory {self.run_dir} "
+                              f"({exc.strerror or type(exc).__name__})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"run_name: {self.run_dir} is in use by another run ({holder}); wait for it to end "
+                              "or choose another run_name/--output-dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        import fcntl
+        import os
+
+        if self._fd is None:
+            return
+        leftover = sorted(p.name for p in self.run_dir.iterdir())
+        if self._created and leftover in ([".lock"], [".lock", "metrics.jsonl"]) and not holds_run(self.run_dir):
+            for name in leftover:
+                (self.run_dir / name).unlink()
+            for directory in [self.run_dir, *self.run_dir.parents]:  # up to the first one this lock created
+                if any(directory.iterdir()):
+                    break
+                directory.rmdir()
+                if directory == self._top:
+                    break
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
 
 
 def check_shared_vocabulary(hashes: dict[int, str]) -> None:
@@ -52,8 +194,18 @@ def check_shared_vocabulary(hashes: dict[int, str]) -> None:
                           "exchange token ids and must share one vocabulary")
 
 
+def check_backend(config: RunConfig, device: torch.device) -> None:
+    """train.backend: triton needs CUDA (or the interpreter, TRITON_INTERPRET=1, for tests)."""
+    import os
+
+    if config.train.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"train.backend: 'triton' needs a CUDA device, and train.device={config.train.device!r} "
+                          f"gives {device.type} here; use auto or torch")
+
+
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
     """Everything that can be checked before any member is built or any process started; returns the tokenizers."""
+    check_backend(config, resolve_device(config.train.device, 0))
     check_generator_placement(config, distributed=distributed)
     tokenizers = preflight(config)
     check_shared_vocabulary({i: vocabulary_hash(t) for i, t in enumerate(tokenizers)})
@@ -77,11 +229,15 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     check_generator_placement(config, distributed=distributed)
+    for i in local:
+        check_backend(config, resolve_device(config.train.device, local_rank if local_rank is not None else i))
     if checkpoint is None and first_start:
         problem = None
         if exchange.rank == 0:
             try:
                 check_fresh_run(run_dir, resume)
+                if resume:
+                    check_resume_config(run_dir, config)
             except RunDirError as exc:
                 problem = str(exc)
         problem = exchange.all_gather_object(problem)[0]

@@ -7,8 +7,10 @@ batching changes memory, never the update (and this file knows none of the norma
 
 from __future__ import annotations
 
+import math
+
 import torch
-from ftis_kernels import LossConfig, LossOutput, combine_stats, fused_linear_ftis_loss
+from ftis_kernels import LossConfig, LossOutput, NonFiniteInputError, combine_stats, fused_linear_ftis_loss
 
 from .batch import PackedBatch, TrainItem, micro_batches, pack
 
@@ -57,16 +59,31 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     return {"loss": loss, **combine_stats(outputs), "micro_batches": len(batches)}
 
 
+class DivergenceError(RuntimeError):
+    """A member's loss, gradient or hidden states turned NaN or inf: training stops, no step is taken on it."""
+
+
 def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
                   on_micro_batch=None) -> dict[str, float]:
     """One optimizer step of `member` on `items`: gradients, clipping to members.N.grad_clip, Adam step."""
     member.model.train()
     member.optimizer.zero_grad(set_to_none=True)
-    stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch)
+    try:
+        stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch)
+    except NonFiniteInputError as exc:
+        member.optimizer.zero_grad(set_to_none=True)
+        raise DivergenceError(f"the model's hidden states became NaN or inf ({exc})") from None
     params = member.trainable_parameters()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, member.settings.grad_clip)
+    for what, value in (("loss", stats["loss"]), ("gradient norm", float(grad_norm))):
+        if not math.isfinite(value):  # never step on it: the weights stay those of the last good step
+            member.optimizer.zero_grad(set_to_none=True)
+            raise DivergenceError(f"the {what} is {value}")
     member.optimizer.step()
     member.optimizer.zero_grad(set_to_none=True)
+    if not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
+        raise DivergenceError(f"the weights became NaN or inf in the optimizer step (gradient norm {float(grad_norm):.3g} "
+                              f"before clipping to {member.settings.grad_clip:g})")
     stats["grad_norm"] = float(grad_norm)
     return stats
 

@@ -17,7 +17,7 @@ from .api import (
     resolve_backend,
     token_logprobs,
 )
-from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput, combine_stats
+from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput, NonFiniteInputError, combine_stats
 from .epilogue import group_advantages
 
 __version__ = "0.1.0"
@@ -30,6 +30,7 @@ __all__ = [
     "KL_REDUCTIONS",
     "LossConfig",
     "LossOutput",
+    "NonFiniteInputError",
     "combine_stats",
     "METHODS",
     "NORMALIZATIONS",

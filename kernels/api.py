@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from .config import LossConfig, LossOutput
+from .config import LossConfig, LossOutput, NonFiniteInputError
 from .epilogue import ftis_objective
 from .reference import chunked_token_logprobs
 
@@ -176,7 +176,8 @@ def _check_finite_logprobs(x: torch.Tensor, x_name: str, counted: torch.Tensor, 
     if not bool(counted.all()):
         bad |= ~counted & ~torch.isfinite(x.detach()).all(dim=1)
     if bool(bad.any()):
-        raise ValueError(f"{names}: contains NaN or inf (it reaches row {int(bad.nonzero()[0, 0])} of {x_name})")
+        raise NonFiniteInputError(f"{names}: contains NaN or inf (it reaches row {int(bad.nonzero()[0, 0])} of "
+                                  f"{x_name})")
 
 
 def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,

@@ -142,6 +142,10 @@ class LossOutput:
     stat_counts: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+class NonFiniteInputError(ValueError):
+    """NaN or inf in the logits, or in hidden, weight or bias: a trainer's sign that its model diverged."""
+
+
 def combine_stats(outputs: Iterable[LossOutput]) -> dict[str, float]:
     """The whole batch's stats from the LossOutputs of its micro-batch calls: per key in STAT_KEYS,
     sum of stat_sums / max(sum of stat_counts, 1), as one call on the whole batch would report them.

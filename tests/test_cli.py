@@ -41,6 +41,10 @@ BAD = [
     (["--set", "train.device=cuda"], "train.device"),
     (["--set", "members.1.lora.target_modules=[no_such_proj]"], "members.1.lora.target_modules"),
     (["--set", "data.reward=no_such_module:f"], "data.reward"),
+    (["--set", "members.0.betas=[1.5,0.999]"], "members.0.betas.0"),
+    (["--set", "seed=99999999999999999999"], "seed"),
+    (["--set", "members.0.lr=.inf"], "members.0.lr"),
+    (["--output-dir", "/dev/null/runs"], "output_dir"),
 ]
 
 
@@ -67,3 +71,22 @@ def test_missing_or_broken_config_file(tmp_path):
 def test_module_entry_point_and_help():
     result = cli("--help")
     assert result.returncode == 0 and "train" in result.stdout and "plot" in result.stdout
+
+
+def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--output-dir",
+                             str(tmp_path / "out"), "--set", "train.backend=triton"], capture_output=True, text=True,
+                            env={**env, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}, timeout=300)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        "error: train.backend: 'triton' needs a CUDA device, and train.device='auto' gives cpu here; use auto or torch"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    result = cli("plot", tmp_path)
+    assert result.returncode == 2 and "metrics.jsonl holds no records yet" in result.stderr
+    result = cli("train", "--config", TINY, "--output-dir", tmp_path / "out", "--resume")
+    assert result.returncode == 2 and "holds no run to continue" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -3,12 +3,22 @@ clear line for every way a run directory can be unusable."""
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
 
 from ftis_engine import run
-from ftis_engine.session import AgreedError, RunDirError, check_fresh_run, check_shared_vocabulary, open_run
+from ftis_engine.session import (
+    AgreedError,
+    RunDirError,
+    RunLock,
+    check_fresh_run,
+    check_resume_config,
+    check_shared_vocabulary,
+    eval_config,
+    open_run,
+)
 
 from .helpers import short_config
 
@@ -21,7 +31,11 @@ def test_members_must_share_one_vocabulary_and_the_first_other_is_named():
 
 def test_a_new_run_never_writes_into_a_directory_that_holds_one(tmp_path):
     check_fresh_run(tmp_path, resume=False)  # empty: fine
-    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(RunDirError, match="--resume: .* holds no run to continue"):
+        check_fresh_run(tmp_path, resume=True)
+    (tmp_path / "metrics.jsonl").write_text("")  # a run that failed before its first step: not a run
+    check_fresh_run(tmp_path, resume=False)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
         check_fresh_run(tmp_path, resume=False)
     check_fresh_run(tmp_path, resume=True)
@@ -69,3 +83,37 @@ def test_an_unusable_checkpoint_is_one_line_naming_it(trained, tmp_path, damage,
     with pytest.raises(RunDirError, match=message) as caught:
         open_run(config, copy, checkpoint=ckpt)
     assert str(ckpt) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_second_run_into_a_held_directory_stops_naming_the_holder(tmp_path):
+    run_dir = tmp_path / "out" / "run"
+    with RunLock(run_dir):
+        assert "pid" in (run_dir / ".lock").read_text()
+        with pytest.raises(RunDirError, match=r"is in use by another run \(pid \d+ on .* since "):
+            with RunLock(run_dir):
+                pass
+    assert not (tmp_path / "out").exists()  # nothing was written: the directories it created are gone again
+    with RunLock(run_dir):  # free again
+        (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    assert (run_dir / "metrics.jsonl").exists()  # a run's files stay
+
+
+def test_resume_refuses_a_config_that_changes_the_run_but_not_its_length_or_cadence(trained):
+    config, run_dir = trained
+    check_resume_config(run_dir, config.model_copy(update={"seed": 0}))
+    longer = short_config("train.steps=5", "eval.every=0", "eval.max_samples=4", "checkpoint.every=1")
+    check_resume_config(run_dir, longer)
+    for override, field in (("members.0.lr=0.5", "members.0.lr"), ("rollout.group_size=3", "rollout.group_size"),
+                            ("algorithm.method=tis", "algorithm.method")):
+        with pytest.raises(RunDirError, match=f"--resume: the config differs .* in {field} "):
+            check_resume_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
+
+
+def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(trained):
+    config, run_dir = trained
+    assert eval_config(run_dir, None) == config  # config.yaml beside the checkpoints
+    assert eval_config(run_dir, short_config("train.steps=2", "eval.max_samples=3")).eval.max_samples == 3
+    for override, field in (("seed=1", "seed"), ("members.1.lora.target_modules=[q_proj]",
+                                                 "members.1.lora.target_modules"), ("members.0.seed=9", "members.0.seed")):
+        with pytest.raises(RunDirError, match=re.escape(f"--config: builds other models than the run trained ({field} ")):
+            eval_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
