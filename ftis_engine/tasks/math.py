@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 from ..rewards import binary_answer_reward
@@ -27,31 +28,64 @@ def gsm8k_gold(answer_field: str) -> str:
     return answer_field.split("####")[-1].strip().replace(",", "")
 
 
+def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[dict]:
+    """The rows of a local JSONL file (one JSON object a line; blank lines skipped). Errors name the config field,
+    the file and the line: a broken line, a row that is not an object or lacks a needed key, an empty file."""
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise TaskError(f"{field}: no such file {path!r}")
+    rows = []
+    try:
+        with file.open(encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise TaskError(f"{field}: {path} line {number} is not valid JSON ({exc.msg})") from None
+                if not isinstance(row, dict):
+                    raise TaskError(f"{field}: {path} line {number} is not a JSON object")
+                missing = [k for k in needed if k not in row]
+                if missing:
+                    raise TaskError(f"{field}: {path} line {number} has no field {missing[0]!r} "
+                                    f"(it has: {', '.join(row) or 'nothing'})")
+                rows.append((number, row))
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"{field}: {path} is not UTF-8 text ({exc.reason})") from None
+    if not rows:
+        raise TaskError(f"{field}: {path} holds no rows")
+    return rows
+
+
 def load_examples(name: str, path: str | None, field: str) -> list[Example]:
     """Examples of one dataset from a local JSONL file, or from the HF hub when no path is given."""
-    import datasets
-
     hub_id, config, split, q_field, a_field = HUB[name]
-    try:
-        if path is not None:
-            if not pathlib.Path(path).is_file():
-                raise TaskError(f"{field}: no such file {path!r}")
-            rows = datasets.load_dataset("json", data_files=str(path), split="train")
-        else:
+    if path is not None:
+        numbered = read_jsonl(path, field, (q_field, a_field))
+    else:
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
             rows = datasets.load_dataset(hub_id, config, split=split)
-    except TaskError:
-        raise
-    except Exception as exc:  # datasets raises many types: offline, missing, schema...
-        where = path or hub_id
-        raise TaskError(f"{field}: cannot load {where!r}: {str(exc).splitlines()[0] if str(exc) else exc}") from None
-    missing = [f for f in (q_field, a_field) if f not in rows.column_names]
-    if missing:
-        raise TaskError(f"{field}: {path or hub_id} has no field {missing[0]!r} (fields: {', '.join(rows.column_names)})")
+        except Exception as exc:  # datasets raises many types: offline, missing, schema...
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TaskError(f"{field}: cannot load {hub_id!r} from the HF hub ({detail}); give a local copy with "
+                            f"{field}") from None
+        missing = [f for f in (q_field, a_field) if f not in rows.column_names]
+        if missing:
+            raise TaskError(f"{field}: {hub_id} has no field {missing[0]!r} (fields: {', '.join(rows.column_names)})")
+        numbered = list(enumerate(rows, start=1))
     gold = gsm8k_gold if name.startswith("gsm8k") else (lambda a: str(a).strip())
-    try:
-        return [Example(str(r[q_field]), gold(str(r[a_field]))) for r in rows]
-    except ValueError as exc:
-        raise TaskError(f"{field}: {exc}") from None
+    examples = []
+    for number, row in numbered:
+        try:
+            examples.append(Example(str(row[q_field]), gold(str(row[a_field]))))
+        except ValueError as exc:
+            where = f"{path} line {number}" if path is not None else f"{hub_id} row {number}"
+            raise TaskError(f"{field}: {where}: {exc}") from None
+    return examples
 
 
 def make_task(data, eval_datasets: list[str] | None) -> Task:
