@@ -8,6 +8,27 @@ from .metrics import read_metrics
 
 TRAIN_KEYS = ("reward_mean", "loss", "is_weight_mean", "is_truncated_frac", "filtered_frac", "kl_mean",
               "clip_frac", "entropy_mean")
+TRAIN_LABELS = {  # key: (title, y label)
+    "reward_mean": ("reward of its own rollouts", "mean reward"),
+    "loss": ("F-TIS loss", "loss"),
+    "is_weight_mean": ("truncated IS weight", "mean min(exp(l - g), C)"),
+    "is_truncated_frac": ("tokens truncated at C", "fraction of tokens"),
+    "filtered_frac": ("sequences dropped by the KL filter", "fraction of sequences"),
+    "kl_mean": ("KL(generator || trainer)", "mean per sequence (nats)"),
+    "clip_frac": ("PPO-clipped", "fraction"),
+    "entropy_mean": ("entropy", "mean per token (nats)"),
+}
+
+
+def running_mean(values, window: int) -> list[float]:
+    """The mean of each value and the window - 1 before it (fewer at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -45,14 +66,24 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
     train = [r for r in records if r["kind"] == "train"]
     if train:
         fig, axes = plt.subplots(2, 4, figsize=(18, 7))
+        window = max(1, len({r["step"] for r in train}) // 20)  # about 20 windows over the run
         for ax, key in zip(axes.flat, TRAIN_KEYS):
-            for member in members:
+            for i, member in enumerate(members):
                 points = sorted((r["step"], r[key]) for r in train if r["member"] == member and r.get(key) is not None)
-                if points:
-                    ax.plot(*zip(*points), label=member)
-            ax.set(title=key, xlabel="step")
+                if not points:
+                    continue
+                steps, values = zip(*points)
+                color = f"C{i}"
+                if window > 1:  # the raw steps faint, their running mean bold
+                    ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
+                    ax.plot(steps, running_mean(values, window), color=color, label=member)
+                else:
+                    ax.plot(steps, values, color=color, label=member)
+            ax.set(title=TRAIN_LABELS[key][0], xlabel="step", ylabel=TRAIN_LABELS[key][1])
             ax.grid(alpha=0.3)
-        axes.flat[0].legend()
+            ax.legend(fontsize=8)
+        smooth = f" (running mean over {window} steps, raw values faint)" if window > 1 else ""
+        fig.suptitle(f"{run_dir.name}: training{smooth}")
         fig.tight_layout()
         written.append(out_dir / "train.png")
         fig.savefig(written[-1], dpi=110)

@@ -41,15 +41,33 @@ class Progress:
         self.console.print(line, highlight=False, markup=False, soft_wrap=True)
 
 
-def summary_line(step: int, steps: int, records: list[dict]) -> str:
+LEGEND = ("each step: reward = mean reward of the member's own rollouts; loss = the F-TIS loss (near 0 by "
+          "construction: group advantages average to 0); w = mean truncated importance weight of what it trained on "
+          "(1 = on-policy); filt = share of sequences the KL filter dropped")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def summary_line(step: int, steps: int, records: list[dict], step_seconds: float | None = None,
+                 eta_seconds: float | None = None) -> str:
     parts = []
     for r in sorted(records, key=lambda r: r["kind"] == "eval"):
         if r["kind"] == "train":
-            parts.append(f"{r['member']}: reward {r['reward_mean']:.3f} loss {r['loss']:+.4f} "
+            parts.append(f"{r['member']}: reward {r['reward_mean']:.3f} loss {r['loss']:+.2e} "
                          f"w {r['is_weight_mean']:.2f} filt {r['filtered_frac']:.2f}")
         else:
             parts.append(f"{r['member']}: {r['dataset']} acc {r['accuracy']:.3f}")
-    return f"step {step}/{steps} | " + " | ".join(parts)
+    timing = ""
+    if step_seconds is not None:
+        timing = f" | {step_seconds:.1f}s/step" + (f", ETA {_duration(eta_seconds)}" if eta_seconds is not None else "")
+    return f"step {step}/{steps} | " + " | ".join(parts) + timing
 
 
 def quiet_libraries() -> None:

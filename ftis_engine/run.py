@@ -15,6 +15,7 @@ import json
 import logging
 import pathlib
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +29,7 @@ from .exchange import Exchange, RolloutChecker, receive
 from .generation import SamplingSettings
 from .members import Member
 from .metrics import MetricsLogger, Stopwatch, eval_record, train_record, truncate_metrics
-from .progress import Progress, summary_line
+from .progress import LEGEND, Progress, summary_line
 from .rollouts import Rollout, encode, max_buffer_words
 from .tasks import Task, prompt_ids
 from .update import DivergenceError, update_member
@@ -236,13 +237,19 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         with swarm.progress:
             if start_step == 0 and config.eval.at_start:
                 final = _log(swarm, logger, 0, evaluate_all(swarm, 0))
+            if swarm.is_main and start_step < steps:
+                swarm.progress.print(LEGEND)
+            started = time.perf_counter()
             for step in range(start_step + 1, steps + 1):
+                step_start = time.perf_counter()
                 records = run_step(swarm, step)
                 last = step == steps
                 evaluating = last or (config.eval.every and step % config.eval.every == 0)
                 if evaluating:
                     records += evaluate_all(swarm, step)
-                logged = _log(swarm, logger, step, records)
+                done = step - start_step
+                timing = (time.perf_counter() - step_start, (time.perf_counter() - started) / done * (steps - step))
+                logged = _log(swarm, logger, step, records, timing)
                 if evaluating:
                     final = [r for r in logged if r["kind"] == "eval"]
                 if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
@@ -261,11 +268,13 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     return final
 
 
-def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[dict]) -> list[dict]:
-    """Gather every rank's records; rank 0 writes them and prints the step's summary line."""
+def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[dict],
+         timing: tuple[float, float] | None = None) -> list[dict]:
+    """Gather every rank's records; rank 0 writes them and prints the step's summary line (with the step's
+    seconds and the time left, from the mean step so far)."""
     records = swarm.exchange.gather_records(records)
     if logger is not None:
         for record in records:
             logger.log(record)
-        swarm.progress.print(summary_line(step, swarm.config.train.steps, records))
+        swarm.progress.print(summary_line(step, swarm.config.train.steps, records, *(timing or ())))
     return records
