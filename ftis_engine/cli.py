@@ -42,8 +42,8 @@ def train(
     set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value (list indices allowed)."),
     output_dir: pathlib.Path | None = typer.Option(None, "--output-dir", help="Parent of the run directory."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this machine, one member each."),
-    resume: bool = typer.Option(False, "--resume", help="Continue from the newest complete checkpoint."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved config and exit."),
+    resume: bool = typer.Option(False, "--resume", metavar="", help="Continue from the newest complete checkpoint."),
+    dry_run: bool = typer.Option(False, "--dry-run", metavar="", help="Print the resolved config and exit."),
     max_restarts: int | None = typer.Option(None, "--max-restarts", min=0,
                                                help="--nproc: elastic restarts (default swarm.max_restarts)."),
 ) -> None:

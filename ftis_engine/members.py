@@ -103,9 +103,17 @@ def check_generator_placement(config: RunConfig, distributed: bool) -> None:
 def preflight(config: RunConfig, members: list[int] | None = None) -> list[object]:
     """Check the model, tokenizer and generator of every member (or of `members`) before anything is written.
     Returns the tokenizers (None for members not checked). Raises ConfigError naming the member field."""
+    chosen = [i for i in range(len(config.members)) if members is None or i in members]
+    for i in chosen:  # the generators first: checking them needs no download
+        if config.members[i].generator == "vllm":
+            from .generation.vllm import check_available
+
+            problem = check_available()
+            if problem:
+                raise ConfigError(f"members.{i}.generator: {problem}")
     tokenizers = []
     for i, member in enumerate(config.members):
-        if members is not None and i not in members:
+        if i not in chosen:
             tokenizers.append(None)
             continue
         try:
@@ -117,12 +125,6 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
         except ModelSpecError as exc:
             field_name = "tokenizer" if member.tokenizer else "model"
             raise ConfigError(f"members.{i}.{field_name}: {exc}") from None
-        if member.generator == "vllm":
-            from .generation.vllm import check_available
-
-            problem = check_available()
-            if problem:
-                raise ConfigError(f"members.{i}.generator: {problem}")
         tokenizers.append(tokenizer)
     return tokenizers
 

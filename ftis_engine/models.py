@@ -9,10 +9,16 @@ tokenizer, so a far smaller embedding): random stand-ins for GPU measurements wh
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import logging
+import os
 import pathlib
+import socket
 import string
+import sys
+import urllib.parse
 
 import torch
 
@@ -89,6 +95,8 @@ def load_tokenizer(spec: str):
     source = str(TOKENIZER_DIR) if is_builtin(spec) else spec
     if is_builtin(spec):
         builtin_name(spec)
+    elif _from_hub(spec):
+        hub_reachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # transformers raises OSError, ValueError, HFValidationError...
@@ -105,12 +113,44 @@ def vocabulary_hash(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
 
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the HF hub answers (one TCP connect, 3 s at most, once per process). When it does not, the hub
+    libraries are switched to offline mode: cached models and datasets still load, and what is not cached fails
+    at once with one line instead of after a minute of retries. Skipped (assumed reachable) behind a proxy."""
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urllib.parse.urlparse(hub.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=3).close()
+        return True
+    except OSError:
+        hub.HF_HUB_OFFLINE = True
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # datasets reads them at import
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+        logging.getLogger("ftis_engine").warning("the HF hub (%s) cannot be reached: using the local cache only",
+                                                 url.hostname)
+        return False
+
+
+def _from_hub(spec: str) -> bool:
+    return not is_builtin(spec) and not pathlib.Path(spec).exists()
+
+
 def check_model_spec(spec: str) -> None:
     """Fail fast on a model that cannot be found, without loading weights."""
     if is_builtin(spec):
         builtin_name(spec)
         return
     from transformers import AutoConfig
+
+    if _from_hub(spec):
+        hub_reachable()
 
     try:
         AutoConfig.from_pretrained(spec)

@@ -71,6 +71,8 @@ def test_missing_or_broken_config_file(tmp_path):
 def test_module_entry_point_and_help():
     result = cli("--help")
     assert result.returncode == 0 and "train" in result.stdout and "plot" in result.stdout
+    result = cli("train", "--help")
+    assert result.returncode == 0 and "--resume" in result.stdout and "<bool>" not in result.stdout
 
 
 def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):

@@ -64,6 +64,9 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
     if path is not None:
         numbered = read_jsonl(path, field, (q_field, a_field))
     else:
+        from ..models import hub_reachable
+
+        hub_reachable()  # offline: fail at once from the cache instead of retrying
         import datasets
 
         datasets.disable_progress_bars()
