@@ -21,6 +21,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Collaborative GRPO across heterogeneous LLMs with F-TIS.")
 
 
+INTERRUPTED = 130  # the shell's code for Ctrl-C
+
+
 class UsageFailure(Exception):
     """A one-line error for the user; exits with code 2."""
 
@@ -139,15 +142,15 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc))
     except DivergenceError as exc:
         _fail(str(exc), code=1)
-    except KeyboardInterrupt:
-        _fail("interrupted; the newest complete checkpoint is intact: continue with --resume", code=130)
     except _UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:
             sys.stdout.write(exc.ctx.get_help() + "\n")
             sys.exit(0)
         _fail(exc.format_message())
     except typer.Abort:
-        _fail("aborted", code=130)
+        code = INTERRUPTED
+    if code == INTERRUPTED:  # typer turns Ctrl-C into this exit code
+        _fail("interrupted; the newest complete checkpoint is intact: continue with --resume", code=INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -93,3 +93,55 @@ def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path):
     result = cli("train", "--config", TINY, "--output-dir", tmp_path / "out", "--resume")
     assert result.returncode == 2 and "holds no run to continue" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _main_exit(monkeypatch, capsys, raise_in_step, tmp_path) -> tuple[int, str]:
+    """Run `train` in this process with run_step replaced by `raise_in_step`; (exit code, stderr)."""
+    from ftis_engine import cli as cli_module
+    from ftis_engine import run
+
+    monkeypatch.setattr(run, "run_step", raise_in_step)
+    with pytest.raises(SystemExit) as done:
+        cli_module.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--set", "eval.at_start=false",
+                         "--set", "train.steps=2"])
+    return done.value.code, capsys.readouterr().err
+
+
+def test_a_divergence_is_one_line_with_exit_code_1(monkeypatch, capsys, tmp_path):
+    from ftis_engine.update import DivergenceError
+
+    def diverge(swarm, step):
+        raise DivergenceError(f"step {step}: members.0 (tiny-s) diverged: the loss is nan")
+
+    code, err = _main_exit(monkeypatch, capsys, diverge, tmp_path)
+    assert code == 1 and err.strip().splitlines()[-1] == "error: step 1: members.0 (tiny-s) diverged: the loss is nan"
+    assert "Traceback" not in err
+
+
+def test_ctrl_c_is_one_line_with_exit_code_130(monkeypatch, capsys, tmp_path):
+    def interrupt(swarm, step):
+        raise KeyboardInterrupt
+
+    code, err = _main_exit(monkeypatch, capsys, interrupt, tmp_path)
+    assert code == 130 and err.strip().splitlines()[-1].startswith("error: interrupted; the newest complete checkpoint")
+
+
+def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):
+    from ftis_engine import members
+    from ftis_engine.config import ConfigError, load_config
+
+    monkeypatch.setattr(members, "check_model_spec", lambda spec: pytest.fail("a model was looked up first"))
+    monkeypatch.setattr("ftis_engine.generation.vllm.check_available", lambda: "vLLM is not installed (hint)")
+    cfg = load_config(TINY, ["members.0.generator=vllm", "members.0.model=Some/HubModel"])
+    with pytest.raises(ConfigError, match="members.0.generator: vLLM is not installed"):
+        members.preflight(cfg)
+
+
+def test_the_step_line_has_the_loss_in_three_digits_and_the_time_left():
+    from ftis_engine.progress import summary_line
+
+    record = {"kind": "train", "member": "a", "reward_mean": 0.5, "loss": -1.234e-7, "is_weight_mean": 0.91,
+              "filtered_frac": 0.125}
+    assert summary_line(3, 10, [record], 2.04, 754.0) == (
+        "step 3/10 | a: reward 0.500 loss -1.23e-07 w 0.91 filt 0.12 | 2.0s/step, ETA 12m34s")
+    assert summary_line(3, 10, [record]).endswith("filt 0.12")

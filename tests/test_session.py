@@ -73,6 +73,7 @@ def test_resume_restores_the_newest_checkpoint_and_eval_the_given_one(trained, t
     (lambda ckpt: shutil.rmtree(next(p for p in ckpt.iterdir() if p.is_dir())), "cannot load member"),
     (lambda ckpt: [f.write_bytes(f.read_bytes()[:100]) for f in ckpt.rglob("*.safetensors")],
      "cannot load member"),
+    (lambda ckpt: [f.unlink() for f in ckpt.rglob("adapter_model.safetensors")], "cannot load member 'tiny-m-lora'"),
 ])
 def test_an_unusable_checkpoint_is_one_line_naming_it(trained, tmp_path, damage, message):
     config, run_dir = trained
