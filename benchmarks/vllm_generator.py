@@ -94,7 +94,6 @@ def main(argv=None) -> int:
     import vllm
 
     from ftis_engine.generation import SamplingSettings
-    from ftis_engine.members import build_member  # noqa: F401  (fail early when the package is missing)
 
     rng = random.Random(0)
     result = {

@@ -64,15 +64,11 @@ def train(
         raise typer.Exit(launch_distributed(cfg, run_dir, resume, nproc))
     from .progress import Progress
     from .run import train as run_training
-    from .members import resolve_device
-    from .session import RunLock, check_backend, check_fresh_run, check_resume_config, open_run
+    from .session import RunLock, open_run
 
-    check_backend(cfg, resolve_device(cfg.train.device))
     with RunLock(run_dir):  # one run at a time in a run directory
-        check_fresh_run(run_dir, resume)  # before any model is loaded
-        if resume:
-            check_resume_config(run_dir, cfg)
         typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
+        # open_run checks the backend, the directory and a resumed config before any model is loaded
         swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
         run_training(swarm, start_step)
     typer.echo(f"run directory: {run_dir}", err=True)
@@ -101,9 +97,7 @@ def evaluate(
         checkpoint = found[1]
     run_dir = checkpoint.parent.parent  # <run dir>/checkpoints/step-<N>
     if config is None:
-        cfg = eval_config(run_dir, None)
-        if set_:
-            cfg = load_config(run_dir / "config.yaml", set_)
+        cfg = eval_config(run_dir, None, set_)
     else:
         cfg = eval_config(run_dir, _load(config, set_, None))
     swarm, step = open_run(cfg, checkpoint, checkpoint=checkpoint)
@@ -117,15 +111,15 @@ def evaluate(
 @app.command()
 def plot(run_dir: pathlib.Path = typer.Argument(..., help="A run directory (holding metrics.jsonl).")) -> None:
     """Draw each member's validation curve and the loss stats over steps (run_dir/plots/*.png)."""
-    from .plots import make_plots
-
-    from .metrics import read_metrics
+    from .plots import NothingToPlot, make_plots
 
     if not (run_dir / "metrics.jsonl").is_file():
         raise UsageFailure(f"RUN_DIR {run_dir}: no metrics.jsonl there")
-    if not read_metrics(run_dir / "metrics.jsonl"):
-        raise UsageFailure(f"RUN_DIR {run_dir}: metrics.jsonl holds no records yet (the run has not finished a step)")
-    for path in make_plots(run_dir):
+    try:
+        written = make_plots(run_dir)
+    except NothingToPlot as exc:
+        raise UsageFailure(f"RUN_DIR {run_dir}: {exc}") from None
+    for path in written:
         typer.echo(str(path))
 
 

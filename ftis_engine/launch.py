@@ -31,12 +31,10 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
     if nproc != len(config.members):
         raise ConfigError(f"--nproc {nproc}: one member per process, and the config has {len(config.members)} members")
-    from .session import RunLock, check_before_launch, check_fresh_run, check_resume_config
+    from .session import RunLock, check_before_launch, check_run_dir
 
     with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
-        check_fresh_run(run_dir, resume)
-        if resume:
-            check_resume_config(run_dir, config)
+        check_run_dir(run_dir, config, resume)
         check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
         print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
         return _launch(config, run_dir, resume, nproc)

@@ -6,9 +6,7 @@ import pathlib
 
 from .metrics import read_metrics
 
-TRAIN_KEYS = ("reward_mean", "loss", "is_weight_mean", "is_truncated_frac", "filtered_frac", "kl_mean",
-              "clip_frac", "entropy_mean")
-TRAIN_LABELS = {  # key: (title, y label)
+TRAIN_LABELS = {  # the train.png panels, key: (title, y label)
     "reward_mean": ("reward of its own rollouts", "mean reward"),
     "loss": ("F-TIS loss", "loss"),
     "is_weight_mean": ("truncated IS weight", "mean min(exp(l - g), C)"),
@@ -18,6 +16,11 @@ TRAIN_LABELS = {  # key: (title, y label)
     "clip_frac": ("PPO-clipped", "fraction"),
     "entropy_mean": ("entropy", "mean per token (nats)"),
 }
+TRAIN_KEYS = tuple(TRAIN_LABELS)
+
+
+class NothingToPlot(ValueError):
+    """metrics.jsonl holds no records."""
 
 
 def running_mean(values, window: int) -> list[float]:
@@ -40,7 +43,7 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
 
     records = read_metrics(run_dir / "metrics.jsonl")
     if not records:
-        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: no metrics to plot")
+        raise NothingToPlot("metrics.jsonl holds no records yet (the run has not finished a step)")
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
@@ -73,12 +76,9 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
                 if not points:
                     continue
                 steps, values = zip(*points)
-                color = f"C{i}"
-                if window > 1:  # the raw steps faint, their running mean bold
-                    ax.plot(steps, values, color=color, alpha=0.25, linewidth=0.8)
-                    ax.plot(steps, running_mean(values, window), color=color, label=member)
-                else:
-                    ax.plot(steps, values, color=color, label=member)
+                if window > 1:  # the raw steps faint under their running mean
+                    ax.plot(steps, values, color=f"C{i}", alpha=0.25, linewidth=0.8)
+                ax.plot(steps, running_mean(values, window), color=f"C{i}", label=member)
             ax.set(title=TRAIN_LABELS[key][0], xlabel="step", ylabel=TRAIN_LABELS[key][1])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)

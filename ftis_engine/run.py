@@ -179,8 +179,8 @@ def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> d
         newest = latest_checkpoint(swarm.run_dir)
         kept = (f"the newest complete checkpoint, step-{newest[0]}, is kept" if newest
                 else "no checkpoint was written before it")
-        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; no step was taken "
-                              f"on it and {kept} (lower members.{member.index}.lr, then --resume)") from None
+        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; {kept} (lower "
+                              f"members.{member.index}.lr, then --resume)") from None
     swarm.progress.finish(bar)
     return stats
 

@@ -10,8 +10,12 @@ Every problem is a ConfigError whose one-line message names the field or path.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import pathlib
+import socket
+import time
 
 import torch
 
@@ -96,6 +100,14 @@ def _describe(changes: list[tuple[str, object, object]]) -> str:
     return shown + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
 
 
+def check_run_dir(run_dir: pathlib.Path, config: RunConfig, resume: bool) -> None:
+    """Before any model is loaded: a fresh run needs an unused directory; --resume needs a run there, continued
+    with a config that changes only what RESUMABLE allows."""
+    check_fresh_run(run_dir, resume)
+    if resume:
+        check_resume_config(run_dir, config)
+
+
 def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
     """--resume continues the run in run_dir: its config.yaml may change only in RESUMABLE fields."""
     saved = _saved_config(run_dir, "--resume")
@@ -108,14 +120,20 @@ def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
                           "(start a new run_name for anything else)")
 
 
-def eval_config(run_dir: pathlib.Path, config: RunConfig | None) -> RunConfig:
-    """The config eval builds the members from: the run's own config.yaml (beside its checkpoints), or the given
-    one, which must then build the same models (seed, members' model, tokenizer, LoRA, init seed, dtype)."""
+def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> RunConfig:
+    """The config eval builds the members from: the run's own config.yaml (beside its checkpoints, with
+    `overrides`), or the given one. Either must build the models the run trained (seed, members' model,
+    tokenizer, LoRA, init seed, dtype)."""
+    from .config import load_config
+
     saved = _saved_config(run_dir, "--checkpoint")
     if config is None:
         if saved is None:
             raise RunDirError(f"--checkpoint: {run_dir} has no config.yaml; pass the run's config with --config")
-        return saved
+        if not overrides:
+            return saved
+        config = load_config(run_dir / "config.yaml", overrides)
     if saved is not None:
         changes = [c for c in config_differences(saved, config) if c[0] == "seed" or (
             c[0].startswith("members.") and c[0].split(".")[2] in MEMBER_MODEL_KEYS)]
@@ -138,11 +156,6 @@ class RunLock:
         self._top: pathlib.Path | None = None
 
     def __enter__(self) -> "RunLock":
-        import fcntl
-        import os
-        import socket
-        import time
-
         self._top = next((d for d in reversed([self.run_dir, *self.run_dir.parents]) if not d.exists()), None)
         self._created = self._top is not None
         try:
@@ -165,9 +178,6 @@ class RunLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        import fcntl
-        import os
-
         if self._fd is None:
             return
         leftover = sorted(p.name for p in self.run_dir.iterdir())
@@ -196,8 +206,6 @@ def check_shared_vocabulary(hashes: dict[int, str]) -> None:
 
 def check_backend(config: RunConfig, device: torch.device) -> None:
     """train.backend: triton needs CUDA (or the interpreter, TRITON_INTERPRET=1, for tests)."""
-    import os
-
     if config.train.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError(f"train.backend: 'triton' needs a CUDA device, and train.device={config.train.device!r} "
                           f"gives {device.type} here; use auto or torch")
@@ -235,9 +243,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         problem = None
         if exchange.rank == 0:
             try:
-                check_fresh_run(run_dir, resume)
-                if resume:
-                    check_resume_config(run_dir, config)
+                check_run_dir(run_dir, config, resume)
             except RunDirError as exc:
                 problem = str(exc)
         problem = exchange.all_gather_object(problem)[0]

@@ -72,13 +72,13 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
         stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch)
     except NonFiniteInputError as exc:
         member.optimizer.zero_grad(set_to_none=True)
-        raise DivergenceError(f"the model's hidden states became NaN or inf ({exc})") from None
+        raise DivergenceError(f"the model's hidden states became NaN or inf ({exc}); no step was taken") from None
     params = member.trainable_parameters()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, member.settings.grad_clip)
     for what, value in (("loss", stats["loss"]), ("gradient norm", float(grad_norm))):
         if not math.isfinite(value):  # never step on it: the weights stay those of the last good step
             member.optimizer.zero_grad(set_to_none=True)
-            raise DivergenceError(f"the {what} is {value}")
+            raise DivergenceError(f"the {what} is {value}; no step was taken")
     member.optimizer.step()
     member.optimizer.zero_grad(set_to_none=True)
     if not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):

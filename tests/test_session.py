@@ -114,6 +114,9 @@ def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(
     config, run_dir = trained
     assert eval_config(run_dir, None) == config  # config.yaml beside the checkpoints
     assert eval_config(run_dir, short_config("train.steps=2", "eval.max_samples=3")).eval.max_samples == 3
+    assert eval_config(run_dir, None, ["eval.max_samples=3"]).eval.max_samples == 3  # --set on the run's own
+    with pytest.raises(RunDirError, match=re.escape("builds other models than the run trained (seed (0 -> 1)")):
+        eval_config(run_dir, None, ["seed=1"])
     for override, field in (("seed=1", "seed"), ("members.1.lora.target_modules=[q_proj]",
                                                  "members.1.lora.target_modules"), ("members.0.seed=9", "members.0.seed")):
         with pytest.raises(RunDirError, match=re.escape(f"--config: builds other models than the run trained ({field} ")):

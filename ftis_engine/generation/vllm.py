@@ -243,8 +243,10 @@ class VLLMGenerator:
         """Shut the engine down and delete the temporary weights and adapters it was loaded from."""
         llm, self.llm = self.llm, None
         if llm is not None:
+            # where the engine has a shutdown (not vLLM 0.24, whose LLMEngine lacks one: its memory goes with the
+            # process, which was all that ran on the GPU), call it so that the GPU memory is released now
             shutdown = getattr(getattr(llm, "llm_engine", None), "shutdown", None)
-            if callable(shutdown):  # vLLM releases its GPU memory only when the engine is shut down
+            if callable(shutdown):
                 shutdown()
             del llm
         shutil.rmtree(self._work, ignore_errors=True)

@@ -28,8 +28,9 @@ def gsm8k_gold(answer_field: str) -> str:
     return answer_field.split("####")[-1].strip().replace(",", "")
 
 
-def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[dict]:
-    """The rows of a local JSONL file (one JSON object a line; blank lines skipped). Errors name the config field,
+def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """(line number, row) of each row of a local JSONL file (one JSON object a line; blank lines skipped). Errors
+    name the config field,
     the file and the line: a broken line, a row that is not an object or lacks a needed key, an empty file."""
     file = pathlib.Path(path)
     if not file.is_file():
