@@ -52,6 +52,15 @@ class VllmSettings(_Section):
     )
 
 
+class WarmStartSettings(_Section):
+    style: str = Field(..., min_length=1, description="Solution style of the task's demonstrations (arith: columns | "
+                       "carry-first).")
+    steps: int = Field(200, ge=1, description="Supervised steps on demonstrations before RL.")
+    batch_size: int = Field(32, ge=1, description="Demonstrations per supervised step.")
+    lr: float = Field(3e-3, gt=0.0, allow_inf_nan=False, description="Adam learning rate of the supervised phase.")
+    seed: Seed | None = Field(None, description="Seed of the demonstrations; default: the member's init seed.")
+
+
 class MemberSettings(_Section):
     name: str = Field(..., min_length=1, description="A unique name for this member (used in logs and checkpoints).")
     model: str = Field(
@@ -70,6 +79,9 @@ class MemberSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU.")
     seed: Seed | None = Field(None, description="Seed for a built-in model's random init; default: run seed + member index.")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
+    warm_start: WarmStartSettings | None = Field(
+        None, description="A supervised phase on the task's demonstrations before RL (built-in tasks with "
+                          "demonstrations: arith); cached, so every run starting from this member reuses it.")
 
     @model_validator(mode="after")
     def _lora_keeps_its_base(self) -> MemberSettings:
@@ -131,7 +143,8 @@ class RolloutSettings(_Section):
 
 class DataSettings(_Section):
     task: str = Field(
-        "gsm8k", description="gsm8k | math500 | a built-in tiny task (tiny-digits, tiny-add)."
+        "gsm8k", description="gsm8k | math500 | arith (the study testbed: addition with a scratchpad) | tiny-last | "
+                   "tiny-add."
     )
     train_path: str | None = Field(None, description="Local JSONL for the training split (default: the HF hub dataset).")
     eval_paths: dict[str, str] = Field(

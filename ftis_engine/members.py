@@ -129,8 +129,22 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
     return tokenizers
 
 
-def build_member(index: int, config: RunConfig, tokenizer, device: torch.device) -> Member:
-    """Load the model (random init for built-ins), wrap it in LoRA if asked, build its optimizer and generator."""
+def check_warm_start(index: int, settings: MemberSettings, task) -> None:
+    """The task must offer demonstrations in the member's warm-start style."""
+    if settings.warm_start is None:
+        return
+    if task is None or task.demonstrations is None:
+        raise ConfigError(f"members.{index}.warm_start: task {getattr(task, 'name', None)!r} has no demonstrations "
+                          "(arith has)")
+    try:
+        task.demonstrations(settings.warm_start.style, 0, 0)
+    except ValueError as exc:
+        raise ConfigError(f"members.{index}.warm_start.style: {exc}") from None
+
+
+def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None) -> Member:
+    """Load the model (random init for built-ins), warm-start it on the task's demonstrations if asked, wrap it in
+    LoRA if asked, build its optimizer and generator."""
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
     attn = attention_implementation(config.train.attn_implementation, device)
@@ -140,6 +154,11 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device)
     except ModelSpecError as exc:
         raise ConfigError(f"members.{index}.model: {exc}") from None
     model.to(device)
+    if settings.warm_start is not None:
+        from .warmstart import warm_start
+
+        check_warm_start(index, settings, task)
+        warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device)
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model
 

@@ -22,7 +22,7 @@ import torch
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
 from .config import ConfigError, RunConfig
 from .exchange import Alone, Exchange, LocalExchange, RolloutChecker
-from .members import build_member, check_generator_placement, preflight, resolve_device
+from .members import build_member, check_generator_placement, check_warm_start, preflight, resolve_device
 from .models import vocabulary_hash
 from .progress import Progress
 from .run import Swarm
@@ -62,7 +62,7 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
 RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
              "swarm.timeout_s", "swarm.max_restarts")
 # the member fields that make the model eval loads (with the run's seed: a built-in model is rebuilt from it)
-MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype")
+MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype", "warm_start")
 
 
 def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
@@ -256,10 +256,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     check_shared_vocabulary(hashes)
 
     task = load_task(config.data, config.seed, config.eval.datasets)
+    for i in local:
+        check_warm_start(i, config.members[i], task)
     members = []
     for i in local:
         device = resolve_device(config.train.device, local_rank if local_rank is not None else i)
-        member = build_member(i, config, tokenizers[i], device)
+        member = build_member(i, config, tokenizers[i], device, task)
         check_model(member)
         members.append(member)
     train_indices = _usable_prompts(config, task, members[0].tokenizer, exchange)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..rewards import Reward, binary_answer_reward, load_reward, tiny_answer_reward
@@ -30,6 +30,8 @@ class Task:
     reward: Reward
     system_prompt: str | None = SYSTEM_PROMPT
     prompt_format: str = "auto"  # auto | chat | plain
+    # (style, count, seed) -> worked (question, completion) pairs for a warm start; None: the task has none
+    demonstrations: Callable[[str, int, int], list[tuple[str, str]]] | None = None
 
     def score(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example]) -> list[float]:
         """The reward of each completion (token ids, special tokens dropped when decoding) against its example's
@@ -46,15 +48,17 @@ class TaskError(ValueError):
 
 def load_task(data, seed: int, eval_datasets: list[str] | None = None) -> Task:
     """Build the task named by `data.task` (a DataSettings), with its eval sets and reward."""
+    from . import arith, tiny
     from . import math as math_tasks
-    from . import tiny
 
     if data.task in tiny.TINY_TASKS:
         task = tiny.make_task(data.task, seed)
+    elif data.task == "arith":
+        task = arith.make_task(seed)
     elif data.task in math_tasks.MATH_TASKS:
         task = math_tasks.make_task(data, eval_datasets)
     else:
-        known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS)))
+        known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS) | {"arith"}))
         raise TaskError(f"data.task: unknown task {data.task!r}; expected one of {known}")
     if eval_datasets is not None:
         unknown = [name for name in eval_datasets if name not in task.evals]

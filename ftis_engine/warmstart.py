@@ -1,0 +1,91 @@
+"""Warm start: a short supervised phase on a task's worked demonstrations, so that RL begins from a partly able
+policy, as the paper's pretrained Qwen models do. Deterministic from its settings and the model's init seed;
+computed once and cached (`FTIS_CACHE_DIR`, default ~/.cache/ftis-engine), so every run of a study that starts
+from the same member loads the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+
+import torch
+
+# Bump when the supervised phase or the demonstrations change: cached weights of an older version are not reused.
+VERSION = 1
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("FTIS_CACHE_DIR") or pathlib.Path.home() / ".cache" / "ftis-engine") / "warm-start"
+
+
+def cache_key(model_spec: str, init_seed: int, task_name: str, settings, dtype: torch.dtype, vocab_size: int) -> str:
+    identity = {"version": VERSION, "model": model_spec, "init_seed": init_seed, "task": task_name,
+                "vocab_size": vocab_size, "dtype": str(dtype), **settings.model_dump(mode="json")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    """One process computes a cache entry; the others wait for it (flock, released by the OS on any exit)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: str, init_seed: int,
+               device: torch.device) -> pathlib.Path:
+    """Load the cached warm-started weights into `model`, computing them first if no run has yet. `settings` is a
+    WarmStartSettings. Returns the cache file."""
+    dtype = next(model.parameters()).dtype
+    key = cache_key(model_spec, init_seed, task.name, settings, dtype, len(tokenizer))
+    path = cache_dir() / f"{key}.pt"
+    with _locked(path.with_suffix(".lock")):
+        if not path.is_file():
+            state = supervised_phase(model, tokenizer, task, settings, init_seed, device)
+            partial = path.with_suffix(f".tmp{os.getpid()}")
+            torch.save(state, partial)
+            os.replace(partial, path)  # readers see a whole file or none
+    model.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+    return path
+
+
+def supervised_phase(model: torch.nn.Module, tokenizer, task, settings, init_seed: int,
+                     device: torch.device) -> dict[str, torch.Tensor]:
+    """Next-token cross-entropy on the completion tokens (and end of text) of `settings.steps` batches of
+    demonstrations in `settings.style`, with Adam. Returns the weights (CPU)."""
+    from .tasks import prompt_ids
+
+    seed = settings.seed if settings.seed is not None else init_seed
+    pairs = task.demonstrations(settings.style, settings.steps * settings.batch_size, seed)
+    eos = tokenizer.eos_token_id
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    model.train()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for start in range(0, len(pairs), settings.batch_size):
+            rows, labels = [], []
+            for question, completion in pairs[start : start + settings.batch_size]:
+                prompt = prompt_ids(tokenizer, task, question)
+                answer = tokenizer(completion, add_special_tokens=False)["input_ids"] + [eos]
+                rows.append(prompt + answer)
+                labels.append([-100] * len(prompt) + answer)
+            width = max(len(r) for r in rows)
+            ids = torch.tensor([r + [eos] * (width - len(r)) for r in rows], device=device)
+            target = torch.tensor([t + [-100] * (width - len(t)) for t in labels], device=device)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
+            loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+    model.eval()
+    return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
