@@ -123,6 +123,31 @@ def plot(run_dir: pathlib.Path = typer.Argument(..., help="A run directory (hold
         typer.echo(str(path))
 
 
+@app.command()
+def study(
+    config: pathlib.Path = typer.Option(..., "--config", help="YAML study config (configs/study/*.yaml)."),
+    jobs: int | None = typer.Option(None, "--jobs", min=1, help="Runs at once (default: the study's jobs)."),
+    quick: bool = typer.Option(False, "--quick", metavar="", help="The study's quick variant (fewer seeds, groups, "
+                               "steps): a smoke test of the whole pipeline."),
+    output_dir: pathlib.Path | None = typer.Option(
+        None, "--output-dir", help="Where runs, summary.json, report.md and figures go (default: "
+        "runs/study-<name>[-quick])."),
+) -> None:
+    """Run a grid of train runs (separate processes, finished ones skipped) and aggregate them over seeds."""
+    from .study import load_study, run_study
+
+    spec = load_study(config)
+    out = output_dir or pathlib.Path("runs") / f"study-{spec.study}{'-quick' if quick else ''}"
+    command = " ".join(["ftis-engine study --config", str(config)] + (["--quick"] if quick else [])
+                       + ([f"--jobs {jobs}"] if jobs else []))
+    try:
+        summary = run_study(spec, out, quick=quick, jobs=jobs, command=command)
+    except RuntimeError as exc:
+        _fail(f"{exc}; rerun the same command to retry them (finished runs are kept)", code=1)
+    typer.echo(f"{len(summary['groups'])} groups in {out}: summary.json, report.md, "
+               f"{len(summary['figures'])} figure(s)")
+
+
 # typer raises click's UsageError (its own vendored click in recent versions): reach it through a public class.
 _UsageError = typer.BadParameter.__mro__[1]
 

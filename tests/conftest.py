@@ -8,8 +8,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pathlib  # noqa: E402
+import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
+
+# warm starts are cached per test session (subprocesses inherit it), never in the user's ~/.cache
+os.environ.setdefault("FTIS_CACHE_DIR", tempfile.mkdtemp(prefix="ftis-test-cache-"))
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 

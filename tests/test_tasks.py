@@ -34,3 +34,70 @@ def test_a_good_local_file_gives_its_examples_with_the_gold_answers(tmp_path):
     path.write_bytes(b'{"question": "\\xff", "answer": "1"}\n\xff\n')
     with pytest.raises(TaskError, match="not UTF-8"):
         load_examples("math500", str(path), "data.eval_paths.math500")
+
+
+# ----------------------------------------------------------------------------------------------- arith (the study testbed)
+
+from ftis_engine.tasks import arith  # noqa: E402
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    ("7+5=12,3+4+1=8;82", "82", 1.0),
+    ("  7+5=12,3+4+1=8;82\n", "82", 1.0),  # white space around is allowed
+    ("7+5=12,3+4+1=8;83", "82", 0.0),  # wrong answer
+    ("82", "82", 0.0),  # no scratchpad
+    (";82", "82", 0.0),  # empty scratchpad
+    ("7+5=12;8;82", "82", 0.0),  # two separators
+    ("7+5=12,3+4+1=8;82x", "82", 0.0),  # something after the answer
+    ("7+5=12,3+4+1=8;", "82", 0.0),  # no answer
+])
+def test_the_scratchpad_reward_needs_the_format_and_the_answer(completion, gold, reward):
+    assert arith.scratchpad_reward(completion, gold) == reward
+
+
+@pytest.mark.parametrize("style, expected", [
+    ("columns", "7+5=12,3+4+1=8;82"),
+    ("carry-first", "5+7=12,1+4+3=8;82"),
+])
+def test_a_worked_solution_adds_column_by_column_with_carries(style, expected):
+    assert arith.solution("37+45=", style) == expected
+
+
+def test_three_digit_solutions_carry_into_the_extra_column():
+    assert arith.solution("995+17=", "columns") == "5+7=12,9+1+1=11,9+0+1=10;1012"
+
+
+@pytest.mark.parametrize("style", arith.STYLES)
+def test_every_demonstration_earns_the_reward_and_is_no_eval_question(style):
+    task = arith.make_task(seed=0)
+    held = {e.question for examples in task.evals.values() for e in examples}
+    pairs = task.demonstrations(style, 300, seed=1)
+    assert len(pairs) == 300 and not {q for q, _ in pairs} & held
+    for question, completion in pairs:
+        a, b = (int(x) for x in question.rstrip("=").split("+"))
+        assert task.reward(completion, str(a + b)) == 1.0
+    assert 0.15 < sum(len(q) > 6 for q, _ in pairs) / len(pairs) < 0.45  # OOD_SHARE of 3-digit questions
+
+
+def test_the_two_styles_write_the_same_answer_differently_in_multi_token_completions():
+    questions = [q for q, _ in arith.demonstrations("columns", 200, seed=0)]
+    columns = [arith.solution(q, "columns") for q in questions]
+    carry_first = [arith.solution(q, "carry-first") for q in questions]
+    assert all(a.split(";")[1] == b.split(";")[1] for a, b in zip(columns, carry_first))
+    assert sum(a != b for a, b in zip(columns, carry_first)) / len(questions) > 0.9
+    assert sum(len(c) for c in columns) / len(columns) >= 8
+
+
+def test_arith_eval_sets_are_fixed_disjoint_from_training_and_ood_is_longer():
+    one, two = arith.make_task(seed=0), arith.make_task(seed=1)
+    assert one.evals == two.evals and one.train != two.train
+    assert set(one.evals) == {"arith", "arith-ood"} and all(len(v) == arith.EVAL_SIZE for v in one.evals.values())
+    held = {e.question for v in one.evals.values() for e in v}
+    assert not held & {e.question for e in one.train}
+    assert all(len(e.question) == 6 for e in one.evals["arith"])  # "ab+cd="
+    assert all(len(e.question) == 7 for e in one.evals["arith-ood"])  # "abc+de="
+
+
+def test_an_unknown_style_is_refused_by_name():
+    with pytest.raises(ValueError, match="unknown style 'rows'"):
+        arith.demonstrations("rows", 1, seed=0)
