@@ -1,4 +1,4 @@
-"""ftis-engine train | eval | plot.
+"""ftis-engine train | eval | plot | study.
 
 A bad config, override or path exits with code 2 and one line naming the field, before anything is written.
 """
@@ -109,16 +109,24 @@ def evaluate(
 
 
 @app.command()
-def plot(run_dir: pathlib.Path = typer.Argument(..., help="A run directory (holding metrics.jsonl).")) -> None:
-    """Draw each member's validation curve and the loss stats over steps (run_dir/plots/*.png)."""
-    from .plots import NothingToPlot, make_plots
+def plot(
+    run_dirs: list[pathlib.Path] = typer.Argument(..., help="Run directories (holding metrics.jsonl)."),
+    out: pathlib.Path = typer.Option(pathlib.Path("overlay.png"), "--out",
+                                     help="With several runs: the overlay figure's file."),
+) -> None:
+    """One run: each member's validation curve and the loss stats over steps (RUN_DIR/plots/*.png). Several runs:
+    their validation curves overlaid in one figure (--out)."""
+    from .plots import NothingToPlot, make_plots, overlay_plots
 
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise UsageFailure(f"RUN_DIR {run_dir}: no metrics.jsonl there")
+    for run_dir in run_dirs:
+        if not (run_dir / "metrics.jsonl").is_file():
+            raise UsageFailure(f"RUN_DIR {run_dir}: no metrics.jsonl there")
     try:
-        written = make_plots(run_dir)
+        written = make_plots(run_dirs[0]) if len(run_dirs) == 1 else [overlay_plots(run_dirs, out)]
     except NothingToPlot as exc:
-        raise UsageFailure(f"RUN_DIR {run_dir}: {exc}") from None
+        raise UsageFailure(f"RUN_DIR {' '.join(map(str, run_dirs))}: {exc}") from None
+    except OSError as exc:
+        raise UsageFailure(f"--out {out}: cannot write it ({exc.strerror or type(exc).__name__})") from None
     for path in written:
         typer.echo(str(path))
 

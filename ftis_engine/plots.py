@@ -1,4 +1,5 @@
-"""`ftis-engine plot RUN_DIR`: each member's validation curve and the loss stats over steps, as PNG."""
+"""`ftis-engine plot RUN_DIR`: each member's validation curve and the loss stats over steps, as PNG; with several
+run directories, one figure overlaying their validation curves."""
 
 from __future__ import annotations
 
@@ -89,3 +90,48 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
+
+
+def run_label(run_dir: pathlib.Path, run_dirs: list[pathlib.Path]) -> str:
+    """The shortest tail of the path that tells the runs apart (a study's runs are all named seed-<s>)."""
+    parts = run_dir.resolve().parts
+    for depth in range(1, len(parts) + 1):
+        label = "/".join(parts[-depth:])
+        if sum("/".join(p.resolve().parts[-depth:]) == label for p in run_dirs) == 1:
+            return label
+    return str(run_dir)
+
+
+def overlay_plots(run_dirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Path:
+    """One PNG: a panel per (member, eval set), a line per run, the runs' validation curves overlaid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves: dict[tuple[str, str], list[tuple[str, list[tuple[int, float]]]]] = {}
+    for run_dir in run_dirs:
+        label = run_label(run_dir, run_dirs)
+        evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+        for key in dict.fromkeys((r["member"], r["dataset"]) for r in evals):
+            points = sorted((r["step"], r["accuracy"]) for r in evals if (r["member"], r["dataset"]) == key)
+            curves.setdefault(key, []).append((label, points))
+    if not curves:
+        raise NothingToPlot("no eval records in any of the runs")
+    panels = list(curves)
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False)
+    for ax, (member, dataset) in zip(axes.flat, panels):
+        for label, points in curves[(member, dataset)]:
+            ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+        ax.set(title=f"{member}: {dataset}", xlabel="step", ylabel="greedy pass@1")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -200,7 +200,7 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
                     where = "quick.set"
                     for key, value in study.quick.set.items():
                         apply_override(raw, f"{key}={json.dumps(value)}")
-                where = f"groups.{i} ({name})"
+                where = f"groups.{i} ({name}){' with quick.set' if quick else ''}"
                 raw.update(seed=seed, run_name=f"seed-{seed}", output_dir=str(output_dir / "runs" / name))
                 config = validate_config(raw)
             except ConfigError as exc:

@@ -1,0 +1,193 @@
+"""The study runner: a grid of runs, validated before anything runs, resumable, aggregated over seeds."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+import yaml
+
+from ftis_engine import study as study_module
+from ftis_engine.study import StudyError, aggregate, check_reuse, interval, load_study, plan
+
+from .test_cli import cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PAPER = ROOT / "configs" / "study" / "paper.yaml"
+
+MINIMAL = {
+    "study": "t",
+    "seeds": [0, 1],
+    "base": {"data": {"task": "tiny-add"}, "train": {"steps": 2}, "rollout": {"group_size": 4, "prompts_per_step": 2,
+                                                                              "max_new_tokens": 2}},
+    "member_sets": {"pair": [{"name": "a", "model": "builtin:tiny-s"}, {"name": "b", "model": "builtin:tiny-s"}]},
+    "groups": [{"name": "pair-{method}", "members": "pair", "grid": {"algorithm.method": ["nois", "f-tis"]}}],
+}
+
+
+def write_study(tmp_path, raw) -> pathlib.Path:
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_the_paper_study_has_every_method_with_at_least_three_seeds():
+    spec = load_study(PAPER)
+    groups = plan(spec, pathlib.Path("/nonexistent"), quick=False)
+    methods = {(g.config.collaboration, g.config.algorithm.method) for g in groups if g.member_set == "size"}
+    assert {m for c, m in methods if c == "vertical"} >= {"nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo"}
+    assert ("alone", "f-tis") in methods and ("horizontal", "f-tis") in methods
+    assert {g.config.algorithm.kl_threshold for g in groups if g.name.startswith("size-f-tis")} == {5, 10, 50, 100}
+    assert {g.member_set for g in groups} == {"size", "expertise", "params"}
+    assert all(len(g.runs) >= 3 for g in groups)
+
+
+def test_grid_groups_are_named_from_their_values_and_carry_them():
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    groups = plan(spec, pathlib.Path("/out"), quick=False)
+    assert [g.name for g in groups] == ["pair-nois", "pair-f-tis"]
+    assert [g.config.algorithm.method for g in groups] == ["nois", "f-tis"]
+    run = groups[1].runs[1]
+    assert (run.seed, run.config.seed, str(run.run_dir)) == (1, 1, "/out/runs/pair-f-tis/seed-1")
+
+
+def test_quick_keeps_its_groups_and_seeds_and_applies_its_overrides():
+    spec = study_module.StudyConfig.model_validate(
+        {**MINIMAL, "quick": {"seeds": [7], "groups": ["pair-nois"], "set": {"train.steps": 1}}})
+    groups = plan(spec, pathlib.Path("/out"), quick=True)
+    assert [(g.name, [r.seed for r in g.runs], g.config.train.steps) for g in groups] == [("pair-nois", [7], 1)]
+
+
+BAD = [
+    ({"groups": [{"name": "x", "members": "trio"}]}, "groups.0.members: unknown member set 'trio'"),
+    ({"seeds": [0, 0]}, "seeds: seeds must be distinct"),
+    ({"colour": "red"}, "colour: unknown key"),
+    ({"groups": [{"name": "x", "members": "pair", "set": {"algorithm.is_cap": -1}}]},
+     r"groups.0 \(x\): algorithm.is_cap"),
+    ({"groups": [{"name": "x", "members": "pair", "set": {"rollout.group_sized": 3}}]},
+     r"groups.0 \(x\): rollout.group_sized: unknown key"),
+    ({"groups": [{"name": "x", "members": "pair", "collaboration": "diagonal"}]}, r"groups.0 \(x\): collaboration"),
+    ({"groups": [{"name": "x-{colour}", "members": "pair", "grid": {"algorithm.method": ["nois"]}}]},
+     "groups.0.name: 'x-{colour}' cannot be filled"),
+    ({"groups": [{"name": "x", "members": "pair"}, {"name": "x", "members": "pair"}]}, "groups.0.name: 'x' names two"),
+    ({"groups": [{"name": "a/b", "members": "pair"}]}, "groups.0.name: 'a/b' is not a plain file name"),
+    ({"quick": {"groups": ["nope"]}}, "quick.groups: unknown group 'nope'"),
+    ({"quick": {"set": {"train.steps": 0}}}, r"groups.0 \(pair-nois\) with quick.set: train.steps"),
+    ({"figures": [{"name": "f", "groups": ["nope"]}]}, "figures.0.groups: unknown group 'nope'"),
+    ({"base": {"members": []}}, "base.members: members come from member_sets"),
+    ({"groups": [{"name": "x", "members": "pair", "grid": {"algorithm.method": []}}]}, "groups.0.grid"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD)
+def test_a_bad_study_config_is_one_error_naming_the_field(tmp_path, change, message):
+    path = write_study(tmp_path, {**MINIMAL, **change})
+    with pytest.raises(StudyError, match=message):
+        spec = load_study(path)
+        plan(spec, tmp_path / "out", quick="quick" in change)
+
+
+def test_the_cli_refuses_a_bad_study_config_with_exit_2_and_writes_nothing(tmp_path):
+    path = write_study(tmp_path, {**MINIMAL, "groups": [{"name": "x", "members": "pair",
+                                                        "set": {"algorithm.is_cap": 0}}]})
+    result = cli("study", "--config", path, "--output-dir", tmp_path / "out")
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: groups.0 (x): algorithm.is_cap") and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_interval_is_the_mean_with_students_t_half_width():
+    got = interval([0.5, 0.7, 0.6])
+    half = 4.303 * 0.1 / math.sqrt(3)
+    assert got["mean"] == pytest.approx(0.6) and got["n"] == 3
+    assert (got["low"], got["high"]) == (pytest.approx(0.6 - half), pytest.approx(0.6 + half))
+    assert interval([0.25]) == {"mean": 0.25, "low": 0.25, "high": 0.25, "n": 1, "values": [0.25]}
+
+
+def _fake_run(run, curve: list[tuple[int, float]], kl: list[float]) -> None:
+    run.run_dir.mkdir(parents=True)
+    lines = [{"step": s, "member": "a", "kind": "eval", "dataset": "tiny-add", "accuracy": acc} for s, acc in curve]
+    lines += [{"step": i + 1, "member": "a", "kind": "train", "kl_mean": v, "filtered_frac": 0.5} for i, v in
+              enumerate(kl)]
+    (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (run.run_dir / "final_eval.json").write_text("[]")
+
+
+def test_aggregation_over_seeds_gives_final_area_early_curve_and_stats(tmp_path):
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    group = plan(spec, tmp_path, quick=False)[0]
+    _fake_run(group.runs[0], [(0, 0.0), (2, 0.4), (4, 0.6)], [1.0, 3.0])
+    _fake_run(group.runs[1], [(0, 0.2), (2, 0.2), (4, 0.8)], [5.0, 7.0])
+    summary = aggregate(spec, [group], quick=False, command="c")
+    entry = summary["groups"][0]
+    assert (entry["method"], entry["collaboration"], entry["g"], entry["seeds"]) == ("nois", "vertical", 50.0, [0, 1])
+    result = entry["by_member"]["a"]
+    assert result["final"]["tiny-add"]["values"] == [0.6, 0.8]
+    # trapezoids: seed 0 (0.4 + 1.0) * 2 / 2 / 4 = 0.35; seed 1 (0.4 + 1.0) * 2 / 2 / 4 = 0.35
+    assert result["auc"]["tiny-add"]["values"] == pytest.approx([0.35, 0.35])
+    assert result["early"]["tiny-add"]["values"] == pytest.approx([0.4, 0.2])  # the eval at step 2 of 4
+    assert result["curve"]["tiny-add"]["steps"] == [0, 2, 4]
+    assert result["curve"]["tiny-add"]["mean"] == pytest.approx([0.1, 0.3, 0.7])
+    assert result["train"]["kl_mean"]["values"] == [2.0, 6.0]
+    assert "b" in entry["by_member"] and entry["by_member"]["b"]["final"] == {}
+
+
+def test_a_finished_run_with_another_config_is_refused_not_reused(tmp_path):
+    from ftis_engine.config import dump_config
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    run = plan(spec, tmp_path, quick=False)[0].runs[0]
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.yaml").write_text(dump_config(run.config))
+    check_reuse(run)  # the same config: fine
+    other = run.config.model_copy(deep=True)
+    other.train.steps = 3
+    (run.run_dir / "config.yaml").write_text(dump_config(other))
+    with pytest.raises(StudyError, match="was run with train.steps=3, the study now says 2"):
+        check_reuse(run)
+
+
+@pytest.fixture(scope="module")
+def quick_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study") / "quick"
+    result = cli("study", "--config", PAPER, "--quick", "--output-dir", out, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_the_quick_paper_study_writes_the_summary_the_report_and_figures(quick_study):
+    summary = json.loads((quick_study / "summary.json").read_text())
+    assert summary["quick"] and summary["seeds"] == [0]
+    assert [g["group"] for g in summary["groups"]] == ["size-alone", "size-f-tis"]
+    for group in summary["groups"]:
+        assert group["seeds"] == [0] and group["members"] == ["tiny-s", "tiny-m"]
+        assert {"method", "collaboration", "g"} <= set(group)
+        for result in group["by_member"].values():
+            assert set(result["final"]) == {"arith", "arith-ood"}
+            assert 0.0 <= result["final"]["arith"]["mean"] <= 1.0
+    assert summary["figures"] and all((quick_study / f).stat().st_size > 0 for f in summary["figures"])
+    report = (quick_study / "report.md").read_text()
+    assert "| size-f-tis | tiny-s | f-tis | vertical | 50 | 1 |" in report
+
+
+def test_a_study_run_again_skips_its_finished_runs(quick_study, monkeypatch):
+    def no_launch(*args, **kwargs):
+        raise AssertionError("a finished run was launched again")
+
+    monkeypatch.setattr(study_module, "launch", no_launch)
+    summary = study_module.run_study(load_study(PAPER), quick_study, quick=True, progress=False)
+    assert len(summary["groups"]) == 2
+
+
+def test_plot_overlays_several_runs_in_one_figure(quick_study, tmp_path):
+    runs = [quick_study / "runs" / g / "seed-0" for g in ("size-alone", "size-f-tis")]
+    result = cli("plot", *runs, "--out", tmp_path / "overlay.png")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "overlay.png").stat().st_size > 0
+
+
+def test_plot_names_a_run_directory_without_metrics(tmp_path):
+    result = cli("plot", tmp_path, tmp_path)
+    assert result.returncode == 2 and "no metrics.jsonl" in result.stderr
