@@ -298,6 +298,10 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
 
 TRAIN_STATS = ("reward_mean", "kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac",
                "entropy_mean", "completion_len_mean")
+# Over the peers' rollouts only. A member's own rollouts come from its current policy (KL 0 up to rounding, never
+# filtered), so the step's mean over all sequences, times sequences / peer sequences, is the mean over the peers':
+# peer_kl_mean is the KL between the members, as the receiver's estimator measures it.
+PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
 
 
 def interval(values: list[float]) -> dict[str, Any]:
@@ -333,6 +337,10 @@ def read_run(run_dir: pathlib.Path) -> tuple[dict, dict]:
             for key in TRAIN_STATS:
                 if isinstance(record.get(key), (int, float)):
                     stats.setdefault(key, []).append(float(record[key]))
+            peers = record.get("sequences", 0) - record.get("own_sequences", 0)
+            for key, source in PEER_STATS.items():
+                if peers > 0 and isinstance(record.get(source), (int, float)):
+                    stats.setdefault(key, []).append(float(record[source]) * record["sequences"] / peers)
     return {k: sorted(v) for k, v in evals.items()}, train
 
 
@@ -372,7 +380,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
                 points = [interval([b[s] for b in by_step]) for s in steps]
                 result["curve"][dataset] = {"steps": steps, "mean": [p["mean"] for p in points],
                                             "low": [p["low"] for p in points], "high": [p["high"] for p in points]}
-            for key in TRAIN_STATS:
+            for key in (*TRAIN_STATS, *PEER_STATS):
                 values = [sum(t[member][key]) / len(t[member][key]) for _, t in per_run
                           if member in t and t[member].get(key)]
                 if values:
@@ -405,7 +413,9 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
     lines += [f"Seeds {summary['seeds']}; every number is a mean over seeds with its 95% t-interval in brackets. "
               "final: greedy pass@1 at the last step; AUC: mean accuracy over the run (area under the eval curve / "
               "steps); early: mean over the eval points of the run's first half (step 0 excluded). Training stats "
-              "are means over steps, then seeds (KL per sequence, k-estimator and reduction as configured).", ""]
+              "are means over steps, then seeds: peer KL is the mean KL_i of the peers' rollouts under the receiver (the "
+              "configured estimator and reduction: k3, summed over the sequence by default), peer filtered the share "
+              "of the peers' rollouts the filter dropped, IS w the mean truncated weight over all tokens.", ""]
     by_set: dict[str, list[dict]] = {}
     for group in summary["groups"]:
         by_set.setdefault(group["member_set"], []).append(group)
@@ -414,7 +424,7 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
         lines += [f"## Member set `{member_set}`", ""]
         head = ["group", "member", "method", "collab", "g", "seeds"]
         head += [f"final {d}" for d in datasets] + [f"AUC {d}" for d in datasets] + [f"early {d}" for d in datasets[:1]]
-        head += ["KL", "filtered", "IS w", "truncated", "reward"]
+        head += ["peer KL", "peer filtered", "IS w", "truncated", "reward"]
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for g in groups:
             for member, r in g["by_member"].items():
@@ -424,7 +434,7 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
                        str(len(g["seeds"]))]
                 row += [_fmt(r["final"].get(d)) for d in datasets] + [_fmt(r["auc"].get(d)) for d in datasets]
                 row += [_fmt(r["early"].get(d)) for d in datasets[:1]]
-                row += [_fmt_g(t.get("kl_mean")), _fmt_g(t.get("filtered_frac")), _fmt_g(t.get("is_weight_mean")),
+                row += [_fmt_g(t.get("peer_kl_mean")), _fmt_g(t.get("peer_filtered_frac")), _fmt_g(t.get("is_weight_mean")),
                         _fmt_g(t.get("is_truncated_frac")), _fmt_g(t.get("reward_mean"))]
                 lines.append("| " + " | ".join(row) + " |")
         lines.append("")

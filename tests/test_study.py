@@ -109,8 +109,8 @@ def test_the_interval_is_the_mean_with_students_t_half_width():
 def _fake_run(run, curve: list[tuple[int, float]], kl: list[float]) -> None:
     run.run_dir.mkdir(parents=True)
     lines = [{"step": s, "member": "a", "kind": "eval", "dataset": "tiny-add", "accuracy": acc} for s, acc in curve]
-    lines += [{"step": i + 1, "member": "a", "kind": "train", "kl_mean": v, "filtered_frac": 0.5} for i, v in
-              enumerate(kl)]
+    lines += [{"step": i + 1, "member": "a", "kind": "train", "kl_mean": v, "filtered_frac": 0.5, "sequences": 8,
+               "own_sequences": 4} for i, v in enumerate(kl)]
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (run.run_dir / "final_eval.json").write_text("[]")
 
@@ -131,6 +131,9 @@ def test_aggregation_over_seeds_gives_final_area_early_curve_and_stats(tmp_path)
     assert result["curve"]["tiny-add"]["steps"] == [0, 2, 4]
     assert result["curve"]["tiny-add"]["mean"] == pytest.approx([0.1, 0.3, 0.7])
     assert result["train"]["kl_mean"]["values"] == [2.0, 6.0]
+    # half of each step's sequences were the peer's: their KL is twice the step's mean, their filtered share too
+    assert result["train"]["peer_kl_mean"]["values"] == [4.0, 12.0]
+    assert result["train"]["peer_filtered_frac"]["values"] == [1.0, 1.0]
     assert "b" in entry["by_member"] and entry["by_member"]["b"]["final"] == {}
 
 
