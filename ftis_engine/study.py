@@ -387,8 +387,41 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
                     result["train"][key] = interval(values)
             entry["by_member"][member] = result
         out_groups.append(entry)
+    add_paired_differences(out_groups)
     return {"study": study.study, "quick": quick, "command": command,
             "seeds": study.quick.seeds if quick else study.seeds, "groups": out_groups}
+
+
+METRICS = ("final", "auc", "early")
+
+
+def paired_difference(a: dict, b: dict, seeds_a: list[int], seeds_b: list[int]) -> dict[str, Any] | None:
+    """Interval of the per-seed differences a - b over the seeds both have: runs with the same seed share the
+    warm start and the data order, so the paired difference is far less noisy than two separate intervals."""
+    by_seed_b = dict(zip(seeds_b, b["values"]))
+    diffs = [va - by_seed_b[s] for s, va in zip(seeds_a, a["values"]) if s in by_seed_b]
+    return interval(diffs) if diffs else None
+
+
+def add_paired_differences(groups: list[dict]) -> None:
+    """Each collaborating group's members get `vs_alone`: per metric and dataset, the paired difference with the
+    same member in its member set's alone group (the first one)."""
+    alone = {}
+    for g in groups:
+        if g["collaboration"] == "alone":
+            alone.setdefault(g["member_set"], g)
+    for g in groups:
+        base = alone.get(g["member_set"])
+        if base is None or base is g:
+            continue
+        for member, result in g["by_member"].items():
+            ref = base["by_member"].get(member)
+            if ref is None:
+                continue
+            result["vs_alone"] = {
+                metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
+                         if (diff := paired_difference(v, ref[metric][d], g["seeds"], base["seeds"])) is not None}
+                for metric in METRICS}
 
 
 # ----------------------------------------------------------------------------------------------- outputs
@@ -438,6 +471,18 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
                         _fmt_g(t.get("is_truncated_frac")), _fmt_g(t.get("reward_mean"))]
                 lines.append("| " + " | ".join(row) + " |")
         lines.append("")
+        paired = [(g, member, r["vs_alone"]) for g in groups for member, r in g["by_member"].items() if "vs_alone" in r]
+        if paired:
+            lines += [f"Paired with `{member_set}`'s alone baseline: per seed, this group's number minus the alone "
+                      "run's (same seed: same warm start, same data order), mean and 95% t-interval over seeds.", ""]
+            head = ["group", "member"] + [f"Δ final {d}" for d in datasets] + [f"Δ AUC {d}" for d in datasets]
+            head += [f"Δ early {d}" for d in datasets[:1]]
+            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            for g, member, vs in paired:
+                row = [g["group"], member] + [_fmt(vs["final"].get(d)) for d in datasets]
+                row += [_fmt(vs["auc"].get(d)) for d in datasets] + [_fmt(vs["early"].get(d)) for d in datasets[:1]]
+                lines.append("| " + " | ".join(row) + " |")
+            lines.append("")
     if figures:
         lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     return "\n".join(lines)

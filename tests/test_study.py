@@ -194,3 +194,23 @@ def test_plot_overlays_several_runs_in_one_figure(quick_study, tmp_path):
 def test_plot_names_a_run_directory_without_metrics(tmp_path):
     result = cli("plot", tmp_path, tmp_path)
     assert result.returncode == 2 and "no metrics.jsonl" in result.stderr
+
+
+def test_paired_difference_matches_seeds_and_the_report_shows_it():
+    from ftis_engine.study import add_paired_differences, paired_difference
+
+    a = {"values": [0.5, 0.7, 0.4]}
+    b = {"values": [0.3, 0.6]}
+    diff = paired_difference(a, b, [0, 1, 2], [2, 0])  # seed 2 of b is 0.3, seed 0 is 0.6; seed 1 has no pair
+    assert diff["values"] == pytest.approx([0.5 - 0.6, 0.4 - 0.3])
+    assert paired_difference(a, b, [5], [2, 0]) is None
+
+    def group(name, collaboration, finals):
+        return {"group": name, "member_set": "s", "collaboration": collaboration, "seeds": [0, 1],
+                "by_member": {"m": {"final": {"d": {"values": finals}}, "auc": {}, "early": {}}}}
+
+    groups = [group("s-alone", "alone", [0.2, 0.4]), group("s-f-tis", "vertical", [0.5, 0.5])]
+    add_paired_differences(groups)
+    assert "vs_alone" not in groups[0]["by_member"]["m"]
+    vs = groups[1]["by_member"]["m"]["vs_alone"]["final"]["d"]
+    assert vs["values"] == pytest.approx([0.3, 0.1]) and vs["mean"] == pytest.approx(0.2)
