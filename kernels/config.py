@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 METHODS = ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1-gen", "k3-gen")
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+IS_SOURCES = ("current", "old")
 KL_REDUCTIONS = ("sum", "mean", "padded_mean")
 NORMALIZATIONS = ("sequence", "token", "constant")
 STAT_KEYS = (
@@ -64,11 +67,28 @@ class LossConfig:
     is_cap: float = field(default=2.0, metadata={"help": "C: truncation of the importance weight min(exp(l - g), C)."})
     kl_threshold: float = field(default=50.0, metadata={"help": (
         "g: a sequence with A <= 0 and KL >= g is filtered (.inf: never).")})
-    kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS, "help": "Per-token KL estimator."})
+    kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS, "help": (
+        "Per-token KL term from x = g - l (clamped to [-20, 20]): k1 -x | k2 x^2/2 | k3 exp(x)-x-1 (default) (the "
+        "paper authors', KL(pi_theta || pi_gen) written as if sampled from pi_theta) | k1-gen x | k3-gen exp(-x)-1+x "
+        "(KL(pi_gen || pi_theta), unbiased under the generator's samples).")})
     kl_reduction: str = field(default="sum", metadata={"choices": KL_REDUCTIONS, "help": (
         "KL over a sequence's tokens: sum | mean | padded_mean (sum / kl_max_len).")})
     kl_max_len: int | None = field(default=None, metadata={"help": (
         "Padded length for kl_reduction padded_mean (the authors: 768).")})
+    is_level: str = field(default="token", metadata={"choices": IS_LEVELS, "help": (
+        "IS weight of tis / f-tis: token exp(l_t - g_t) | sequence exp(sum_t (l_t - g_t)) (TRL sequence_*) | "
+        "geometric exp(mean_t (l_t - g_t)) (verl), one weight for all the sequence's tokens.")})
+    is_mode: str = field(default="truncate", metadata={"choices": IS_MODES, "help": (
+        "truncate: w <- clamp(w, is_min or 0, C) | mask (TRL *_mask): w <- 0 outside [is_min or 0, C] (the token "
+        "or sequence keeps its place in the normaliser).")})
+    is_min: float | None = field(default=None, metadata={"help": "Lower bound of the IS weight (default: none)."})
+    is_source: str = field(default="current", metadata={"choices": IS_SOURCES, "help": (
+        "The policy in the IS weight's numerator: current (the paper: l_t, recomputed each PPO epoch) | old (TRL, "
+        "verl decoupled PPO: the given old_logprobs, constant across epochs).")})
+    dual_clip: float | None = field(default=None, metadata={"help": (
+        "Dual clip c > 1 (verl clip_ratio_c, 3.0): for A < 0 the term is max(PPO(r, A), c * A).")})
+    delta: float | None = field(default=None, metadata={"help": (
+        "Two-sided clip (INTELLECT-2, Liger delta) > 1 + eps_high: the unclipped ratio is capped at delta.")})
     eps_low: float = field(default=0.2, metadata={"help": "PPO clip: 1 - eps_low."})
     eps_high: float = field(default=0.2, metadata={"help": "PPO clip: 1 + eps_high."})
     temperature: float = field(default=1.0, metadata={"help": (
@@ -82,6 +102,9 @@ class LossConfig:
         _choice("method", self.method, METHODS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("kl_reduction", self.kl_reduction, KL_REDUCTIONS)
+        _choice("is_level", self.is_level, IS_LEVELS)
+        _choice("is_mode", self.is_mode, IS_MODES)
+        _choice("is_source", self.is_source, IS_SOURCES)
         _choice("normalization", self.normalization, NORMALIZATIONS)
         if not _number("is_cap", self.is_cap) > 0:
             raise ValueError(f"LossConfig.is_cap: must be > 0, got {self.is_cap!r}")
@@ -92,6 +115,13 @@ class LossConfig:
             raise ValueError(f"LossConfig.eps_high: must be a finite number >= 0, got {self.eps_high!r}")
         if not 0 < _number("temperature", self.temperature) < math.inf:
             raise ValueError(f"LossConfig.temperature: must be a finite number > 0, got {self.temperature!r}")
+        if self.is_min is not None and not 0 < _number("is_min", self.is_min) < self.is_cap:
+            raise ValueError(f"LossConfig.is_min: must be > 0 and below is_cap={self.is_cap!r}, got {self.is_min!r}")
+        if self.dual_clip is not None and not 1 < _number("dual_clip", self.dual_clip) < math.inf:
+            raise ValueError(f"LossConfig.dual_clip: must be a finite number > 1, got {self.dual_clip!r}")
+        if self.delta is not None and not 1 + self.eps_high < _number("delta", self.delta) < math.inf:
+            raise ValueError(f"LossConfig.delta: must be a finite number > 1 + eps_high = {1 + self.eps_high!r}, "
+                             f"got {self.delta!r}")
         _positive_int_or_none("kl_max_len", self.kl_max_len)
         _positive_int_or_none("norm_max_len", self.norm_max_len)
         if self.kl_reduction == "padded_mean" and self.kl_max_len is None:

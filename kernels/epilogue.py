@@ -57,15 +57,28 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
 
 
 def ppo(ratio: torch.Tensor, advantage: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """PPO(r, A) = min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)."""
+    """PPO(r, A) = min(r'*A, clip(r, 1-eps_low, 1+eps_high)*A) with r' = min(r, delta) under the two-sided clip
+    (else r' = r); under the dual clip, max(that, c*A) where A < 0."""
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    return torch.minimum(ratio * advantage, clipped * advantage)
+    capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    u = torch.minimum(capped * advantage, clipped * advantage)
+    if cfg.dual_clip is not None:
+        u = torch.where(advantage < 0, torch.maximum(u, cfg.dual_clip * advantage), u)
+    return u
 
 
 def clip_active(ratio: torch.Tensor, advantage: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """Where the clipped branch of PPO is strictly the smaller one (its gradient is zero)."""
-    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    return clipped * advantage < ratio * advantage
+    """Where a clip took the term (its gradient is zero): PPO's clipped branch strictly the smaller one, the
+    ratio above delta on the chosen branch, or the dual clip's c*A strictly the larger."""
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * advantage
+    capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    unclipped = capped * advantage
+    active = clipped < unclipped
+    if cfg.delta is not None:
+        active |= (ratio > cfg.delta) & (unclipped <= clipped) & (advantage != 0)
+    if cfg.dual_clip is not None:
+        active |= (advantage < 0) & (cfg.dual_clip * advantage > torch.minimum(unclipped, clipped))
+    return active
 
 
 def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -73,16 +86,41 @@ def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def kl_per_token(x: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_gen) from x_t = g_t - lb_t (no gradient flows: x is detached).
+    """Per-token KL term from x_t = g_t - lb_t (detached), x clamped to [-20, 20] for every estimator.
 
-    k3: exp(x) - x - 1 (with x clamped to [-20, 20] throughout) · k2: x^2 / 2 · k1: -x
+    KL(pi_theta || pi_gen), the paper authors' convention: k1: -x · k2: x^2 / 2 · k3: exp(x) - x - 1.
+    KL(pi_gen || pi_theta), unbiased under the generator's samples: k1-gen: x · k3-gen: exp(-x) - 1 + x.
     """
+    x = torch.clamp(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k3":
-        xc = torch.clamp(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(xc) - xc - 1.0
+        return torch.exp(x) - x - 1.0
     if estimator == "k2":
         return 0.5 * x * x
+    if estimator == "k1-gen":
+        return x
+    if estimator == "k3-gen":
+        return torch.exp(-x) - 1.0 + x
     return -x
+
+
+def importance_weight(log_ratio: torch.Tensor, seq: torch.Tensor, tokens_per_seq: torch.Tensor,
+                      counted: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, out_of_range) per token from the detached log-ratio log(pi/pi_gen) of each counted token:
+    token: exp(log-ratio) · sequence: exp(sum over the sequence) · geometric: exp(mean over the sequence), each
+    exponent clamped to [-20, 20]; then truncate: clamp(w, is_min or 0, C) · mask: 0 outside [is_min or 0, C]."""
+    zero = log_ratio.new_zeros(())
+    log_ratio = torch.where(counted, log_ratio, zero)
+    if cfg.is_level != "token":
+        per_seq = segment_sum(log_ratio, seq, tokens_per_seq.numel())
+        if cfg.is_level == "geometric":
+            per_seq = _mean(per_seq, tokens_per_seq)
+        log_ratio = per_seq[seq]
+    raw = exp_log_ratio(log_ratio)
+    low = 0.0 if cfg.is_min is None else cfg.is_min
+    out_of_range = (raw > cfg.is_cap) | (raw < low)
+    if cfg.is_mode == "mask":
+        return torch.where(out_of_range, zero, raw), out_of_range
+    return torch.clamp(raw, min=low, max=cfg.is_cap), out_of_range
 
 
 def _mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -139,14 +177,14 @@ def ftis_objective(
         filtered = torch.zeros_like(adv, dtype=torch.bool)
     adv = torch.where(filtered, zero, adv)
 
-    # Truncated IS weight w_t = min(exp(lb_t - g_t), C): a constant (built from lb), reported for every method.
-    raw_weight = exp_log_ratio(torch.where(counted, lb - g, zero))
-    is_weight = torch.clamp(raw_weight, max=cfg.is_cap)
+    # IS weight, by default w_t = min(exp(lb_t - g_t), C): a constant, reported for every method.
+    old = lb if old_logprobs is None else torch.where(counted, old_logprobs.to(dtype), zero)
+    numerator = old if cfg.is_source == "old" else lb
+    is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
 
     if cfg.base_method == "gepo":
         loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)
     else:
-        old = lb if old_logprobs is None else old_logprobs.to(dtype)
         reference = g if cfg.base_method == "vis" else old
         ratio = exp_log_ratio(torch.where(counted, logprobs - reference, zero))
         adv_tok = adv[seq]
@@ -167,7 +205,7 @@ def ftis_objective(
         sequences = torch.tensor(num_seqs, dtype=torch.int64, device=tokens.device)
         sums = {
             "is_weight_mean": (torch.where(counted, is_weight, zero).sum(), tokens),
-            "is_truncated_frac": (((raw_weight > cfg.is_cap) & counted).to(dtype).sum(), tokens),
+            "is_truncated_frac": ((out_of_range & counted).to(dtype).sum(), tokens),
             "filtered_frac": (filtered.to(dtype).sum(), sequences),
             "kl_mean": (kl_seq.sum(), sequences),
             "clip_frac": (clipped, sequences if cfg.base_method == "gepo" else tokens),

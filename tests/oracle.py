@@ -16,12 +16,37 @@ def _exp_clamped(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.clamp(x, -CLAMP, CLAMP))
 
 
-def _ppo(r, a, eps_low, eps_high):
-    return torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+def _ppo(r, a, cfg):
+    """min(min(r, delta) * A, clip(r) * A), then max(., c * A) for A < 0 under the dual clip (SPEC 2b)."""
+    capped = r if cfg.delta is None else torch.clamp(r, max=cfg.delta)
+    u = torch.minimum(capped * a, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * a)
+    if cfg.dual_clip is not None and float(a) < 0:
+        u = torch.maximum(u, cfg.dual_clip * a)
+    return u
 
 
-def _clipped(r, a, eps_low, eps_high) -> bool:
-    return bool(torch.clamp(r, 1 - eps_low, 1 + eps_high) * a < r * a)
+def _clipped(r, a, cfg) -> bool:
+    """Whether a clip took the term: its gradient with respect to r is zero (a is nonzero)."""
+    if float(a) == 0:
+        return False
+    r = r.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(_ppo(r, a, cfg), r)
+    return float(grad) == 0.0
+
+
+def _weights(ref, g, cfg):
+    """IS weights of one sequence's tokens, and whether each raw weight was outside [is_min or 0, C]."""
+    log_ratio = [float(a) - float(b) for a, b in zip(ref, g)]
+    if cfg.is_level == "sequence":
+        log_ratio = [sum(log_ratio)] * len(log_ratio)
+    elif cfg.is_level == "geometric":
+        log_ratio = [sum(log_ratio) / len(log_ratio)] * len(log_ratio)
+    low = cfg.is_min or 0.0
+    raws = [math.exp(max(-CLAMP, min(CLAMP, x))) for x in log_ratio]
+    outside = [raw > cfg.is_cap or raw < low for raw in raws]
+    if cfg.is_mode == "mask":
+        return [0.0 if out else raw for raw, out in zip(raws, outside)], outside
+    return [min(max(raw, low), cfg.is_cap) for raw in raws], outside
 
 
 def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
@@ -51,14 +76,9 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
     # KL_i and the filter
     kls, filtered, eff_adv = [], [], []
     for i, (toks, l, g, o) in enumerate(seq_terms):
-        x = g - l.detach()
-        if cfg.kl_estimator == "k3":
-            xc = torch.clamp(x, -CLAMP, CLAMP)
-            k = torch.exp(xc) - xc - 1
-        elif cfg.kl_estimator == "k2":
-            k = x * x / 2
-        else:
-            k = -x
+        x = torch.clamp(g - l.detach(), -CLAMP, CLAMP)
+        k = {"k3": lambda: torch.exp(x) - x - 1, "k2": lambda: x * x / 2, "k1": lambda: -x, "k1-gen": lambda: x,
+             "k3-gen": lambda: torch.exp(-x) - 1 + x}[cfg.kl_estimator]()
         kl = float(k.sum())
         if cfg.kl_reduction == "mean":
             kl = kl / max(len(toks), 1)
@@ -71,11 +91,13 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
 
     total_tokens = sum(len(t[0]) for t in seq_terms)
     weights, truncated, clip_count, clip_total = [], 0, 0, 0
+    seq_weights = []
     for toks, l, g, o in seq_terms:
-        for k in range(len(toks)):
-            raw = math.exp(max(-CLAMP, min(CLAMP, float(l[k].detach()) - float(g[k]))))
-            weights.append(min(raw, cfg.is_cap))
-            truncated += raw > cfg.is_cap
+        ref = o if cfg.is_source == "old" else l.detach()
+        w, outside = _weights(ref, g, cfg) if toks else ([], [])
+        seq_weights.append(torch.tensor(w, dtype=torch.float64))
+        weights += w
+        truncated += sum(outside)
 
     if base == "gepo":
         mean_l = [t[1].mean() if len(t[0]) else torch.zeros((), dtype=torch.float64) for t in seq_terms]
@@ -92,8 +114,8 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
                 continue
             r = _exp_clamped(mean_l[i] - math.log(e[gids[i]]))
             a = torch.tensor(eff_adv[i], dtype=torch.float64)
-            us.append(_ppo(r, a, cfg.eps_low, cfg.eps_high))
-            clip_count += _clipped(r.detach(), a, cfg.eps_low, cfg.eps_high)
+            us.append(_ppo(r, a, cfg))
+            clip_count += _clipped(r, a, cfg)
         clip_total = num_seqs
         loss = -torch.stack(us).sum() / num_seqs
     else:
@@ -102,12 +124,11 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
             a = torch.tensor(eff_adv[i], dtype=torch.float64)
             ref = g if base == "vis" else o
             r = _exp_clamped(l - ref)
-            u = _ppo(r, a, cfg.eps_low, cfg.eps_high)
+            u = torch.stack([_ppo(r[k], a, cfg) for k in range(len(toks))]) if toks else r
             if base == "tis":
-                w = torch.clamp(_exp_clamped(l.detach() - g), max=cfg.is_cap)
-                u = w * u
+                u = seq_weights[i] * u
             per_seq.append(u)
-            clip_count += sum(_clipped(r[k].detach(), a, cfg.eps_low, cfg.eps_high) for k in range(len(toks)))
+            clip_count += sum(_clipped(r[k], a, cfg) for k in range(len(toks)))
         clip_total = total_tokens
         if cfg.normalization == "sequence":
             loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / num_seqs

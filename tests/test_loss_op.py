@@ -30,7 +30,20 @@ CASES = {
     "old-logprobs-tis": dict(method="f-tis", _old=True, eps_high=0.28),
     "old-logprobs-nois": dict(method="nois", _old=True),
     "cap-3": dict(is_cap=3.0, eps_low=0.1),
+    # SPEC 2b: off-policy options beyond the paper
+    "is-sequence-mask": dict(method="tis", is_level="sequence", is_mode="mask", is_cap=3.0, is_min=0.3),
+    "is-sequence-truncate": dict(method="f-tis", is_level="sequence", is_cap=3.0),
+    "is-geometric-min": dict(method="f-tis", is_level="geometric", is_min=0.8),
+    "is-token-mask": dict(method="tis", is_mode="mask", is_min=0.5),
+    "is-from-old": dict(method="f-tis", _old=True, is_source="old", is_level="geometric", is_cap=1.05),
+    "k1-gen": dict(kl_estimator="k1-gen", kl_reduction="mean"),
+    "k3-gen": dict(kl_estimator="k3-gen"),
+    "dual-clip": dict(method="vis", dual_clip=1.5),
+    "delta": dict(method="f-vis", delta=1.5),
+    "dual-clip-delta-tis": dict(method="tis", _old=True, dual_clip=1.02, delta=1.03, eps_low=0.01, eps_high=0.01),
 }
+# each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
+OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta"))]
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -111,6 +124,18 @@ def test_matches_float64_oracle_in_fp32(case, backend, fused):
         assert float(out.stats[key]) == pytest.approx(ref_stats[key], rel=1e-4, abs=1e-6), key
     for name, grad in grads.items():
         assert rel_err(grad, ref_grads[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
+    """Guards the oracle comparisons above: each option case's problem makes its option matter."""
+    problem = make_problem(seed=sum(map(ord, case)))
+    cfg, extra = configure(CASES[case], problem)
+    paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
+                        delta=None, kl_estimator="k3")
+    with_option, *_ = run_oracle(problem, cfg, extra)
+    without, *_ = run_oracle(problem, paper, extra)
+    assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-linear", "logits"])
