@@ -14,6 +14,8 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "k1-gen", "k3-gen")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 IS_SOURCES = ("current", "old")
+RATIO_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("ppo", "cispo")
 KL_REDUCTIONS = ("sum", "mean", "padded_mean")
 NORMALIZATIONS = ("sequence", "token", "constant")
 STAT_KEYS = (
@@ -89,6 +91,12 @@ class LossConfig:
         "Dual clip c > 1 (verl clip_ratio_c, 3.0): for A < 0 the term is max(PPO(r, A), c * A).")})
     delta: float | None = field(default=None, metadata={"help": (
         "Two-sided clip (INTELLECT-2, Liger delta) > 1 + eps_high: the unclipped ratio is capped at delta.")})
+    ratio_level: str = field(default="token", metadata={"choices": RATIO_LEVELS, "help": (
+        "The policy ratio r: token exp(l_t - o_t) | sequence (GSPO) exp(mean_t (l_t - o_t)), one per sequence "
+        "(o: g for vis). Not for gepo, which has its own.")})
+    policy_loss: str = field(default="ppo", metadata={"choices": POLICY_LOSSES, "help": (
+        "ppo: min(r A, clip(r) A) | cispo (MiniMax-M1): sg(clip(r, 1 - eps_low, 1 + eps_high)) A l_t, a clipped "
+        "stop-gradient weight on the log-prob's gradient (eps_low 1: no lower clip). Not for gepo.")})
     eps_low: float = field(default=0.2, metadata={"help": "PPO clip: 1 - eps_low."})
     eps_high: float = field(default=0.2, metadata={"help": "PPO clip: 1 + eps_high."})
     temperature: float = field(default=1.0, metadata={"help": (
@@ -105,12 +113,20 @@ class LossConfig:
         _choice("is_level", self.is_level, IS_LEVELS)
         _choice("is_mode", self.is_mode, IS_MODES)
         _choice("is_source", self.is_source, IS_SOURCES)
+        _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        if self.method == "gepo" and (self.ratio_level != "token" or self.policy_loss != "ppo"):
+            field_name = "ratio_level" if self.ratio_level != "token" else "policy_loss"
+            raise ValueError(f"LossConfig.{field_name}: gepo has its own sequence-level PPO ratio; use the default")
+        if self.policy_loss == "cispo" and (self.dual_clip is not None or self.delta is not None):
+            field_name = "dual_clip" if self.dual_clip is not None else "delta"
+            raise ValueError(f"LossConfig.{field_name}: a PPO clip, which cispo does not use")
         _choice("normalization", self.normalization, NORMALIZATIONS)
         if not _number("is_cap", self.is_cap) > 0:
             raise ValueError(f"LossConfig.is_cap: must be > 0, got {self.is_cap!r}")
         _number("kl_threshold", self.kl_threshold)
-        if not 0 <= _number("eps_low", self.eps_low) < 1:
-            raise ValueError(f"LossConfig.eps_low: must be in [0, 1), got {self.eps_low!r}")
+        if not 0 <= _number("eps_low", self.eps_low) <= 1:
+            raise ValueError(f"LossConfig.eps_low: must be in [0, 1], got {self.eps_low!r}")
         if not 0 <= _number("eps_high", self.eps_high) < math.inf:
             raise ValueError(f"LossConfig.eps_high: must be a finite number >= 0, got {self.eps_high!r}")
         if not 0 < _number("temperature", self.temperature) < math.inf:

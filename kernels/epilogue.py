@@ -186,9 +186,16 @@ def ftis_objective(
         loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)
     else:
         reference = g if cfg.base_method == "vis" else old
-        ratio = exp_log_ratio(torch.where(counted, logprobs - reference, zero))
+        log_ratio = torch.where(counted, logprobs - reference, zero)
+        if cfg.ratio_level == "sequence":  # GSPO: s_i = exp(mean_t (l_t - o_t)) for every token of sequence i
+            log_ratio = _mean(segment_sum(log_ratio, seq, num_seqs), tokens_per_seq)[seq]
+        ratio = exp_log_ratio(log_ratio)
         adv_tok = adv[seq]
-        u = ppo(ratio, adv_tok, cfg)
+        if cfg.policy_loss == "cispo":  # u_t = sg(clip(r_t)) A_i l_t: the gradient is the clipped weight times A
+            bounded = torch.clamp(ratio.detach(), 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+            u = bounded * adv_tok * logprobs
+        else:
+            u = ppo(ratio, adv_tok, cfg)
         if cfg.base_method == "tis":
             u = is_weight * u
         u = torch.where(counted, u, zero)
@@ -198,7 +205,12 @@ def ftis_objective(
             loss = -u.sum() / token_norm
         else:
             loss = -u.sum() / (seq_norm * cfg.norm_max_len)
-        clipped = (clip_active(ratio.detach(), adv_tok, cfg) & counted).to(dtype).sum()
+        if cfg.policy_loss == "cispo":  # weights the clip bounded
+            low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+            active = (ratio.detach() > high) | (ratio.detach() < low)
+        else:
+            active = clip_active(ratio.detach(), adv_tok, cfg)
+        clipped = (active & counted).to(dtype).sum()
 
     with torch.no_grad():
         tokens = counted.sum()  # int64

@@ -123,12 +123,22 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
         for i, (toks, l, g, o) in enumerate(seq_terms):
             a = torch.tensor(eff_adv[i], dtype=torch.float64)
             ref = g if base == "vis" else o
-            r = _exp_clamped(l - ref)
-            u = torch.stack([_ppo(r[k], a, cfg) for k in range(len(toks))]) if toks else r
+            if cfg.ratio_level == "sequence" and toks:  # GSPO
+                r = _exp_clamped((l - ref).mean()).expand(len(toks))
+            else:
+                r = _exp_clamped(l - ref)
+            if cfg.policy_loss == "cispo":
+                weight = torch.clamp(r.detach(), 1 - cfg.eps_low, 1 + cfg.eps_high)
+                u = weight * a * l
+            else:
+                u = torch.stack([_ppo(r[k], a, cfg) for k in range(len(toks))]) if toks else r
             if base == "tis":
                 u = seq_weights[i] * u
             per_seq.append(u)
-            clip_count += sum(_clipped(r[k], a, cfg) for k in range(len(toks)))
+            if cfg.policy_loss == "cispo":
+                clip_count += sum(not (1 - cfg.eps_low <= float(r[k].detach()) <= 1 + cfg.eps_high) for k in range(len(toks)))
+            else:
+                clip_count += sum(_clipped(r[k], a, cfg) for k in range(len(toks)))
         clip_total = total_tokens
         if cfg.normalization == "sequence":
             loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / num_seqs

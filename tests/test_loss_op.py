@@ -40,10 +40,14 @@ CASES = {
     "k3-gen": dict(kl_estimator="k3-gen"),
     "dual-clip": dict(method="vis", dual_clip=1.5),
     "delta": dict(method="f-vis", delta=1.5),
+    "gspo": dict(method="nois", _old=True, ratio_level="sequence", eps_low=0.03, eps_high=0.04),
+    "gspo-vis-token-norm": dict(method="f-vis", ratio_level="sequence", normalization="token"),
+    "cispo": dict(method="nois", _old=True, policy_loss="cispo", eps_low=1.0, eps_high=0.05, normalization="token"),
+    "cispo-tis": dict(method="f-tis", _old=True, policy_loss="cispo", eps_low=0.05, eps_high=0.05),
     "dual-clip-delta-tis": dict(method="tis", _old=True, dual_clip=1.02, delta=1.03, eps_low=0.01, eps_high=0.01),
 }
 # each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
-OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta"))]
+OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta", "gspo", "cispo"))]
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -132,7 +136,7 @@ def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
     problem = make_problem(seed=sum(map(ord, case)))
     cfg, extra = configure(CASES[case], problem)
     paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
-                        delta=None, kl_estimator="k3")
+                        delta=None, kl_estimator="k3", ratio_level="token", policy_loss="ppo")
     with_option, *_ = run_oracle(problem, cfg, extra)
     without, *_ = run_oracle(problem, paper, extra)
     assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)
