@@ -16,6 +16,7 @@ IS_MODES = ("truncate", "mask")
 IS_SOURCES = ("current", "old")
 RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("ppo", "cispo")
+REJECT_LEVELS = ("none", "token", "sum", "mean", "max")
 KL_REDUCTIONS = ("sum", "mean", "padded_mean")
 NORMALIZATIONS = ("sequence", "token", "constant")
 STAT_KEYS = (
@@ -26,6 +27,8 @@ STAT_KEYS = (
     "clip_frac",
     "entropy_mean",
     "logprob_mean",
+    "rejected_frac",
+    "rejected_seq_frac",
 )
 
 
@@ -97,6 +100,15 @@ class LossConfig:
     policy_loss: str = field(default="ppo", metadata={"choices": POLICY_LOSSES, "help": (
         "ppo: min(r A, clip(r) A) | cispo (MiniMax-M1): sg(clip(r, 1 - eps_low, 1 + eps_high)) A l_t, a clipped "
         "stop-gradient weight on the log-prob's gradient (eps_low 1: no lower clip). Not for gepo.")})
+    reject: str = field(default="none", metadata={"choices": REJECT_LEVELS, "help": (
+        "Rejection (verl rollout_rs), whatever the advantage's sign: none (default) | token | sum | mean | max: a "
+        "token, or a whole sequence by the sum / mean / max of its tokens' reject_estimator terms, outside "
+        "[reject_min, reject_max] counts nowhere, in no normaliser. The terms' x is g - the is_source policy.")})
+    reject_estimator: str = field(default="k3-gen", metadata={"choices": KL_ESTIMATORS, "help": (
+        "Per-token term of the rejection statistic, as kl_estimator (verl's k1 is k1-gen, k3 is k3-gen).")})
+    reject_max: float | None = field(default=None, metadata={"help": "Upper bound of the rejection statistic."})
+    reject_min: float | None = field(default=None, metadata={"help": (
+        "Lower bound of the rejection statistic (default: none; verl's k1 lower bound is log of its threshold).")})
     eps_low: float = field(default=0.2, metadata={"help": "PPO clip: 1 - eps_low."})
     eps_high: float = field(default=0.2, metadata={"help": "PPO clip: 1 + eps_high."})
     temperature: float = field(default=1.0, metadata={"help": (
@@ -115,6 +127,17 @@ class LossConfig:
         _choice("is_source", self.is_source, IS_SOURCES)
         _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choice("reject", self.reject, REJECT_LEVELS)
+        _choice("reject_estimator", self.reject_estimator, KL_ESTIMATORS)
+        if self.reject_max is not None:
+            _number("reject_max", self.reject_max)
+        if self.reject_min is not None:
+            _number("reject_min", self.reject_min)
+        if self.reject != "none" and self.reject_max is None:
+            raise ValueError(f"LossConfig.reject_max: required when reject={self.reject!r}")
+        if self.reject_max is not None and self.reject_min is not None and not self.reject_min < self.reject_max:
+            raise ValueError(f"LossConfig.reject_min: must be below reject_max={self.reject_max!r}, "
+                             f"got {self.reject_min!r}")
         if self.method == "gepo" and (self.ratio_level != "token" or self.policy_loss != "ppo"):
             field_name = "ratio_level" if self.ratio_level != "token" else "policy_loss"
             raise ValueError(f"LossConfig.{field_name}: gepo has its own sequence-level PPO ratio; use the default")
@@ -211,3 +234,17 @@ def combine_stats(outputs: Iterable[LossOutput]) -> dict[str, float]:
     if seen == 0:
         raise ValueError("outputs: no LossOutput given")
     return {key: sums[key] / max(counts[key], 1) for key in STAT_KEYS}
+
+
+def rejection_scale(config: LossConfig, stats: dict[str, float], num_sequences: int, num_tokens: int) -> float:
+    """The factor that turns micro-batch losses normalised by the whole batch's counts before rejection
+    (num_sequences, num_tokens, as given to each call) into the loss normalised by the counts rejection left:
+    S / S_kept (sequence normalisation, gepo), N / N_kept (token), 1 (constant, or reject none). `stats` are the
+    whole batch's, from combine_stats. Multiply the accumulated loss and gradients by it before clipping."""
+    if config.reject == "none" or config.normalization == "constant" and config.base_method != "gepo":
+        return 1.0
+    if config.normalization == "token" and config.base_method != "gepo":
+        kept = num_tokens - round(num_tokens * stats["rejected_frac"])
+        return num_tokens / max(kept, 1)
+    kept = num_sequences - round(num_sequences * stats["rejected_seq_frac"])
+    return num_sequences / max(kept, 1)

@@ -123,6 +123,35 @@ def importance_weight(log_ratio: torch.Tensor, seq: torch.Tensor, tokens_per_seq
     return torch.clamp(raw, min=low, max=cfg.is_cap), out_of_range
 
 
+def rejection(numerator: torch.Tensor, gen_logprobs: torch.Tensor, seq: torch.Tensor, counted: torch.Tensor,
+              num_seqs: int, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [N] bool, emptied [S] bool): verl-style rejection, blind to the advantage's sign. Per counted token
+    d_t = reject_estimator(x_t), x_t = g_t - numerator_t (detached, clamped to [-20, 20]); the statistic is d_t
+    (token) or the sum / mean / max of the sequence's d_t; a token, or all of a sequence's tokens, is kept iff
+    reject_min <= statistic <= reject_max. emptied: sequences that had counted tokens and have none left."""
+    zero = numerator.new_zeros(())
+    d = torch.where(counted, kl_per_token(gen_logprobs - numerator.detach(), cfg.reject_estimator), zero)
+    if cfg.reject == "token":
+        stat = d
+    else:
+        count = segment_sum(counted.to(d.dtype), seq, num_seqs)
+        if cfg.reject == "max":
+            masked = torch.where(counted, d, torch.full_like(d, -torch.inf))
+            per_seq = d.new_full((num_seqs,), -torch.inf).scatter_reduce(0, seq, masked, "amax", include_self=True)
+        else:
+            per_seq = segment_sum(d, seq, num_seqs)
+            if cfg.reject == "mean":
+                per_seq = _mean(per_seq, count)
+        stat = per_seq[seq]
+    keep = stat <= cfg.reject_max
+    if cfg.reject_min is not None:
+        keep &= stat >= cfg.reject_min
+    kept = counted & keep
+    had = segment_sum(counted.to(d.dtype), seq, num_seqs) > 0
+    emptied = had & ~(segment_sum(kept.to(d.dtype), seq, num_seqs) > 0)
+    return kept, emptied
+
+
 def _mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return total / torch.clamp(count, min=1)
 
@@ -153,13 +182,25 @@ def ftis_objective(
     num_seqs = advantages.numel()
     seq = sequence_index(cu_seqlens, logprobs.numel())
     zero = logprobs.new_zeros(())
-    g = torch.where(counted, gen_logprobs.to(dtype), zero)
     adv = advantages.to(dtype)
     lb = logprobs.detach()
+    given = counted
+    # The IS weight's numerator: l_t (the paper), or the given old policy o_t (decoupled PPO).
+    old = lb if old_logprobs is None else torch.where(given, old_logprobs.to(dtype), zero)
+    numerator = old if cfg.is_source == "old" else lb
+    emptied = torch.zeros(num_seqs, dtype=torch.bool, device=adv.device)
+    if cfg.reject != "none":  # a rejected token counts nowhere from here on, as if its target were ignored
+        counted, emptied = rejection(numerator, gen_logprobs.to(dtype), seq, given, num_seqs, cfg)
+    g = torch.where(counted, gen_logprobs.to(dtype), zero)
     count_f = counted.to(dtype)
     tokens_per_seq = segment_sum(count_f, seq, num_seqs)  # |a_i|
     num_counted = count_f.sum()
-    seq_norm = num_seqs if num_sequences is None else num_sequences
+    if num_sequences is not None:
+        seq_norm = num_sequences
+    elif cfg.reject != "none":  # a sequence rejection emptied leaves the sequence count (verl's seq-mean)
+        seq_norm = torch.clamp(num_seqs - emptied.to(dtype).sum(), min=1)
+    else:
+        seq_norm = num_seqs
     token_norm = torch.clamp(num_counted, min=1) if num_tokens is None else num_tokens
 
     # KL_i from x_t = g_t - lb_t, reduced over the sequence's counted tokens.
@@ -178,8 +219,6 @@ def ftis_objective(
     adv = torch.where(filtered, zero, adv)
 
     # IS weight, by default w_t = min(exp(lb_t - g_t), C): a constant, reported for every method.
-    old = lb if old_logprobs is None else torch.where(counted, old_logprobs.to(dtype), zero)
-    numerator = old if cfg.is_source == "old" else lb
     is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
 
     if cfg.base_method == "gepo":
@@ -204,7 +243,7 @@ def ftis_objective(
         elif cfg.normalization == "token":
             loss = -u.sum() / token_norm
         else:
-            loss = -u.sum() / (seq_norm * cfg.norm_max_len)
+            loss = -u.sum() / ((num_seqs if num_sequences is None else num_sequences) * cfg.norm_max_len)
         if cfg.policy_loss == "cispo":  # weights the clip bounded
             low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
             active = (ratio.detach() > high) | (ratio.detach() < low)
@@ -223,6 +262,8 @@ def ftis_objective(
             "clip_frac": (clipped, sequences if cfg.base_method == "gepo" else tokens),
             "entropy_mean": (torch.where(counted, entropy.to(dtype), zero).sum(), tokens),
             "logprob_mean": (torch.where(counted, lb, zero).sum(), tokens),
+            "rejected_frac": ((given & ~counted).to(dtype).sum(), given.sum()),
+            "rejected_seq_frac": (emptied.to(dtype).sum(), sequences),
         }
     return loss, ({k: v.detach() for k, (v, _) in sums.items()}, {k: n for k, (_, n) in sums.items()})
 

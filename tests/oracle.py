@@ -49,6 +49,12 @@ def _weights(ref, g, cfg):
     return [min(max(raw, low), cfg.is_cap) for raw in raws], outside
 
 
+def _kl_term(x: float, estimator: str) -> float:
+    """One token's KL term from x = g - ref, x clamped to [-20, 20] (SPEC sections 1 and 2b)."""
+    x = max(-CLAMP, min(CLAMP, x))
+    return {"k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1, "k1-gen": x, "k3-gen": math.exp(-x) - 1 + x}[estimator]
+
+
 def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
     """Returns (loss, logprobs [N], stats dict of floats). `logits` is a float64 [N, V] tensor (may require grad)."""
     n = logits.shape[0]
@@ -72,6 +78,29 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
         g = gen[toks]
         o = old[toks] if old is not None else l.detach()
         seq_terms.append((toks, l, g, o))
+
+    # Rejection (SPEC 2b, verl rollout_rs): blind to A; a rejected token is dropped from everything below.
+    given_tokens = sum(len(t[0]) for t in seq_terms)
+    emptied = [False] * num_seqs
+    statistics = []  # the rejection statistic of each token (reject=token) or sequence
+    if cfg.reject != "none":
+        kept_terms = []
+        for i, (toks, l, g, o) in enumerate(seq_terms):
+            ref = o if cfg.is_source == "old" else l.detach()
+            d = [_kl_term(float(gt) - float(rt), cfg.reject_estimator) for gt, rt in zip(g, ref)]
+            if cfg.reject == "token":
+                stats_ = d
+            else:
+                agg = {"sum": sum(d), "mean": sum(d) / max(len(d), 1), "max": max(d) if d else 0.0}[cfg.reject]
+                stats_ = [agg] * len(d)
+            statistics.extend(stats_ if cfg.reject == "token" else stats_[:1])
+            low = -math.inf if cfg.reject_min is None else cfg.reject_min
+            keep = [low <= v <= cfg.reject_max for v in stats_]
+            idx = [k for k, kp in enumerate(keep) if kp]
+            emptied[i] = bool(toks) and not idx
+            kept_terms.append(([toks[k] for k in idx], l[idx], g[idx], o[idx]))
+        seq_terms = kept_terms
+    live_seqs = num_seqs - sum(emptied) if cfg.reject != "none" else num_seqs
 
     # KL_i and the filter
     kls, filtered, eff_adv = [], [], []
@@ -117,7 +146,7 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
             us.append(_ppo(r, a, cfg))
             clip_count += _clipped(r, a, cfg)
         clip_total = num_seqs
-        loss = -torch.stack(us).sum() / num_seqs
+        loss = -torch.stack(us).sum() / max(live_seqs, 1)
     else:
         per_seq = []
         for i, (toks, l, g, o) in enumerate(seq_terms):
@@ -141,7 +170,7 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
                 clip_count += sum(_clipped(r[k], a, cfg) for k in range(len(toks)))
         clip_total = total_tokens
         if cfg.normalization == "sequence":
-            loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / num_seqs
+            loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / max(live_seqs, 1)
         elif cfg.normalization == "token":
             loss = -sum(u.sum() for u in per_seq) / max(total_tokens, 1)
         else:
@@ -156,6 +185,9 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
         "clip_frac": clip_count / max(clip_total, 1),
         "entropy_mean": float(entropy_all[counted].sum()) / max(total_tokens, 1),
         "logprob_mean": float(logprobs[counted].sum()) / max(total_tokens, 1),
+        "rejected_frac": (given_tokens - total_tokens) / max(given_tokens, 1),
+        "rejected_seq_frac": sum(emptied) / num_seqs,
+        "_reject_statistics": statistics,
     }
     if not torch.is_tensor(loss):
         loss = torch.zeros((), dtype=torch.float64)
