@@ -2,7 +2,8 @@
 
 Micro-batches are cut by a token budget; each is given the whole batch's sequence and token counts, so the op
 normalises every micro-batch's loss by the whole batch and their gradients add up to the whole batch's: micro-
-batching changes memory, never the update (and this file knows none of the normalisation rules).
+batching changes memory, never the update (and this file knows none of the normalisation rules; under `reject`,
+rejection_scale corrects the normaliser by the counts rejection left, which no micro-batch knows in advance).
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from ftis_kernels import LossConfig, LossOutput, NonFiniteInputError, combine_stats, fused_linear_ftis_loss
+from ftis_kernels import (LossConfig, LossOutput, NonFiniteInputError, combine_stats, fused_linear_ftis_loss,
+                          rejection_scale)
 
 from .batch import PackedBatch, TrainItem, micro_batches, pack
 
@@ -56,7 +58,14 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
-    return {"loss": loss, **combine_stats(outputs), "micro_batches": len(batches)}
+    stats = combine_stats(outputs)
+    scale = rejection_scale(cfg, stats, **whole)
+    if scale != 1.0:  # rejection left fewer tokens or sequences than the normaliser each micro-batch was given
+        loss *= scale
+        for p in member.trainable_parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return {"loss": loss, **stats, "micro_batches": len(batches)}
 
 
 class DivergenceError(RuntimeError):

@@ -17,7 +17,7 @@ from .api import (
     resolve_backend,
     token_logprobs,
 )
-from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput, NonFiniteInputError, combine_stats
+from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput, NonFiniteInputError, combine_stats, rejection_scale
 from .epilogue import group_advantages
 
 __version__ = "0.1.0"
@@ -32,6 +32,7 @@ __all__ = [
     "LossOutput",
     "NonFiniteInputError",
     "combine_stats",
+    "rejection_scale",
     "METHODS",
     "NORMALIZATIONS",
     "STAT_KEYS",

@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 import torch
 
 METHODS = ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+KL_ESTIMATORS = ("k1", "k2", "k3", "k1-gen", "k3-gen")
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask")
+IS_SOURCES = ("current", "old")
+RATIO_LEVELS = ("token", "sequence")
+POLICY_LOSSES = ("ppo", "cispo")
+REJECT_LEVELS = ("none", "token", "sum", "mean", "max")
 KL_REDUCTIONS = ("sum", "mean", "padded_mean")
 NORMALIZATIONS = ("sequence", "token", "constant")
 STAT_KEYS = (
@@ -21,6 +27,8 @@ STAT_KEYS = (
     "clip_frac",
     "entropy_mean",
     "logprob_mean",
+    "rejected_frac",
+    "rejected_seq_frac",
 )
 
 
@@ -64,11 +72,43 @@ class LossConfig:
     is_cap: float = field(default=2.0, metadata={"help": "C: truncation of the importance weight min(exp(l - g), C)."})
     kl_threshold: float = field(default=50.0, metadata={"help": (
         "g: a sequence with A <= 0 and KL >= g is filtered (.inf: never).")})
-    kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS, "help": "Per-token KL estimator."})
+    kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS, "help": (
+        "Per-token KL term from x = g - l (clamped to [-20, 20]): k1 -x | k2 x^2/2 | k3 exp(x)-x-1 (default) (the "
+        "paper authors', KL(pi_theta || pi_gen) written as if sampled from pi_theta) | k1-gen x | k3-gen exp(-x)-1+x "
+        "(KL(pi_gen || pi_theta), unbiased under the generator's samples).")})
     kl_reduction: str = field(default="sum", metadata={"choices": KL_REDUCTIONS, "help": (
         "KL over a sequence's tokens: sum | mean | padded_mean (sum / kl_max_len).")})
     kl_max_len: int | None = field(default=None, metadata={"help": (
         "Padded length for kl_reduction padded_mean (the authors: 768).")})
+    is_level: str = field(default="token", metadata={"choices": IS_LEVELS, "help": (
+        "IS weight of tis / f-tis: token exp(l_t - g_t) | sequence exp(sum_t (l_t - g_t)) (TRL sequence_*) | "
+        "geometric exp(mean_t (l_t - g_t)) (verl), one weight for all the sequence's tokens.")})
+    is_mode: str = field(default="truncate", metadata={"choices": IS_MODES, "help": (
+        "truncate: w <- clamp(w, is_min or 0, C) | mask (TRL *_mask): w <- 0 outside [is_min or 0, C] (the token "
+        "or sequence keeps its place in the normaliser).")})
+    is_min: float | None = field(default=None, metadata={"help": "Lower bound of the IS weight (default: none)."})
+    is_source: str = field(default="current", metadata={"choices": IS_SOURCES, "help": (
+        "The policy in the IS weight's numerator: current (the paper: l_t, recomputed each PPO epoch) | old (TRL, "
+        "verl decoupled PPO: the given old_logprobs, constant across epochs).")})
+    dual_clip: float | None = field(default=None, metadata={"help": (
+        "Dual clip c > 1 (verl clip_ratio_c, 3.0): for A < 0 the term is max(PPO(r, A), c * A).")})
+    delta: float | None = field(default=None, metadata={"help": (
+        "Two-sided clip (INTELLECT-2, Liger delta) > 1 + eps_high: the unclipped ratio is capped at delta.")})
+    ratio_level: str = field(default="token", metadata={"choices": RATIO_LEVELS, "help": (
+        "The policy ratio r: token exp(l_t - o_t) | sequence (GSPO) exp(mean_t (l_t - o_t)), one per sequence "
+        "(o: g for vis). Not for gepo, which has its own.")})
+    policy_loss: str = field(default="ppo", metadata={"choices": POLICY_LOSSES, "help": (
+        "ppo: min(r A, clip(r) A) | cispo (MiniMax-M1): sg(clip(r, 1 - eps_low, 1 + eps_high)) A l_t, a clipped "
+        "stop-gradient weight on the log-prob's gradient (eps_low 1: no lower clip). Not for gepo.")})
+    reject: str = field(default="none", metadata={"choices": REJECT_LEVELS, "help": (
+        "Rejection (verl rollout_rs), whatever the advantage's sign: none (default) | token | sum | mean | max: a "
+        "token, or a whole sequence by the sum / mean / max of its tokens' reject_estimator terms, outside "
+        "[reject_min, reject_max] counts nowhere, in no normaliser. The terms' x is g - the is_source policy.")})
+    reject_estimator: str = field(default="k3-gen", metadata={"choices": KL_ESTIMATORS, "help": (
+        "Per-token term of the rejection statistic, as kl_estimator (verl's k1 is k1-gen, k3 is k3-gen).")})
+    reject_max: float | None = field(default=None, metadata={"help": "Upper bound of the rejection statistic."})
+    reject_min: float | None = field(default=None, metadata={"help": (
+        "Lower bound of the rejection statistic (default: none; verl's k1 lower bound is log of its threshold).")})
     eps_low: float = field(default=0.2, metadata={"help": "PPO clip: 1 - eps_low."})
     eps_high: float = field(default=0.2, metadata={"help": "PPO clip: 1 + eps_high."})
     temperature: float = field(default=1.0, metadata={"help": (
@@ -82,16 +122,45 @@ class LossConfig:
         _choice("method", self.method, METHODS)
         _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _choice("kl_reduction", self.kl_reduction, KL_REDUCTIONS)
+        _choice("is_level", self.is_level, IS_LEVELS)
+        _choice("is_mode", self.is_mode, IS_MODES)
+        _choice("is_source", self.is_source, IS_SOURCES)
+        _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
+        _choice("reject", self.reject, REJECT_LEVELS)
+        _choice("reject_estimator", self.reject_estimator, KL_ESTIMATORS)
+        if self.reject_max is not None:
+            _number("reject_max", self.reject_max)
+        if self.reject_min is not None:
+            _number("reject_min", self.reject_min)
+        if self.reject != "none" and self.reject_max is None:
+            raise ValueError(f"LossConfig.reject_max: required when reject={self.reject!r}")
+        if self.reject_max is not None and self.reject_min is not None and not self.reject_min < self.reject_max:
+            raise ValueError(f"LossConfig.reject_min: must be below reject_max={self.reject_max!r}, "
+                             f"got {self.reject_min!r}")
+        if self.method == "gepo" and (self.ratio_level != "token" or self.policy_loss != "ppo"):
+            field_name = "ratio_level" if self.ratio_level != "token" else "policy_loss"
+            raise ValueError(f"LossConfig.{field_name}: gepo has its own sequence-level PPO ratio; use the default")
+        if self.policy_loss == "cispo" and (self.dual_clip is not None or self.delta is not None):
+            field_name = "dual_clip" if self.dual_clip is not None else "delta"
+            raise ValueError(f"LossConfig.{field_name}: a PPO clip, which cispo does not use")
         _choice("normalization", self.normalization, NORMALIZATIONS)
         if not _number("is_cap", self.is_cap) > 0:
             raise ValueError(f"LossConfig.is_cap: must be > 0, got {self.is_cap!r}")
         _number("kl_threshold", self.kl_threshold)
-        if not 0 <= _number("eps_low", self.eps_low) < 1:
-            raise ValueError(f"LossConfig.eps_low: must be in [0, 1), got {self.eps_low!r}")
+        if not 0 <= _number("eps_low", self.eps_low) <= 1:
+            raise ValueError(f"LossConfig.eps_low: must be in [0, 1], got {self.eps_low!r}")
         if not 0 <= _number("eps_high", self.eps_high) < math.inf:
             raise ValueError(f"LossConfig.eps_high: must be a finite number >= 0, got {self.eps_high!r}")
         if not 0 < _number("temperature", self.temperature) < math.inf:
             raise ValueError(f"LossConfig.temperature: must be a finite number > 0, got {self.temperature!r}")
+        if self.is_min is not None and not 0 < _number("is_min", self.is_min) < self.is_cap:
+            raise ValueError(f"LossConfig.is_min: must be > 0 and below is_cap={self.is_cap!r}, got {self.is_min!r}")
+        if self.dual_clip is not None and not 1 < _number("dual_clip", self.dual_clip) < math.inf:
+            raise ValueError(f"LossConfig.dual_clip: must be a finite number > 1, got {self.dual_clip!r}")
+        if self.delta is not None and not 1 + self.eps_high < _number("delta", self.delta) < math.inf:
+            raise ValueError(f"LossConfig.delta: must be a finite number > 1 + eps_high = {1 + self.eps_high!r}, "
+                             f"got {self.delta!r}")
         _positive_int_or_none("kl_max_len", self.kl_max_len)
         _positive_int_or_none("norm_max_len", self.norm_max_len)
         if self.kl_reduction == "padded_mean" and self.kl_max_len is None:
@@ -165,3 +234,17 @@ def combine_stats(outputs: Iterable[LossOutput]) -> dict[str, float]:
     if seen == 0:
         raise ValueError("outputs: no LossOutput given")
     return {key: sums[key] / max(counts[key], 1) for key in STAT_KEYS}
+
+
+def rejection_scale(config: LossConfig, stats: dict[str, float], num_sequences: int, num_tokens: int) -> float:
+    """The factor that turns micro-batch losses normalised by the whole batch's counts before rejection
+    (num_sequences, num_tokens, as given to each call) into the loss normalised by the counts rejection left:
+    S / S_kept (sequence normalisation, gepo), N / N_kept (token), 1 (constant, or reject none). `stats` are the
+    whole batch's, from combine_stats. Multiply the accumulated loss and gradients by it before clipping."""
+    if config.reject == "none" or config.normalization == "constant" and config.base_method != "gepo":
+        return 1.0
+    if config.normalization == "token" and config.base_method != "gepo":
+        kept = num_tokens - round(num_tokens * stats["rejected_frac"])
+        return num_tokens / max(kept, 1)
+    kept = num_sequences - round(num_sequences * stats["rejected_seq_frac"])
+    return num_sequences / max(kept, 1)

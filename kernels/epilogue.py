@@ -57,15 +57,28 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
 
 
 def ppo(ratio: torch.Tensor, advantage: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """PPO(r, A) = min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)."""
+    """PPO(r, A) = min(r'*A, clip(r, 1-eps_low, 1+eps_high)*A) with r' = min(r, delta) under the two-sided clip
+    (else r' = r); under the dual clip, max(that, c*A) where A < 0."""
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    return torch.minimum(ratio * advantage, clipped * advantage)
+    capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    u = torch.minimum(capped * advantage, clipped * advantage)
+    if cfg.dual_clip is not None:
+        u = torch.where(advantage < 0, torch.maximum(u, cfg.dual_clip * advantage), u)
+    return u
 
 
 def clip_active(ratio: torch.Tensor, advantage: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """Where the clipped branch of PPO is strictly the smaller one (its gradient is zero)."""
-    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
-    return clipped * advantage < ratio * advantage
+    """Where a clip took the term (its gradient is zero): PPO's clipped branch strictly the smaller one, the
+    ratio above delta on the chosen branch, or the dual clip's c*A strictly the larger."""
+    clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * advantage
+    capped = ratio if cfg.delta is None else torch.clamp(ratio, max=cfg.delta)
+    unclipped = capped * advantage
+    active = clipped < unclipped
+    if cfg.delta is not None:
+        active |= (ratio > cfg.delta) & (unclipped <= clipped) & (advantage != 0)
+    if cfg.dual_clip is not None:
+        active |= (advantage < 0) & (cfg.dual_clip * advantage > torch.minimum(unclipped, clipped))
+    return active
 
 
 def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -73,16 +86,70 @@ def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def kl_per_token(x: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi_theta || pi_gen) from x_t = g_t - lb_t (no gradient flows: x is detached).
+    """Per-token KL term from x_t = g_t - lb_t (detached), x clamped to [-20, 20] for every estimator.
 
-    k3: exp(x) - x - 1 (with x clamped to [-20, 20] throughout) · k2: x^2 / 2 · k1: -x
+    KL(pi_theta || pi_gen), the paper authors' convention: k1: -x · k2: x^2 / 2 · k3: exp(x) - x - 1.
+    KL(pi_gen || pi_theta), unbiased under the generator's samples: k1-gen: x · k3-gen: exp(-x) - 1 + x.
     """
+    x = torch.clamp(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if estimator == "k3":
-        xc = torch.clamp(x, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(xc) - xc - 1.0
+        return torch.exp(x) - x - 1.0
     if estimator == "k2":
         return 0.5 * x * x
+    if estimator == "k1-gen":
+        return x
+    if estimator == "k3-gen":
+        return torch.exp(-x) - 1.0 + x
     return -x
+
+
+def importance_weight(log_ratio: torch.Tensor, seq: torch.Tensor, tokens_per_seq: torch.Tensor,
+                      counted: torch.Tensor, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, out_of_range) per token from the detached log-ratio log(pi/pi_gen) of each counted token:
+    token: exp(log-ratio) · sequence: exp(sum over the sequence) · geometric: exp(mean over the sequence), each
+    exponent clamped to [-20, 20]; then truncate: clamp(w, is_min or 0, C) · mask: 0 outside [is_min or 0, C]."""
+    zero = log_ratio.new_zeros(())
+    log_ratio = torch.where(counted, log_ratio, zero)
+    if cfg.is_level != "token":
+        per_seq = segment_sum(log_ratio, seq, tokens_per_seq.numel())
+        if cfg.is_level == "geometric":
+            per_seq = _mean(per_seq, tokens_per_seq)
+        log_ratio = per_seq[seq]
+    raw = exp_log_ratio(log_ratio)
+    low = 0.0 if cfg.is_min is None else cfg.is_min
+    out_of_range = (raw > cfg.is_cap) | (raw < low)
+    if cfg.is_mode == "mask":
+        return torch.where(out_of_range, zero, raw), out_of_range
+    return torch.clamp(raw, min=low, max=cfg.is_cap), out_of_range
+
+
+def rejection(numerator: torch.Tensor, gen_logprobs: torch.Tensor, seq: torch.Tensor, counted: torch.Tensor,
+              num_seqs: int, cfg: LossConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept [N] bool, emptied [S] bool): verl-style rejection, blind to the advantage's sign. Per counted token
+    d_t = reject_estimator(x_t), x_t = g_t - numerator_t (detached, clamped to [-20, 20]); the statistic is d_t
+    (token) or the sum / mean / max of the sequence's d_t; a token, or all of a sequence's tokens, is kept iff
+    reject_min <= statistic <= reject_max. emptied: sequences that had counted tokens and have none left."""
+    zero = numerator.new_zeros(())
+    d = torch.where(counted, kl_per_token(gen_logprobs - numerator.detach(), cfg.reject_estimator), zero)
+    if cfg.reject == "token":
+        stat = d
+    else:
+        count = segment_sum(counted.to(d.dtype), seq, num_seqs)
+        if cfg.reject == "max":
+            masked = torch.where(counted, d, torch.full_like(d, -torch.inf))
+            per_seq = d.new_full((num_seqs,), -torch.inf).scatter_reduce(0, seq, masked, "amax", include_self=True)
+        else:
+            per_seq = segment_sum(d, seq, num_seqs)
+            if cfg.reject == "mean":
+                per_seq = _mean(per_seq, count)
+        stat = per_seq[seq]
+    keep = stat <= cfg.reject_max
+    if cfg.reject_min is not None:
+        keep &= stat >= cfg.reject_min
+    kept = counted & keep
+    had = segment_sum(counted.to(d.dtype), seq, num_seqs) > 0
+    emptied = had & ~(segment_sum(kept.to(d.dtype), seq, num_seqs) > 0)
+    return kept, emptied
 
 
 def _mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -115,13 +182,25 @@ def ftis_objective(
     num_seqs = advantages.numel()
     seq = sequence_index(cu_seqlens, logprobs.numel())
     zero = logprobs.new_zeros(())
-    g = torch.where(counted, gen_logprobs.to(dtype), zero)
     adv = advantages.to(dtype)
     lb = logprobs.detach()
+    given = counted
+    # The IS weight's numerator: l_t (the paper), or the given old policy o_t (decoupled PPO).
+    old = lb if old_logprobs is None else torch.where(given, old_logprobs.to(dtype), zero)
+    numerator = old if cfg.is_source == "old" else lb
+    emptied = torch.zeros(num_seqs, dtype=torch.bool, device=adv.device)
+    if cfg.reject != "none":  # a rejected token counts nowhere from here on, as if its target were ignored
+        counted, emptied = rejection(numerator, gen_logprobs.to(dtype), seq, given, num_seqs, cfg)
+    g = torch.where(counted, gen_logprobs.to(dtype), zero)
     count_f = counted.to(dtype)
     tokens_per_seq = segment_sum(count_f, seq, num_seqs)  # |a_i|
     num_counted = count_f.sum()
-    seq_norm = num_seqs if num_sequences is None else num_sequences
+    if num_sequences is not None:
+        seq_norm = num_sequences
+    elif cfg.reject != "none":  # a sequence rejection emptied leaves the sequence count (verl's seq-mean)
+        seq_norm = torch.clamp(num_seqs - emptied.to(dtype).sum(), min=1)
+    else:
+        seq_norm = num_seqs
     token_norm = torch.clamp(num_counted, min=1) if num_tokens is None else num_tokens
 
     # KL_i from x_t = g_t - lb_t, reduced over the sequence's counted tokens.
@@ -139,18 +218,23 @@ def ftis_objective(
         filtered = torch.zeros_like(adv, dtype=torch.bool)
     adv = torch.where(filtered, zero, adv)
 
-    # Truncated IS weight w_t = min(exp(lb_t - g_t), C): a constant (built from lb), reported for every method.
-    raw_weight = exp_log_ratio(torch.where(counted, lb - g, zero))
-    is_weight = torch.clamp(raw_weight, max=cfg.is_cap)
+    # IS weight, by default w_t = min(exp(lb_t - g_t), C): a constant, reported for every method.
+    is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
 
     if cfg.base_method == "gepo":
         loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)
     else:
-        old = lb if old_logprobs is None else old_logprobs.to(dtype)
         reference = g if cfg.base_method == "vis" else old
-        ratio = exp_log_ratio(torch.where(counted, logprobs - reference, zero))
+        log_ratio = torch.where(counted, logprobs - reference, zero)
+        if cfg.ratio_level == "sequence":  # GSPO: s_i = exp(mean_t (l_t - o_t)) for every token of sequence i
+            log_ratio = _mean(segment_sum(log_ratio, seq, num_seqs), tokens_per_seq)[seq]
+        ratio = exp_log_ratio(log_ratio)
         adv_tok = adv[seq]
-        u = ppo(ratio, adv_tok, cfg)
+        if cfg.policy_loss == "cispo":  # u_t = sg(clip(r_t)) A_i l_t: the gradient is the clipped weight times A
+            bounded = torch.clamp(ratio.detach(), 1.0 - cfg.eps_low, 1.0 + cfg.eps_high)
+            u = bounded * adv_tok * logprobs
+        else:
+            u = ppo(ratio, adv_tok, cfg)
         if cfg.base_method == "tis":
             u = is_weight * u
         u = torch.where(counted, u, zero)
@@ -159,20 +243,27 @@ def ftis_objective(
         elif cfg.normalization == "token":
             loss = -u.sum() / token_norm
         else:
-            loss = -u.sum() / (seq_norm * cfg.norm_max_len)
-        clipped = (clip_active(ratio.detach(), adv_tok, cfg) & counted).to(dtype).sum()
+            loss = -u.sum() / ((num_seqs if num_sequences is None else num_sequences) * cfg.norm_max_len)
+        if cfg.policy_loss == "cispo":  # weights the clip bounded
+            low, high = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
+            active = (ratio.detach() > high) | (ratio.detach() < low)
+        else:
+            active = clip_active(ratio.detach(), adv_tok, cfg)
+        clipped = (active & counted).to(dtype).sum()
 
     with torch.no_grad():
         tokens = counted.sum()  # int64
         sequences = torch.tensor(num_seqs, dtype=torch.int64, device=tokens.device)
         sums = {
             "is_weight_mean": (torch.where(counted, is_weight, zero).sum(), tokens),
-            "is_truncated_frac": (((raw_weight > cfg.is_cap) & counted).to(dtype).sum(), tokens),
+            "is_truncated_frac": ((out_of_range & counted).to(dtype).sum(), tokens),
             "filtered_frac": (filtered.to(dtype).sum(), sequences),
             "kl_mean": (kl_seq.sum(), sequences),
             "clip_frac": (clipped, sequences if cfg.base_method == "gepo" else tokens),
             "entropy_mean": (torch.where(counted, entropy.to(dtype), zero).sum(), tokens),
             "logprob_mean": (torch.where(counted, lb, zero).sum(), tokens),
+            "rejected_frac": ((given & ~counted).to(dtype).sum(), given.sum()),
+            "rejected_seq_frac": (emptied.to(dtype).sum(), sequences),
         }
     return loss, ({k: v.detach() for k, (v, _) in sums.items()}, {k: n for k, (_, n) in sums.items()})
 

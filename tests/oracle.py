@@ -16,12 +16,43 @@ def _exp_clamped(x: torch.Tensor) -> torch.Tensor:
     return torch.exp(torch.clamp(x, -CLAMP, CLAMP))
 
 
-def _ppo(r, a, eps_low, eps_high):
-    return torch.minimum(r * a, torch.clamp(r, 1 - eps_low, 1 + eps_high) * a)
+def _ppo(r, a, cfg):
+    """min(min(r, delta) * A, clip(r) * A), then max(., c * A) for A < 0 under the dual clip (SPEC 2b)."""
+    capped = r if cfg.delta is None else torch.clamp(r, max=cfg.delta)
+    u = torch.minimum(capped * a, torch.clamp(r, 1 - cfg.eps_low, 1 + cfg.eps_high) * a)
+    if cfg.dual_clip is not None and float(a) < 0:
+        u = torch.maximum(u, cfg.dual_clip * a)
+    return u
 
 
-def _clipped(r, a, eps_low, eps_high) -> bool:
-    return bool(torch.clamp(r, 1 - eps_low, 1 + eps_high) * a < r * a)
+def _clipped(r, a, cfg) -> bool:
+    """Whether a clip took the term: its gradient with respect to r is zero (a is nonzero)."""
+    if float(a) == 0:
+        return False
+    r = r.detach().clone().requires_grad_()
+    (grad,) = torch.autograd.grad(_ppo(r, a, cfg), r)
+    return float(grad) == 0.0
+
+
+def _weights(ref, g, cfg):
+    """IS weights of one sequence's tokens, and whether each raw weight was outside [is_min or 0, C]."""
+    log_ratio = [float(a) - float(b) for a, b in zip(ref, g)]
+    if cfg.is_level == "sequence":
+        log_ratio = [sum(log_ratio)] * len(log_ratio)
+    elif cfg.is_level == "geometric":
+        log_ratio = [sum(log_ratio) / len(log_ratio)] * len(log_ratio)
+    low = cfg.is_min or 0.0
+    raws = [math.exp(max(-CLAMP, min(CLAMP, x))) for x in log_ratio]
+    outside = [raw > cfg.is_cap or raw < low for raw in raws]
+    if cfg.is_mode == "mask":
+        return [0.0 if out else raw for raw, out in zip(raws, outside)], outside
+    return [min(max(raw, low), cfg.is_cap) for raw in raws], outside
+
+
+def _kl_term(x: float, estimator: str) -> float:
+    """One token's KL term from x = g - ref, x clamped to [-20, 20] (SPEC sections 1 and 2b)."""
+    x = max(-CLAMP, min(CLAMP, x))
+    return {"k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1, "k1-gen": x, "k3-gen": math.exp(-x) - 1 + x}[estimator]
 
 
 def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
@@ -48,17 +79,35 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
         o = old[toks] if old is not None else l.detach()
         seq_terms.append((toks, l, g, o))
 
+    # Rejection (SPEC 2b, verl rollout_rs): blind to A; a rejected token is dropped from everything below.
+    given_tokens = sum(len(t[0]) for t in seq_terms)
+    emptied = [False] * num_seqs
+    statistics = []  # the rejection statistic of each token (reject=token) or sequence
+    if cfg.reject != "none":
+        kept_terms = []
+        for i, (toks, l, g, o) in enumerate(seq_terms):
+            ref = o if cfg.is_source == "old" else l.detach()
+            d = [_kl_term(float(gt) - float(rt), cfg.reject_estimator) for gt, rt in zip(g, ref)]
+            if cfg.reject == "token":
+                stats_ = d
+            else:
+                agg = {"sum": sum(d), "mean": sum(d) / max(len(d), 1), "max": max(d) if d else 0.0}[cfg.reject]
+                stats_ = [agg] * len(d)
+            statistics.extend(stats_ if cfg.reject == "token" else stats_[:1])
+            low = -math.inf if cfg.reject_min is None else cfg.reject_min
+            keep = [low <= v <= cfg.reject_max for v in stats_]
+            idx = [k for k, kp in enumerate(keep) if kp]
+            emptied[i] = bool(toks) and not idx
+            kept_terms.append(([toks[k] for k in idx], l[idx], g[idx], o[idx]))
+        seq_terms = kept_terms
+    live_seqs = num_seqs - sum(emptied) if cfg.reject != "none" else num_seqs
+
     # KL_i and the filter
     kls, filtered, eff_adv = [], [], []
     for i, (toks, l, g, o) in enumerate(seq_terms):
-        x = g - l.detach()
-        if cfg.kl_estimator == "k3":
-            xc = torch.clamp(x, -CLAMP, CLAMP)
-            k = torch.exp(xc) - xc - 1
-        elif cfg.kl_estimator == "k2":
-            k = x * x / 2
-        else:
-            k = -x
+        x = torch.clamp(g - l.detach(), -CLAMP, CLAMP)
+        k = {"k3": lambda: torch.exp(x) - x - 1, "k2": lambda: x * x / 2, "k1": lambda: -x, "k1-gen": lambda: x,
+             "k3-gen": lambda: torch.exp(-x) - 1 + x}[cfg.kl_estimator]()
         kl = float(k.sum())
         if cfg.kl_reduction == "mean":
             kl = kl / max(len(toks), 1)
@@ -71,11 +120,13 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
 
     total_tokens = sum(len(t[0]) for t in seq_terms)
     weights, truncated, clip_count, clip_total = [], 0, 0, 0
+    seq_weights = []
     for toks, l, g, o in seq_terms:
-        for k in range(len(toks)):
-            raw = math.exp(max(-CLAMP, min(CLAMP, float(l[k].detach()) - float(g[k]))))
-            weights.append(min(raw, cfg.is_cap))
-            truncated += raw > cfg.is_cap
+        ref = o if cfg.is_source == "old" else l.detach()
+        w, outside = _weights(ref, g, cfg) if toks else ([], [])
+        seq_weights.append(torch.tensor(w, dtype=torch.float64))
+        weights += w
+        truncated += sum(outside)
 
     if base == "gepo":
         mean_l = [t[1].mean() if len(t[0]) else torch.zeros((), dtype=torch.float64) for t in seq_terms]
@@ -92,25 +143,34 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
                 continue
             r = _exp_clamped(mean_l[i] - math.log(e[gids[i]]))
             a = torch.tensor(eff_adv[i], dtype=torch.float64)
-            us.append(_ppo(r, a, cfg.eps_low, cfg.eps_high))
-            clip_count += _clipped(r.detach(), a, cfg.eps_low, cfg.eps_high)
+            us.append(_ppo(r, a, cfg))
+            clip_count += _clipped(r, a, cfg)
         clip_total = num_seqs
-        loss = -torch.stack(us).sum() / num_seqs
+        loss = -torch.stack(us).sum() / max(live_seqs, 1)
     else:
         per_seq = []
         for i, (toks, l, g, o) in enumerate(seq_terms):
             a = torch.tensor(eff_adv[i], dtype=torch.float64)
             ref = g if base == "vis" else o
-            r = _exp_clamped(l - ref)
-            u = _ppo(r, a, cfg.eps_low, cfg.eps_high)
+            if cfg.ratio_level == "sequence" and toks:  # GSPO
+                r = _exp_clamped((l - ref).mean()).expand(len(toks))
+            else:
+                r = _exp_clamped(l - ref)
+            if cfg.policy_loss == "cispo":
+                weight = torch.clamp(r.detach(), 1 - cfg.eps_low, 1 + cfg.eps_high)
+                u = weight * a * l
+            else:
+                u = torch.stack([_ppo(r[k], a, cfg) for k in range(len(toks))]) if toks else r
             if base == "tis":
-                w = torch.clamp(_exp_clamped(l.detach() - g), max=cfg.is_cap)
-                u = w * u
+                u = seq_weights[i] * u
             per_seq.append(u)
-            clip_count += sum(_clipped(r[k].detach(), a, cfg.eps_low, cfg.eps_high) for k in range(len(toks)))
+            if cfg.policy_loss == "cispo":
+                clip_count += sum(not (1 - cfg.eps_low <= float(r[k].detach()) <= 1 + cfg.eps_high) for k in range(len(toks)))
+            else:
+                clip_count += sum(_clipped(r[k], a, cfg) for k in range(len(toks)))
         clip_total = total_tokens
         if cfg.normalization == "sequence":
-            loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / num_seqs
+            loss = -sum(u.sum() / max(len(u), 1) for u in per_seq) / max(live_seqs, 1)
         elif cfg.normalization == "token":
             loss = -sum(u.sum() for u in per_seq) / max(total_tokens, 1)
         else:
@@ -125,6 +185,9 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
         "clip_frac": clip_count / max(clip_total, 1),
         "entropy_mean": float(entropy_all[counted].sum()) / max(total_tokens, 1),
         "logprob_mean": float(logprobs[counted].sum()) / max(total_tokens, 1),
+        "rejected_frac": (given_tokens - total_tokens) / max(given_tokens, 1),
+        "rejected_seq_frac": sum(emptied) / num_seqs,
+        "_reject_statistics": statistics,
     }
     if not torch.is_tensor(loss):
         loss = torch.zeros((), dtype=torch.float64)

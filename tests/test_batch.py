@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ftis_engine.batch import micro_batches, pack
-from ftis_engine.update import accumulate_gradients, packed_hidden
+from ftis_engine.update import accumulate_gradients, batch_loss, packed_hidden
 
 from .helpers import member, random_items
 
@@ -31,13 +31,21 @@ def test_micro_batches_respect_the_budget_and_keep_groups_whole():
             assert all(sum(1 for it in items if it.group == g) == sum(1 for it in b if it.group == g) for g in groups)
 
 
-@pytest.mark.parametrize("method, normalization", [("f-tis", "sequence"), ("tis", "token"), ("nois", "constant"),
-                                                   ("gepo", "sequence")])
-def test_micro_batching_does_not_change_the_gradient(method, normalization):
+REJECT_TOKEN = dict(reject="token", reject_estimator="k3-gen", reject_max=1.0)
+REJECT_SEQ = dict(reject="mean", reject_estimator="k1-gen", reject_max=0.5)
+
+
+@pytest.mark.parametrize("method, normalization, options", [
+    ("f-tis", "sequence", {}), ("tis", "token", {}), ("nois", "constant", {}), ("gepo", "sequence", {}),
+    ("tis", "token", REJECT_TOKEN), ("f-tis", "sequence", REJECT_SEQ), ("gepo", "sequence", REJECT_SEQ),
+], ids=["f-tis", "tis-token", "nois-constant", "gepo", "reject-token", "reject-mean", "gepo-reject-mean"])
+def test_micro_batching_does_not_change_the_gradient(method, normalization, options):
+    """Rejection included: its normaliser is the count it left, which the trainer corrects after the last
+    micro-batch (rejection_scale)."""
     from ftis_kernels import LossConfig
 
     m, _ = member(0)
-    cfg = LossConfig(method=method, normalization=normalization, norm_max_len=8, kl_threshold=3.0)
+    cfg = LossConfig(method=method, normalization=normalization, norm_max_len=8, kl_threshold=3.0, **options)
     items = random_items(len(m.tokenizer), n_groups=3, per_group=4, seed=1)
     grads = []
     for budget in (100_000, 12):
@@ -45,6 +53,14 @@ def test_micro_batching_does_not_change_the_gradient(method, normalization):
         stats = accumulate_gradients(m, items, cfg, budget, backend="torch")
         grads.append([p.grad.clone() for p in m.trainable_parameters()])
         assert stats["micro_batches"] == (1 if budget == 100_000 else stats["micro_batches"])
+        if options:  # some of the batch rejected, some kept
+            assert 0 < stats["rejected_frac"] < 1
+            assert options["reject"] == "token" or 0 < stats["rejected_seq_frac"] < 1
     assert stats["micro_batches"] > 1
+    if options:  # the trainer's rescaled gradient is one call's that normalises by what rejection left itself
+        m.model.zero_grad(set_to_none=True)
+        batch_loss(m, pack(items), cfg, "torch").loss.backward()
+        for one_call, split in zip([p.grad for p in m.trainable_parameters()], grads[1]):
+            torch.testing.assert_close(split, one_call, rtol=1e-4, atol=1e-6)
     for whole, split in zip(*grads):
         torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-6)

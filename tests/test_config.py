@@ -77,6 +77,10 @@ def test_dump_round_trips(tmp_path):
         (["nonsense"], "nonsense"),
         (["collaboration=horizontal", "rollout.group_size=1"], "rollout.group_size"),
         (["train.attn_implementation=flash_attention_3"], "train.attn_implementation"),
+        (["algorithm.is_level=batch"], "algorithm.is_level"),
+        (["algorithm.is_min=5"], "algorithm.is_min"),
+        (["algorithm.delta=1.0"], "algorithm.delta"),
+        (["algorithm.dual_clip=0.5"], "algorithm.dual_clip"),
     ],
 )
 def test_bad_values_raise_one_line_naming_the_field(overrides, field):

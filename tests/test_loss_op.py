@@ -30,7 +30,33 @@ CASES = {
     "old-logprobs-tis": dict(method="f-tis", _old=True, eps_high=0.28),
     "old-logprobs-nois": dict(method="nois", _old=True),
     "cap-3": dict(is_cap=3.0, eps_low=0.1),
+    # SPEC 2b: off-policy options beyond the paper
+    "is-sequence-mask": dict(method="tis", is_level="sequence", is_mode="mask", is_cap=3.0, is_min=0.3),
+    "is-sequence-truncate": dict(method="f-tis", is_level="sequence", is_cap=3.0),
+    "is-geometric-min": dict(method="f-tis", is_level="geometric", is_min=0.8),
+    "is-token-mask": dict(method="tis", is_mode="mask", is_min=0.5),
+    "is-from-old": dict(method="f-tis", _old=True, is_source="old", is_level="geometric", is_cap=1.05),
+    "k1-gen": dict(kl_estimator="k1-gen", kl_reduction="mean"),
+    "k3-gen": dict(kl_estimator="k3-gen"),
+    "dual-clip": dict(method="vis", dual_clip=1.5),
+    "delta": dict(method="f-vis", delta=1.5),
+    "gspo": dict(method="nois", _old=True, ratio_level="sequence", eps_low=0.03, eps_high=0.04),
+    "gspo-vis-token-norm": dict(method="f-vis", ratio_level="sequence", normalization="token"),
+    "cispo": dict(method="nois", _old=True, policy_loss="cispo", eps_low=1.0, eps_high=0.05, normalization="token"),
+    "cispo-tis": dict(method="f-tis", _old=True, policy_loss="cispo", eps_low=0.05, eps_high=0.05),
+    "reject-token": dict(method="tis", reject="token", reject_estimator="k1-gen", _reject_min=True,
+                         normalization="token"),
+    "reject-sum": dict(method="f-tis", reject="sum", reject_estimator="k3-gen"),
+    "reject-mean-old": dict(method="tis", _old=True, is_source="old", reject="mean", reject_estimator="k1-gen",
+                            _reject_min=True),
+    "reject-max-gepo": dict(method="gepo", _groups=True, reject="max", reject_estimator="k2"),
+    "reject-sum-constant": dict(method="nois", reject="sum", reject_estimator="k3", normalization="constant",
+                                norm_max_len=12),
+    "dual-clip-delta-tis": dict(method="tis", _old=True, dual_clip=1.02, delta=1.03, eps_low=0.01, eps_high=0.01),
 }
+# each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
+OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta", "gspo", "cispo",
+                                                                "reject-"))]
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -41,10 +67,20 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 def configure(case: dict, problem) -> tuple[LossConfig, dict]:
     """LossConfig for a case, with kl_threshold at the median oracle KL so that some sequences are filtered."""
     options = {k: v for k, v in case.items() if not k.startswith("_")}
-    probe = LossConfig(**{**options, "method": "tis"})
+    probe = LossConfig(**{**options, "method": "tis", "reject": "none"})
     kls = sorted(_sequence_kls(problem, probe))
     middle = len(kls) // 2
     options["kl_threshold"] = (kls[middle - 1] + kls[middle]) / 2  # between two sequences, never on one
+    if options.get("reject", "none") != "none":  # bounds between two statistics: some rejected, some kept
+        probe = LossConfig(**{**options, "reject_max": 1e300, "reject_min": None})
+        values = sorted(oracle(problem.logits(), problem.targets, problem.gen, problem.adv, problem.cu, probe,
+                               old=problem.old if case.get("_old") else None)[2]["_reject_statistics"])
+        upper = int(len(values) * 0.7)
+        options["reject_max"] = (values[upper - 1] + values[upper]) / 2
+        if case.get("_reject_min"):
+            lower = max(int(len(values) * 0.15), 1)
+            options["reject_min"] = (values[lower - 1] + values[lower]) / 2
+    options = {k: v for k, v in options.items() if not k.startswith("_")}
     extra = {
         "old_logprobs": problem.old if case.get("_old") else None,
         "group_ids": problem.group_ids if case.get("_groups") else None,
@@ -111,6 +147,19 @@ def test_matches_float64_oracle_in_fp32(case, backend, fused):
         assert float(out.stats[key]) == pytest.approx(ref_stats[key], rel=1e-4, abs=1e-6), key
     for name, grad in grads.items():
         assert rel_err(grad, ref_grads[name]) <= 1e-4, name
+
+
+@pytest.mark.parametrize("case", OPTION_CASES)
+def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
+    """Guards the oracle comparisons above: each option case's problem makes its option matter."""
+    problem = make_problem(seed=sum(map(ord, case)))
+    cfg, extra = configure(CASES[case], problem)
+    paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
+                        delta=None, kl_estimator="k3", ratio_level="token", policy_loss="ppo",
+                        reject="none")
+    with_option, *_ = run_oracle(problem, cfg, extra)
+    without, *_ = run_oracle(problem, paper, extra)
+    assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-linear", "logits"])
@@ -330,3 +379,36 @@ def test_stats_are_the_sums_over_their_counts():
         ftis_kernels.combine_stats([])
     with pytest.raises(TypeError, match="outputs"):
         ftis_kernels.combine_stats([out.stats])
+
+
+@pytest.mark.parametrize("case", ["reject-token", "reject-sum", "reject-max-gepo", "reject-sum-constant"])
+def test_rejection_micro_batches_rescaled_by_the_kept_counts_add_up_to_one_call(case):
+    """Rejection shrinks the normaliser by counts no micro-batch knows in advance: each part is normalised by
+    the whole batch's counts before rejection, and rejection_scale (from the combined stats) rescales the sum."""
+    problem = make_problem(5, n_seqs=8)
+    cfg, extra = configure(CASES[case], problem)
+    if case.startswith("reject-max-gepo"):
+        extra["group_ids"] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    whole, whole_grads = run_ours(problem, cfg, extra, "torch", True)
+    assert 0 < float(whole.stats["rejected_frac"]) < 1
+    counts = dict(num_sequences=8, num_tokens=int((problem.targets != cfg.ignore_index).sum()))
+    loss, outputs = 0.0, []
+    grads = {k: torch.zeros_like(v) for k, v in whole_grads.items()}
+    for lo, hi in ((0, 3), (3, 7), (7, 8)):
+        part, part_extra, rows = _part(problem, extra, lo, hi)
+        out, part_grads = run_ours(part, cfg, {**part_extra, **counts}, "torch", True)
+        loss += float(out.loss.detach())
+        outputs.append(out)
+        for k, g in part_grads.items():
+            grads[k][rows] += g if k == "hidden" else 0
+            if k != "hidden":
+                grads[k] += g
+    scale = ftis_kernels.rejection_scale(cfg, ftis_kernels.combine_stats(outputs), **counts)
+    if case.endswith("constant"):
+        assert scale == 1.0
+    else:
+        assert scale > 1.0
+    whole_loss = float(whole.loss.detach())
+    assert abs(loss * scale - whole_loss) <= 1e-6 * max(1.0, abs(whole_loss))
+    for k in grads:
+        assert rel_err(grads[k] * scale, whole_grads[k]) < 1e-5, k

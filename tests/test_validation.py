@@ -109,7 +109,12 @@ def test_bad_input_raises_naming_the_argument(case, monkeypatch):
         (dict(normalization="batch"), "normalization"),
         (dict(is_cap=0.0), "is_cap"),
         (dict(is_cap=float("nan")), "is_cap"),
-        (dict(eps_low=1.0), "eps_low"),
+        (dict(eps_low=1.5), "eps_low"),
+        (dict(ratio_level="group"), "ratio_level"),
+        (dict(policy_loss="reinforce"), "policy_loss"),
+        (dict(method="gepo", ratio_level="sequence"), "ratio_level"),
+        (dict(method="gepo", policy_loss="cispo"), "policy_loss"),
+        (dict(policy_loss="cispo", dual_clip=3.0), "dual_clip"),
         (dict(eps_high=-0.1), "eps_high"),
         (dict(temperature=0.0), "temperature"),
         (dict(kl_threshold="high"), "kl_threshold"),
@@ -117,6 +122,17 @@ def test_bad_input_raises_naming_the_argument(case, monkeypatch):
         (dict(normalization="constant"), "norm_max_len"),
         (dict(normalization="constant", norm_max_len=0), "norm_max_len"),
         (dict(ignore_index=1.5), "ignore_index"),
+        (dict(is_level="batch"), "is_level"),
+        (dict(is_mode="clip"), "is_mode"),
+        (dict(is_source="new"), "is_source"),
+        (dict(is_min=0.0), "is_min"),
+        (dict(is_min=2.0), "is_min"),  # not below is_cap
+        (dict(is_min="low"), "is_min"),
+        (dict(dual_clip=1.0), "dual_clip"),
+        (dict(dual_clip=float("inf")), "dual_clip"),
+        (dict(delta=1.1), "delta"),  # not above 1 + eps_high
+        (dict(delta=float("nan")), "delta"),
+        (dict(kl_estimator="k2-gen"), "kl_estimator"),
     ],
 )
 def test_bad_config_raises_naming_the_field(options, field):

@@ -1,0 +1,273 @@
+"""Each peer's off-policy correction, written here from the peer's documented definition on padded [B, T]
+tensors as the peer computes it, against the LossConfig that README's peer table maps it to (SPEC 2b).
+
+TRL: GRPOTrainer's loss (trl/trainer/grpo_trainer.py, GRPOConfig docs): vLLM importance sampling
+(`vllm_importance_sampling_mode` token_truncate | token_mask | sequence_truncate | sequence_mask, clip min / max,
+the ratio pi_old / pi_vllm), the off-policy sequence mask (`off_policy_mask_threshold`), `delta`,
+`importance_sampling_level="sequence"` (GSPO), `loss_type="cispo"`, and loss types grpo | bnpo | dr_grpo | dapo.
+verl: rollout correction (docs/algo/rollout_corr.md: `rollout_is` token | sequence with `rollout_is_threshold`,
+`rollout_rs` token_k* | seq_sum_k* | seq_mean_k* | seq_max_k* with `rollout_rs_threshold`), the vanilla policy loss
+with dual clip `clip_ratio_c`, and `agg_loss` token-mean | seq-mean-token-mean. Liger: `delta` in its GRPO loss.
+Everything in float64; loss and the gradient of the logits must agree to 1e-12.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ftis_kernels
+import pytest
+import torch
+from ftis_kernels import LossConfig
+
+B, T, V = 6, 9, 11
+
+
+def _problem(seed: int, spread: float = 0.6):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, T, V, generator=gen, dtype=torch.float64) * 1.5
+    ids = torch.randint(0, V, (B, T), generator=gen)
+    lengths = torch.tensor([T, 3, 7, 5, T, 1])
+    mask = (torch.arange(T)[None] < lengths[:, None]).double()
+    logp = torch.log_softmax(logits, -1).gather(-1, ids[..., None])[..., 0]
+    old = torch.clamp(logp + spread * 0.5 * torch.randn(B, T, generator=gen, dtype=torch.float64), max=-1e-3)
+    sampling = torch.clamp(old + spread * torch.randn(B, T, generator=gen, dtype=torch.float64), max=-1e-3)
+    adv = torch.tensor([1.2, -0.7, 0.4, -1.1, -0.3, 0.9], dtype=torch.float64)
+    return dict(logits=logits, ids=ids, mask=mask, old=old.detach(), sampling=sampling.detach(), adv=adv)
+
+
+def _logps(p, logits):
+    return torch.log_softmax(logits, -1).gather(-1, p["ids"][..., None])[..., 0]
+
+
+def ours(p, cfg: LossConfig, with_old: bool = True):
+    """Our op on the same problem, packed: (loss, d loss / d logits [B, T, V])."""
+    logits = p["logits"].clone().requires_grad_()
+    keep = p["mask"].bool()
+    lengths = keep.sum(1)
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    out = ftis_kernels.ftis_loss(
+        logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg, backend="torch",
+        old_logprobs=p["old"][keep] if with_old else None,
+    )
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    return out.loss.detach(), grad, out
+
+
+def peer(p, fn, **kwargs):
+    logits = p["logits"].clone().requires_grad_()
+    loss = fn(p, _logps(p, logits), **kwargs)
+    (grad,) = torch.autograd.grad(loss, logits)
+    return loss.detach(), grad
+
+
+def assert_same(a, b, rel=1e-12):
+    (loss_a, grad_a), (loss_b, grad_b) = a[:2], b[:2]
+    assert float(loss_a) == pytest.approx(float(loss_b), rel=rel, abs=1e-14)
+    torch.testing.assert_close(grad_a, grad_b, rtol=rel, atol=1e-14)
+
+
+# ------------------------------------------------------------------------------------------------------- TRL
+
+
+def trl_loss(p, logps, *, loss_type="grpo", eps_low=0.2, eps_high=0.2, delta=None, is_mode=None, is_min=None,
+             is_max=3.0, level="token", opsm=None, max_completion_length=T):
+    """GRPOTrainer: per_token_loss from coef_1 = pi / pi_old, times the OPSM mask and the vLLM IS ratio."""
+    mask, adv = p["mask"], p["adv"][:, None]
+    old, sampling = p["old"], p["sampling"]
+    ratio_is = None
+    if is_mode is not None:  # computed once at generation: pi_old / pi_vllm, truncated or masked
+        diff = (old - sampling) * mask
+        log_w = diff.sum(-1, keepdim=True) if is_mode.startswith("sequence") else diff
+        ratio_is = torch.exp(log_w)
+        if is_mode.endswith("truncate"):
+            ratio_is = torch.clamp(ratio_is, min=is_min, max=is_max)
+        else:
+            lo = -math.inf if is_min is None else is_min
+            ratio_is = ratio_is.masked_fill((ratio_is < lo) | (ratio_is > is_max), 0.0)
+    if opsm is not None:  # keep if A >= 0 or mean_t(log pi_vllm - log pi) <= delta
+        seq_kl = ((sampling - logps.detach()) * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+        off_policy_mask = ((adv >= 0) | (seq_kl <= opsm)).double()
+    log_ratio = logps - old
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None]
+    coef_1 = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=eps_high).detach() * adv * logps
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    if opsm is not None:
+        per_token = per_token * off_policy_mask
+    if ratio_is is not None:
+        per_token = per_token * ratio_is
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if loss_type in ("bnpo", "dapo", "cispo"):  # dapo / cispo: / num_items_in_batch, one process
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    assert loss_type == "dr_grpo"
+    return (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+
+
+NORM = {"grpo": "sequence", "bnpo": "token", "dapo": "token", "dr_grpo": "constant"}
+
+
+@pytest.mark.parametrize("mode, loss_type, is_min", [
+    ("token_truncate", "dapo", None), ("token_truncate", "grpo", 0.5), ("token_mask", "grpo", 0.6),
+    ("sequence_truncate", "bnpo", None), ("sequence_mask", "dr_grpo", None), ("sequence_mask", "dapo", 0.2),
+])
+def test_trl_vllm_importance_sampling_modes(mode, loss_type, is_min):
+    """TRL vllm_importance_sampling_mode (default sequence_mask, cap 3): tis with is_source=old."""
+    p = _problem(1)
+    level, how = mode.split("_")
+    cfg = LossConfig(method="tis", is_source="old", is_level=level, is_mode=how, is_cap=3.0, is_min=is_min,
+                     normalization=NORM[loss_type], norm_max_len=T)
+    reference = peer(p, trl_loss, loss_type=loss_type, is_mode=mode, is_min=is_min, is_max=3.0)
+    result = ours(p, cfg)
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["is_truncated_frac"]) < 1  # the cap and floor act on this problem
+
+
+@pytest.mark.parametrize("with_is", [False, True], ids=["opsm", "opsm-with-vllm-is"])
+def test_trl_off_policy_sequence_mask(with_is):
+    """TRL off_policy_mask_threshold (DeepSeek-V3.2 OPSM) is our filter with kl_estimator k1-gen, kl_reduction
+    mean and kl_threshold delta: a sequence with A < 0 and mean_t(log pi_gen - log pi) > delta adds nothing and
+    keeps its place in the normaliser. (At A = 0 the term is 0 either way; a KL exactly at delta, TRL keeps.)"""
+    p = _problem(2, spread=1.0)
+    delta = 0.5
+    method = "f-tis" if with_is else "f-nois"
+    cfg = LossConfig(method=method, is_source="old", is_level="sequence", is_mode="mask", is_cap=3.0,
+                     kl_estimator="k1-gen", kl_reduction="mean", kl_threshold=delta)
+    reference = peer(p, trl_loss, opsm=delta, is_mode="sequence_mask" if with_is else None)
+    result = ours(p, cfg)
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["filtered_frac"]) < 0.5  # some negative-advantage sequences masked
+
+
+@pytest.mark.parametrize("peer_name", ["TRL", "Liger"])
+def test_trl_and_liger_two_sided_clip_delta(peer_name):
+    """TRL GRPOConfig.delta and Liger's GRPO loss `delta` (INTELLECT-2): the same formula in both."""
+    p = _problem(3, spread=1.2)
+    cfg = LossConfig(method="nois", delta=1.4, eps_high=0.28)
+    reference = peer(p, trl_loss, delta=1.4, eps_high=0.28)
+    result = ours(p, cfg)
+    assert_same(result, reference)
+    without = ours(p, cfg.replace(delta=None))
+    assert abs(float(without[0]) - float(result[0])) > 1e-6  # delta binds on this problem
+
+
+def test_trl_gspo_sequence_level_ratio():
+    """TRL importance_sampling_level="sequence" (GSPO, with its small clip range), loss_type grpo."""
+    p = _problem(4, spread=0.01)
+    cfg = LossConfig(method="nois", ratio_level="sequence", eps_low=3e-4, eps_high=4e-4)
+    reference = peer(p, trl_loss, level="sequence", eps_low=3e-4, eps_high=4e-4)
+    result = ours(p, cfg)
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["clip_frac"]) < 1
+
+
+def test_trl_cispo():
+    """TRL loss_type="cispo": -sg(min(r, epsilon_high)) A log pi over the batch's tokens; ours with the same
+    upper bound (eps_high = epsilon_high - 1) and no lower clip (eps_low = 1)."""
+    p = _problem(5, spread=1.0)
+    cfg = LossConfig(method="nois", policy_loss="cispo", eps_low=1.0, eps_high=0.3, normalization="token")
+    reference = peer(p, trl_loss, loss_type="cispo", eps_high=1.3)
+    result = ours(p, cfg)
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["clip_frac"]) < 1
+
+
+# ------------------------------------------------------------------------------------------------------ verl
+
+VERL_K = {"k1": "k1-gen", "k2": "k2", "k3": "k3-gen"}  # verl's per-token terms on log(pi_old / pi_rollout)
+
+
+def verl_loss(p, logps, *, rollout_is=None, is_threshold=2.0, rollout_rs=None, rs_threshold=None,
+              clip_ratio=0.2, clip_ratio_c=3.0, agg="token-mean"):
+    """verl decoupled mode: IS weights and the rejection mask from old vs rollout log-probs, then the vanilla
+    PPO loss with dual clip, times the weights, aggregated over the rejection-modified response mask."""
+    mask, adv = p["mask"], p["adv"][:, None]
+    log_ratio = p["old"] - p["sampling"]
+    weights = None
+    if rollout_is is not None:
+        if rollout_is == "sequence":
+            log_w = torch.clamp((log_ratio * mask).sum(-1, keepdim=True), -20, 20).expand_as(log_ratio)
+        else:
+            log_w = torch.clamp(log_ratio, -20, 20)
+        weights = (torch.exp(log_w) * mask).clamp(max=is_threshold)
+    if rollout_rs is not None:
+        x = torch.clamp(log_ratio, -20, 20)
+        terms = {"k1": -x, "k2": 0.5 * x**2, "k3": torch.exp(x) - 1 - x}[rollout_rs[-2:]]
+        if rollout_rs.startswith("token"):
+            stat = terms
+        elif rollout_rs.startswith("seq_sum"):
+            stat = (terms * mask).sum(-1, keepdim=True)
+        elif rollout_rs.startswith("seq_mean"):
+            stat = ((terms * mask).sum(-1) / mask.sum(-1))[:, None]
+        else:
+            stat = terms.masked_fill(mask == 0, -math.inf).max(-1, keepdim=True).values
+        if rollout_rs.endswith("k1"):
+            lower, upper = (float(v) for v in rs_threshold.split("_"))
+            keep = (stat >= math.log(lower)) & (stat <= math.log(upper))
+        else:
+            keep = stat <= rs_threshold
+        mask = mask * keep.expand_as(mask).double()
+    ratio = torch.exp(torch.clamp(logps - p["old"], -20, 20))
+    losses1 = -adv * ratio
+    losses2 = -adv * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clipped1 = torch.maximum(losses1, losses2)
+    clipped2 = torch.min(-adv * clip_ratio_c, clipped1)
+    losses = torch.where(adv < 0, clipped2, clipped1)
+    if weights is not None:
+        losses = losses * weights
+    if agg == "token-mean":
+        return (losses * mask).sum() / mask.sum()
+    per_seq_tokens = mask.sum(-1)
+    seq_losses = (losses * mask).sum(-1) / (per_seq_tokens + 1e-8)  # verl's epsilon
+    live = (per_seq_tokens > 0).double()
+    return (seq_losses * live).sum() / live.sum()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_verl_rollout_importance_sampling(level):
+    """verl rollout_is token | sequence (truncated at rollout_is_threshold, weight pi_old / pi_rollout) with the
+    vanilla loss (dual clip c = 3) and token-mean: tis, is_source old, dual_clip 3, token normalisation."""
+    p = _problem(6, spread=0.4)
+    cfg = LossConfig(method="tis", is_source="old", is_level=level, is_cap=2.0, dual_clip=3.0,
+                     normalization="token")
+    reference = peer(p, verl_loss, rollout_is=level, is_threshold=2.0)
+    result = ours(p, cfg)
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["is_truncated_frac"]) < 1
+
+
+@pytest.mark.parametrize("option, threshold, agg", [
+    ("token_k1", "0.6_1.5", "token-mean"), ("seq_sum_k2", 1.0, "seq-mean-token-mean"),
+    ("seq_mean_k3", 0.12, "token-mean"), ("seq_max_k3", 0.4, "seq-mean-token-mean"),
+    ("seq_mean_k1", "0.8_1.3", "seq-mean-token-mean"),
+])
+def test_verl_rejection_sampling(option, threshold, agg):
+    """verl rollout_rs: blind to A, a rejected token or sequence leaves the response mask and so every
+    normaliser (a sequence emptied by it leaves seq-mean's count). Ours: reject with reject_estimator k1-gen / k2 /
+    k3-gen; verl's k1 bounds lower_upper are ratios, ours their logs."""
+    p = _problem(7, spread=0.5)
+    level = "token" if option.startswith("token") else option.split("_")[1]
+    if option.endswith("k1"):
+        lower, upper = (float(v) for v in threshold.split("_"))
+        bounds = dict(reject_min=math.log(lower), reject_max=math.log(upper))
+    else:
+        bounds = dict(reject_max=threshold)
+    cfg = LossConfig(method="tis", is_source="old", is_level="token", is_cap=2.0, dual_clip=3.0,
+                     reject=level, reject_estimator=VERL_K[option[-2:]], **bounds,
+                     normalization="token" if agg == "token-mean" else "sequence")
+    reference = peer(p, verl_loss, rollout_is="token", rollout_rs=option, rs_threshold=threshold, agg=agg)
+    result = ours(p, cfg)
+    # verl's seq-mean-token-mean divides a sequence's sum by (its tokens + 1e-8): ~1e-8 of each term, more of a
+    # loss whose terms cancel
+    assert_same(result, reference, rel=1e-12 if agg == "token-mean" else 1e-6)
+    assert 0 < float(result[2].stats["rejected_frac"]) < 0.8  # the threshold binds, something is left
+    if level != "token":
+        assert float(result[2].stats["rejected_seq_frac"]) > 0
