@@ -81,6 +81,8 @@ def test_dump_round_trips(tmp_path):
         (["algorithm.is_min=5"], "algorithm.is_min"),
         (["algorithm.delta=1.0"], "algorithm.delta"),
         (["algorithm.dual_clip=0.5"], "algorithm.dual_clip"),
+        (["algorithm.reject=mean"], "algorithm.reject_max"),
+        (["algorithm.reject=geometric"], "algorithm.reject"),
     ],
 )
 def test_bad_values_raise_one_line_naming_the_field(overrides, field):

@@ -133,6 +133,11 @@ def test_bad_input_raises_naming_the_argument(case, monkeypatch):
         (dict(delta=1.1), "delta"),  # not above 1 + eps_high
         (dict(delta=float("nan")), "delta"),
         (dict(kl_estimator="k2-gen"), "kl_estimator"),
+        (dict(reject="geometric", reject_max=1.0), "reject"),
+        (dict(reject="mean"), "reject_max"),  # required with reject
+        (dict(reject="token", reject_max=float("nan")), "reject_max"),
+        (dict(reject="token", reject_max=1.0, reject_min=1.0), "reject_min"),  # not below reject_max
+        (dict(reject="sum", reject_max=1.0, reject_estimator="k4"), "reject_estimator"),
     ],
 )
 def test_bad_config_raises_naming_the_field(options, field):
