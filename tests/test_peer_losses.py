@@ -271,3 +271,35 @@ def test_verl_rejection_sampling(option, threshold, agg):
     assert 0 < float(result[2].stats["rejected_frac"]) < 0.8  # the threshold binds, something is left
     if level != "token":
         assert float(result[2].stats["rejected_seq_frac"]) > 0
+
+
+# -------------------------------------------------------------------------------------------------- prime-rl
+
+
+def prime_rl_loss(p, logps, *, mask_low=0.5, mask_high=2.0, loss_scale=None):
+    """prime-rl compute_loss (token ratio, kl_tau 0, no sequence mask): -r A over the tokens whose ratio
+    r = pi / pi_inference lies in [mask_ratio_low, mask_ratio_high], summed, divided by loss_scale."""
+    mask = p["mask"].bool()
+    ratio = torch.exp(logps - p["sampling"])
+    keep = mask & (ratio >= mask_low) & (ratio <= mask_high)
+    return (-ratio * p["adv"][:, None])[keep].sum() / loss_scale
+
+
+def test_prime_rl_masked_token_ratio():
+    """prime-rl's loss: vis without a clip (eps_low 1, eps_high huge), its ratio mask as a token rejection on
+    x = g - l (k1-gen: reject_min = -log(mask_ratio_high), reject_max = -log(mask_ratio_low)), and its
+    loss_scale, the batch's tokens before masking, as the num_tokens of token normalisation."""
+    p = _problem(8, spread=0.5)
+    tokens = int(p["mask"].sum())
+    cfg = LossConfig(method="vis", eps_low=1.0, eps_high=1e9, reject="token", reject_estimator="k1-gen",
+                     reject_min=-math.log(2.0), reject_max=-math.log(0.5), normalization="token")
+    reference = peer(p, prime_rl_loss, loss_scale=tokens)
+    logits = p["logits"].clone().requires_grad_()
+    keep = p["mask"].bool()
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(keep.sum(1), 0)
+    out = ftis_kernels.ftis_loss(logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg,
+                                 backend="torch", num_tokens=tokens)
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    assert_same((out.loss.detach(), grad), reference)
+    assert 0 < float(out.stats["rejected_frac"]) < 0.8
