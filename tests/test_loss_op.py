@@ -371,7 +371,7 @@ def test_stats_are_the_sums_over_their_counts():
     tokens = int((problem.targets != cfg.ignore_index).sum())
     assert set(out.stat_sums) == set(out.stat_counts) == set(STAT_KEYS)
     for key in STAT_KEYS:
-        per = 6 if key in ("filtered_frac", "kl_mean", "clip_frac") else tokens  # gepo clips whole sequences
+        per = 6 if key in ("filtered_frac", "kl_mean", "clip_frac", "rejected_seq_frac") else tokens  # gepo: sequences
         assert int(out.stat_counts[key]) == per and out.stat_counts[key].dtype == torch.int64
         assert float(out.stats[key]) == pytest.approx(float(out.stat_sums[key]) / per, rel=1e-6)
     assert ftis_kernels.combine_stats([out]) == pytest.approx({k: float(v) for k, v in out.stats.items()}, rel=1e-6)
