@@ -119,16 +119,9 @@ class LossConfig:
     ignore_index: int = field(default=-100, metadata={"help": "Target id that marks positions which count nowhere."})
 
     def __post_init__(self) -> None:
-        _choice("method", self.method, METHODS)
-        _choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _choice("kl_reduction", self.kl_reduction, KL_REDUCTIONS)
-        _choice("is_level", self.is_level, IS_LEVELS)
-        _choice("is_mode", self.is_mode, IS_MODES)
-        _choice("is_source", self.is_source, IS_SOURCES)
-        _choice("ratio_level", self.ratio_level, RATIO_LEVELS)
-        _choice("policy_loss", self.policy_loss, POLICY_LOSSES)
-        _choice("reject", self.reject, REJECT_LEVELS)
-        _choice("reject_estimator", self.reject_estimator, KL_ESTIMATORS)
+        for spec in dataclasses.fields(self):  # every field with a fixed set of values declares it in `choices`
+            if "choices" in spec.metadata:
+                _choice(spec.name, getattr(self, spec.name), spec.metadata["choices"])
         if self.reject_max is not None:
             _number("reject_max", self.reject_max)
         if self.reject_min is not None:
@@ -144,7 +137,6 @@ class LossConfig:
         if self.policy_loss == "cispo" and (self.dual_clip is not None or self.delta is not None):
             field_name = "dual_clip" if self.dual_clip is not None else "delta"
             raise ValueError(f"LossConfig.{field_name}: a PPO clip, which cispo does not use")
-        _choice("normalization", self.normalization, NORMALIZATIONS)
         if not _number("is_cap", self.is_cap) > 0:
             raise ValueError(f"LossConfig.is_cap: must be > 0, got {self.is_cap!r}")
         _number("kl_threshold", self.kl_threshold)

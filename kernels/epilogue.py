@@ -131,10 +131,10 @@ def rejection(numerator: torch.Tensor, gen_logprobs: torch.Tensor, seq: torch.Te
     reject_min <= statistic <= reject_max. emptied: sequences that had counted tokens and have none left."""
     zero = numerator.new_zeros(())
     d = torch.where(counted, kl_per_token(gen_logprobs - numerator.detach(), cfg.reject_estimator), zero)
+    count = segment_sum(counted.to(d.dtype), seq, num_seqs)
     if cfg.reject == "token":
         stat = d
     else:
-        count = segment_sum(counted.to(d.dtype), seq, num_seqs)
         if cfg.reject == "max":
             masked = torch.where(counted, d, torch.full_like(d, -torch.inf))
             per_seq = d.new_full((num_seqs,), -torch.inf).scatter_reduce(0, seq, masked, "amax", include_self=True)
@@ -147,8 +147,7 @@ def rejection(numerator: torch.Tensor, gen_logprobs: torch.Tensor, seq: torch.Te
     if cfg.reject_min is not None:
         keep &= stat >= cfg.reject_min
     kept = counted & keep
-    had = segment_sum(counted.to(d.dtype), seq, num_seqs) > 0
-    emptied = had & ~(segment_sum(kept.to(d.dtype), seq, num_seqs) > 0)
+    emptied = (count > 0) & ~(segment_sum(kept.to(d.dtype), seq, num_seqs) > 0)
     return kept, emptied
 
 

@@ -105,10 +105,7 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
     # KL_i and the filter
     kls, filtered, eff_adv = [], [], []
     for i, (toks, l, g, o) in enumerate(seq_terms):
-        x = torch.clamp(g - l.detach(), -CLAMP, CLAMP)
-        k = {"k3": lambda: torch.exp(x) - x - 1, "k2": lambda: x * x / 2, "k1": lambda: -x, "k1-gen": lambda: x,
-             "k3-gen": lambda: torch.exp(-x) - 1 + x}[cfg.kl_estimator]()
-        kl = float(k.sum())
+        kl = sum(_kl_term(float(gt) - float(lt), cfg.kl_estimator) for gt, lt in zip(g, l.detach()))
         if cfg.kl_reduction == "mean":
             kl = kl / max(len(toks), 1)
         elif cfg.kl_reduction == "padded_mean":

@@ -331,6 +331,25 @@ def _part(problem, extra, lo: int, hi: int):
     return part, part_extra, slice(a, b)
 
 
+def _run_parts(problem, cfg, extra, backend, fused):
+    """The 8-sequence problem as micro-batches [0, 3), [3, 7), [7, 8), each given the whole batch's counts:
+    (summed loss, summed gradients, the outputs, the counts)."""
+    counts = dict(num_sequences=8, num_tokens=int((problem.targets != cfg.ignore_index).sum()))
+    loss, outputs, grads = 0.0, [], {}
+    for lo, hi in ((0, 3), (3, 7), (7, 8)):
+        part, part_extra, rows = _part(problem, extra, lo, hi)
+        out, part_grads = run_ours(part, cfg, {**part_extra, **counts}, backend, fused)
+        loss += float(out.loss.detach())
+        outputs.append(out)
+        for k, g in part_grads.items():
+            if k in ("hidden", "logits"):  # per-row gradients: this part's rows only
+                full = grads.setdefault(k, g.new_zeros((int(problem.cu[-1]), *g.shape[1:])))
+                full[rows] += g
+            else:
+                grads[k] = grads[k] + g if k in grads else g.clone()
+    return loss, grads, outputs, counts
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-linear", "logits"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", MICRO_CASES)
@@ -342,19 +361,7 @@ def test_micro_batches_with_the_whole_counts_add_up_to_one_call(case, backend, f
     if case.startswith("gepo"):
         extra["group_ids"] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])  # split at group boundaries only
     whole, whole_grads = run_ours(problem, cfg, extra, backend, fused)
-    counts = dict(num_sequences=8, num_tokens=int((problem.targets != cfg.ignore_index).sum()))
-    loss, outputs = 0.0, []
-    grads = {k: torch.zeros_like(v) for k, v in whole_grads.items()}
-    for lo, hi in ((0, 3), (3, 7), (7, 8)):
-        part, part_extra, rows = _part(problem, extra, lo, hi)
-        out, part_grads = run_ours(part, cfg, {**part_extra, **counts}, backend, fused)
-        loss += float(out.loss.detach())
-        outputs.append(out)
-        for k, g in part_grads.items():
-            if k in ("hidden", "logits"):
-                grads[k][rows] += g
-            else:
-                grads[k] += g
+    loss, grads, outputs, _ = _run_parts(problem, cfg, extra, backend, fused)
     whole_loss = float(whole.loss.detach())
     assert abs(loss - whole_loss) <= 1e-6 * max(1.0, abs(whole_loss))
     for k in grads:
@@ -391,18 +398,7 @@ def test_rejection_micro_batches_rescaled_by_the_kept_counts_add_up_to_one_call(
         extra["group_ids"] = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
     whole, whole_grads = run_ours(problem, cfg, extra, "torch", True)
     assert 0 < float(whole.stats["rejected_frac"]) < 1
-    counts = dict(num_sequences=8, num_tokens=int((problem.targets != cfg.ignore_index).sum()))
-    loss, outputs = 0.0, []
-    grads = {k: torch.zeros_like(v) for k, v in whole_grads.items()}
-    for lo, hi in ((0, 3), (3, 7), (7, 8)):
-        part, part_extra, rows = _part(problem, extra, lo, hi)
-        out, part_grads = run_ours(part, cfg, {**part_extra, **counts}, "torch", True)
-        loss += float(out.loss.detach())
-        outputs.append(out)
-        for k, g in part_grads.items():
-            grads[k][rows] += g if k == "hidden" else 0
-            if k != "hidden":
-                grads[k] += g
+    loss, grads, outputs, counts = _run_parts(problem, cfg, extra, "torch", True)
     scale = ftis_kernels.rejection_scale(cfg, ftis_kernels.combine_stats(outputs), **counts)
     if case.endswith("constant"):
         assert scale == 1.0

@@ -40,8 +40,8 @@ def _logps(p, logits):
     return torch.log_softmax(logits, -1).gather(-1, p["ids"][..., None])[..., 0]
 
 
-def ours(p, cfg: LossConfig, with_old: bool = True):
-    """Our op on the same problem, packed: (loss, d loss / d logits [B, T, V])."""
+def ours(p, cfg: LossConfig, with_old: bool = True, num_tokens: int | None = None):
+    """Our op on the same problem, packed: (loss, d loss / d logits [B, T, V], the LossOutput)."""
     logits = p["logits"].clone().requires_grad_()
     keep = p["mask"].bool()
     lengths = keep.sum(1)
@@ -49,7 +49,7 @@ def ours(p, cfg: LossConfig, with_old: bool = True):
     cu[1:] = torch.cumsum(lengths, 0)
     out = ftis_kernels.ftis_loss(
         logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg, backend="torch",
-        old_logprobs=p["old"][keep] if with_old else None,
+        old_logprobs=p["old"][keep] if with_old else None, num_tokens=num_tokens,
     )
     (grad,) = torch.autograd.grad(out.loss, logits)
     return out.loss.detach(), grad, out
@@ -294,12 +294,6 @@ def test_prime_rl_masked_token_ratio():
     cfg = LossConfig(method="vis", eps_low=1.0, eps_high=1e9, reject="token", reject_estimator="k1-gen",
                      reject_min=-math.log(2.0), reject_max=-math.log(0.5), normalization="token")
     reference = peer(p, prime_rl_loss, loss_scale=tokens)
-    logits = p["logits"].clone().requires_grad_()
-    keep = p["mask"].bool()
-    cu = torch.zeros(B + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(keep.sum(1), 0)
-    out = ftis_kernels.ftis_loss(logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg,
-                                 backend="torch", num_tokens=tokens)
-    (grad,) = torch.autograd.grad(out.loss, logits)
-    assert_same((out.loss.detach(), grad), reference)
-    assert 0 < float(out.stats["rejected_frac"]) < 0.8
+    result = ours(p, cfg, with_old=False, num_tokens=tokens)
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["rejected_frac"]) < 0.8
