@@ -95,11 +95,39 @@ def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last
     return final
 
 
+def finalize_when_staged(run_dir: pathlib.Path, step: int, state: dict, keep_last: int) -> pathlib.Path | None:
+    """Async ranks stage a step whenever they reach it; the one that finds every member of state["members"]
+    staged (rng.pt is the last file a member writes) completes the checkpoint. A lock makes that exactly one."""
+    import fcntl
+
+    root = checkpoint_root(run_dir)
+    with open(root / ".finalize.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        tmp = staging_dir(run_dir, step)
+        if not tmp.is_dir() or not all((tmp / "members" / name / "rng.pt").is_file() for name in state["members"]):
+            return None
+        return finalize_checkpoint(run_dir, step, state, keep_last)
+
+
 def prune(run_dir: pathlib.Path, keep_last: int) -> None:
-    for _, path in complete_checkpoints(run_dir)[:-keep_last]:
+    """Keep the newest keep_last complete checkpoints; remove staging left behind by steps up to the newest (an
+    async member may already be staging a later one)."""
+    found = complete_checkpoints(run_dir)
+    for _, path in found[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
+    newest = found[-1][0] if found else -1
     for leftover in checkpoint_root(run_dir).glob(".tmp-step-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+        number = leftover.name.removeprefix(".tmp-step-")
+        if not number.isdigit() or int(number) <= newest:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def clear_staging(run_dir: pathlib.Path) -> None:
+    """Before a run (re)starts: staging a crashed run left behind must never be completed by the new one."""
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for leftover in root.glob(".tmp-step-*"):
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_state(checkpoint: pathlib.Path) -> dict:

@@ -185,11 +185,54 @@ class EvalSettings(_Section):
     at_start: bool = Field(True, description="Evaluate at step 0 before training.")
 
 
+class LatencySettings(_Section):
+    unit: Literal["steps", "seconds"] = Field(
+        "steps", description="steps: a rollout made at the sender's step t reaches the receiver at its step t + delay; "
+                             "seconds: it is delivered delay seconds after it was made.")
+    min: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Smallest delay (whole steps when unit: steps).")
+    max: float = Field(0.0, ge=0.0, allow_inf_nan=False,
+                       description="Largest delay; each batch's delay is drawn uniformly from [min, max] (seeded by "
+                                   "the run seed, sender, receiver and step). min == max: a fixed delay.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        """`swarm.latency: 2` is a fixed delay of 2 steps."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"unit": "steps", "min": value, "max": value}
+        return value
+
+    @model_validator(mode="after")
+    def _ordered(self) -> LatencySettings:
+        if self.max < self.min:
+            raise ValueError(f"max={self.max:g} is smaller than min={self.min:g}")
+        if self.unit == "steps" and (self.min != int(self.min) or self.max != int(self.max)):
+            raise ValueError("unit steps: min and max must be whole numbers of steps")
+        return self
+
+    @property
+    def is_zero(self) -> bool:
+        return self.max == 0
+
+
 class SwarmSettings(_Section):
+    mode: Literal["sync", "async"] = Field(
+        "sync", description="sync: every member waits for every member each step (the F-TIS paper); async: nobody "
+                            "waits: a member publishes its rollouts when scored and trains on the peers' that have "
+                            "arrived (HeteroRL / GEPO), within max_staleness and max_delay_s.")
+    max_staleness: int = Field(
+        8, ge=0, description="async: a peer rollout older than this many of the receiver's steps (its policy "
+                             "version behind the receiver's) is dropped and counted in stale_dropped.")
+    max_delay_s: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False,
+        description="async: a peer rollout made longer ago than this (seconds, by the sender's clock) is dropped.")
+    latency: LatencySettings = Field(
+        default_factory=LatencySettings,
+        description="async: a simulated delay added to every delivery (for delay studies on one machine).")
     timeout_s: float = Field(
         1800.0, gt=0.0,
-        description="Timeout of every collective; a dead or hung peer ends the run. Members also wait for each "
-                    "other's generation and eval, so it must exceed the slowest member's eval.",
+        description="Timeout of every collective; a dead or hung peer ends the run. In sync mode members also wait "
+                    "for each other's generation and eval, so it must exceed the slowest member's eval.",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl when members are on GPUs, else gloo.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")
@@ -234,6 +277,11 @@ class RunConfig(_Section):
         if self.collaboration != "horizontal" and self.rollout.prompts_per_step < len(self.members):
             raise ValueError("rollout.prompts_per_step must be >= the number of members (each member needs a prompt)")
         self.algorithm.loss_config(self.rollout.temperature)  # with the sampler's temperature
+        if self.swarm.mode == "sync" and not self.swarm.latency.is_zero:
+            raise ValueError("swarm.latency: a delay needs swarm.mode: async (sync members wait for each other)")
+        if self.swarm.mode == "async" and self.collaboration == "horizontal":
+            raise ValueError("swarm.mode: async needs collaboration vertical or alone (a horizontal group's shares "
+                             "would arrive at different steps and never form a whole group)")
         return self
 
 

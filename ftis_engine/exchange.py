@@ -119,7 +119,10 @@ class RolloutChecker:
     def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
         """Decode and validate a peer's buffer, re-score every rollout; raise RolloutError on any problem.
         dealt: prompt index -> completions the sender was dealt this step (None: not checked)."""
-        rollouts = decode(buffer)
+        return self.check(decode(buffer), sender, dealt)
+
+    def check(self, rollouts: list[Rollout], sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
+        """`accept` for rollouts already decoded."""
         validate(rollouts, sender=sender, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens,
                  expected=dealt, num_prompts=len(self.task.train))
         try:

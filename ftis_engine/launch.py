@@ -116,7 +116,13 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
         torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
                                              world_size=world, timeout=timeout)
-        exchange = DistributedExchange(rank, world, device, backend)
+        if config.swarm.mode == "async":
+            from .async_exchange import DistributedAsyncExchange, Latency
+
+            exchange = DistributedAsyncExchange(rank, world, device, backend, Latency(config.swarm.latency, config.seed),
+                                                config.swarm.timeout_s)
+        else:
+            exchange = DistributedExchange(rank, world, device, backend)
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank)

@@ -79,20 +79,33 @@ class MetricsLogger:
     """Appends lines to run_dir/metrics.jsonl (flushed and fsynced per line) and mirrors numbers to TensorBoard
     under run_dir/tensorboard as `<member>/<kind>/<key>`."""
 
-    def __init__(self, run_dir: pathlib.Path, purge_step: int | None = None, tensorboard: bool = True):
+    def __init__(self, run_dir: pathlib.Path, purge_step: int | None = None, tensorboard: bool = True,
+                 shared: bool = False, tensorboard_suffix: str = ""):
+        """shared: several processes append to the same metrics.jsonl (async ranks): each line is written under
+        an exclusive lock, so lines never interleave."""
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
+        self._shared = shared
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step,
+                                     filename_suffix=tensorboard_suffix)
 
     def log(self, record: dict) -> None:
+        import fcntl
+
         record = {k: _clean(v) for k, v in record.items()}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        if self._shared:
+            fcntl.flock(self._file, fcntl.LOCK_EX)
+        try:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            if self._shared:
+                fcntl.flock(self._file, fcntl.LOCK_UN)
         if self._tb is not None:
             prefix = f"{record['member']}/{record['kind']}"
             if record["kind"] == "eval":

@@ -2,8 +2,9 @@
 
 The wire format of one member's rollouts is one int32 buffer:
     [S] [S x 6 header words] [N token ids] [N generation log-probs as float32 bits]
-with header words (prompt index, length, reward as float32 bits, member, policy version, finish reason), so a
-step's exchange costs 4 + 24 S + 8 N bytes for S sequences of N tokens in all. No padding goes on the wire.
+with header words (prompt index, length, reward as float32 bits, member, policy version, finish reason, and the
+time it was made in milliseconds since the epoch as two words, low then high), so a step's exchange costs
+4 + 32 S + 8 N bytes for S sequences of N tokens in all. No padding goes on the wire.
 """
 
 from __future__ import annotations
@@ -15,14 +16,16 @@ from dataclasses import dataclass
 import torch
 
 FINISH_REASONS = ("stop", "length")
-HEADER_WORDS = 6
+HEADER_WORDS = 8
 HEADER_BYTES = 4 * HEADER_WORDS
 
 
 @dataclass
 class Rollout:
     """One completion. completion_ids: int32 [L]; gen_logprobs: float32 [L], the generating policy's log-prob of
-    each token at the sampling temperature; reward: as scored by the receiver (peers' claims are re-checked)."""
+    each token at the sampling temperature; reward: as scored by the receiver (peers' claims are re-checked);
+    policy_version: the sender's optimizer steps when it generated (its step - 1); made_at: seconds since the epoch
+    when it was scored (the sender's clock; millisecond resolution on the wire)."""
 
     member: int
     prompt_index: int
@@ -31,6 +34,7 @@ class Rollout:
     reward: float
     finish_reason: str
     policy_version: int
+    made_at: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -56,9 +60,16 @@ def encode(rollouts: list[Rollout]) -> torch.Tensor:
         header[i, 3] = r.member
         header[i, 4] = r.policy_version
         header[i, 5] = FINISH_REASONS.index(r.finish_reason)
+        millis = int(round(r.made_at * 1000))
+        header[i, 6] = _int32(millis & 0xFFFFFFFF)
+        header[i, 7] = _int32(millis >> 32)
     ids = [r.completion_ids.to(torch.int32) for r in rollouts]
     logprobs = [r.gen_logprobs.to(torch.float32).view(torch.int32) for r in rollouts]
     return torch.cat([torch.tensor([n_seq], dtype=torch.int32), header.flatten(), *ids, *logprobs])
+
+
+def _int32(unsigned: int) -> int:
+    return unsigned - (1 << 32) if unsigned >= 1 << 31 else unsigned
 
 
 def _float_bits(value: float) -> int:
@@ -86,6 +97,7 @@ def decode(buffer: torch.Tensor) -> list[Rollout]:
     ids = buffer[start : start + n_tok]
     logprobs = buffer[start + n_tok :].view(torch.float32)
     rewards = header[:, 2].contiguous().view(torch.float32)
+    millis = (header[:, 6].long() & 0xFFFFFFFF) | (header[:, 7].long() << 32)
     out, offset = [], 0
     for i in range(n_seq):
         length = int(lengths[i])
@@ -96,6 +108,7 @@ def decode(buffer: torch.Tensor) -> list[Rollout]:
             member=int(header[i, 3]), prompt_index=int(header[i, 0]),
             completion_ids=ids[offset : offset + length].clone(), gen_logprobs=logprobs[offset : offset + length].clone(),
             reward=float(rewards[i]), finish_reason=FINISH_REASONS[reason], policy_version=int(header[i, 4]),
+            made_at=int(millis[i]) / 1000.0,
         ))
         offset += length
     return out
@@ -140,6 +153,10 @@ def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_t
             raise RolloutError(f"{where}: positive generation log-prob")
         if not math.isfinite(r.reward):
             raise RolloutError(f"{where}: reward is not finite")
+        if r.policy_version < 0:
+            raise RolloutError(f"{where}: negative policy version {r.policy_version}")
+        if r.made_at < 0:
+            raise RolloutError(f"{where}: made before 1970 ({r.made_at:.3f} s since the epoch)")
 
 
 def buffer_digest(buffer: torch.Tensor) -> str:

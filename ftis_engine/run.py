@@ -7,6 +7,11 @@
     4. takes one F-TIS step on all of them (its own on-policy, its peers' off-policy), and syncs its generator.
 Evaluation (greedy pass@1) at step 0, every eval.every steps and at the end; checkpoints every checkpoint.every.
 A Swarm is opened by session.open_run (train, eval, a torchrun rank, an elastic worker alike).
+
+swarm.mode async (the HeteroRL setting) changes step 2 only: a member publishes its rollouts and trains on the
+peers' that have arrived, dropping those more than swarm.max_staleness steps (or max_delay_s seconds) old. With
+one member per process the ranks then never synchronise after the start: each logs its own records, stages its
+own checkpoint (the last member to stage step N completes it) and leaves when done.
 """
 
 from __future__ import annotations
@@ -22,15 +27,16 @@ import torch
 from ftis_kernels import LossConfig, group_advantages
 
 from .batch import TrainItem
-from .checkpoint import finalize_checkpoint, latest_checkpoint, stage_members
+from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, latest_checkpoint, stage_members
 from .config import RunConfig
 from .evaluate import evaluate_member
-from .exchange import Exchange, RolloutChecker, receive
+from .async_exchange import DistributedAsyncExchange, Parcel
+from .exchange import Delivery, Exchange, RolloutChecker, receive
 from .generation import SamplingSettings
 from .members import Member
 from .metrics import MetricsLogger, Stopwatch, eval_record, train_record, truncate_metrics
 from .progress import LEGEND, Progress, summary_line
-from .rollouts import Rollout, encode, max_buffer_words
+from .rollouts import Rollout, RolloutError, decode, encode, max_buffer_words
 from .tasks import Task, prompt_ids
 from .update import DivergenceError, update_member
 
@@ -56,6 +62,11 @@ class Swarm:
     @property
     def is_main(self) -> bool:
         return self.exchange.rank == 0
+
+    @property
+    def independent(self) -> bool:
+        """Ranks that never synchronise after the start (async mode, one member per process)."""
+        return isinstance(self.exchange, DistributedAsyncExchange)
 
     def prompt(self, member: Member, index: int) -> list[int]:
         key = (member.index, index)
@@ -116,6 +127,8 @@ def sampling_seed(seed: int, step: int, member: int) -> int:
 
 def run_step(swarm: Swarm, step: int) -> list[dict]:
     """One step of the members this process holds: the paper's algorithm box, verb by verb."""
+    if swarm.config.swarm.mode == "async":
+        return run_async_step(swarm, step)
     dealt = deal_step(swarm, step)
     watches = {m.index: Stopwatch() for m in swarm.members}
     own = {}
@@ -137,6 +150,95 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     return records
 
 
+def run_async_step(swarm: Swarm, step: int) -> list[dict]:
+    """One step in swarm.mode async: publish as soon as scored, train on the fresh peer rollouts that have arrived
+    (nobody waits). With every member in one process and no latency this is exactly the sync step."""
+    dealt = deal_step(swarm, step)
+    watches = {m.index: Stopwatch() for m in swarm.members}
+    own = {}
+    for member in swarm.members:
+        with watches[member.index]("gen_seconds"), member.generator.awake():
+            own[member.index] = generate_rollouts(swarm, member, step, dealt[member.index])
+    buffers = {m: encode(r) for m, r in own.items()}
+    start = time.perf_counter()
+    collaborating = swarm.config.collaboration != "alone"
+    sent = swarm.exchange.publish(buffers, step) if collaborating else {m: 0 for m in buffers}
+    published = time.perf_counter() - start
+    records = []
+    for member in swarm.members:
+        with watches[member.index]("exchange_wait_seconds"):
+            parcels = swarm.exchange.collect(member.index, step) if collaborating else []
+        got = receive_parcels(swarm, member.index, step, parcels)
+        items = training_items(swarm, member, own[member.index] + got.rollouts)
+        with watches[member.index]("train_seconds"):
+            stats = update(swarm, member, items, step)
+        member.generator.sync(member.model)
+        delivery = Delivery({member.index: {member.index: buffers[member.index]}}, sent,
+                            watches[member.index].seconds["exchange_wait_seconds"], published)
+        record = train_record(step, member.index, swarm.names, own[member.index], own[member.index] + got.rollouts,
+                              len(got.rejected), stats, watches[member.index], delivery,
+                              member.optimizer.param_groups[0]["lr"])
+        watch = watches[member.index].seconds
+        record.update(got.metrics(), in_flight=swarm.exchange.in_flight(member.index) if collaborating else 0,
+                      step_seconds=watch["gen_seconds"] + watch["train_seconds"] + watch["exchange_wait_seconds"]
+                      + published)
+        records.append(record)
+    return records
+
+
+@dataclass
+class ReceivedParcels:
+    """What a receiver made of the parcels it collected: the peer rollouts it trains on, and what it did not."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (sender, reason): failed the checks
+    stale_dropped: int = 0  # rollouts older than swarm.max_staleness steps or max_delay_s seconds
+    staleness: list[int] = field(default_factory=list)  # per peer rollout trained on, in the receiver's steps
+    age_seconds: list[float] = field(default_factory=list)  # per peer rollout trained on, made -> collected
+    digests: dict[str, str] = field(default_factory=dict)  # "sender@step" -> buffer digest
+
+    def metrics(self) -> dict:
+        def spread(name: str, values: list) -> dict:
+            if not values:
+                return {f"{name}_min": None, f"{name}_mean": None, f"{name}_max": None}
+            return {f"{name}_min": min(values), f"{name}_mean": sum(values) / len(values), f"{name}_max": max(values)}
+
+        return {**spread("staleness", self.staleness), **spread("staleness_seconds", self.age_seconds),
+                "stale_dropped": self.stale_dropped, "peer_sequences": len(self.rollouts),
+                "received_sha256": self.digests}
+
+
+def receive_parcels(swarm: Swarm, receiver: int, step: int, parcels: list[Parcel]) -> ReceivedParcels:
+    """Decode each parcel; drop it whole when too old (counted), else validate and re-score it against the deal
+    of the sender's step, as in sync mode. Staleness = the receiver's policy version - the rollouts' version."""
+    from .rollouts import buffer_digest
+
+    cfg, names, out = swarm.config.swarm, swarm.names, ReceivedParcels()
+    now = time.time()
+    for parcel in parcels:
+        out.digests[f"{names[parcel.sender]}@{parcel.step}"] = buffer_digest(parcel.buffer)
+        try:
+            if not 1 <= parcel.step <= swarm.config.train.steps:
+                raise RolloutError(f"parcel of step {parcel.step}, outside 1..train.steps={swarm.config.train.steps}")
+            rollouts = decode(parcel.buffer)
+            if any(r.policy_version != parcel.step - 1 for r in rollouts):
+                raise RolloutError(f"a policy version differs from its parcel's step {parcel.step} - 1")
+            staleness = step - parcel.step
+            age = max(0.0, now - min((r.made_at for r in rollouts), default=now))
+            if staleness > cfg.max_staleness or (cfg.max_delay_s is not None and age > cfg.max_delay_s):
+                out.stale_dropped += len(rollouts)
+                continue
+            dealt = deal_step(swarm, parcel.step)[parcel.sender]
+            out.rollouts += swarm.checkers[receiver].check(rollouts, parcel.sender, dealt)
+            out.staleness += [staleness] * len(rollouts)
+            out.age_seconds += [max(0.0, now - r.made_at) for r in rollouts]
+        except RolloutError as exc:
+            out.rejected.append((parcel.sender, str(exc)))
+            log.warning("%s: dropped the rollouts of peer %s (member %d) of its step %d: %s", names[receiver],
+                        names[parcel.sender], parcel.sender, parcel.step, exc)
+    return out
+
+
 def generate_rollouts(swarm: Swarm, member: Member, step: int, dealt: dict[int, int]) -> list[Rollout]:
     """The member's completions of its dealt prompts, scored, as Rollouts of policy version step - 1."""
     config, task = swarm.config.rollout, swarm.task
@@ -154,8 +256,9 @@ def generate_rollouts(swarm: Swarm, member: Member, step: int, dealt: dict[int, 
         completions = [(p, c) for p, group in zip(prompts, groups) for c in group]
         rewards = task.score(member.tokenizer, [c.token_ids for _, c in completions],
                              [task.train[p] for p, _ in completions])
+        made_at = time.time()
         rollouts += [Rollout(member=member.index, prompt_index=p, completion_ids=c.token_ids, gen_logprobs=c.logprobs,
-                             reward=reward, finish_reason=c.finish_reason, policy_version=step - 1)
+                             reward=reward, finish_reason=c.finish_reason, policy_version=step - 1, made_at=made_at)
                      for (p, c), reward in zip(completions, rewards)]
     swarm.progress.finish(bar)
     return rollouts
@@ -164,10 +267,21 @@ def generate_rollouts(swarm: Swarm, member: Member, step: int, dealt: dict[int, 
 def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:
     """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G)."""
     rewards = torch.tensor([r.reward for r in rollouts])
-    groups = torch.tensor([r.prompt_index for r in rollouts])
+    groups = torch.tensor(group_ids(rollouts, swarm.config.collaboration))
     advantages = group_advantages(rewards, groups, scale=swarm.config.algorithm.scale_rewards == "group")
-    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), r.prompt_index)
-            for r, a in zip(rollouts, advantages)]
+    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g))
+            for r, a, g in zip(rollouts, advantages, groups)]
+
+
+def group_ids(rollouts: list[Rollout], collaboration: str) -> list[int]:
+    """A group id per rollout. horizontal: its prompt (the swarm shares each prompt's group); else one member's
+    completions of one prompt at one policy version (in async mode a batch may hold the same prompt twice, from
+    different steps). Ids follow the prompt order, so micro-batches split alike in both cases."""
+    if collaboration == "horizontal":
+        return [r.prompt_index for r in rollouts]
+    keys = [(r.prompt_index, r.member, r.policy_version) for r in rollouts]
+    index = {key: i for i, key in enumerate(sorted(set(keys)))}
+    return [index[key] for key in keys]
 
 
 def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> dict[str, float]:
@@ -207,11 +321,14 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
 
 def save_checkpoint(swarm: Swarm, step: int) -> None:
     cfg = swarm.config.checkpoint
+    state = {"data_position": step * swarm.config.rollout.prompts_per_step, "members": swarm.names}
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer)
+    if swarm.independent:  # no barrier: whoever stages step N last completes it
+        finalize_when_staged(swarm.run_dir, step, state, cfg.keep_last)
+        return
     swarm.exchange.barrier()  # every rank has staged its members
     if swarm.is_main:
-        finalize_checkpoint(swarm.run_dir, step, {"data_position": step * swarm.config.rollout.prompts_per_step,
-                                                  "members": swarm.names}, cfg.keep_last)
+        finalize_checkpoint(swarm.run_dir, step, state, cfg.keep_last)
     swarm.exchange.barrier()
 
 
@@ -228,9 +345,16 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
         truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 is logged anew
+        clear_staging(run_dir)
     swarm.exchange.barrier()
-    # rank 0 writes what every rank reports; TensorBoard forgets what the truncated log dropped
-    logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0) if swarm.is_main else None
+    if swarm.independent:  # the exchange's threads start once every rank has opened the run
+        swarm.exchange.start(lambda sender, step: parcel_limit(swarm, sender, step))
+    # rank 0 writes what every rank reports (async ranks each write their own); TensorBoard forgets what the
+    # truncated log dropped
+    writes = swarm.is_main or swarm.independent
+    logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0, shared=swarm.independent,
+                           tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "") \
+        if writes else None
     steps = config.train.steps
     final: list[dict] = []
     try:
@@ -255,12 +379,17 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
                 if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                     save_checkpoint(swarm, step)
             if start_step >= steps:  # nothing left to train: report the finished run's accuracy
-                final = swarm.exchange.gather_records(evaluate_all(swarm, steps))
+                final = evaluate_all(swarm, steps)
+                final = final if swarm.independent else swarm.exchange.gather_records(final)
+            if swarm.config.swarm.mode == "async":
+                swarm.exchange.finish()  # say DONE to the peers, drain their late buffers
     finally:
         swarm.close()
         if logger is not None:
             logger.close()
-    if swarm.is_main:
+    if swarm.independent:
+        write_final_shared(run_dir, final)
+    elif swarm.is_main:
         from .plots import make_plots
 
         make_plots(run_dir)
@@ -268,11 +397,40 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     return final
 
 
+def parcel_limit(swarm: Swarm, sender: int, step: int) -> int:
+    """The most words an honest parcel of `sender`'s `step` holds (0 for a step that cannot exist)."""
+    if not 1 <= step <= swarm.config.train.steps or not 0 <= sender < len(swarm.names):
+        return 0
+    return buffer_limits(swarm, deal_step(swarm, step))[sender]
+
+
+def write_final_shared(run_dir: pathlib.Path, final: list[dict]) -> None:
+    """Async ranks finish at different times: each merges its members' final evals into final_eval.json and
+    redraws the plots, under a lock (the last to finish leaves the complete picture)."""
+    import fcntl
+
+    from .plots import NothingToPlot, make_plots
+
+    with open(run_dir / ".final.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        path = run_dir / "final_eval.json"
+        mine = {r["member"] for r in final}
+        kept = [r for r in (json.loads(path.read_text()) if path.is_file() else []) if r["member"] not in mine]
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(kept + final, indent=2))
+        tmp.replace(path)
+        try:
+            make_plots(run_dir)
+        except NothingToPlot:
+            pass
+
+
 def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[dict],
          timing: tuple[float, float] | None = None) -> list[dict]:
     """Gather every rank's records; rank 0 writes them and prints the step's summary line (with the step's
     seconds and the time left, from the mean step so far)."""
-    records = swarm.exchange.gather_records(records)
+    if not swarm.independent:
+        records = swarm.exchange.gather_records(records)
     if logger is not None:
         for record in records:
             logger.log(record)

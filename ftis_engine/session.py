@@ -231,6 +231,10 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     exchange: this process's transport (None: every member lives in this process); the members it holds are
     its rank's (one member per rank) or all of them.
     """
+    if exchange is None and config.swarm.mode == "async" and checkpoint is None:
+        from .async_exchange import Latency, LocalAsyncExchange
+
+        exchange = LocalAsyncExchange(list(range(len(config.members))), Latency(config.swarm.latency, config.seed))
     exchange = exchange or LocalExchange()
     distributed = exchange.world_size > 1
     local = [exchange.rank] if distributed else list(range(len(config.members)))
@@ -269,7 +273,9 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
                 for m in members}
     swarm = Swarm(
         config=config, task=task, members=members,
-        exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
+        # async steps handle alone themselves (they publish nothing); the Alone wrapper is for sync shares
+        exchange=Alone(exchange) if config.collaboration == "alone" and config.swarm.mode == "sync" else exchange,
+        run_dir=run_dir,
         progress=progress or Progress(enabled=exchange.rank == 0), train_indices=train_indices,
         names=[m.name for m in config.members], checkers=checkers,
         loss_config=config.algorithm.loss_config(config.rollout.temperature),

@@ -25,7 +25,7 @@ def test_wire_round_trip_is_bit_exact_and_costs_8_bytes_a_token_plus_header():
     buffer = encode(rollouts)
     tokens = sum(r.num_tokens for r in rollouts)
     assert buffer.dtype == torch.int32
-    assert buffer.numel() * 4 == wire_bytes(3, tokens) == 4 + 24 * 3 + 8 * tokens
+    assert buffer.numel() * 4 == wire_bytes(3, tokens) == 4 + 32 * 3 + 8 * tokens
     back = decode(buffer)
     for a, b in zip(rollouts, back):
         assert torch.equal(a.completion_ids, b.completion_ids)
