@@ -301,6 +301,9 @@ def format_validation_error(error: ValidationError) -> str:
         field = loss_field.group(1)
         where = "rollout.temperature" if field == "temperature" else f"algorithm.{field}"
         message = loss_field.group(2)
+    own_field = re.match(r"([a-z_]+(?:\.[a-z_0-9]+)+):? (.*)", message) if where == "config" else None
+    if own_field:  # a whole-config check that names its field first
+        where, message = own_field.group(1), own_field.group(2)
     if first["type"] == "extra_forbidden":
         message = "unknown key"
     elif first["type"] == "missing":

@@ -133,9 +133,24 @@ def read_metrics(path: pathlib.Path) -> list[dict]:
     return lines
 
 
-def truncate_metrics(path: pathlib.Path, last_step: int) -> None:
-    """Keep only the records of steps <= last_step (the resumed run rewrites what came after), atomically."""
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= last_step]
+def truncate_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
+    """Keep only the records of steps <= last_step (the resumed run rewrites what came after), atomically;
+    returns the records dropped."""
+    records = read_metrics(path)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
+    return [r for r in records if r.get("step", 0) > last_step]
+
+
+def resume_records(step: int, names: list[str], dropped: list[dict]) -> list[dict]:
+    """`kind: resume` records of a run resumed at `step`: per member, the steps it had logged after the checkpoint
+    and the rollouts it had generated in them. Their updates are rolled back and what was in flight is gone: all
+    are lost, never half-used (the resumed run generates its steps anew)."""
+    out = []
+    for name in names:
+        lost = [r for r in dropped if r.get("kind") == "train" and r.get("member") == name]
+        out.append({"step": step, "member": name, "kind": "resume", "lost_steps": len(lost),
+                    "lost_rollouts": sum(int(r.get("own_sequences", 0)) for r in lost)})
+    return out

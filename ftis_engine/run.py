@@ -34,7 +34,7 @@ from .async_exchange import DistributedAsyncExchange, Parcel
 from .exchange import Delivery, Exchange, RolloutChecker, receive
 from .generation import SamplingSettings
 from .members import Member
-from .metrics import MetricsLogger, Stopwatch, eval_record, train_record, truncate_metrics
+from .metrics import MetricsLogger, Stopwatch, eval_record, resume_records, train_record, truncate_metrics
 from .progress import LEGEND, Progress, summary_line
 from .rollouts import Rollout, RolloutError, decode, encode, max_buffer_words
 from .tasks import Task, prompt_ids
@@ -344,7 +344,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
-        truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 is logged anew
+        dropped = truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 anew
         clear_staging(run_dir)
     swarm.exchange.barrier()
     if swarm.independent:  # the exchange's threads start once every rank has opened the run
@@ -355,6 +355,9 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0, shared=swarm.independent,
                            tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "") \
         if writes else None
+    if swarm.is_main and start_step:
+        for record in resume_records(start_step, swarm.names, dropped):
+            logger.log(record)
     steps = config.train.steps
     final: list[dict] = []
     try:

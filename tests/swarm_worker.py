@@ -1,5 +1,6 @@
 """One rank of a hand-launched swarm (as torchrun would start it), for the tests: `python swarm_worker.py MODE
-ARGS...` runs `ftis-engine ARGS` in this process; MODE other than `none` corrupts what this rank puts on the wire."""
+ARGS...` runs `ftis-engine ARGS` in this process; MODE other than `none` corrupts what this rank puts on the wire (sync: the
+corruption's name; async: async-<name>), or slows its member down (slow:<seconds per step>)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,28 @@ def corrupt(buffer: torch.Tensor, mode: str) -> torch.Tensor:
 
 def main() -> None:
     mode, args = sys.argv[1], sys.argv[2:]
-    if mode != "none":
+    if mode.startswith("slow:"):  # this rank's member generates `seconds` slower each step (a slow peer)
+        import time
+
+        from ftis_engine import run
+
+        seconds, honest_generate = float(mode.split(":")[1]), run.generate_rollouts
+
+        def generate_rollouts(*a, **k):
+            time.sleep(seconds)
+            return honest_generate(*a, **k)
+
+        run.generate_rollouts = generate_rollouts
+    elif mode.startswith("async-"):  # async mode: corrupt what this rank publishes
+        from ftis_engine import async_exchange
+
+        honest_publish, how = async_exchange.DistributedAsyncExchange.publish, mode.removeprefix("async-")
+
+        def publish(self, buffers, step):
+            return honest_publish(self, {self.rank: corrupt(buffers[self.rank], how)}, step)
+
+        async_exchange.DistributedAsyncExchange.publish = publish
+    elif mode != "none":
         honest_share = exchange.DistributedExchange.share
 
         def share(self, buffers, limits=None):

@@ -63,7 +63,7 @@ def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
     for r in lines:
         if r["kind"] == "train":
             own = r["exchange_sequences"]
-            assert r["exchange_bytes"] == 4 + 24 * own + 8 * r["exchange_tokens"] and own == 2 * 4
+            assert r["exchange_bytes"] == 4 + 32 * own + 8 * r["exchange_tokens"] and own == 2 * 4
             assert r["tokens"] > r["exchange_tokens"]  # trained on its peer's rollouts too
     assert (run_dir / "config.yaml").is_file() and any((run_dir / "tensorboard").iterdir())
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]

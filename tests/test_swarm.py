@@ -91,7 +91,7 @@ def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp
     for r in dist:
         for peer, digest in r["received_sha256"].items():
             assert digest == sent[(r["step"], peer)]  # what the peer encoded is what arrived
-        assert r["exchange_bytes"] == 4 + 24 * r["exchange_sequences"] + 8 * r["exchange_tokens"]
+        assert r["exchange_bytes"] == 4 + 32 * r["exchange_sequences"] + 8 * r["exchange_tokens"]
         assert r["sequences"] == 2 * r["own_sequences"]  # its own plus its peer's
     final = json.loads((tmp_path / "dist" / "swarm" / "final_eval.json").read_text())
     assert {r["member"] for r in final} == {"tiny-s", "tiny-m-lora"}  # rank 0 reports every rank's accuracy
