@@ -72,6 +72,9 @@ class Latency:
         return float(rng.randint(int(low), int(high))) if self.settings.unit == "steps" else rng.uniform(low, high)
 
     def schedule(self, parcel: Parcel, receiver: int) -> Parcel:
+        """Set when the parcel becomes usable. No simulated delay: as soon as it has arrived."""
+        if self.settings.is_zero:
+            return parcel
         delay = self.delay(parcel.sender, receiver, parcel.step)
         if self.settings.unit == "steps":
             parcel.due_step = parcel.step + int(delay)

@@ -1,0 +1,106 @@
+"""swarm.mode async across processes (gloo on CPU): nobody waits, staleness stays bounded, every parcel is
+checked, members leave at different times, and a killed rank stops the swarm for a --resume (or a restart)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .helpers import TINY
+from .test_swarm import HERE, _args, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train
+
+pytestmark = pytest.mark.slow
+
+ASYNC = ("swarm.mode=async", "eval.at_start=false", "checkpoint.every=0")
+
+
+def _launch_timed(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300):
+    """Hand-launch `world` ranks (as torchrun would); returns (exit code, stderr, seconds until it exited) each."""
+    port = _free_port()
+    procs, start = [], time.time()
+    for rank in range(world):
+        env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "swarm_worker.py"), (modes or {}).get(rank, "none"),
+                                       *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    ended: dict[int, float] = {}
+    while len(ended) < world and time.time() - start < timeout:
+        for rank, p in enumerate(procs):
+            if rank not in ended and p.poll() is not None:
+                ended[rank] = time.time() - start
+        time.sleep(0.05)
+    return [(p.wait(timeout=10), p.stderr.read(), ended.get(rank)) for rank, p in enumerate(procs)]
+
+
+def test_a_fast_member_never_waits_for_a_slow_one_and_leaves_first(tmp_path):
+    results = _launch_timed(2, _args(tmp_path, "train.steps=6", *ASYNC), modes={1: "slow:2"})
+    assert [code for code, _, _ in results] == [0, 0], results
+    records = _train(_records(tmp_path))
+    fast = [r for r in records if r["member"] == "tiny-s"]
+    slow = [r for r in records if r["member"] == "tiny-m-lora"]
+    assert [r["step"] for r in fast] == [r["step"] for r in slow] == list(range(1, 7))
+    for r in records:  # waiting on the exchange is a small fraction of a step (a lock, no peer)
+        assert r["exchange_wait_seconds"] < 0.05 * r["step_seconds"] + 0.01
+        assert r["staleness_max"] is None or r["staleness_max"] <= 8
+    # the slow member sleeps 2 s a step (12 s): the fast one ran ahead, so it trained on few of its rollouts,
+    # and the slow one on the fast one's newer rollouts (negative staleness: the peer is ahead)
+    assert sum(r["peer_sequences"] for r in fast) < sum(r["own_sequences"] for r in slow)
+    assert min(r["staleness_min"] for r in slow if r["staleness_min"] is not None) < 0
+    # leaving: the fast member said DONE and exited well before the slow one finished; the slow one went on alone
+    assert results[0][2] + 6 < results[1][2]
+    final = json.loads((tmp_path / "swarm" / "final_eval.json").read_text())
+    assert {r["member"] for r in final} == {"tiny-s", "tiny-m-lora"}  # merged by the two ranks as they left
+
+
+def test_three_processes_each_train_on_both_peers_bit_exact(tmp_path):
+    config = tmp_path / "three.yaml"
+    text = TINY.read_text().replace("algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:")
+    config.write_text(text)
+    results = _launch_timed(3, _args(tmp_path, "train.steps=3", "rollout.prompts_per_step=6", *ASYNC, config=config))
+    assert [code for code, _, _ in results] == [0, 0, 0], results
+    records = _train(_records(tmp_path))
+    made = {(r["member"], r["step"]): r["rollouts_sha256"] for r in records}
+    senders = {r["member"]: set() for r in records}
+    for r in records:
+        assert r["rejected_batches"] == 0 and r["stale_dropped"] == 0
+        for key, digest in r["received_sha256"].items():
+            peer, step = key.split("@")
+            assert digest == made[(peer, int(step))]  # what the peer encoded at that step is what arrived
+            senders[r["member"]].add(peer)
+    assert all(len(peers) == 2 for peers in senders.values()), senders
+
+
+@pytest.mark.parametrize("mode", ["ids", "oversized"])
+def test_a_corrupt_peer_parcel_is_dropped_and_the_stream_goes_on(tmp_path, mode):
+    results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={1: f"async-{mode}"})
+    assert [code for code, _, _ in results] == [0, 0], results
+    records = _train(_records(tmp_path))
+    honest = [r for r in records if r["member"] == "tiny-s"]
+    assert sum(r["rejected_batches"] for r in honest) >= 1
+    assert all(r["peer_sequences"] == 0 for r in honest)
+    assert all(r["rejected_batches"] == len(r["received_sha256"]) for r in honest)  # every parcel, and only them
+    cheated = [r for r in records if r["member"] == "tiny-m-lora"]
+    assert all(r["rejected_batches"] == 0 for r in cheated) and sum(r["peer_sequences"] for r in cheated) > 0
+
+
+def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_logged(tmp_path):
+    args = _args(tmp_path, "train.steps=30", "checkpoint.every=2", "swarm.mode=async", "swarm.timeout_s=60")
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _kill_rank_after_first_checkpoint(tmp_path, proc)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "swarm stopped" in err and "--resume" in err, err
+    done = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "swarm" / "checkpoints").glob("step-*"))
+    assert done  # complete checkpoints only: each a state.json and every member
+    for step in done:
+        assert (tmp_path / "swarm" / "checkpoints" / f"step-{step}" / "state.json").is_file()
+    resumed = subprocess.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--resume",
+                              "--set", "train.steps=8"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
+    lost = [r for r in _records(tmp_path) if r["kind"] == "resume"]
+    assert {r["member"] for r in lost} == {"tiny-s", "tiny-m-lora"} and all(r["step"] == done[-1] for r in lost)
