@@ -57,6 +57,9 @@ def train_record(step: int, member: int, names: list[str], own: list[Rollout], t
         "exchange_sequences": len(own) if sent else 0,
         "exchange_seconds": delivery.seconds,
         "exchange_wait_seconds": delivery.wait_seconds,
+        # the member's own step: generating, exchanging (waiting included) and updating; eval excluded
+        "step_seconds": watch.seconds["gen_seconds"] + watch.seconds["train_seconds"] + delivery.wait_seconds
+        + delivery.seconds,
         "rollouts_sha256": buffer_digest(inbox[member]),
         "received_sha256": {names[s]: buffer_digest(b) for s, b in inbox.items() if s != member},
         "rejected_batches": rejected,

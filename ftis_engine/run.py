@@ -178,10 +178,7 @@ def run_async_step(swarm: Swarm, step: int) -> list[dict]:
         record = train_record(step, member.index, swarm.names, own[member.index], own[member.index] + got.rollouts,
                               len(got.rejected), stats, watches[member.index], delivery,
                               member.optimizer.param_groups[0]["lr"])
-        watch = watches[member.index].seconds
-        record.update(got.metrics(), in_flight=swarm.exchange.in_flight(member.index) if collaborating else 0,
-                      step_seconds=watch["gen_seconds"] + watch["train_seconds"] + watch["exchange_wait_seconds"]
-                      + published)
+        record.update(got.metrics(), in_flight=swarm.exchange.in_flight(member.index) if collaborating else 0)
         records.append(record)
     return records
 

@@ -53,3 +53,14 @@ def test_tiny_default_benchmark_records_time_load_and_accuracy(tmp_path):
     assert row["exit_code"] == 0 and row["seconds"] > 0 and row["threads"] == 1
     assert set(row["accuracy"]) == {"tiny-s", "tiny-m-lora"} and "loadavg_1min_before" in row
     assert (tmp_path / "tiny.md").read_text().count("|") > 10
+
+
+@pytest.mark.slow
+def test_async_throughput_benchmark_sync_waits_for_the_slow_member_and_async_does_not(tmp_path):
+    from benchmarks import async_throughput
+
+    result = async_throughput.main(["--quick", "--output", str(tmp_path / "async.json")])
+    sync, asyn = result["modes"]["sync"]["tiny-s"], result["modes"]["async"]["tiny-s"]
+    # rank 1 sleeps 0.3 s before generating each step: sync's fast member waits for it, async's never does
+    assert sync["wait_seconds_per_step"] > 0.2 and asyn["wait_seconds_per_step"] < 0.05
+    assert sync["steps"] == asyn["steps"] == 3 and (tmp_path / "async.md").is_file()
