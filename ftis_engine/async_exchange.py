@@ -38,7 +38,7 @@ from .exchange import DistributedExchange
 log = logging.getLogger("ftis_engine.exchange")
 
 CHUNK_WORDS = 1 << 20  # a body goes in pieces of at most 4 MiB: a receiver drains a refused body in bounded memory
-DATA, DONE = 0, 1
+DATA, DONE, WEIGHTS = 0, 1, 2
 
 
 class PeerLost(RuntimeError):
@@ -156,7 +156,8 @@ class DistributedAsyncExchange(DistributedExchange):
     most words an honest buffer of that sender's step holds (a larger one is drained and refused unread)."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, backend: str, latency: Latency,
-                 timeout_s: float):
+                 timeout_s: float, learners: int | None = None):
+        """learners: ranks 0..learners-1 train (the rest are sampler ranks, which receive no rollouts)."""
         super().__init__(rank, world_size, device, backend)
         import torch.distributed as dist
 
@@ -165,6 +166,10 @@ class DistributedAsyncExchange(DistributedExchange):
         self.timeout_s = timeout_s
         self.latency = latency
         self.peers = [p for p in range(world_size) if p != rank]
+        self.targets = [p for p in range(learners if learners is not None else world_size) if p != rank]
+        self.weights_words = 0  # a sampler rank: the size of the weights it accepts from its learner
+        self._weights: tuple[int, torch.Tensor] | None = None
+        self._weights_lock = threading.Lock()
         self.mailbox = Mailbox()
         self._outboxes: dict[int, queue.Queue] = {p: queue.Queue() for p in self.peers}
         self._done_sent = {p: threading.Event() for p in self.peers}
@@ -188,10 +193,25 @@ class DistributedAsyncExchange(DistributedExchange):
     def publish(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[self.rank].to(torch.int32).contiguous()
         made_at = time.time()
-        for peer in self.peers:
+        for peer in self.targets:
             if not self._done_received[peer].is_set():  # a peer that left gets nothing more
                 self._outboxes[peer].put((DATA, step, buffer, made_at))
-        return {self.rank: 4 * buffer.numel() if self.peers else 0}
+        return {self.rank: 4 * buffer.numel() if self.targets else 0}
+
+    def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
+        """Queue a learner's weights (flat int32 words, see samplers.flatten_weights) of `version` to its samplers."""
+        for peer in samplers:
+            if not self._done_received[peer].is_set():
+                self._outboxes[peer].put((WEIGHTS, version, flat, time.time()))
+
+    def take_weights(self) -> tuple[int, torch.Tensor] | None:
+        """The newest weights that arrived since the last call (version, flat words), or None."""
+        with self._weights_lock:
+            newest, self._weights = self._weights, None
+        return newest
+
+    def peer_done(self, peer: int) -> bool:
+        return self._done_received[peer].is_set()
 
     def collect(self, receiver: int, step: int) -> list[Parcel]:
         if self._lost:
@@ -254,9 +274,14 @@ class DistributedAsyncExchange(DistributedExchange):
                     self._done_received[peer].set()
                     self._outboxes[peer].put((DONE, 0, None, 0.0))  # answer (a no-op if ours went already)
                     return
-                body = self._read_body(peer, step, size)
+                body = self._read_body(peer, step, size, kind)
                 if self._finishing.is_set():
                     continue  # drained, not used: this member has finished
+                if kind == WEIGHTS:
+                    if body.numel():
+                        with self._weights_lock:
+                            self._weights = (step, body)  # the newest wins: a sampler skips versions it missed
+                    continue
                 parcel = Parcel(peer, step, body, millis / 1000.0)
                 self.mailbox.put(self.latency.schedule(parcel, self.rank))
         except Exception as exc:
@@ -264,12 +289,17 @@ class DistributedAsyncExchange(DistributedExchange):
                 self._lost.setdefault(peer, f"receive failed: {_first_line(exc)}")
                 self._done_received[peer].set()  # nothing more will come from it
 
-    def _read_body(self, peer: int, step: int, size: int) -> torch.Tensor:
-        """The body of a DATA parcel: received whole if its size is honest, else read through and refused."""
+    def _read_body(self, peer: int, step: int, size: int, kind: int = DATA) -> torch.Tensor:
+        """The body of a DATA (or WEIGHTS) message: received whole if its size is honest, else read through and
+        refused. Weights are accepted only in exactly the size of this rank's model."""
         import torch.distributed as dist
 
-        limit = self._limit(peer, step) if self._limit is not None else size
-        honest = 1 <= size <= limit
+        if kind == WEIGHTS:
+            limit = self.weights_words
+            honest = size == limit > 0
+        else:
+            limit = self._limit(peer, step) if self._limit is not None else size
+            honest = 1 <= size <= limit
         body = torch.empty(size if honest else 0, dtype=torch.int32)
         scratch = None if honest else torch.empty(min(size, CHUNK_WORDS), dtype=torch.int32)
         for start in range(0, max(size, 0), CHUNK_WORDS):

@@ -82,6 +82,12 @@ class MemberSettings(_Section):
     warm_start: WarmStartSettings | None = Field(
         None, description="A supervised phase on the task's demonstrations before RL (built-in tasks with "
                           "demonstrations: arith); cached, so every run starting from this member reuses it.")
+    samplers: int = Field(
+        0, ge=0, description="swarm.mode async, one process per rank: generator-only ranks added to this member "
+                             "(another GPU or node). They receive its weights (or LoRA adapter) every "
+                             "weight_sync_every steps, generate continuously and stream rollouts tagged with the "
+                             "weight version they used to every member; TIS / F-TIS / GEPO correct the lag.")
+    weight_sync_every: int = Field(1, ge=1, description="Learner steps between weight pushes to its samplers.")
 
     @model_validator(mode="after")
     def _lora_keeps_its_base(self) -> MemberSettings:
@@ -279,10 +285,23 @@ class RunConfig(_Section):
         self.algorithm.loss_config(self.rollout.temperature)  # with the sampler's temperature
         if self.swarm.mode == "sync" and not self.swarm.latency.is_zero:
             raise ValueError("swarm.latency: a delay needs swarm.mode: async (sync members wait for each other)")
+        for i, member in enumerate(self.members):
+            if member.samplers and self.swarm.mode != "async":
+                raise ValueError(f"members.{i}.samplers: sampler ranks need swarm.mode: async (a sync member "
+                                 "trains on what it generated this step)")
         if self.swarm.mode == "async" and self.collaboration == "horizontal":
             raise ValueError("swarm.mode: async needs collaboration vertical or alone (a horizontal group's shares "
                              "would arrive at different steps and never form a whole group)")
         return self
+
+
+def rank_roles(config: RunConfig) -> list[tuple[int, int | None]]:
+    """(member, sampler index) of every rank: ranks 0..M-1 are the members' learners (sampler index None), then
+    each member's members.N.samplers sampler ranks, in member order."""
+    roles: list[tuple[int, int | None]] = [(i, None) for i in range(len(config.members))]
+    for i, member in enumerate(config.members):
+        roles += [(i, k) for k in range(member.samplers)]
+    return roles
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -29,8 +29,13 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     """Run the swarm in several processes; returns the exit code for the command line."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
-    if nproc != len(config.members):
-        raise ConfigError(f"--nproc {nproc}: one member per process, and the config has {len(config.members)} members")
+    from .config import rank_roles
+
+    if nproc != len(rank_roles(config)):
+        samplers = sum(m.samplers for m in config.members)
+        extra = f" and {samplers} sampler rank(s)" if samplers else ""
+        raise ConfigError(f"--nproc {nproc}: one process per member and sampler, and the config has "
+                          f"{len(config.members)} members{extra}")
     from .session import RunLock, check_before_launch, check_run_dir
 
     with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
@@ -105,8 +110,11 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     exchange = None
     try:
         config = validate_config(config_data)
-        if world != len(config.members):
-            raise ConfigError(f"WORLD_SIZE={world}: one member per rank, and the config has {len(config.members)}")
+        from .config import rank_roles
+
+        roles = rank_roles(config)
+        if world != len(roles):
+            raise ConfigError(f"WORLD_SIZE={world}: one rank per member and sampler, and the config has {len(roles)}")
         device = resolve_device(config.train.device, local_rank)
         backend = config.swarm.backend
         if backend == "auto":
@@ -120,13 +128,18 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
             from .async_exchange import DistributedAsyncExchange, Latency
 
             exchange = DistributedAsyncExchange(rank, world, device, backend, Latency(config.swarm.latency, config.seed),
-                                                config.swarm.timeout_s)
+                                                config.swarm.timeout_s, learners=len(config.members))
         else:
             exchange = DistributedExchange(rank, world, device, backend)
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank)
-        train(swarm, start_step)
+        if roles[rank][1] is None:
+            train(swarm, start_step)
+        else:
+            from .samplers import run_sampler
+
+            run_sampler(swarm, start_step)
     except DivergenceError as exc:
         sys.stderr.write(f"error: {exc}\n")
         sys.stderr.flush()

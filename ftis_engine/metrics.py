@@ -64,6 +64,7 @@ def train_record(step: int, member: int, names: list[str], own: list[Rollout], t
         "received_sha256": {names[s]: buffer_digest(b) for s, b in inbox.items() if s != member},
         "rejected_batches": rejected,
         "lr": lr,
+        "ended_at": time.time(),  # seconds since the epoch: orders async members' steps (and sampler rounds)
     }
 
 

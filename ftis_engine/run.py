@@ -173,6 +173,7 @@ def run_async_step(swarm: Swarm, step: int) -> list[dict]:
         with watches[member.index]("train_seconds"):
             stats = update(swarm, member, items, step)
         member.generator.sync(member.model)
+        push_to_samplers(swarm, member, step)
         delivery = Delivery({member.index: {member.index: buffers[member.index]}}, sent,
                             watches[member.index].seconds["exchange_wait_seconds"], published)
         record = train_record(step, member.index, swarm.names, own[member.index], own[member.index] + got.rollouts,
@@ -181,6 +182,15 @@ def run_async_step(swarm: Swarm, step: int) -> list[dict]:
         record.update(got.metrics(), in_flight=swarm.exchange.in_flight(member.index) if collaborating else 0)
         records.append(record)
     return records
+
+
+def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
+    """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
+    settings = swarm.config.members[member.index]
+    if settings.samplers and step % settings.weight_sync_every == 0:
+        from .samplers import flatten_weights, sampler_ranks
+
+        swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flatten_weights(member.model), step)
 
 
 @dataclass
@@ -210,34 +220,48 @@ def receive_parcels(swarm: Swarm, receiver: int, step: int, parcels: list[Parcel
     of the sender's step, as in sync mode. Staleness = the receiver's policy version - the rollouts' version."""
     from .rollouts import buffer_digest
 
+    from .config import rank_roles
+    from .samplers import round_prompts
+
     cfg, names, out = swarm.config.swarm, swarm.names, ReceivedParcels()
+    roles = rank_roles(swarm.config)
     now = time.time()
     for parcel in parcels:
-        out.digests[f"{names[parcel.sender]}@{parcel.step}"] = buffer_digest(parcel.buffer)
+        member, sampler = roles[parcel.sender] if parcel.sender < len(roles) else (parcel.sender, None)
+        who = names[member] if sampler is None else f"{names[member]}/sampler-{sampler}"
+        out.digests[f"{who}@{parcel.step}"] = buffer_digest(parcel.buffer)
         try:
-            if not 1 <= parcel.step <= swarm.config.train.steps:
+            last = swarm.config.train.steps if sampler is None else 2**31 - 1  # a sampler's rounds are unbounded
+            if not 1 <= parcel.step <= last:
                 raise RolloutError(f"parcel of step {parcel.step}, outside 1..train.steps={swarm.config.train.steps}")
             rollouts = decode(parcel.buffer)
-            if any(r.policy_version != parcel.step - 1 for r in rollouts):
-                raise RolloutError(f"a policy version differs from its parcel's step {parcel.step} - 1")
-            staleness = step - parcel.step
+            # a learner's rollouts of step t are version t - 1; a sampler's carry the version of its weights
+            version = parcel.step - 1 if sampler is None else (rollouts[0].policy_version if rollouts else 0)
+            if any(r.policy_version != version for r in rollouts):
+                raise RolloutError(f"a policy version differs from its parcel's ({version})")
+            if version > swarm.config.train.steps:
+                raise RolloutError(f"policy version {version} beyond train.steps={swarm.config.train.steps}")
+            staleness = (step - 1) - version
             age = max(0.0, now - min((r.made_at for r in rollouts), default=now))
             if staleness > cfg.max_staleness or (cfg.max_delay_s is not None and age > cfg.max_delay_s):
                 out.stale_dropped += len(rollouts)
                 continue
-            dealt = deal_step(swarm, parcel.step)[parcel.sender]
-            out.rollouts += swarm.checkers[receiver].check(rollouts, parcel.sender, dealt)
+            dealt = (deal_step(swarm, parcel.step)[member] if sampler is None
+                     else round_prompts(swarm, parcel.sender, parcel.step))
+            out.rollouts += swarm.checkers[receiver].check(rollouts, member, dealt)
             out.staleness += [staleness] * len(rollouts)
             out.age_seconds += [max(0.0, now - r.made_at) for r in rollouts]
         except RolloutError as exc:
             out.rejected.append((parcel.sender, str(exc)))
             log.warning("%s: dropped the rollouts of peer %s (member %d) of its step %d: %s", names[receiver],
-                        names[parcel.sender], parcel.sender, parcel.step, exc)
+                        who, member, parcel.step, exc)
     return out
 
 
-def generate_rollouts(swarm: Swarm, member: Member, step: int, dealt: dict[int, int]) -> list[Rollout]:
-    """The member's completions of its dealt prompts, scored, as Rollouts of policy version step - 1."""
+def generate_rollouts(swarm: Swarm, member: Member, step: int, dealt: dict[int, int],
+                      seed: int | None = None) -> list[Rollout]:
+    """The member's completions of its dealt prompts, scored, as Rollouts of policy version step - 1.
+    seed: the sampling seed (default: the run's seed for this member and step)."""
     config, task = swarm.config.rollout, swarm.task
     by_n: dict[int, list[int]] = {}
     for prompt, n in dealt.items():
@@ -247,7 +271,8 @@ def generate_rollouts(swarm: Swarm, member: Member, step: int, dealt: dict[int, 
     for n, prompts in by_n.items():
         sampling = SamplingSettings(n=n, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                     top_p=config.top_p, top_k=config.top_k,
-                                    seed=sampling_seed(swarm.config.seed, step, member.index))
+                                    seed=seed if seed is not None else sampling_seed(swarm.config.seed, step,
+                                                                                     member.index))
         groups = member.generator.generate([swarm.prompt(member, p) for p in prompts], sampling,
                                            on_batch=lambda k: swarm.progress.advance(bar, k))
         completions = [(p, c) for p, group in zip(prompts, groups) for c in group]
@@ -398,8 +423,17 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
 
 
 def parcel_limit(swarm: Swarm, sender: int, step: int) -> int:
-    """The most words an honest parcel of `sender`'s `step` holds (0 for a step that cannot exist)."""
-    if not 1 <= step <= swarm.config.train.steps or not 0 <= sender < len(swarm.names):
+    """The most words an honest parcel of rank `sender`'s `step` (a sampler's: round) holds (0: cannot exist)."""
+    from .config import rank_roles
+
+    roles = rank_roles(swarm.config)
+    if not 0 <= sender < len(roles):
+        return 0
+    member, sampler = roles[sender]
+    if sampler is not None:  # a round holds one step's share of the member, whole groups
+        sequences = len(deal_step(swarm, 1)[member]) * swarm.config.rollout.group_size
+        return max_buffer_words(sequences, swarm.config.rollout.max_new_tokens) if step >= 1 else 0
+    if not 1 <= step <= swarm.config.train.steps:
         return 0
     return buffer_limits(swarm, deal_step(swarm, step))[sender]
 

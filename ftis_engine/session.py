@@ -20,7 +20,7 @@ import time
 import torch
 
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
-from .config import ConfigError, RunConfig
+from .config import ConfigError, RunConfig, rank_roles
 from .exchange import Alone, Exchange, LocalExchange, RolloutChecker
 from .members import build_member, check_generator_placement, check_warm_start, preflight, resolve_device
 from .models import vocabulary_hash
@@ -237,7 +237,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         exchange = LocalAsyncExchange(list(range(len(config.members))), Latency(config.swarm.latency, config.seed))
     exchange = exchange or LocalExchange()
     distributed = exchange.world_size > 1
-    local = [exchange.rank] if distributed else list(range(len(config.members)))
+    if not distributed and any(m.samplers for m in config.members):
+        first = next(i for i, m in enumerate(config.members) if m.samplers)
+        raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
+                          f"{len(rank_roles(config))} (one per member and sampler) or torchrun")
+    # a rank holds its member: a learner's, or the one a sampler rank generates for
+    local = [rank_roles(config)[exchange.rank][0]] if distributed else list(range(len(config.members)))
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     check_generator_placement(config, distributed=distributed)

@@ -104,3 +104,32 @@ def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_
     assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
     lost = [r for r in _records(tmp_path) if r["kind"] == "resume"]
     assert {r["member"] for r in lost} == {"tiny-s", "tiny-m-lora"} and all(r["step"] == done[-1] for r in lost)
+
+
+def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync_every_behind(tmp_path):
+    args = _args(tmp_path, "train.steps=6", *ASYNC, "members.0.samplers=1", "members.0.weight_sync_every=2")
+    results = _launch_timed(3, args, modes={0: "slow:0.5"})  # the learner is slower than its sampler
+    assert [code for code, _, _ in results] == [0, 0, 0], results
+    records = _records(tmp_path)
+    rounds = [r for r in records if r["kind"] == "sample"]
+    learner = [r for r in _train(records) if r["member"] == "tiny-s"]
+    assert rounds and all(r["member"] == "tiny-s" and r["rank"] == 2 for r in rounds)
+    for r in rounds:  # the learner's version when the round began, minus the weights the round used
+        version_then = sum(1 for t in learner if t["ended_at"] <= r["started_at"])
+        assert 0 <= version_then - r["policy_version"] <= 2, (version_then, r)
+        assert r["policy_version"] % 2 == 0  # weights come every 2 steps: versions 0, 2, 4
+    assert {r["policy_version"] for r in rounds} >= {0, 2}
+    for r in _train(records):  # both learners train on the sampler's rollouts, checked like any peer's
+        assert r["rejected_batches"] == 0
+    used = [k for r in _train(records) for k in r["received_sha256"] if k.startswith("tiny-s/sampler-0@")]
+    assert used and any(k.startswith("tiny-s/sampler-0@") for r in _train(records) if r["member"] == "tiny-s"
+                        for k in r["received_sha256"])
+
+
+def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(tmp_path, "members.0.samplers=1")],
+                            env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().startswith("error: members.0.samplers: sampler ranks need")
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(tmp_path, "members.0.samplers=1", *ASYNC),
+                             "--nproc", "2"], env=_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "--nproc 2: one process per member and sampler" in result.stderr
