@@ -340,11 +340,11 @@ def _parse_value(text: str) -> Any:
 def apply_override(raw: dict, assignment: str) -> None:
     """Apply one `dotted.path=value` override to the raw (unvalidated) config dict; list indices allowed."""
     if "=" not in assignment:
-        raise ConfigError(f"--set {assignment}: expected KEY=VALUE")
+        raise ConfigError(f"--set {' '.join(assignment.split())}: expected KEY=VALUE")
     key, text = assignment.split("=", 1)
     parts = key.strip().split(".")
     if not key.strip() or any(not p for p in parts):
-        raise ConfigError(f"--set {assignment}: empty key")
+        raise ConfigError(f"--set {' '.join(assignment.split())}: empty key")
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
         node = _child(node, part, ".".join(parts[: depth + 1]), create=True)
