@@ -51,6 +51,10 @@ class GroupSettings(_Section):
     set: dict[str, Any] = Field(default_factory=dict, description="Dotted overrides of the base run config.")
     grid: dict[str, list[Any]] = Field(default_factory=dict, description="Dotted key -> values: one group per "
                                        "combination.")
+    baseline: str | None = Field(None, description="The group each of these groups is paired with, seed by seed "
+                                 "(a name template filled like `name`, e.g. '{method}-lat0'): `vs_baseline` in "
+                                 "summary.json and a table in report.md. The member set's alone group is always "
+                                 "paired (`vs_alone`).")
 
     @field_validator("grid")
     @classmethod
@@ -124,6 +128,7 @@ class Group:
     member_set: str
     config: RunConfig  # the first seed's: what the group's runs share
     runs: list[Run]
+    baseline: str | None = None  # the group it is paired with (GroupSettings.baseline, filled)
 
 
 # ----------------------------------------------------------------------------------------------- loading
@@ -151,6 +156,12 @@ def _label(key: str) -> str:
     return key.split(".")[-1]
 
 
+def baseline_name(group: GroupSettings, combo: dict[str, Any]) -> str | None:
+    if group.baseline is None:
+        return None
+    return group.baseline.format(**{_label(k): v for k, v in combo.items()})
+
+
 def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, GroupSettings, dict[str, Any]]]:
     """(index in groups, name, group, its overrides) for every group after grid expansion, in order; --quick keeps
     quick.groups. Names are unique."""
@@ -163,6 +174,11 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
                 name = group.name.format(**{_label(k): v for k, v in combo.items()})
             except (KeyError, IndexError, ValueError) as exc:
                 raise StudyError(f"groups.{i}.name: {group.name!r} cannot be filled from the grid ({exc})") from None
+            try:
+                baseline_name(group, combo)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise StudyError(f"groups.{i}.baseline: {group.baseline!r} cannot be filled from the grid "
+                                 f"({exc})") from None
             if keys and name == group.name:
                 name = group.name + "-" + "-".join(f"{_label(k)}{v}" for k, v in combo.items())
             out.append((i, name, group, {**group.set, **combo}))
@@ -208,8 +224,13 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
             runs.append(Run(group=name, seed=seed, config=config,
                             config_path=output_dir / "configs" / name / f"seed-{seed}.yaml",
                             log_path=output_dir / "logs" / f"{name}-seed-{seed}.log"))
-        groups.append(Group(name=name, member_set=group.members, config=runs[0].config, runs=runs))
+        combo = {k: overrides[k] for k in group.grid}
+        groups.append(Group(name=name, member_set=group.members, config=runs[0].config, runs=runs,
+                            baseline=baseline_name(group, combo)))
     names = {name for _, name, _, _ in expand_groups(study, quick=False)}
+    for group in groups:
+        if group.baseline is not None and group.baseline not in names:
+            raise StudyError(f"groups ({group.name}).baseline: unknown group {group.baseline!r}")
     for f, figure in enumerate(study.figures):
         unknown = [g for g in figure.groups if g not in names]
         if unknown:
@@ -297,7 +318,7 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 TRAIN_STATS = ("reward_mean", "kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac",
-               "entropy_mean", "completion_len_mean")
+               "entropy_mean", "completion_len_mean", "staleness_mean", "stale_dropped")
 # Over the peers' rollouts only. A member's own rollouts come from its current policy (KL 0 up to rounding, never
 # filtered), so the step's mean over all sequences, times sequences / peer sequences, is the mean over the peers':
 # peer_kl_mean is the KL between the members, as the receiver's estimator measures it.
@@ -358,7 +379,8 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "g": config.algorithm.kl_threshold, "is_cap": config.algorithm.is_cap,
             "kl_estimator": config.algorithm.kl_estimator, "kl_reduction": config.algorithm.kl_reduction,
             "steps": config.train.steps, "seeds": [run.seed for run in finished],
-            "runs": [str(run.run_dir) for run in finished], "by_member": {},
+            "runs": [str(run.run_dir) for run in finished], "by_member": {}, "baseline": group.baseline,
+            "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
         per_run = [read_run(run.run_dir) for run in finished]
         for member in entry["members"]:
@@ -406,22 +428,22 @@ def paired_difference(a: dict, b: dict, seeds_a: list[int], seeds_b: list[int]) 
 def add_paired_differences(groups: list[dict]) -> None:
     """Each collaborating group's members get `vs_alone`: per metric and dataset, the paired difference with the
     same member in its member set's alone group (the first one)."""
-    alone = {}
+    alone, by_name = {}, {g["group"]: g for g in groups}
     for g in groups:
         if g["collaboration"] == "alone":
             alone.setdefault(g["member_set"], g)
     for g in groups:
-        base = alone.get(g["member_set"])
-        if base is None or base is g:
-            continue
-        for member, result in g["by_member"].items():
-            ref = base["by_member"].get(member)
-            if ref is None:
+        for key, base in (("vs_alone", alone.get(g["member_set"])), ("vs_baseline", by_name.get(g.get("baseline")))):
+            if base is None or base is g:
                 continue
-            result["vs_alone"] = {
-                metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
-                         if (diff := paired_difference(v, ref[metric][d], g["seeds"], base["seeds"])) is not None}
-                for metric in METRICS}
+            for member, result in g["by_member"].items():
+                ref = base["by_member"].get(member)
+                if ref is None:
+                    continue
+                result[key] = {
+                    metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
+                             if (diff := paired_difference(v, ref[metric][d], g["seeds"], base["seeds"])) is not None}
+                    for metric in METRICS}
 
 
 # ----------------------------------------------------------------------------------------------- outputs
@@ -458,6 +480,8 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
         head = ["group", "member", "method", "collab", "g", "seeds"]
         head += [f"final {d}" for d in datasets] + [f"AUC {d}" for d in datasets] + [f"early {d}" for d in datasets[:1]]
         head += ["peer KL", "peer filtered", "IS w", "truncated", "reward"]
+        asynchronous = any(g.get("swarm_mode") == "async" for g in groups)
+        head += ["staleness"] if asynchronous else []
         lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for g in groups:
             for member, r in g["by_member"].items():
@@ -469,23 +493,33 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
                 row += [_fmt(r["early"].get(d)) for d in datasets[:1]]
                 row += [_fmt_g(t.get("peer_kl_mean")), _fmt_g(t.get("peer_filtered_frac")), _fmt_g(t.get("is_weight_mean")),
                         _fmt_g(t.get("is_truncated_frac")), _fmt_g(t.get("reward_mean"))]
+                row += [_fmt_g(t.get("staleness_mean"))] if asynchronous else []
                 lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-        paired = [(g, member, r["vs_alone"]) for g in groups for member, r in g["by_member"].items() if "vs_alone" in r]
-        if paired:
-            lines += [f"Paired with `{member_set}`'s alone baseline: per seed, this group's number minus the alone "
-                      "run's (same seed: same warm start, same data order), mean and 95% t-interval over seeds.", ""]
-            head = ["group", "member"] + [f"Δ final {d}" for d in datasets] + [f"Δ AUC {d}" for d in datasets]
-            head += [f"Δ early {d}" for d in datasets[:1]]
-            lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-            for g, member, vs in paired:
-                row = [g["group"], member] + [_fmt(vs["final"].get(d)) for d in datasets]
-                row += [_fmt(vs["auc"].get(d)) for d in datasets] + [_fmt(vs["early"].get(d)) for d in datasets[:1]]
-                lines.append("| " + " | ".join(row) + " |")
-            lines.append("")
+        lines += _paired_table(groups, datasets, "vs_alone", f"Paired with `{member_set}`'s alone baseline: per seed, "
+                               "this group's number minus the alone run's (same seed: same warm start, same data "
+                               "order), mean and 95% t-interval over seeds.")
+        lines += _paired_table(groups, datasets, "vs_baseline", "Paired with each group's baseline (Δ = group - "
+                               "baseline, per seed, mean and 95% t-interval over seeds):")
     if figures:
         lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     return "\n".join(lines)
+
+
+def _paired_table(groups: list[dict], datasets: list[str], key: str, intro: str) -> list[str]:
+    """A table of the paired differences `key` (vs_alone, vs_baseline) of every group and member that has them."""
+    paired = [(g, member, r[key]) for g in groups for member, r in g["by_member"].items() if key in r]
+    if not paired:
+        return []
+    head = ["group", "member"] + (["baseline"] if key == "vs_baseline" else [])
+    head += [f"Δ final {d}" for d in datasets] + [f"Δ AUC {d}" for d in datasets] + [f"Δ early {d}" for d in datasets[:1]]
+    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g, member, vs in paired:
+        row = [g["group"], member] + ([g["baseline"]] if key == "vs_baseline" else [])
+        row += [_fmt(vs["final"].get(d)) for d in datasets] + [_fmt(vs["auc"].get(d)) for d in datasets]
+        row += [_fmt(vs["early"].get(d)) for d in datasets[:1]]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
 
 
 def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:

@@ -214,3 +214,33 @@ def test_paired_difference_matches_seeds_and_the_report_shows_it():
     assert "vs_alone" not in groups[0]["by_member"]["m"]
     vs = groups[1]["by_member"]["m"]["vs_alone"]["final"]["d"]
     assert vs["values"] == pytest.approx([0.3, 0.1]) and vs["mean"] == pytest.approx(0.2)
+
+
+def test_a_group_is_paired_with_its_baseline_filled_from_the_grid():
+    from ftis_engine.study import add_paired_differences, report_markdown
+
+    raw = {**MINIMAL, "base": {**MINIMAL["base"], "swarm": {"mode": "async"}},
+           "groups": [{"name": "{method}-lat{latency}", "members": "pair", "baseline": "{method}-lat0",
+                       "grid": {"algorithm.method": ["nois", "tis"], "swarm.latency": [0, 2]}}]}
+    groups = plan(study_module.StudyConfig.model_validate(raw), pathlib.Path("/out"), quick=False)
+    assert [(g.name, g.baseline, g.config.swarm.latency.max) for g in groups] == [
+        ("nois-lat0", "nois-lat0", 0), ("nois-lat2", "nois-lat0", 2), ("tis-lat0", "tis-lat0", 0),
+        ("tis-lat2", "tis-lat0", 2)]
+    bad = {**raw, "groups": [{**raw["groups"][0], "baseline": "{method}-lat9"}]}
+    with pytest.raises(StudyError, match=r"baseline: unknown group 'nois-lat9'"):
+        plan(study_module.StudyConfig.model_validate(bad), pathlib.Path("/out"), quick=False)
+
+    def group(name, baseline, finals):
+        return {"group": name, "member_set": "s", "collaboration": "vertical", "seeds": [0, 1], "baseline": baseline,
+                "method": "tis", "g": 50.0, "swarm_mode": "async",
+                "by_member": {"m": {"final": {"d": {"values": finals, "mean": sum(finals) / 2, "n": 2, "low": 0,
+                                                    "high": 1}}, "auc": {}, "early": {},
+                                    "train": {"staleness_mean": {"mean": 2.0, "n": 2}}}}}
+
+    summary = [group("tis-lat0", "tis-lat0", [0.5, 0.7]), group("tis-lat2", "tis-lat0", [0.2, 0.6])]
+    add_paired_differences(summary)
+    assert "vs_baseline" not in summary[0]["by_member"]["m"]
+    vs = summary[1]["by_member"]["m"]["vs_baseline"]["final"]["d"]
+    assert vs["values"] == pytest.approx([-0.3, -0.1])
+    report = report_markdown({"study": "t", "quick": False, "seeds": [0, 1], "groups": summary}, [])
+    assert "| tis-lat2 | m | tis-lat0 | -0.200" in report and "staleness" in report
