@@ -133,3 +133,17 @@ def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path):
     result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(tmp_path, "members.0.samplers=1", *ASYNC),
                              "--nproc", "2"], env=_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "--nproc 2: one process per member and sampler" in result.stderr
+
+
+def test_with_restarts_a_killed_async_rank_comes_back_and_the_run_finishes_every_step(tmp_path):
+    args = _args(tmp_path, "train.steps=16", "checkpoint.every=2", "swarm.mode=async")
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _kill_rank_after_first_checkpoint(tmp_path, proc)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert _steps(tmp_path) == {m: list(range(1, 17)) for m in ("tiny-s", "tiny-m-lora")}
+    resumed = [r for r in _records(tmp_path) if r["kind"] == "resume"]
+    assert {r["member"] for r in resumed} == {"tiny-s", "tiny-m-lora"}  # the restart happened, and says what it lost
+    checkpoints = tmp_path / "swarm" / "checkpoints"
+    assert (checkpoints / "step-16" / "state.json").is_file() and not list(checkpoints.glob(".tmp-step-*"))
