@@ -38,7 +38,7 @@ from .exchange import DistributedExchange
 log = logging.getLogger("ftis_engine.exchange")
 
 CHUNK_WORDS = 1 << 20  # a body goes in pieces of at most 4 MiB: a receiver drains a refused body in bounded memory
-DATA, DONE, WEIGHTS = 0, 1, 2
+DATA, DONE, WEIGHTS, PING = 0, 1, 2, 3
 
 
 class PeerLost(RuntimeError):
@@ -71,15 +71,17 @@ class Latency:
         rng = random.Random(f"{self.seed}-latency-{sender}-{receiver}-{step}")
         return float(rng.randint(int(low), int(high))) if self.settings.unit == "steps" else rng.uniform(low, high)
 
-    def schedule(self, parcel: Parcel, receiver: int) -> Parcel:
-        """Set when the parcel becomes usable. No simulated delay: as soon as it has arrived."""
+    def schedule(self, parcel: Parcel, receiver: int, from_step: int | None = None) -> Parcel:
+        """Set when the parcel becomes usable. No simulated delay: as soon as it has arrived. In steps: from the
+        sender's step (from_step: another step to count from, e.g. a sampler's parcel, whose step is its round,
+        counts from the receiver's step at arrival); in seconds: from now (its arrival)."""
         if self.settings.is_zero:
             return parcel
         delay = self.delay(parcel.sender, receiver, parcel.step)
         if self.settings.unit == "steps":
-            parcel.due_step = parcel.step + int(delay)
+            parcel.due_step = (parcel.step if from_step is None else from_step) + int(delay)
         else:
-            parcel.due_time = parcel.made_at + delay
+            parcel.due_time = time.time() + delay
         return parcel
 
 
@@ -89,6 +91,7 @@ class Mailbox:
     def __init__(self) -> None:
         self._parcels: list[Parcel] = []
         self._lock = threading.Lock()
+        self.step = 0  # the receiver's newest step that collected (a sampler parcel's delay counts from it)
 
     def put(self, parcel: Parcel) -> None:
         with self._lock:
@@ -96,6 +99,7 @@ class Mailbox:
 
     def take_due(self, step: int, now: float) -> list[Parcel]:
         with self._lock:
+            self.step = step
             due = [p for p in self._parcels if p.due_step <= step and p.due_time <= now]
             self._parcels = [p for p in self._parcels if not (p.due_step <= step and p.due_time <= now)]
         return sorted(due, key=lambda p: (p.step, p.sender))
@@ -166,10 +170,19 @@ class DistributedAsyncExchange(DistributedExchange):
         self.timeout_s = timeout_s
         self.latency = latency
         self.peers = [p for p in range(world_size) if p != rank]
-        self.targets = [p for p in range(learners if learners is not None else world_size) if p != rank]
-        self.weights_words = 0  # a sampler rank: the size of the weights it accepts from its learner
+        self.learners = learners if learners is not None else world_size
+        self.targets = [p for p in range(self.learners) if p != rank]
+        # a sampler rank: the one peer it takes weights from (its learner), their size, and the newest version
+        self.weights_from: int | None = None
+        self.weights_words = 0
+        self.weights_version = -1
+        self.last_version = 1 << 62  # the largest version an honest learner pushes (train.steps - 1)
         self._weights: tuple[int, torch.Tensor] | None = None
         self._weights_lock = threading.Lock()
+        self._pending_weights: dict[int, tuple[int, torch.Tensor, float]] = {}  # peer -> the newest to send
+        # rollouts and pings keep every direction busy: gloo closes a rank's whole group when one receive waits
+        # longer than the group's timeout, and some directions (a sampler to another sampler) carry nothing else
+        self.ping_every_s = max(0.05, min(60.0, timeout_s / 4))
         self.mailbox = Mailbox()
         self._outboxes: dict[int, queue.Queue] = {p: queue.Queue() for p in self.peers}
         self._done_sent = {p: threading.Event() for p in self.peers}
@@ -199,10 +212,22 @@ class DistributedAsyncExchange(DistributedExchange):
         return {self.rank: 4 * buffer.numel() if self.targets else 0}
 
     def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
-        """Queue a learner's weights (flat int32 words, see samplers.flatten_weights) of `version` to its samplers."""
+        """Queue a learner's weights (flat int32 words, see samplers.flatten_weights) of `version` to its samplers.
+        One slot per sampler: weights not yet sent are replaced by newer ones (a slow link never piles copies)."""
         for peer in samplers:
             if not self._done_received[peer].is_set():
-                self._outboxes[peer].put((WEIGHTS, version, flat, time.time()))
+                with self._weights_lock:
+                    queued = peer in self._pending_weights
+                    self._pending_weights[peer] = (version, flat, time.time())
+                if not queued:
+                    self._outboxes[peer].put((WEIGHTS, 0, None, 0.0))
+
+    def check(self) -> None:
+        """Raise PeerLost if a peer's connection closed before it said DONE."""
+        lost = dict(self._lost)
+        if lost:
+            peer, reason = next(iter(lost.items()))
+            raise PeerLost(f"peer rank {peer} is gone without finishing ({reason})")
 
     def take_weights(self) -> tuple[int, torch.Tensor] | None:
         """The newest weights that arrived since the last call (version, flat words), or None."""
@@ -214,9 +239,7 @@ class DistributedAsyncExchange(DistributedExchange):
         return self._done_received[peer].is_set()
 
     def collect(self, receiver: int, step: int) -> list[Parcel]:
-        if self._lost:
-            peer, reason = next(iter(self._lost.items()))
-            raise PeerLost(f"peer rank {peer} is gone without finishing ({reason})")
+        self.check()
         return self.mailbox.take_due(step, time.time())
 
     def in_flight(self, receiver: int) -> int:
@@ -245,9 +268,15 @@ class DistributedAsyncExchange(DistributedExchange):
 
         try:
             while True:
-                kind, step, buffer, made_at = self._outboxes[peer].get()
+                try:
+                    kind, step, buffer, made_at = self._outboxes[peer].get(timeout=self.ping_every_s)
+                except queue.Empty:
+                    kind, step, buffer, made_at = PING, 0, None, 0.0
                 if self._done_sent[peer].is_set():
                     continue
+                if kind == WEIGHTS:
+                    with self._weights_lock:
+                        step, buffer, made_at = self._pending_weights.pop(peer)
                 size = 0 if buffer is None else buffer.numel()
                 millis = int(made_at * 1000)
                 dist.send(torch.tensor([kind, step, size, millis], dtype=torch.int64), dst=peer, group=self.group,
@@ -270,6 +299,8 @@ class DistributedAsyncExchange(DistributedExchange):
                 header = torch.zeros(4, dtype=torch.int64)
                 dist.recv(header, src=peer, group=self.group, tag=0)
                 kind, step, size, millis = (int(x) for x in header)
+                if kind == PING:
+                    continue
                 if kind == DONE:
                     self._done_received[peer].set()
                     self._outboxes[peer].put((DONE, 0, None, 0.0))  # answer (a no-op if ours went already)
@@ -281,9 +312,13 @@ class DistributedAsyncExchange(DistributedExchange):
                     if body.numel():
                         with self._weights_lock:
                             self._weights = (step, body)  # the newest wins: a sampler skips versions it missed
+                            self.weights_version = step
                     continue
+                if kind != DATA:
+                    continue  # an unknown kind: read through, refused
                 parcel = Parcel(peer, step, body, millis / 1000.0)
-                self.mailbox.put(self.latency.schedule(parcel, self.rank))
+                sampler = peer >= self.learners  # its step is a round: a simulated delay counts from our step
+                self.mailbox.put(self.latency.schedule(parcel, self.rank, self.mailbox.step if sampler else None))
         except Exception as exc:
             if not self._done_received[peer].is_set():
                 self._lost.setdefault(peer, f"receive failed: {_first_line(exc)}")
@@ -294,20 +329,24 @@ class DistributedAsyncExchange(DistributedExchange):
         refused. Weights are accepted only in exactly the size of this rank's model."""
         import torch.distributed as dist
 
-        if kind == WEIGHTS:
+        size = max(size, 0)  # a negative size announces an empty body
+        if kind == WEIGHTS:  # only from this sampler's learner, in the model's size, a newer version it can use
             limit = self.weights_words
-            honest = size == limit > 0
-        else:
+            honest = (size == limit > 0 and peer == self.weights_from
+                      and self.weights_version < step <= self.last_version)
+        elif kind == DATA:
             limit = self._limit(peer, step) if self._limit is not None else size
             honest = 1 <= size <= limit
+        else:
+            limit, honest = 0, False
         body = torch.empty(size if honest else 0, dtype=torch.int32)
         scratch = None if honest else torch.empty(min(size, CHUNK_WORDS), dtype=torch.int32)
         for start in range(0, max(size, 0), CHUNK_WORDS):
             n = min(CHUNK_WORDS, size - start)
             dist.recv(body[start : start + n] if honest else scratch[:n], src=peer, group=self.group, tag=1)
         if not honest:
-            log.warning("rank %d: peer rank %d announced %d words for step %d (an honest buffer holds at most %d); "
-                        "refused", self.rank, peer, size, step, limit)
+            log.warning("rank %d: peer rank %d sent a message of kind %d, %d words for step %d (an honest one holds "
+                        "at most %d); refused", self.rank, peer, kind, size, step, limit)
         return body
 
     def close(self) -> None:

@@ -60,7 +60,9 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
     member.tokenizer.save_pretrained(str(directory / "model"))
     if save_optimizer:
         torch.save(member.optimizer.state_dict(), directory / "optimizer.pt")
-    torch.save(rng_state(), directory / "rng.pt")
+    # rng.pt is written last and atomically: its presence marks the member staged (finalize_when_staged)
+    torch.save(rng_state(), directory / "rng.pt.tmp")
+    os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
 
 
 def staging_dir(run_dir: pathlib.Path, step: int) -> pathlib.Path:

@@ -289,6 +289,19 @@ class RunConfig(_Section):
             if member.samplers and self.swarm.mode != "async":
                 raise ValueError(f"members.{i}.samplers: sampler ranks need swarm.mode: async (a sync member "
                                  "trains on what it generated this step)")
+            if member.samplers and self.collaboration == "alone":
+                raise ValueError(f"members.{i}.samplers: sampler ranks need collaboration vertical (alone members "
+                                 "take no rollouts from anyone)")
+            if member.samplers and member.weight_sync_every >= self.train.steps:
+                raise ValueError(f"members.{i}.weight_sync_every: {member.weight_sync_every} >= train.steps="
+                                 f"{self.train.steps}: its samplers would never receive weights")
+        latency = self.swarm.latency
+        if latency.unit == "steps" and latency.min > self.swarm.max_staleness:
+            raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} steps late, more than "
+                             f"swarm.max_staleness={self.swarm.max_staleness}: every peer rollout would be dropped")
+        if latency.unit == "seconds" and self.swarm.max_delay_s is not None and latency.min > self.swarm.max_delay_s:
+            raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} s late, more than "
+                             f"swarm.max_delay_s={self.swarm.max_delay_s:g}: every peer rollout would be dropped")
         if self.swarm.mode == "async" and self.collaboration == "horizontal":
             raise ValueError("swarm.mode: async needs collaboration vertical or alone (a horizontal group's shares "
                              "would arrive at different steps and never form a whole group)")

@@ -115,6 +115,7 @@ class RolloutChecker:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
+        self.seen: set[tuple[int, int]] = set()  # async: (sender rank, step) of every parcel met (no replays)
 
     def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
         """Decode and validate a peer's buffer, re-score every rollout; raise RolloutError on any problem.

@@ -57,6 +57,7 @@ class Swarm:
     names: list[str]  # every member's name, by index
     checkers: dict[int, RolloutChecker]  # local member -> its receiver's checks
     loss_config: LossConfig
+    start_step: int = 0  # the step the run (re)starts after: 0, or the restored checkpoint's
     prompt_cache: dict[tuple[int, int], list[int]] = field(default_factory=dict)
 
     @property
@@ -187,10 +188,13 @@ def run_async_step(swarm: Swarm, step: int) -> list[dict]:
 def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
     settings = swarm.config.members[member.index]
-    if settings.samplers and step % settings.weight_sync_every == 0:
+    if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
         from .samplers import flatten_weights, sampler_ranks
 
         swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flatten_weights(member.model), step)
+
+
+FUTURE_TOLERANCE_S = 600.0  # clocks of different nodes may differ by this much
 
 
 @dataclass
@@ -238,9 +242,19 @@ def receive_parcels(swarm: Swarm, receiver: int, step: int, parcels: list[Parcel
             # a learner's rollouts of step t are version t - 1; a sampler's carry the version of its weights
             version = parcel.step - 1 if sampler is None else (rollouts[0].policy_version if rollouts else 0)
             if any(r.policy_version != version for r in rollouts):
-                raise RolloutError(f"a policy version differs from its parcel's ({version})")
-            if version > swarm.config.train.steps:
-                raise RolloutError(f"policy version {version} beyond train.steps={swarm.config.train.steps}")
+                raise RolloutError(f"a policy version differs from its parcel's step's ({version})")
+            if sampler is not None:  # the versions an honest sampler can hold: its start, then its learner's pushes
+                every = swarm.config.members[member].weight_sync_every
+                newest = swarm.config.train.steps - 1 if member != receiver else step - 1
+                if version > newest or (version % every and version != swarm.start_step):
+                    raise RolloutError(f"policy version {version}: a sampler holds the resumed step "
+                                       f"({swarm.start_step}) or a multiple of weight_sync_every={every} up to {newest}")
+            if (parcel.sender, parcel.step) in swarm.checkers[receiver].seen:
+                raise RolloutError(f"a second parcel of step {parcel.step} (a replay)")
+            swarm.checkers[receiver].seen.add((parcel.sender, parcel.step))
+            if any(r.made_at > now + FUTURE_TOLERANCE_S for r in rollouts):
+                raise RolloutError(f"made more than {FUTURE_TOLERANCE_S:g} s in the future (a clock that far off "
+                                   "would defeat max_delay_s)")
             staleness = (step - 1) - version
             age = max(0.0, now - min((r.made_at for r in rollouts), default=now))
             if staleness > cfg.max_staleness or (cfg.max_delay_s is not None and age > cfg.max_delay_s):

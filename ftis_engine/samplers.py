@@ -71,14 +71,19 @@ def run_sampler(swarm, start_version: int) -> None:
     rank = exchange.rank
     learner, index = rank_roles(config)[rank]
     exchange.weights_words = weights_words(member.model)
+    exchange.weights_from, exchange.weights_version = learner, start_version
+    exchange.last_version = config.train.steps - 1  # a learner pushes no weights after its last step
     exchange.barrier()  # as train() does: the run directory is ready
     exchange.start(lambda sender, step: parcel_limit(swarm, sender, step))
     logger = MetricsLogger(swarm.run_dir, tensorboard=False, shared=True)
     version, round_ = start_version, start_version  # rounds number on from a resumed step (the log stays ordered)
     try:
-        while not exchange.peer_done(learner) and version < config.train.steps:
+        while True:
+            exchange.check()  # a learner that died (not one that finished) stops this rank too
+            if exchange.peer_done(learner):
+                break
             newest = exchange.take_weights()
-            if newest is not None:
+            if newest is not None and bool(torch.isfinite(newest[1].view(torch.float32)).all()):
                 version = newest[0]
                 load_weights(member.model, newest[1])
                 member.generator.sync(member.model)

@@ -237,7 +237,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         exchange = LocalAsyncExchange(list(range(len(config.members))), Latency(config.swarm.latency, config.seed))
     exchange = exchange or LocalExchange()
     distributed = exchange.world_size > 1
-    if not distributed and any(m.samplers for m in config.members):
+    if not distributed and checkpoint is None and any(m.samplers for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.samplers)
         raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
                           f"{len(rank_roles(config))} (one per member and sampler) or torchrun")
@@ -293,8 +293,9 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     step = exchange.all_agree(found[0] if found else 0)
     if step == 0:
         return swarm, 0
-    return swarm, restore(swarm, run_dir / "checkpoints" / f"step-{step}",
-                          load_optimizer=config.checkpoint.save_optimizer, what="--resume: checkpoint")
+    swarm.start_step = restore(swarm, run_dir / "checkpoints" / f"step-{step}",
+                               load_optimizer=config.checkpoint.save_optimizer, what="--resume: checkpoint")
+    return swarm, swarm.start_step
 
 
 def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> list[int]:

@@ -12,7 +12,7 @@ import torch
 
 from ftis_engine.async_exchange import Latency, LocalAsyncExchange, Mailbox, Parcel
 from ftis_engine.config import ConfigError, LatencySettings
-from ftis_engine.rollouts import encode
+from ftis_engine.rollouts import Rollout, encode
 from ftis_engine.run import receive_parcels, train
 from ftis_engine.session import open_run
 
@@ -115,16 +115,30 @@ def test_a_delay_of_d_steps_trains_on_the_peer_rollouts_made_d_steps_before(tmp_
 
 
 def test_rollouts_older_than_max_staleness_or_max_delay_are_dropped_and_counted(tmp_path):
-    records = _train(_run(tmp_path, "stale", "train.steps=3", "checkpoint.every=0", "swarm.mode=async",
-                          "swarm.latency=2", "swarm.max_staleness=1"))
-    own = {(r["member"], r["step"]): r["own_sequences"] for r in records}
+    records = _train(_run(tmp_path, "stale", "train.steps=5", "checkpoint.every=0", "swarm.mode=async",
+                          "swarm.latency.min=0", "swarm.latency.max=2", "swarm.max_staleness=1"))
+    latency = Latency(LatencySettings(unit="steps", min=0, max=2), seed=0)  # the run's draws (run seed 0)
+    names = ["tiny-s", "tiny-m-lora"]
+    own = {(names.index(r["member"]), r["step"]): r["own_sequences"] for r in records}
     for r in records:
-        assert r["peer_sequences"] == 0 and r["sequences"] == r["own_sequences"]
-        peer = next(m for m, _ in own if m != r["member"])
-        assert r["stale_dropped"] == (own[(peer, r["step"] - 2)] if r["step"] == 3 else 0)
+        receiver = names.index(r["member"])
+        sender = 1 - receiver
+        arriving = [(t, latency.delay(sender, receiver, t)) for t in range(1, r["step"] + 1)
+                    if t + latency.delay(sender, receiver, t) == r["step"]]
+        assert r["stale_dropped"] == sum(own[(sender, t)] for t, d in arriving if d > 1)
+        assert r["peer_sequences"] == sum(own[(sender, t)] for t, d in arriving if d <= 1)
+    assert sum(r["stale_dropped"] for r in records) > 0 and sum(r["peer_sequences"] for r in records) > 0
     records = _train(_run(tmp_path, "old", "train.steps=1", "checkpoint.every=0", "swarm.mode=async",
                           "swarm.max_delay_s=1e-6"))
     assert all(r["peer_sequences"] == 0 and r["stale_dropped"] == 8 for r in records)
+
+
+def test_delays_that_would_drop_everything_are_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^swarm.latency: every delivery is at least 3 steps late"):
+        short_config("swarm.mode=async", "swarm.latency=3", "swarm.max_staleness=2")
+    with pytest.raises(ConfigError, match=r"^swarm.latency: every delivery is at least 2 s late"):
+        short_config("swarm.mode=async", "swarm.latency.unit=seconds", "swarm.latency.min=2", "swarm.latency.max=3",
+                     "swarm.max_delay_s=1")
 
 
 def test_every_parcel_is_checked_against_the_deal_of_the_step_it_claims(tmp_path):
@@ -139,12 +153,20 @@ def test_every_parcel_is_checked_against_the_deal_of_the_step_it_claims(tmp_path
     bad = receive_parcels(swarm, 0, 4, [
         Parcel(1, 2, encode(honest), now),  # claims another step: its versions disagree
         Parcel(1, 99, encode(honest), now),  # a step the run never has
-        Parcel(1, 3, encode(honest[1:]), now),  # a dealt completion is missing
-        Parcel(1, 3, torch.zeros(0, dtype=torch.int32), now),  # refused by the transport (oversized)
+        Parcel(1, 3, encode(honest), now),  # step 3 again: a replay
+        Parcel(1, 4, torch.zeros(0, dtype=torch.int32), now),  # refused by the transport (oversized)
     ])
     assert bad.rollouts == [] and [s for s, _ in bad.rejected] == [1, 1, 1, 1]
-    assert "differs from its parcel's step" in bad.rejected[0][1] and "outside 1..train.steps" in bad.rejected[1][1]
-    assert "completions of prompt" in bad.rejected[2][1] or "dealt" in bad.rejected[2][1]
+    reasons = [reason for _, reason in bad.rejected]
+    assert "differs from its parcel's step" in reasons[0] and "outside 1..train.steps" in reasons[1]
+    assert "a replay" in reasons[2] and "empty buffer" in reasons[3]
+    swarm.checkers[0].seen.clear()
+    missing = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(honest[1:]), now)])  # a dealt completion is missing
+    assert missing.rollouts == [] and "completions of prompt" in missing.rejected[0][1]
+    future = [Rollout(**{**vars(r), "made_at": now + 3600}) for r in honest]
+    swarm.checkers[0].seen.clear()
+    ahead = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(future), now)])
+    assert ahead.rollouts == [] and "in the future" in ahead.rejected[0][1]
     swarm.close()
 
 
