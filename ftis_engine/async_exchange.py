@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import LatencySettings
-from .exchange import DistributedExchange
+from .exchange import DistributedExchange, LocalExchange
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -109,11 +109,9 @@ class Mailbox:
             return len(self._parcels)
 
 
-class LocalAsyncExchange:
-    """Every member in this process: a parcel goes straight into each peer's mailbox, delayed by the latency."""
-
-    world_size = 1
-    rank = 0
+class LocalAsyncExchange(LocalExchange):
+    """Every member in this process: a parcel goes straight into each peer's mailbox, delayed by the latency
+    (the start's collectives are LocalExchange's: there is nobody to wait for)."""
 
     def __init__(self, members: list[int], latency: Latency):
         self.latency = latency
@@ -136,21 +134,6 @@ class LocalAsyncExchange:
 
     def finish(self) -> None:
         """Nothing crosses a process: what is still in a mailbox is simply not used."""
-
-    def barrier(self) -> None:
-        """Every member is in this process."""
-
-    def all_agree(self, value: int) -> int:
-        return value
-
-    def gather_records(self, records: list[dict]) -> list[dict]:
-        return records
-
-    def all_gather_object(self, value) -> list:
-        return [value]
-
-    def close(self) -> None:
-        """No process group to tear down."""
 
 
 class DistributedAsyncExchange(DistributedExchange):

@@ -131,11 +131,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     if swarm.config.swarm.mode == "async":
         return run_async_step(swarm, step)
     dealt = deal_step(swarm, step)
-    watches = {m.index: Stopwatch() for m in swarm.members}
-    own = {}
-    for member in swarm.members:
-        with watches[member.index]("gen_seconds"), member.generator.awake():
-            own[member.index] = generate_rollouts(swarm, member, step, dealt[member.index])
+    own, watches = generate_all(swarm, step, dealt)
     delivery = swarm.exchange.share({m: encode(r) for m, r in own.items()}, buffer_limits(swarm, dealt))
     records = []
     for member in swarm.members:
@@ -151,15 +147,22 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     return records
 
 
-def run_async_step(swarm: Swarm, step: int) -> list[dict]:
-    """One step in swarm.mode async: publish as soon as scored, train on the fresh peer rollouts that have arrived
-    (nobody waits). With every member in one process and no latency this is exactly the sync step."""
-    dealt = deal_step(swarm, step)
+def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]]
+                 ) -> tuple[dict[int, list[Rollout]], dict[int, Stopwatch]]:
+    """Every local member generates and scores its dealt completions; returns them and each member's stopwatch."""
     watches = {m.index: Stopwatch() for m in swarm.members}
     own = {}
     for member in swarm.members:
         with watches[member.index]("gen_seconds"), member.generator.awake():
             own[member.index] = generate_rollouts(swarm, member, step, dealt[member.index])
+    return own, watches
+
+
+def run_async_step(swarm: Swarm, step: int) -> list[dict]:
+    """One step in swarm.mode async: publish as soon as scored, train on the fresh peer rollouts that have arrived
+    (nobody waits). With every member in one process and no latency this is exactly the sync step."""
+    dealt = deal_step(swarm, step)
+    own, watches = generate_all(swarm, step, dealt)
     buffers = {m: encode(r) for m, r in own.items()}
     start = time.perf_counter()
     collaborating = swarm.config.collaboration != "alone"
