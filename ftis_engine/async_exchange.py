@@ -51,8 +51,8 @@ class Parcel:
 
     sender: int
     step: int  # the sender's step that made them (their policy version + 1)
-    buffer: torch.Tensor  # the wire buffer (rollouts.encode); empty when the receiver refused its size
-    made_at: float  # seconds since the epoch, the sender's clock
+    buffer: torch.Tensor  # the wire buffer (rollouts.encode, whose rollouts carry when they were made); empty
+    # when the receiver refused its size
     due_step: int = 0  # the receiver's first step that may use it (latency in steps)
     due_time: float = 0.0  # the first wall time it may be used (latency in seconds)
 
@@ -98,10 +98,12 @@ class Mailbox:
             self._parcels.append(parcel)
 
     def take_due(self, step: int, now: float) -> list[Parcel]:
+        due, waiting = [], []
         with self._lock:
             self.step = step
-            due = [p for p in self._parcels if p.due_step <= step and p.due_time <= now]
-            self._parcels = [p for p in self._parcels if not (p.due_step <= step and p.due_time <= now)]
+            for parcel in self._parcels:
+                (due if parcel.due_step <= step and parcel.due_time <= now else waiting).append(parcel)
+            self._parcels = waiting
         return sorted(due, key=lambda p: (p.step, p.sender))
 
     def __len__(self) -> int:
@@ -119,11 +121,10 @@ class LocalAsyncExchange(LocalExchange):
 
     def publish(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         """Post each local member's buffer of `step` to every peer; returns the bytes each put on the wire."""
-        now = time.time()
         for sender, buffer in buffers.items():
             for receiver, box in self.mailboxes.items():
                 if receiver != sender:
-                    box.put(self.latency.schedule(Parcel(sender, step, buffer, now), receiver))
+                    box.put(self.latency.schedule(Parcel(sender, step, buffer), receiver))
         return {m: 4 * b.numel() if len(self.mailboxes) > 1 else 0 for m, b in buffers.items()}
 
     def collect(self, receiver: int, step: int) -> list[Parcel]:
@@ -162,7 +163,7 @@ class DistributedAsyncExchange(DistributedExchange):
         self.last_version = 1 << 62  # the largest version an honest learner pushes (train.steps - 1)
         self._weights: tuple[int, torch.Tensor] | None = None
         self._weights_lock = threading.Lock()
-        self._pending_weights: dict[int, tuple[int, torch.Tensor, float]] = {}  # peer -> the newest to send
+        self._pending_weights: dict[int, tuple[int, torch.Tensor]] = {}  # peer -> (version, words): the newest
         # rollouts and pings keep every direction busy: gloo closes a rank's whole group when one receive waits
         # longer than the group's timeout, and some directions (a sampler to another sampler) carry nothing else
         self.ping_every_s = max(0.05, min(60.0, timeout_s / 4))
@@ -172,26 +173,22 @@ class DistributedAsyncExchange(DistributedExchange):
         self._done_received = {p: threading.Event() for p in self.peers}
         self._finishing = threading.Event()
         self._lost: dict[int, str] = {}
-        self._threads: list[threading.Thread] = []
         self._limit = None
 
     def start(self, limit) -> None:
         self._limit = limit
         for peer in self.peers:
             for target in (self._send_loop, self._receive_loop):
-                thread = threading.Thread(target=target, args=(peer,), daemon=True,
-                                          name=f"ftis-{target.__name__[1:]}-{peer}")
-                thread.start()
-                self._threads.append(thread)
+                threading.Thread(target=target, args=(peer,), daemon=True,
+                                 name=f"ftis-{target.__name__[1:]}-{peer}").start()
 
     # -- the training loop's side: never blocks
 
     def publish(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[self.rank].to(torch.int32).contiguous()
-        made_at = time.time()
         for peer in self.targets:
             if not self._done_received[peer].is_set():  # a peer that left gets nothing more
-                self._outboxes[peer].put((DATA, step, buffer, made_at))
+                self._outboxes[peer].put((DATA, step, buffer))
         return {self.rank: 4 * buffer.numel() if self.targets else 0}
 
     def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
@@ -201,9 +198,9 @@ class DistributedAsyncExchange(DistributedExchange):
             if not self._done_received[peer].is_set():
                 with self._weights_lock:
                     queued = peer in self._pending_weights
-                    self._pending_weights[peer] = (version, flat, time.time())
+                    self._pending_weights[peer] = (version, flat)
                 if not queued:
-                    self._outboxes[peer].put((WEIGHTS, 0, None, 0.0))
+                    self._outboxes[peer].put((WEIGHTS, 0, None))
 
     def check(self) -> None:
         """Raise PeerLost if a peer's connection closed before it said DONE."""
@@ -233,7 +230,7 @@ class DistributedAsyncExchange(DistributedExchange):
         arrives meanwhile is drained, not used). Bounded by the group's timeout."""
         self._finishing.set()
         for peer in self.peers:
-            self._outboxes[peer].put((DONE, 0, None, 0.0))
+            self._outboxes[peer].put((DONE, 0, None))
         deadline = time.time() + self.timeout_s
         for peer in self.peers:
             while not (self._done_received[peer].is_set() or peer in self._lost):
@@ -252,18 +249,16 @@ class DistributedAsyncExchange(DistributedExchange):
         try:
             while True:
                 try:
-                    kind, step, buffer, made_at = self._outboxes[peer].get(timeout=self.ping_every_s)
+                    kind, step, buffer = self._outboxes[peer].get(timeout=self.ping_every_s)
                 except queue.Empty:
-                    kind, step, buffer, made_at = PING, 0, None, 0.0
+                    kind, step, buffer = PING, 0, None
                 if self._done_sent[peer].is_set():
                     continue
                 if kind == WEIGHTS:
                     with self._weights_lock:
-                        step, buffer, made_at = self._pending_weights.pop(peer)
+                        step, buffer = self._pending_weights.pop(peer)
                 size = 0 if buffer is None else buffer.numel()
-                millis = int(made_at * 1000)
-                dist.send(torch.tensor([kind, step, size, millis], dtype=torch.int64), dst=peer, group=self.group,
-                          tag=0)
+                dist.send(torch.tensor([kind, step, size], dtype=torch.int64), dst=peer, group=self.group, tag=0)
                 for start in range(0, size, CHUNK_WORDS):
                     dist.send(buffer[start : start + CHUNK_WORDS], dst=peer, group=self.group, tag=1)
                 if kind == DONE:
@@ -279,14 +274,14 @@ class DistributedAsyncExchange(DistributedExchange):
 
         try:
             while True:
-                header = torch.zeros(4, dtype=torch.int64)
+                header = torch.zeros(3, dtype=torch.int64)  # kind, step (a weight push: its version), body words
                 dist.recv(header, src=peer, group=self.group, tag=0)
-                kind, step, size, millis = (int(x) for x in header)
+                kind, step, size = (int(x) for x in header)
                 if kind == PING:
                     continue
                 if kind == DONE:
                     self._done_received[peer].set()
-                    self._outboxes[peer].put((DONE, 0, None, 0.0))  # answer (a no-op if ours went already)
+                    self._outboxes[peer].put((DONE, 0, None))  # answer (a no-op if ours went already)
                     return
                 body = self._read_body(peer, step, size, kind)
                 if self._finishing.is_set():
@@ -299,7 +294,7 @@ class DistributedAsyncExchange(DistributedExchange):
                     continue
                 if kind != DATA:
                     continue  # an unknown kind: read through, refused
-                parcel = Parcel(peer, step, body, millis / 1000.0)
+                parcel = Parcel(peer, step, body)
                 sampler = peer >= self.learners  # its step is a round: a simulated delay counts from our step
                 self.mailbox.put(self.latency.schedule(parcel, self.rank, self.mailbox.step if sampler else None))
         except Exception as exc:

@@ -117,18 +117,18 @@ def prune(run_dir: pathlib.Path, keep_last: int) -> None:
     found = complete_checkpoints(run_dir)
     for _, path in found[:-keep_last]:
         shutil.rmtree(path, ignore_errors=True)
-    newest = found[-1][0] if found else -1
-    for leftover in checkpoint_root(run_dir).glob(".tmp-step-*"):
-        number = leftover.name.removeprefix(".tmp-step-")
-        if not number.isdigit() or int(number) <= newest:
-            shutil.rmtree(leftover, ignore_errors=True)
+    clear_staging(run_dir, up_to=found[-1][0] if found else -1)
 
 
-def clear_staging(run_dir: pathlib.Path) -> None:
-    """Before a run (re)starts: staging a crashed run left behind must never be completed by the new one."""
+def clear_staging(run_dir: pathlib.Path, up_to: int | None = None) -> None:
+    """Remove staging directories of steps up to `up_to` (None: all of them, before a run (re)starts: staging a
+    crashed run left behind must never be completed by the new one)."""
     root = checkpoint_root(run_dir)
-    if root.is_dir():
-        for leftover in root.glob(".tmp-step-*"):
+    if not root.is_dir():
+        return
+    for leftover in root.glob(".tmp-step-*"):
+        number = leftover.name.removeprefix(".tmp-step-")
+        if up_to is None or not number.isdigit() or int(number) <= up_to:
             shutil.rmtree(leftover, ignore_errors=True)
 
 

@@ -17,7 +17,7 @@ import uuid
 
 import torch
 
-from .config import ConfigError, RunConfig, validate_config
+from .config import ConfigError, RunConfig, rank_roles, validate_config
 
 log = logging.getLogger("ftis_engine.launch")
 
@@ -29,8 +29,6 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     """Run the swarm in several processes; returns the exit code for the command line."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
-    from .config import rank_roles
-
     if nproc != len(rank_roles(config)):
         samplers = sum(m.samplers for m in config.members)
         extra = f" and {samplers} sampler rank(s)" if samplers else ""
@@ -110,8 +108,6 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     exchange = None
     try:
         config = validate_config(config_data)
-        from .config import rank_roles
-
         roles = rank_roles(config)
         if world != len(roles):
             raise ConfigError(f"WORLD_SIZE={world}: one rank per member and sampler, and the config has {len(roles)}")

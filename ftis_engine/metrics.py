@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import math
 import os
@@ -98,8 +99,6 @@ class MetricsLogger:
                                      filename_suffix=tensorboard_suffix)
 
     def log(self, record: dict) -> None:
-        import fcntl
-
         record = {k: _clean(v) for k, v in record.items()}
         if self._shared:
             fcntl.flock(self._file, fcntl.LOCK_EX)

@@ -28,7 +28,7 @@ from ftis_kernels import LossConfig, group_advantages
 
 from .batch import TrainItem
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, latest_checkpoint, stage_members
-from .config import RunConfig
+from .config import RunConfig, rank_roles
 from .evaluate import evaluate_member
 from .async_exchange import DistributedAsyncExchange, Parcel
 from .exchange import Delivery, Exchange, RolloutChecker, receive
@@ -36,7 +36,8 @@ from .generation import SamplingSettings
 from .members import Member
 from .metrics import MetricsLogger, Stopwatch, eval_record, resume_records, train_record, truncate_metrics
 from .progress import LEGEND, Progress, summary_line
-from .rollouts import Rollout, RolloutError, decode, encode, max_buffer_words
+from .rollouts import Rollout, RolloutError, buffer_digest, decode, encode, max_buffer_words
+from .samplers import flatten_weights, prompts_per_round, round_prompts, sampler_ranks
 from .tasks import Task, prompt_ids
 from .update import DivergenceError, update_member
 
@@ -192,8 +193,6 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
     settings = swarm.config.members[member.index]
     if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
-        from .samplers import flatten_weights, sampler_ranks
-
         swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flatten_weights(member.model), step)
 
 
@@ -225,16 +224,11 @@ class ReceivedParcels:
 def receive_parcels(swarm: Swarm, receiver: int, step: int, parcels: list[Parcel]) -> ReceivedParcels:
     """Decode each parcel; drop it whole when too old (counted), else validate and re-score it against the deal
     of the sender's step, as in sync mode. Staleness = the receiver's policy version - the rollouts' version."""
-    from .rollouts import buffer_digest
-
-    from .config import rank_roles
-    from .samplers import round_prompts
-
     cfg, names, out = swarm.config.swarm, swarm.names, ReceivedParcels()
     roles = rank_roles(swarm.config)
     now = time.time()
     for parcel in parcels:
-        member, sampler = roles[parcel.sender] if parcel.sender < len(roles) else (parcel.sender, None)
+        member, sampler = roles[parcel.sender]  # a parcel's sender is a rank of this run (a member in one process)
         who = names[member] if sampler is None else f"{names[member]}/sampler-{sampler}"
         out.digests[f"{who}@{parcel.step}"] = buffer_digest(parcel.buffer)
         try:
@@ -387,7 +381,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         clear_staging(run_dir)
     swarm.exchange.barrier()
     if swarm.independent:  # the exchange's threads start once every rank has opened the run
-        swarm.exchange.start(lambda sender, step: parcel_limit(swarm, sender, step))
+        start_exchange(swarm)
     # rank 0 writes what every rank reports (async ranks each write their own); TensorBoard forgets what the
     # truncated log dropped
     writes = swarm.is_main or swarm.independent
@@ -439,16 +433,19 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     return final
 
 
+def start_exchange(swarm: Swarm) -> None:
+    """Start an async rank's exchange threads, which refuse parcels larger than parcel_limit."""
+    swarm.exchange.start(lambda sender, step: parcel_limit(swarm, sender, step))
+
+
 def parcel_limit(swarm: Swarm, sender: int, step: int) -> int:
     """The most words an honest parcel of rank `sender`'s `step` (a sampler's: round) holds (0: cannot exist)."""
-    from .config import rank_roles
-
     roles = rank_roles(swarm.config)
     if not 0 <= sender < len(roles):
         return 0
     member, sampler = roles[sender]
-    if sampler is not None:  # a round holds one step's share of the member, whole groups
-        sequences = len(deal_step(swarm, 1)[member]) * swarm.config.rollout.group_size
+    if sampler is not None:
+        sequences = prompts_per_round(swarm, member) * swarm.config.rollout.group_size
         return max_buffer_words(sequences, swarm.config.rollout.max_new_tokens) if step >= 1 else 0
     if not 1 <= step <= swarm.config.train.steps:
         return 0
@@ -458,6 +455,7 @@ def parcel_limit(swarm: Swarm, sender: int, step: int) -> int:
 def write_final_shared(run_dir: pathlib.Path, final: list[dict]) -> None:
     """Async ranks finish at different times: each merges its members' final evals into final_eval.json and
     redraws the plots, under a lock (the last to finish leaves the complete picture)."""
+    import contextlib
     import fcntl
 
     from .plots import NothingToPlot, make_plots
@@ -470,16 +468,14 @@ def write_final_shared(run_dir: pathlib.Path, final: list[dict]) -> None:
         tmp = path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(kept + final, indent=2))
         tmp.replace(path)
-        try:
+        with contextlib.suppress(NothingToPlot):  # a rank that logged no record yet has nothing to draw
             make_plots(run_dir)
-        except NothingToPlot:
-            pass
 
 
 def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[dict],
          timing: tuple[float, float] | None = None) -> list[dict]:
-    """Gather every rank's records; rank 0 writes them and prints the step's summary line (with the step's
-    seconds and the time left, from the mean step so far)."""
+    """Gather every rank's records (async ranks: each its own); rank 0 writes them and prints the step's summary
+    line (with the step's seconds and the time left, from the mean step so far)."""
     if not swarm.independent:
         records = swarm.exchange.gather_records(records)
     if logger is not None:

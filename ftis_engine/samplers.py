@@ -50,13 +50,19 @@ def sampler_ranks(config, member: int) -> list[int]:
     return [rank for rank, (m, k) in enumerate(rank_roles(config)) if m == member and k is not None]
 
 
-def round_prompts(swarm, rank: int, round_: int) -> dict[int, int]:
-    """The deal of a sampler's round: as many prompts as its member is dealt in a step, whole groups, from the
-    sampler's own shuffle of the training prompts."""
-    from .run import deal_step, prompts_for_step
+def prompts_per_round(swarm, member: int) -> int:
+    """A sampler's round holds as many prompts as its member is dealt in a step (whole groups each)."""
+    from .run import deal_step
 
-    member = rank_roles(swarm.config)[rank][0]
-    count = len(deal_step(swarm, 1)[member])
+    return len(deal_step(swarm, 1)[member])
+
+
+def round_prompts(swarm, rank: int, round_: int) -> dict[int, int]:
+    """The deal of a sampler's round: prompts_per_round prompts, whole groups, from the sampler's own shuffle of
+    the training prompts."""
+    from .run import prompts_for_step
+
+    count = prompts_per_round(swarm, rank_roles(swarm.config)[rank][0])
     seed = (swarm.config.seed * 1_000_003 + 7_919 * (rank + 1)) % (2**63 - 1)
     prompts = prompts_for_step(round_, swarm.train_indices, count, seed, shuffle=True)
     return {p: swarm.config.rollout.group_size for p in prompts}
@@ -64,7 +70,7 @@ def round_prompts(swarm, rank: int, round_: int) -> dict[int, int]:
 
 def run_sampler(swarm, start_version: int) -> None:
     """A sampler rank's life: rounds of generation until its learner has finished, then leave."""
-    from .run import generate_rollouts, parcel_limit, sampling_seed
+    from .run import generate_rollouts, sampling_seed, start_exchange
 
     exchange, config = swarm.exchange, swarm.config
     member = swarm.members[0]
@@ -74,7 +80,7 @@ def run_sampler(swarm, start_version: int) -> None:
     exchange.weights_from, exchange.weights_version = learner, start_version
     exchange.last_version = config.train.steps - 1  # a learner pushes no weights after its last step
     exchange.barrier()  # as train() does: the run directory is ready
-    exchange.start(lambda sender, step: parcel_limit(swarm, sender, step))
+    start_exchange(swarm)
     logger = MetricsLogger(swarm.run_dir, tensorboard=False, shared=True)
     version, round_ = start_version, start_version  # rounds number on from a resumed step (the log stays ordered)
     try:
