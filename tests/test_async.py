@@ -66,9 +66,9 @@ def test_async_mode_refuses_horizontal_collaboration_and_fractional_step_delays(
 def test_a_mailbox_releases_a_parcel_at_its_due_step_and_time():
     box = Mailbox()
     now = time.time()
-    box.put(Parcel(1, 1, torch.zeros(1), now, due_step=3))
-    box.put(Parcel(1, 2, torch.zeros(1), now, due_time=now + 60))
-    box.put(Parcel(1, 3, torch.zeros(1), now))
+    box.put(Parcel(1, 1, torch.zeros(1), due_step=3))
+    box.put(Parcel(1, 2, torch.zeros(1), due_time=now + 60))
+    box.put(Parcel(1, 3, torch.zeros(1)))
     assert [p.step for p in box.take_due(2, now)] == [3]
     assert [p.step for p in box.take_due(3, now)] == [1]
     assert box.take_due(10, now + 59) == [] and len(box) == 1
@@ -148,24 +148,24 @@ def test_every_parcel_is_checked_against_the_deal_of_the_step_it_claims(tmp_path
     peer = swarm.members[1]
     honest = generate_rollouts(swarm, peer, 3, deal_step(swarm, 3)[1])
     now = time.time()
-    ok = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(honest), now)])
+    ok = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(honest))])
     assert len(ok.rollouts) == len(honest) and ok.rejected == [] and ok.staleness == [1] * len(honest)
     bad = receive_parcels(swarm, 0, 4, [
-        Parcel(1, 2, encode(honest), now),  # claims another step: its versions disagree
-        Parcel(1, 99, encode(honest), now),  # a step the run never has
-        Parcel(1, 3, encode(honest), now),  # step 3 again: a replay
-        Parcel(1, 4, torch.zeros(0, dtype=torch.int32), now),  # refused by the transport (oversized)
+        Parcel(1, 2, encode(honest)),  # claims another step: its versions disagree
+        Parcel(1, 99, encode(honest)),  # a step the run never has
+        Parcel(1, 3, encode(honest)),  # step 3 again: a replay
+        Parcel(1, 4, torch.zeros(0, dtype=torch.int32)),  # refused by the transport (oversized)
     ])
     assert bad.rollouts == [] and [s for s, _ in bad.rejected] == [1, 1, 1, 1]
     reasons = [reason for _, reason in bad.rejected]
     assert "differs from its parcel's step" in reasons[0] and "outside 1..train.steps" in reasons[1]
     assert "a replay" in reasons[2] and "empty buffer" in reasons[3]
     swarm.checkers[0].seen.clear()
-    missing = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(honest[1:]), now)])  # a dealt completion is missing
+    missing = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(honest[1:]))])  # a dealt completion is missing
     assert missing.rollouts == [] and "completions of prompt" in missing.rejected[0][1]
     future = [Rollout(**{**vars(r), "made_at": now + 3600}) for r in honest]
     swarm.checkers[0].seen.clear()
-    ahead = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(future), now)])
+    ahead = receive_parcels(swarm, 0, 4, [Parcel(1, 3, encode(future))])
     assert ahead.rollouts == [] and "in the future" in ahead.rejected[0][1]
     swarm.close()
 

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from .helpers import TINY
-from .test_swarm import HERE, _args, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train
+from .test_swarm import (HERE, _args, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train,
+                         kill_and_restart)
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +20,8 @@ ASYNC = ("swarm.mode=async", "eval.at_start=false", "checkpoint.every=0")
 
 
 def _launch_timed(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300):
-    """Hand-launch `world` ranks (as torchrun would); returns (exit code, stderr, seconds until it exited) each."""
+    """Hand-launch `world` ranks (as torchrun would); returns (exit code, stderr, when it exited: seconds since the
+    epoch, comparable with the records' ended_at) each."""
     port = _free_port()
     procs, start = [], time.time()
     for rank in range(world):
@@ -31,7 +33,7 @@ def _launch_timed(world: int, args: list[str], modes: dict[int, str] | None = No
     while len(ended) < world and time.time() - start < timeout:
         for rank, p in enumerate(procs):
             if rank not in ended and p.poll() is not None:
-                ended[rank] = time.time() - start
+                ended[rank] = time.time()
         time.sleep(0.05)
     return [(p.wait(timeout=10), p.stderr.read(), ended.get(rank)) for rank, p in enumerate(procs)]
 
@@ -50,8 +52,9 @@ def test_a_fast_member_never_waits_for_a_slow_one_and_leaves_first(tmp_path):
     # and the slow one on the fast one's newer rollouts (negative staleness: the peer is ahead)
     assert sum(r["peer_sequences"] for r in fast) < sum(r["own_sequences"] for r in slow)
     assert min(r["staleness_min"] for r in slow if r["staleness_min"] is not None) < 0
-    # leaving: the fast member said DONE and exited well before the slow one finished; the slow one went on alone
-    assert results[0][2] + 6 < results[1][2]
+    # leaving: the fast member said DONE and its process had exited before the slow one ended its step 4 (two
+    # steps still to go, which it took alone): an order of events in the slow member's own log, not a duration
+    assert results[0][2] < slow[3]["ended_at"]
     final = json.loads((tmp_path / "swarm" / "final_eval.json").read_text())
     assert {r["member"] for r in final} == {"tiny-s", "tiny-m-lora"}  # merged by the two ranks as they left
 
@@ -139,12 +142,7 @@ def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path):
 
 
 def test_with_restarts_a_killed_async_rank_comes_back_and_the_run_finishes_every_step(tmp_path):
-    args = _args(tmp_path, "train.steps=16", "checkpoint.every=2", "swarm.mode=async")
-    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _kill_rank_after_first_checkpoint(tmp_path, proc)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err
+    kill_and_restart(tmp_path, "train.steps=16", "swarm.mode=async")
     assert _steps(tmp_path) == {m: list(range(1, 17)) for m in ("tiny-s", "tiny-m-lora")}
     resumed = [r for r in _records(tmp_path) if r["kind"] == "resume"]
     assert {r["member"] for r in resumed} == {"tiny-s", "tiny-m-lora"}  # the restart happened, and says what it lost

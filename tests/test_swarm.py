@@ -193,11 +193,17 @@ def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
     assert steps and all((tmp_path / "swarm" / "checkpoints" / f"step-{s}" / "state.json").is_file() for s in steps)
 
 
-def test_with_restarts_a_killed_rank_comes_back_and_the_run_finishes_with_no_gap(tmp_path):
-    args = _args(tmp_path, "train.steps=8", "checkpoint.every=2")
+def kill_and_restart(tmp_path: pathlib.Path, *overrides: str) -> None:
+    """Run two processes with one elastic restart allowed, kill -9 rank 1 after the first checkpoint; the run must
+    come back and finish (exit 0)."""
+    args = _args(tmp_path, "checkpoint.every=2", *overrides)
     proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
+
+
+def test_with_restarts_a_killed_rank_comes_back_and_the_run_finishes_with_no_gap(tmp_path):
+    kill_and_restart(tmp_path, "train.steps=8")
     assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
