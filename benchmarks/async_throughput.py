@@ -1,14 +1,17 @@
-"""Sync against async with members of very different speeds: the fast member's steps per second and the time it
-waits for its peer, side by side in one run (two processes over gloo, the tiny default's members).
+"""The price and the gain of bounded asynchrony: a fast and a slow member (two processes over gloo, the tiny
+default's members) in sync mode and in async mode with swarm.max_lead 0, 1, 2, 4 and null, side by side.
 
-    python benchmarks/async_throughput.py                # 12 steps, the slow member 1.0 s slower a step
-    python benchmarks/async_throughput.py --quick        # 3 steps, 0.3 s (CI)
+    python benchmarks/async_throughput.py                # 20 steps, the slow member 1.0 s slower a step, 2 repeats
+    python benchmarks/async_throughput.py --quick        # 3 steps, 0.3 s; sync, max_lead 2 and null (CI)
 
 The slowdown is a knob of this benchmark only: rank 1's generation sleeps `--slowdown` seconds each step (a
 member on a slower GPU, or with a longer generation), which costs no CPU, so the measurement is not distorted on
-a small machine. Each mode runs --repeats times, alternating. Metrics come from the runs' metrics.jsonl:
-steps/s = steps / the sum of the member's step_seconds (generation, exchange with its waiting, update; eval and
-start-up excluded). Prints a table and writes benchmarks/results/async_throughput.{json,md}.
+a small machine. The settings run in turn, repeated, alternating (drift on the machine hits all alike). Metrics come
+from the runs' metrics.jsonl: steps/s = steps / the sum of the member's step_seconds (generation, exchange with its
+waiting, update; eval and start-up excluded); waited = exchange_wait_seconds per step (in async mode the wait for
+a peer max_lead steps behind); peer rollouts per step and the share of steps with any; staleness of the peer
+rollouts trained on (the receiver's steps minus the rollouts' policy version + 1: negative when the peer is ahead).
+Prints a table, writes benchmarks/results/async_throughput.{json,md} and a figure (.png).
 """
 
 from __future__ import annotations
@@ -29,19 +32,23 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+SETTINGS = ["sync", "0", "1", "2", "4", "null"]  # sync mode, then async mode by swarm.max_lead
+QUICK_SETTINGS = ["sync", "2", "null"]
+MEMBERS = ("tiny-s", "tiny-m-lora")  # rank 0 is the fast member, rank 1 the slow one
+
 
 def worker(slowdown: float, args: list[str]) -> None:
     """One rank (RANK etc. in the environment); rank 1 is the slow member."""
     if int(os.environ["RANK"]) == 1 and slowdown > 0:
-        from ftis_engine import run
+        from ftis_engine.generation import sample
 
-        honest = run.generate_rollouts
+        honest = sample.generate_rollouts
 
         def slow_generate(*a, **k):
             time.sleep(slowdown)
             return honest(*a, **k)
 
-        run.generate_rollouts = slow_generate
+        sample.generate_rollouts = slow_generate
     from ftis_engine.cli import main as cli_main
 
     cli_main(args)
@@ -53,12 +60,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_swarm(mode: str, steps: int, slowdown: float, out: pathlib.Path) -> dict:
+def label(setting: str) -> str:
+    return "sync" if setting == "sync" else f"async, max_lead {setting}"
+
+
+def run_swarm(setting: str, steps: int, slowdown: float, out: pathlib.Path) -> dict:
+    mode = ["swarm.mode=sync"] if setting == "sync" else ["swarm.mode=async", f"swarm.max_lead={setting}"]
+    name = f"lead-{setting}"
     args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--output-dir", str(out)]
-    for o in [f"run_name={mode}", f"train.steps={steps}", "swarm.mode=" + mode, "eval.at_start=false",
-              "eval.every=0", "eval.max_samples=16", "checkpoint.every=0", "train.threads=1"]:
+    for o in [f"run_name={name}", f"train.steps={steps}", *mode, "eval.at_start=false", "eval.every=0",
+              "eval.max_samples=16", "checkpoint.every=0", "train.threads=1"]:
         args += ["--set", o]
     port, procs = _free_port(), []
+    started = time.perf_counter()
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore",
@@ -68,16 +82,23 @@ def run_swarm(mode: str, steps: int, slowdown: float, out: pathlib.Path) -> dict
     for p in procs:
         _, err = p.communicate(timeout=900)
         if p.returncode != 0:
-            raise RuntimeError(f"{mode} run failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
-    records = [json.loads(x) for x in (out / mode / "metrics.jsonl").read_text().splitlines()]
-    by_member = {}
-    for name in ("tiny-s", "tiny-m-lora"):
-        train = [r for r in records if r["kind"] == "train" and r["member"] == name]
+            raise RuntimeError(f"{setting} run failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
+    wall = time.perf_counter() - started
+    records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+    by_member = {"wall_seconds": wall}
+    for member in MEMBERS:
+        train = [r for r in records if r["kind"] == "train" and r["member"] == member]
         seconds = sum(r["step_seconds"] for r in train)
-        by_member[name] = {"steps": len(train), "steps_per_second": len(train) / seconds,
-                           "wait_seconds_per_step": sum(r["exchange_wait_seconds"] for r in train) / len(train),
-                           "peer_sequences_per_step": sum(r["sequences"] - r["own_sequences"] for r in train) / len(train),
-                           "staleness_mean": _mean([r.get("staleness_mean") for r in train])}
+        stale = [v for r in train for v in (r.get("staleness_min"), r.get("staleness_max")) if v is not None]
+        by_member[member] = {
+            "steps": len(train), "steps_per_second": len(train) / seconds,
+            "wait_seconds_per_step": sum(r["exchange_wait_seconds"] for r in train) / len(train),
+            "steps_waited": sum(r["exchange_wait_seconds"] > 0.01 for r in train),
+            "peer_sequences_per_step": sum(r["sequences"] - r["own_sequences"] for r in train) / len(train),
+            "steps_with_peers": sum(r["sequences"] > r["own_sequences"] for r in train) / len(train),
+            "staleness_mean": _mean([r.get("staleness_mean") for r in train if r.get("staleness_mean") is not None]),
+            "staleness_min": min(stale) if stale else None, "staleness_max": max(stale) if stale else None,
+            "peer_sequences_at_last_step": train[-1]["sequences"] - train[-1]["own_sequences"]}
     return by_member
 
 
@@ -86,44 +107,93 @@ def _mean(values: list) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _average(measured: list[dict]) -> dict:
+    """Means over repeats (staleness bounds: the extremes)."""
+    table = {"wall_seconds": _mean([m["wall_seconds"] for m in measured])}
+    for member in MEMBERS:
+        rows = [m[member] for m in measured]
+        table[member] = {key: _mean([r[key] for r in rows]) for key in rows[0]}
+        lows, highs = [r["staleness_min"] for r in rows if r["staleness_min"] is not None], \
+            [r["staleness_max"] for r in rows if r["staleness_max"] is not None]
+        table[member]["staleness_min"] = min(lows) if lows else None
+        table[member]["staleness_max"] = max(highs) if highs else None
+    return table
+
+
+def _fmt(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def plot(table: dict, path: pathlib.Path, slowdown: float, steps: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(table)
+    names = [label(s).replace("async, ", "") for s in settings]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for member, colour in zip(MEMBERS, ("tab:blue", "tab:orange")):
+        role = "fast" if member == MEMBERS[0] else "slow"
+        axes[0].plot(names, [table[s][member]["steps_per_second"] for s in settings], "o-", color=colour,
+                     label=f"{member} ({role})")
+        axes[1].plot(names, [table[s][member]["steps_with_peers"] for s in settings], "o-", color=colour)
+        axes[2].plot(names, [table[s][member]["wait_seconds_per_step"] for s in settings], "o-", color=colour)
+    axes[0].set_yscale("log")
+    axes[0].set_ylabel("steps / s (log)")
+    axes[1].set_ylabel("share of steps with peer rollouts")
+    axes[1].set_ylim(-0.05, 1.05)
+    axes[2].set_ylabel("waited per step (s)")
+    for ax in axes:
+        ax.set_xlabel("mode / max_lead")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"A member {slowdown:g} s slower a step, {steps} steps: what bounding the lead costs and buys")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--slowdown", type=float, default=1.0, help="seconds rank 1 sleeps per generation")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--settings", nargs="*", default=None, help=f"default: {' '.join(SETTINGS)}")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "async_throughput.json")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.slowdown, args.repeats = 3, 0.3, 1
-    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+    settings = args.settings or (QUICK_SETTINGS if args.quick else SETTINGS)
+    runs: dict[str, list[dict]] = {s: [] for s in settings}
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
-            for mode in ("sync", "async"):  # alternating: drift on the machine hits both alike
-                runs[mode].append(run_swarm(mode, args.steps, args.slowdown, pathlib.Path(tmp) / f"r{repeat}"))
-    table = {}
-    for mode, measured in runs.items():
-        table[mode] = {name: {key: _mean([m[name][key] for m in measured]) for key in measured[0][name]}
-                       for name in measured[0]}
-    fast_ratio = table["async"]["tiny-s"]["steps_per_second"] / table["sync"]["tiny-s"]["steps_per_second"]
-    result = {"steps": args.steps, "slowdown_seconds": args.slowdown, "repeats": args.repeats, "modes": table,
-              "runs": runs, "fast_member_speedup": fast_ratio, "machine": platform.platform(),
-              "cpus": os.cpu_count(), "command": "python benchmarks/async_throughput.py" + (
-                  " --quick" if args.quick else "")}
-    lines = [f"# Sync against async, a member {args.slowdown:g} s slower a step ({args.steps} steps, "
-             f"{args.repeats} repeats, means)", "", f"    {result['command']}", "",
-             "| mode | member | steps/s | waited per step (s) | peer rollouts per step | staleness mean (steps) |",
-             "|---|---|---|---|---|---|"]
-    for mode, members in table.items():
-        for name, m in members.items():
-            stale = "–" if m["staleness_mean"] is None else f"{m['staleness_mean']:.2f}"
-            lines.append(f"| {mode} | {name} | {m['steps_per_second']:.2f} | {m['wait_seconds_per_step']:.3f} | "
-                         f"{m['peer_sequences_per_step']:.1f} | {stale} |")
-    lines += ["", f"The fast member (tiny-s) takes {fast_ratio:.1f}x as many steps per second in async mode."]
+            for setting in settings:
+                runs[setting].append(run_swarm(setting, args.steps, args.slowdown, pathlib.Path(tmp) / f"r{repeat}"))
+    table = {s: _average(measured) for s, measured in runs.items()}
+    command = "python benchmarks/async_throughput.py" + (" " + " ".join(argv) if argv else "")
+    result = {"steps": args.steps, "slowdown_seconds": args.slowdown, "repeats": args.repeats, "settings": table,
+              "runs": runs, "machine": platform.platform(), "cpus": os.cpu_count(), "command": command}
+    lines = [f"# Bounded asynchrony: a member {args.slowdown:g} s slower a step ({args.steps} steps, {args.repeats} "
+             "repeats, means)", "", f"    {command}", "",
+             "| setting | member | steps/s | waited per step (s) | steps that waited | peer rollouts per step | "
+             "steps with peer rollouts | staleness mean [min, max] | both done (s) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for setting, row in table.items():
+        for member in MEMBERS:
+            m = row[member]
+            stale = (f"{_fmt(m['staleness_mean'], '.2f')} [{_fmt(m['staleness_min'], 'd')}, "
+                     f"{_fmt(m['staleness_max'], 'd')}]")
+            lines.append(f"| {label(setting)} | {member} | {m['steps_per_second']:.2f} | "
+                         f"{m['wait_seconds_per_step']:.3f} | {m['steps_waited']:.1f} | "
+                         f"{m['peer_sequences_per_step']:.1f} | {m['steps_with_peers']:.0%} | {stale} | "
+                         f"{row['wall_seconds']:.0f} |")
     print("\n".join(lines))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
     args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(table, args.output.with_suffix(".png"), args.slowdown, args.steps)
     return result
 
 

@@ -3,8 +3,8 @@
     python benchmarks/exchange.py                 # 2, 3, 4 processes; 24 sequences x 768 tokens per member
     python benchmarks/exchange.py --quick         # small, for CI
 
-Each process encodes its member's rollouts in the wire format and runs DistributedExchange.share (sizes
-all-gathered, then one broadcast per member, no padding), as the trainer does every step. Prints a table and
+Each process encodes its member's rollouts in the wire format and runs the sync transport's send (sizes
+all-gathered, then one broadcast per member, no padding; exchange/sync.py), as the trainer does every step. Prints a table and
 writes benchmarks/results/exchange.json.
 """
 
@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from ftis_engine.exchange import DistributedExchange  # noqa: E402
+from ftis_engine.exchange.sync import Collectives, DistributedSync  # noqa: E402
 from ftis_engine.rollouts import Rollout, encode, max_buffer_words, wire_bytes  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -44,16 +44,18 @@ def _worker(rank: int, world: int, port: int, sequences: int, tokens: int, repea
     if backend == "nccl":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    exchange = DistributedExchange(rank, world, device, backend)
+    exchange = DistributedSync(Collectives(rank, world, device, backend))
+    exchange.start(lambda sender, step: max_buffer_words(sequences, tokens))
     buffer = encode(_rollouts(rank, sequences, tokens))
-    limits = {m: max_buffer_words(sequences, tokens) for m in range(world)}
     times = []
     for i in range(repeats + 3):
-        delivery = exchange.share({rank: buffer}, limits)  # its own barrier first (wait_seconds, not timed)
+        exchange.send({rank: buffer}, step=1)  # its own barrier first (wait_seconds, not timed)
+        arrivals = exchange.receive(rank, step=1)
         if i >= 3:
-            times.append(delivery.seconds)
-    received = delivery.inbox[rank]
-    assert all(received[r].numel() == buffer.numel() for r in received) and len(received) == world
+            times.append(arrivals.seconds)
+    received = arrivals.parcels
+    assert all(p.buffer.numel() == buffer.numel() and p.refused is None for p in received)
+    assert len(received) == world - 1
     if rank == 0:
         queue.put({"median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * sorted(times)[int(0.9 * len(times))],
                    "bytes_per_member": buffer.numel() * 4})

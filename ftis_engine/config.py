@@ -229,6 +229,21 @@ class SwarmSettings(_Section):
     max_staleness: int = Field(
         8, ge=0, description="async: a peer rollout older than this many of the receiver's steps (its policy "
                              "version behind the receiver's) is dropped and counted in stale_dropped.")
+    max_lead: int | None = Field(
+        2, ge=0,
+        description="async: a member starts training its step t only when every live peer has published its step "
+                    "t - max_lead or later (it waits otherwise, counted in lead_wait_seconds), and takes no peer "
+                    "rollout made more than max_lead versions ahead of its own; a sampler generates at most "
+                    "max_lead + 1 rounds its learner has not taken. 0: lockstep, as sync mode; null: never wait "
+                    "(a fast member runs away and the members stop learning from each other). Default 2: a fast "
+                    "member still trains on rollouts of its slowest peer at most 2 versions old (prime-rl's default "
+                    "async level), and waits only when it is 2 steps ahead.")
+    max_peer_sequences: int | None = Field(
+        None, ge=1,
+        description="async: the most peer sequences one update takes (whole groups; each peer first up to its share "
+                    "of a step, then the freshest policy versions); the rest wait for the next step while within "
+                    "max_staleness, or are dropped and counted in surplus_dropped. Default: what a sync step gives "
+                    "(the other members' share of a step, plus one round of every sampler).")
     max_delay_s: float | None = Field(
         None, gt=0.0, allow_inf_nan=False,
         description="async: a peer rollout made longer ago than this (seconds, by the sender's clock) is dropped.")
@@ -302,6 +317,10 @@ class RunConfig(_Section):
         if latency.unit == "seconds" and self.swarm.max_delay_s is not None and latency.min > self.swarm.max_delay_s:
             raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} s late, more than "
                              f"swarm.max_delay_s={self.swarm.max_delay_s:g}: every peer rollout would be dropped")
+        budget = self.swarm.max_peer_sequences
+        if budget is not None and budget < self.rollout.group_size:
+            raise ValueError(f"swarm.max_peer_sequences: {budget} is less than one group (rollout.group_size="
+                             f"{self.rollout.group_size}): an update takes whole groups, so it would take none")
         if self.swarm.mode == "async" and self.collaboration == "horizontal":
             raise ValueError("swarm.mode: async needs collaboration vertical or alone (a horizontal group's shares "
                              "would arrive at different steps and never form a whole group)")

@@ -18,6 +18,7 @@ import uuid
 import torch
 
 from .config import ConfigError, RunConfig, rank_roles, validate_config
+from .errors import first_line
 
 log = logging.getLogger("ftis_engine.launch")
 
@@ -93,7 +94,9 @@ def _round_store(rank: int, world: int, timeout: datetime.timedelta):
 def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     """One rank: join the process group, open the run (session.open_run), train. Config errors print one line
     (an error all ranks found alike: rank 0 alone) and exit 2."""
-    from .exchange import DistributedExchange
+    from .exchange.async_ import DistributedAsync, Latency
+    from .exchange.links import PeerLost, TransportError
+    from .exchange.sync import Collectives, DistributedSync
     from .members import resolve_device
     from .progress import quiet_libraries
     from .run import train
@@ -120,13 +123,11 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
         torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
                                              world_size=world, timeout=timeout)
+        collectives = Collectives(rank, world, device, backend)
         if config.swarm.mode == "async":
-            from .async_exchange import DistributedAsyncExchange, Latency
-
-            exchange = DistributedAsyncExchange(rank, world, device, backend, Latency(config.swarm.latency, config.seed),
-                                                config.swarm.timeout_s, learners=len(config.members))
+            exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed))
         else:
-            exchange = DistributedExchange(rank, world, device, backend)
+            exchange = DistributedSync(collectives)
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank)
@@ -146,11 +147,26 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         sys.stderr.flush()
         os._exit(CONFIG_ERROR_EXIT)
     except Exception as exc:  # a dead or hung peer surfaces here as a collective's error or timeout
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        lost = isinstance(exc, (RuntimeError, torch.distributed.DistError)) and exchange is not None
-        what = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)" if lost else "failed"
-        sys.stderr.write(f"error: rank {rank} {what}: {type(exc).__name__}: {first}\n")
+        if isinstance(exc, TransportError):  # the exchange's own failure, with its cause
+            what = "failed in the exchange"
+        elif isinstance(exc, (PeerLost, TimeoutError, torch.distributed.DistError)) or (
+                isinstance(exc, RuntimeError) and exchange is not None and _collective_failure(exc)):
+            what = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)"
+        else:
+            what = "failed"
+        sys.stderr.write(f"error: rank {rank} {what}: {type(exc).__name__}: {first_line(exc)}\n")
+        if what == "failed" or isinstance(exc, TransportError):
+            import traceback
+
+            traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
         sys.stderr.flush()
         os._exit(1)  # no teardown: the process group may be waiting on a peer that is gone
-    exchange.close()
+    exchange.collectives.close()
     return 0
+
+
+def _collective_failure(exc: RuntimeError) -> bool:
+    """A RuntimeError raised by a collective of the default group (gloo and NCCL raise plain RuntimeErrors with
+    their backend's name, or a connection's failure, in the message)."""
+    text = str(exc).lower()
+    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier"))

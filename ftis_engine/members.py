@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ConfigError, MemberSettings, RunConfig
+from .errors import first_line
 from .generation import Generator
 from .models import ModelSpecError, check_model_spec, load_model, load_tokenizer
 
@@ -43,7 +44,12 @@ class Member:
         return int(self.causal_lm.get_output_embeddings().weight.shape[0])
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return trainable_parameters(self.model)
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """What a member trains (and pushes to its samplers): every parameter, or a LoRA member's adapter."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
@@ -169,12 +175,12 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
                 torch.manual_seed(seed)  # the adapter's random init (lora_A) is part of the run's seed
                 model = get_peft_model(model, lora)
         except ValueError as exc:
-            raise ConfigError(f"members.{index}.lora.target_modules: {str(exc).splitlines()[0]}") from None
+            raise ConfigError(f"members.{index}.lora.target_modules: {first_line(exc)}") from None
     if config.train.gradient_checkpointing:
         enable_checkpointing(model)
         if settings.lora is not None:
             model.enable_input_require_grads()
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable_parameters(model)
     opt_cls = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
     optimizer = opt_cls(params, lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
     if settings.generator == "vllm":

@@ -1,5 +1,5 @@
 """metrics.jsonl (one JSON object a line) and TensorBoard events, written as the run goes; the records of a step
-(SPEC section 3 names every key) and the stopwatch that times its phases."""
+and the stopwatch that times its phases (the README's "Run directory" lists every key)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pathlib
 import time
 from collections import defaultdict
 
-from .rollouts import Rollout, buffer_digest
+from .rollouts import Rollout
 
 
 class Stopwatch:
@@ -35,14 +35,16 @@ def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
-def train_record(step: int, member: int, names: list[str], own: list[Rollout], trained: list[Rollout],
-                 rejected: int, stats: dict[str, float], watch: Stopwatch, delivery, lr: float) -> dict:
-    """The `kind: train` record of one member's step. own: the rollouts it generated; trained: what it trained
-    on (its own and its peers' accepted ones); delivery: the exchange's Delivery of the step."""
-    inbox = delivery.inbox[member]
-    sent = delivery.sent_bytes[member] > 0
+def train_record(step: int, name: str, own: list[Rollout], trained: list[Rollout], stats: dict[str, float],
+                 watch: Stopwatch, lr: float, sent_bytes: int, own_digest: str) -> dict:
+    """The `kind: train` record of one member's step (the exchange's own keys are added by the step: see
+    exchange.admission.Received.metrics). own: the rollouts it generated; trained: what it trained on (its own
+    and the peers' it took); watch: its seconds per phase (gen_seconds, train_seconds, exchange_wait_seconds,
+    lead_wait_seconds, exchange_seconds); sent_bytes: what its rollouts cost on the wire (0: nobody got them)."""
+    seconds = watch.seconds
+    sent = sent_bytes > 0
     return {
-        "step": step, "member": names[member], "kind": "train",
+        "step": step, "member": name, "kind": "train",
         "reward_mean": _mean(r.reward for r in own),
         "swarm_reward_mean": _mean(r.reward for r in trained),
         **stats,
@@ -51,22 +53,31 @@ def train_record(step: int, member: int, names: list[str], own: list[Rollout], t
         "own_sequences": len(own),
         "completion_len_mean": _mean(r.num_tokens for r in own),
         "truncated_frac": _mean(r.finish_reason == "length" for r in own),
-        "gen_seconds": watch.seconds["gen_seconds"],
-        "train_seconds": watch.seconds["train_seconds"],
-        "exchange_bytes": delivery.sent_bytes[member],
+        "gen_seconds": seconds["gen_seconds"],
+        "train_seconds": seconds["train_seconds"],
+        "exchange_bytes": sent_bytes,
         "exchange_tokens": sum(r.num_tokens for r in own) if sent else 0,
         "exchange_sequences": len(own) if sent else 0,
-        "exchange_seconds": delivery.seconds,
-        "exchange_wait_seconds": delivery.wait_seconds,
+        "exchange_seconds": seconds["exchange_seconds"],
+        "exchange_wait_seconds": seconds["exchange_wait_seconds"],
+        "lead_wait_seconds": seconds["lead_wait_seconds"],
         # the member's own step: generating, exchanging (waiting included) and updating; eval excluded
-        "step_seconds": watch.seconds["gen_seconds"] + watch.seconds["train_seconds"] + delivery.wait_seconds
-        + delivery.seconds,
-        "rollouts_sha256": buffer_digest(inbox[member]),
-        "received_sha256": {names[s]: buffer_digest(b) for s, b in inbox.items() if s != member},
-        "rejected_batches": rejected,
+        "step_seconds": seconds["gen_seconds"] + seconds["train_seconds"] + seconds["exchange_wait_seconds"]
+        + seconds["exchange_seconds"],
+        "rollouts_sha256": own_digest,
         "lr": lr,
         "ended_at": time.time(),  # seconds since the epoch: orders async members' steps (and sampler rounds)
     }
+
+
+def resident_mib() -> float | None:
+    """This process's resident memory in MiB (Linux; None elsewhere): a long run's should stay flat."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def eval_record(step: int, member: str, dataset: str, accuracy: float, samples: int) -> dict:

@@ -22,6 +22,8 @@ import urllib.parse
 
 import torch
 
+from .errors import first_line
+
 BUILTIN_PREFIX = "builtin:"
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
 
@@ -100,7 +102,7 @@ def load_tokenizer(spec: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except Exception as exc:  # transformers raises OSError, ValueError, HFValidationError...
-        raise ModelSpecError(f"cannot load tokenizer {spec!r}: {_first_line(exc)}") from None
+        raise ModelSpecError(f"cannot load tokenizer {spec!r}: {first_line(exc)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -155,7 +157,7 @@ def check_model_spec(spec: str) -> None:
     try:
         AutoConfig.from_pretrained(spec)
     except Exception as exc:
-        raise ModelSpecError(f"cannot load model {spec!r}: {_first_line(exc)}") from None
+        raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None
 
 
 def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_implementation: str):
@@ -175,9 +177,4 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
     try:
         return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation)
     except Exception as exc:
-        raise ModelSpecError(f"cannot load model {spec!r}: {_first_line(exc)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+        raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None

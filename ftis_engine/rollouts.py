@@ -1,16 +1,16 @@
 """Rollouts: what members generate and exchange, and the wire format (8 bytes a token).
 
 The wire format of one member's rollouts is one int32 buffer:
-    [S] [S x 6 header words] [N token ids] [N generation log-probs as float32 bits]
+    [S] [S x 8 header words] [N token ids] [N generation log-probs as float32 bits]
 with header words (prompt index, length, reward as float32 bits, member, policy version, finish reason, and the
 time it was made in milliseconds since the epoch as two words, low then high), so a step's exchange costs
-4 + 32 S + 8 N bytes for S sequences of N tokens in all. No padding goes on the wire.
+4 + 32 S + 8 N bytes for S sequences of N tokens in all. No padding goes on the wire. `decode` checks that a
+buffer is well formed; what its values may be is the receiver's business (exchange/admission.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -119,44 +119,12 @@ def max_buffer_words(num_sequences: int, max_new_tokens: int) -> int:
     return 1 + HEADER_WORDS * num_sequences + 2 * num_sequences * max_new_tokens
 
 
-def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
-             expected: dict[int, int] | None, num_prompts: int) -> None:
-    """Check a peer's rollouts before training on them; raises RolloutError naming the first problem.
-    expected: prompt index -> number of completions dealt to the sender this step (None: not checked)."""
-    if expected is not None:
-        counts: dict[int, int] = {}
-        for r in rollouts:
-            counts[r.prompt_index] = counts.get(r.prompt_index, 0) + 1
-        for prompt, count in counts.items():
-            if prompt not in expected:
-                raise RolloutError(f"prompt index {prompt} was not dealt to member {sender} this step")
-            if count != expected[prompt]:
-                raise RolloutError(f"{count} completions of prompt {prompt}, {expected[prompt]} were dealt")
-        missing = set(expected) - set(counts)
-        if missing:
-            raise RolloutError(f"no completions of dealt prompt {min(missing)}")
-    for i, r in enumerate(rollouts):
-        where = f"sequence {i}"
-        if r.member != sender:
-            raise RolloutError(f"{where}: claims member {r.member}, sent by member {sender}")
-        if not 0 <= r.prompt_index < num_prompts:
-            raise RolloutError(f"{where}: prompt index {r.prompt_index} is outside the dataset (0..{num_prompts - 1})")
-        if r.gen_logprobs.numel() != r.num_tokens:
-            raise RolloutError(f"{where}: {r.gen_logprobs.numel()} log-probs for {r.num_tokens} tokens")
-        if not 1 <= r.num_tokens <= max_new_tokens:
-            raise RolloutError(f"{where}: {r.num_tokens} tokens, outside 1..max_new_tokens={max_new_tokens}")
-        if bool(((r.completion_ids < 0) | (r.completion_ids >= vocab_size)).any()):
-            raise RolloutError(f"{where}: token id outside the vocabulary [0, {vocab_size})")
-        if not bool(torch.isfinite(r.gen_logprobs).all()):
-            raise RolloutError(f"{where}: NaN or inf generation log-prob")
-        if bool((r.gen_logprobs > 0).any()):
-            raise RolloutError(f"{where}: positive generation log-prob")
-        if not math.isfinite(r.reward):
-            raise RolloutError(f"{where}: reward is not finite")
-        if r.policy_version < 0:
-            raise RolloutError(f"{where}: negative policy version {r.policy_version}")
-        if r.made_at < 0:
-            raise RolloutError(f"{where}: made before 1970 ({r.made_at:.3f} s since the epoch)")
+def claimed_sequences(buffer: torch.Tensor) -> int:
+    """The sequences a buffer claims to hold (its first word, bounded by what its size allows): for counting
+    what a receiver dropped unread."""
+    if buffer.numel() < 1:
+        return 0
+    return max(0, min(int(buffer[0]), (buffer.numel() - 1) // HEADER_WORDS))
 
 
 def buffer_digest(buffer: torch.Tensor) -> str:

@@ -16,20 +16,72 @@ import os
 import pathlib
 import socket
 import time
+from dataclasses import dataclass, field
 
 import torch
+from ftis_kernels import LossConfig
 
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
 from .config import ConfigError, RunConfig, rank_roles
-from .exchange import Alone, Exchange, LocalExchange, RolloutChecker
-from .members import build_member, check_generator_placement, check_warm_start, preflight, resolve_device
+from .errors import first_line
+from .exchange import Alone, Exchange
+from .exchange.admission import Admission, RolloutChecker
+from .exchange.async_ import Latency, LocalAsync, queue_capacity
+from .exchange.sync import LocalSync
+from .members import Member, build_member, check_generator_placement, check_warm_start, preflight, resolve_device
 from .models import vocabulary_hash
 from .progress import Progress
-from .run import Swarm
-from .tasks import load_task, prompt_ids
+from .schedule import Schedule
+from .tasks import Task, load_task, prompt_ids
 from .update import check_model
 
 log = logging.getLogger("ftis_engine")
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """Everything one process needs to run its members' steps; built by open_run, its fields never reassigned
+    (the receivers keep their intake, the prompt cache fills as prompts are met)."""
+
+    config: RunConfig
+    task: Task
+    members: list[Member]  # the members this process holds (a sampler rank: the member it generates for)
+    exchange: Exchange
+    run_dir: pathlib.Path
+    progress: Progress
+    schedule: Schedule
+    receivers: dict[int, Admission]  # local member -> its receiver
+    loss_config: LossConfig
+    start_step: int = 0  # the step the run (re)starts after: 0, or the restored checkpoint's
+    prompt_cache: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        """Every member's name, by index."""
+        return [m.name for m in self.config.members]
+
+    @property
+    def is_main(self) -> bool:
+        return self.exchange.rank == 0
+
+    @property
+    def independent(self) -> bool:
+        """Ranks that never synchronise after the start (async mode, one member per process)."""
+        return self.exchange.independent
+
+    def prompt(self, member: Member, index: int) -> list[int]:
+        key = (member.index, index)
+        if key not in self.prompt_cache:
+            self.prompt_cache[key] = prompt_ids(member.tokenizer, self.task, self.task.train[index].question)
+        return self.prompt_cache[key]
+
+    def close(self) -> None:
+        close_generators(self.members)
+
+
+def close_generators(members: list[Member]) -> None:
+    for member in members:
+        member.generator.close()
 
 
 class AgreedError(ConfigError):
@@ -231,11 +283,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     exchange: this process's transport (None: every member lives in this process); the members it holds are
     its rank's (one member per rank) or all of them.
     """
-    if exchange is None and config.swarm.mode == "async" and checkpoint is None:
-        from .async_exchange import Latency, LocalAsyncExchange
-
-        exchange = LocalAsyncExchange(list(range(len(config.members))), Latency(config.swarm.latency, config.seed))
-    exchange = exchange or LocalExchange()
+    if exchange is None:
+        if config.swarm.mode == "async" and checkpoint is None:
+            exchange = LocalAsync(list(range(len(config.members))), Latency(config.swarm.latency, config.seed),
+                                  queue_capacity(config))
+        else:
+            exchange = LocalSync()
     distributed = exchange.world_size > 1
     if not distributed and checkpoint is None and any(m.samplers for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.samplers)
@@ -255,60 +308,66 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
                 check_run_dir(run_dir, config, resume)
             except RunDirError as exc:
                 problem = str(exc)
-        problem = exchange.all_gather_object(problem)[0]
+        problem = exchange.collectives.all_gather_object(problem)[0]
         if problem:
             raise AgreedError(problem)
     tokenizers = preflight(config, members=local)
     hashes: dict[int, str] = {}
-    for part in exchange.all_gather_object({i: vocabulary_hash(tokenizers[i]) for i in local}):
+    for part in exchange.collectives.all_gather_object({i: vocabulary_hash(tokenizers[i]) for i in local}):
         hashes.update(part)
     check_shared_vocabulary(hashes)
 
     task = load_task(config.data, config.seed, config.eval.datasets)
     for i in local:
         check_warm_start(i, config.members[i], task)
-    members = []
-    for i in local:
-        device = resolve_device(config.train.device, local_rank if local_rank is not None else i)
-        member = build_member(i, config, tokenizers[i], device, task)
-        check_model(member)
-        members.append(member)
-    train_indices = _usable_prompts(config, task, members[0].tokenizer, exchange)
-    checkers = {m.index: RolloutChecker(task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens)
-                for m in members}
+    members: list[Member] = []
+    try:  # a member or checkpoint that fails closes the generators already built (a vLLM engine holds a GPU)
+        for i in local:
+            device = resolve_device(config.train.device, local_rank if local_rank is not None else i)
+            member = build_member(i, config, tokenizers[i], device, task)
+            members.append(member)
+            check_model(member)
+        train_indices = _usable_prompts(config, task, members[0].tokenizer, exchange)
+        start_step = 0
+        if checkpoint is not None:
+            start_step = restore(members, config, checkpoint, load_optimizer=False, what="--checkpoint")
+        elif resume:
+            found = latest_checkpoint(run_dir)
+            agreed = exchange.collectives.all_agree(found[0] if found else 0)
+            if agreed:
+                start_step = restore(members, config, run_dir / "checkpoints" / f"step-{agreed}",
+                                     load_optimizer=config.checkpoint.save_optimizer, what="--resume: checkpoint")
+    except BaseException:
+        close_generators(members)
+        raise
+    schedule = Schedule(config, tuple(train_indices))
+    receivers = {m.index: Admission(config, schedule, RolloutChecker(task, m.tokenizer, m.vocab_size,
+                                                                     config.rollout.max_new_tokens),
+                                    m.index, start_step) for m in members}
+    if exchange.independent and config.swarm.max_lead is not None \
+            and config.swarm.max_lead > config.swarm.max_staleness and exchange.rank == 0:
+        log.warning("swarm.max_lead=%d > swarm.max_staleness=%d: a member that far ahead drops its slowest peer's "
+                    "newest rollouts as stale", config.swarm.max_lead, config.swarm.max_staleness)
     swarm = Swarm(
         config=config, task=task, members=members,
-        # async steps handle alone themselves (they publish nothing); the Alone wrapper is for sync shares
-        exchange=Alone(exchange) if config.collaboration == "alone" and config.swarm.mode == "sync" else exchange,
-        run_dir=run_dir,
-        progress=progress or Progress(enabled=exchange.rank == 0), train_indices=train_indices,
-        names=[m.name for m in config.members], checkers=checkers,
-        loss_config=config.algorithm.loss_config(config.rollout.temperature),
+        exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
+        progress=progress or Progress(enabled=exchange.rank == 0), schedule=schedule, receivers=receivers,
+        loss_config=config.algorithm.loss_config(config.rollout.temperature), start_step=start_step,
     )
-    if checkpoint is not None:
-        return swarm, restore(swarm, checkpoint, load_optimizer=False, what="--checkpoint")
-    if not resume:
-        return swarm, 0
-    found = latest_checkpoint(run_dir)
-    step = exchange.all_agree(found[0] if found else 0)
-    if step == 0:
-        return swarm, 0
-    swarm.start_step = restore(swarm, run_dir / "checkpoints" / f"step-{step}",
-                               load_optimizer=config.checkpoint.save_optimizer, what="--resume: checkpoint")
-    return swarm, swarm.start_step
+    return swarm, start_step
 
 
 def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> list[int]:
     """Training prompts that fit data.max_prompt_tokens (rank 0's list on every rank); eval sets are cut alike."""
     limit = config.data.max_prompt_tokens
     fits = [i for i, ex in enumerate(task.train) if len(prompt_ids(tokenizer, task, ex.question)) <= limit]
-    fits = exchange.all_gather_object(fits)[0]
+    fits = exchange.collectives.all_gather_object(fits)[0]
     if len(fits) < config.rollout.prompts_per_step:
         raise ConfigError(f"data.max_prompt_tokens={limit}: only {len(fits)} training prompts are that "
                           f"short, fewer than rollout.prompts_per_step={config.rollout.prompts_per_step}")
     for name, examples in task.evals.items():  # eval prompts obey the same limit (a vLLM engine is sized by it)
         keep = [i for i, ex in enumerate(examples) if len(prompt_ids(tokenizer, task, ex.question)) <= limit]
-        kept = [examples[i] for i in exchange.all_gather_object(keep)[0]]
+        kept = [examples[i] for i in exchange.collectives.all_gather_object(keep)[0]]
         if len(kept) < len(examples):
             log.warning("eval %s: %d of %d prompts exceed data.max_prompt_tokens=%d and are left out", name,
                         len(examples) - len(kept), len(examples), limit)
@@ -316,26 +375,23 @@ def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> l
     return fits
 
 
-def restore(swarm: Swarm, checkpoint: pathlib.Path, load_optimizer: bool, what: str) -> int:
+def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, load_optimizer: bool,
+            what: str) -> int:
     """Load every local member from `checkpoint`; returns its step. `what` names the argument in errors."""
     try:
         state = read_state(checkpoint)
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise RunDirError(f"{what} {checkpoint}: unreadable state.json ({type(exc).__name__}: "
-                          f"{_first_line(exc)})") from None
-    if state.get("members") != swarm.names:
-        raise RunDirError(f"{what} {checkpoint}: holds members {state.get('members')}, the config has {swarm.names}")
-    for member in swarm.members:
+                          f"{first_line(exc)})") from None
+    names = [m.name for m in config.members]
+    if state.get("members") != names:
+        raise RunDirError(f"{what} {checkpoint}: holds members {state.get('members')}, the config has {names}")
+    for member in members:
         try:
             restore_member(member, checkpoint, load_optimizer=load_optimizer)
         except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
             raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "
-                              f"({type(exc).__name__}: {_first_line(exc)})") from None
+                              f"({type(exc).__name__}: {first_line(exc)})") from None
         member.generator.sync(member.model)
     return step
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "no detail"

@@ -1,6 +1,7 @@
 """One rank of a hand-launched swarm (as torchrun would start it), for the tests: `python swarm_worker.py MODE
 ARGS...` runs `ftis-engine ARGS` in this process; MODE other than `none` corrupts what this rank puts on the wire (sync: the
-corruption's name; async: async-<name>), or slows its member down (slow:<seconds per step>)."""
+corruption's name; async: async-<name>), slows its member down (slow:<seconds per step>), or makes its receiving
+thread's own code fail (handler-error)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 
 import torch
 
-from ftis_engine import exchange
+from ftis_engine.exchange import async_, sync
 from ftis_engine.rollouts import HEADER_WORDS
 
 
@@ -42,31 +43,32 @@ def main() -> None:
     if mode.startswith("slow:"):  # this rank's member generates `seconds` slower each step (a slow peer)
         import time
 
-        from ftis_engine import run
+        from ftis_engine.generation import sample
 
-        seconds, honest_generate = float(mode.split(":")[1]), run.generate_rollouts
+        seconds, honest_generate = float(mode.split(":")[1]), sample.generate_rollouts
 
         def generate_rollouts(*a, **k):
             time.sleep(seconds)
             return honest_generate(*a, **k)
 
-        run.generate_rollouts = generate_rollouts
-    elif mode.startswith("async-"):  # async mode: corrupt what this rank publishes
-        from ftis_engine import async_exchange
+        sample.generate_rollouts = generate_rollouts
+    elif mode == "handler-error":  # async mode: the receiving side's own code fails on the first parcel
+        honest_deliver = async_.DistributedAsync.deliver
 
-        honest_publish, how = async_exchange.DistributedAsyncExchange.publish, mode.removeprefix("async-")
+        def deliver(self, peer, kind, *rest):
+            if kind == 0:
+                raise ValueError("injected fault in deliver")
+            return honest_deliver(self, peer, kind, *rest)
 
-        def publish(self, buffers, step):
-            return honest_publish(self, {self.rank: corrupt(buffers[self.rank], how)}, step)
+        async_.DistributedAsync.deliver = deliver
+    elif mode != "none":  # corrupt what this rank sends (async-<name>: in async mode)
+        transport = async_.DistributedAsync if mode.startswith("async-") else sync.DistributedSync
+        honest_send, how = transport.send, mode.removeprefix("async-")
 
-        async_exchange.DistributedAsyncExchange.publish = publish
-    elif mode != "none":
-        honest_share = exchange.DistributedExchange.share
+        def send(self, buffers, step):
+            return honest_send(self, {self.rank: corrupt(buffers[self.rank], how)}, step)
 
-        def share(self, buffers, limits=None):
-            return honest_share(self, {self.rank: corrupt(buffers[self.rank], mode)}, limits)
-
-        exchange.DistributedExchange.share = share
+        transport.send = send
     from ftis_engine.cli import main as cli_main
 
     cli_main(args)

@@ -1,82 +1,101 @@
-"""The exchange: what each member receives, and the receiver's checks of a peer's batch (untrusted input)."""
+"""The transports in one process: who receives which parcel, when a delayed or lead-bound parcel is due, and the
+bounded queues (a mailbox per sender, an outbox per peer, a sampler's weight slot). Across processes:
+test_swarm.py (sync) and test_async_swarm.py (async)."""
 
 from __future__ import annotations
 
-import logging
+import time
 
-import pytest
 import torch
 
-from ftis_engine.exchange import Alone, LocalExchange, RolloutChecker, receive
-from ftis_engine.rollouts import Rollout, RolloutError, encode
-from ftis_engine.tasks import Example, Task
+from ftis_engine.config import LatencySettings
+from ftis_engine.exchange import Alone, Parcel
+from ftis_engine.exchange.async_ import Latency, LocalAsync, Mailbox, WeightSlot
+from ftis_engine.exchange.links import DATA, DONE, PING, TAKEN, WEIGHTS, Outbox
+from ftis_engine.exchange.sync import LocalSync
+from ftis_engine.rollouts import Rollout, encode
 
 
-
-class DigitTokenizer:
-    """Token id i decodes to the digit i % 10."""
-
-    def batch_decode(self, sequences, skip_special_tokens=True):
-        return ["".join(str(i % 10) for i in ids) for ids in sequences]
+def _buffer(sequences: int) -> torch.Tensor:
+    return encode([Rollout(0, i, torch.tensor([5], dtype=torch.int32), torch.tensor([-1.0]), 0.0, "stop", 0)
+                   for i in range(sequences)])
 
 
-def _task() -> Task:
-    examples = [Example(question=f"q{i}", answer="7") for i in range(100)]
-    return Task(name="digits", train=examples, evals={}, reward=lambda text, gold: float(text.endswith(gold)))
-
-
-def _rollouts(sender: int, prompts: list[int], task: Task) -> list[Rollout]:
-    g = torch.Generator().manual_seed(sender)
-    out = []
-    for p in prompts:
-        ids = torch.randint(0, 50, (3,), generator=g, dtype=torch.int32)
-        reward = task.score(DigitTokenizer(), [ids], [task.train[p]])[0]
-        out.append(Rollout(sender, p, ids, -torch.rand(3, generator=g), reward, "stop", 0))
-    return out
-
-
-def test_local_delivery_gives_every_member_every_buffer_and_alone_only_its_own():
+def test_local_sync_gives_every_member_every_peers_buffer_and_alone_nothing():
     buffers = {0: torch.zeros(3, dtype=torch.int32), 1: torch.ones(5, dtype=torch.int32)}
-    delivery = LocalExchange().share(buffers, limits={0: 10, 1: 10})
-    assert {r: sorted(box) for r, box in delivery.inbox.items()} == {0: [0, 1], 1: [0, 1]}
-    assert delivery.sent_bytes == {0: 12, 1: 20}
-    alone = Alone(LocalExchange()).share(buffers, limits={0: 10, 1: 10})
-    assert {r: sorted(box) for r, box in alone.inbox.items()} == {0: [0], 1: [1]} and alone.sent_bytes == {0: 0, 1: 0}
-    assert LocalExchange().share({0: buffers[0]}, {0: 10}).sent_bytes == {0: 0}  # a swarm of one sends nothing
+    exchange = LocalSync()
+    assert exchange.send(buffers, step=4) == {0: 12, 1: 20}
+    got = exchange.receive(0, 4).parcels
+    assert [(p.sender, p.step, p.version) for p in got] == [(1, 4, 3)] and torch.equal(got[0].buffer, buffers[1])
+    assert [p.sender for p in exchange.receive(1, 4).parcels] == [0]
+    alone = Alone(LocalSync())
+    assert alone.send(buffers, 4) == {0: 0, 1: 0} and alone.receive(0, 4).parcels == []
+    assert LocalSync().send({0: buffers[0]}, 1) == {0: 0}  # a swarm of one sends nothing
 
 
-def test_a_peer_cannot_inflate_a_group_with_extra_or_missing_completions():
-    task = _task()
-    rollouts = _rollouts(1, [10, 11, 12], task)
-    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
-    dealt = {10: 1, 11: 1, 12: 1}
-    assert len(checker.accept(encode(rollouts), sender=1, dealt=dealt)) == 3
-    with pytest.raises(RolloutError, match="completions of prompt 10"):
-        checker.accept(encode(rollouts + [rollouts[0]] * 40), sender=1, dealt=dealt)
-    with pytest.raises(RolloutError, match="no completions of dealt prompt 12"):
-        checker.accept(encode(rollouts[:2]), sender=1, dealt=dealt)
+def test_latency_is_fixed_or_drawn_reproducibly_within_its_range():
+    assert Latency(LatencySettings.model_validate(3), seed=0).delay(0, 1, 5) == 3.0
+    drawn = Latency(LatencySettings(unit="steps", min=1, max=4), seed=7)
+    values = [drawn.delay(0, 1, step) for step in range(200)]
+    assert set(values) == {1.0, 2.0, 3.0, 4.0}  # whole steps, every one of them
+    assert values == [Latency(LatencySettings(unit="steps", min=1, max=4), seed=7).delay(0, 1, s) for s in range(200)]
+    seconds = Latency(LatencySettings(unit="seconds", min=0.5, max=1.5), seed=0)
+    assert all(0.5 <= seconds.delay(1, 0, s) <= 1.5 for s in range(50))
 
 
-def test_a_claimed_reward_that_the_receiver_does_not_reproduce_is_rejected():
-    task = _task()
-    rollouts = _rollouts(1, [10, 11], task)
-    rollouts[1].reward = 1.0 - rollouts[1].reward
-    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
-    with pytest.raises(RolloutError, match="sequence 1: claims reward"):
-        checker.accept(encode(rollouts), sender=1, dealt=None)
+def test_a_mailbox_releases_a_parcel_at_its_due_step_and_time_and_within_the_lead():
+    box = Mailbox(capacity=10)
+    now = time.time()
+    box.put(Parcel(1, 1, 0, torch.zeros(1), due_step=3))
+    box.put(Parcel(1, 2, 1, torch.zeros(1), due_time=now + 60))
+    box.put(Parcel(1, 3, 2, torch.zeros(1)))
+    box.put(Parcel(1, 6, 5, torch.zeros(1)))  # 4 versions ahead of a receiver at step 2
+    assert [p.step for p in box.take_due(2, now, newest_version=2 - 1 + 2)] == [3]
+    assert [p.step for p in box.take_due(3, now, newest_version=3 - 1 + 2)] == [1]
+    assert [p.step for p in box.take_due(10, now + 59)] == [6]  # no lead bound: any version
+    assert len(box) == 1 and [p.step for p in box.take_due(10, now + 60)] == [2]
 
 
-def test_receive_keeps_its_own_and_the_good_peers_and_drops_a_bad_batch_whole(caplog):
-    task = _task()
-    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
-    own = _rollouts(0, [1, 2], task)
-    good = _rollouts(1, [3, 4], task)
-    bad = _rollouts(2, [5, 6], task)
-    bad[0].completion_ids = torch.tensor([999, 1, 2], dtype=torch.int32)  # outside the vocabulary
-    inbox = {0: encode(own), 1: encode(good), 2: encode(bad)}
-    dealt = {0: {1: 1, 2: 1}, 1: {3: 1, 4: 1}, 2: {5: 1, 6: 1}}
-    with caplog.at_level(logging.WARNING, logger="ftis_engine.exchange"):
-        got = receive(inbox, 0, own, checker, dealt, ["a", "b", "c"])
-    assert [(r.member, r.prompt_index) for r in got.rollouts] == [(0, 1), (0, 2), (1, 3), (1, 4)]
-    assert len(got.rejected) == 1 and got.rejected[0][0] == 2 and "vocabulary" in got.rejected[0][1]
-    assert "a: dropped the rollouts of peer c (member 2)" in caplog.text
+def test_a_full_mailbox_drops_a_senders_oldest_parcel_and_counts_its_sequences():
+    box = Mailbox(capacity=2)
+    for step in (1, 2, 3):
+        box.put(Parcel(1, step, step - 1, _buffer(4)))
+    box.put(Parcel(2, 1, 0, _buffer(3)))  # another sender has its own room
+    assert box.take_dropped() == 4 and box.take_dropped() == 0
+    assert [(p.sender, p.step) for p in box.take_due(9, time.time())] == [(2, 1), (1, 2), (1, 3)]
+
+
+def test_the_local_async_exchange_delivers_to_every_peer_after_the_delay():
+    exchange = LocalAsync([0, 1, 2], Latency(LatencySettings.model_validate(2), seed=0), capacity=8)
+    assert exchange.send({0: torch.ones(5, dtype=torch.int32)}, step=1) == {0: 20}
+    first = exchange.receive(1, 2)
+    assert first.parcels == [] and first.waiting == 1 and exchange.receive(0, 2).waiting == 0
+    assert [(p.sender, p.step, p.version) for p in exchange.receive(1, 3).parcels] == [(0, 1, 0)]
+    assert [(p.sender, p.step) for p in exchange.receive(2, 9).parcels] == [(0, 1)]
+
+
+def test_an_outbox_keeps_the_newest_parcels_and_sends_slots_first_and_done_last():
+    box = Outbox(capacity=2)
+    for step in (1, 2, 3):
+        box.put_parcel(step, step - 1, _buffer(5))
+    box.put_slot(WEIGHTS, 0, 7, torch.zeros(3, dtype=torch.int32))
+    box.put_slot(WEIGHTS, 0, 8, torch.zeros(3, dtype=torch.int32))  # replaces the unsent copy
+    box.put_slot(TAKEN, 4, 0, None)
+    box.put_done()
+    taken = [box.take(0.01)[:3] for _ in range(6)]
+    assert box.dropped_sequences == 5  # step 1 made room for step 3
+    assert taken == [(WEIGHTS, 0, 8), (TAKEN, 4, 0), (DATA, 2, 1), (DATA, 3, 2), (DONE, 0, 0),
+                     (DONE, 0, 0)]
+    assert Outbox(1).take(0.01)[0] == PING  # nothing to send: keep the link open
+
+
+def test_a_weight_slot_takes_only_its_learners_newer_weights_of_the_right_size():
+    slot = WeightSlot(source=0, words=3, version=2, last_version=9)
+    assert slot.limit(0, 4) == 3
+    assert slot.limit(1, 4) == 0  # not its learner
+    assert slot.limit(0, 2) == 0 and slot.limit(0, 10) == 0  # not newer / beyond the last push
+    slot.put(4, torch.ones(3, dtype=torch.int32))
+    slot.put(6, torch.full((3,), 6, dtype=torch.int32))
+    slot.put(5, torch.ones(3, dtype=torch.int32))  # older than what arrived: ignored
+    version, words = slot.take()
+    assert version == 6 and words.tolist() == [6, 6, 6] and slot.take() is None and slot.limit(0, 6) == 0

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ftis_engine.config import ConfigError, RunConfig, load_config
-from ftis_engine.exchange import RolloutChecker
+from ftis_engine.exchange.admission import RolloutChecker
 from ftis_engine.rollouts import HEADER_WORDS, Rollout, RolloutError, decode, encode
 from ftis_engine.tasks import Example, Task
 

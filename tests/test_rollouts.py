@@ -1,11 +1,11 @@
-"""Rollouts: the wire format and the validation of a peer's batch."""
+"""Rollouts: the wire format (the values a receiver accepts: test_admission.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ftis_engine.rollouts import Rollout, RolloutError, decode, encode, validate, wire_bytes
+from ftis_engine.rollouts import Rollout, RolloutError, claimed_sequences, decode, encode, wire_bytes
 
 
 def _rollouts(n=3, seed=0):
@@ -45,18 +45,9 @@ def test_truncated_or_inflated_buffers_are_rejected():
         decode(negative)
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda r: setattr(r, "completion_ids", torch.tensor([999], dtype=torch.int32)), "vocabulary"),
-    (lambda r: setattr(r, "completion_ids", torch.tensor([1, 2], dtype=torch.int32)), "log-probs for"),
-    (lambda r: (setattr(r, "completion_ids", torch.ones(9, dtype=torch.int32)),
-                setattr(r, "gen_logprobs", -torch.ones(9))), "max_new_tokens"),
-    (lambda r: setattr(r, "gen_logprobs", torch.tensor([float("nan")])), "NaN"),
-    (lambda r: setattr(r, "gen_logprobs", torch.tensor([0.5])), "positive"),
-    (lambda r: setattr(r, "prompt_index", 10_000), "outside the dataset"),
-    (lambda r: setattr(r, "member", 0), "claims member"),
-])
-def test_validation_names_the_problem(mutate, reason):
-    rollouts = _rollouts(1)
-    mutate(rollouts[0])
-    with pytest.raises(RolloutError, match=reason):
-        validate(rollouts, sender=1, vocab_size=100, max_new_tokens=8, expected=None, num_prompts=100)
+def test_claimed_sequences_is_the_header_count_bounded_by_the_size():
+    buffer = encode(_rollouts())
+    assert claimed_sequences(buffer) == 3
+    assert claimed_sequences(torch.tensor([1_000_000, 0, 0], dtype=torch.int32)) == 0  # no room for one header
+    assert claimed_sequences(torch.tensor([-4], dtype=torch.int32)) == 0
+    assert claimed_sequences(torch.zeros(0, dtype=torch.int32)) == 0

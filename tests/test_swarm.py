@@ -89,8 +89,9 @@ def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp
                 assert a[field] == pytest.approx(b[field], rel=1e-6), field
     sent = {(r["step"], r["member"]): r["rollouts_sha256"] for r in dist}
     for r in dist:
-        for peer, digest in r["received_sha256"].items():
-            assert digest == sent[(r["step"], peer)]  # what the peer encoded is what arrived
+        for key, digest in r["received_sha256"].items():
+            peer, step = key.split("@")
+            assert int(step) == r["step"] and digest == sent[(r["step"], peer)]  # what the peer encoded arrived
         assert r["exchange_bytes"] == 4 + 32 * r["exchange_sequences"] + 8 * r["exchange_tokens"]
         assert r["sequences"] == 2 * r["own_sequences"]  # its own plus its peer's
     final = json.loads((tmp_path / "dist" / "swarm" / "final_eval.json").read_text())

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import re
 
-from . import Example, Task
+from .base import Example, Task
 
 STYLES = ("columns", "carry-first")
 TRAIN_SIZE = 4096

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import pathlib
 
+from ..errors import first_line
 from ..rewards import binary_answer_reward
-from . import Example, Task, TaskError
+from .base import Example, Task, TaskError
 
 HUB = {
     # name: (hub dataset, config, split, question field, answer field)
@@ -74,8 +75,7 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
         try:
             rows = datasets.load_dataset(hub_id, config, split=split)
         except Exception as exc:  # datasets raises many types: offline, missing, schema...
-            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise TaskError(f"{field}: cannot load {hub_id!r} from the HF hub ({detail}); give a local copy with "
+            raise TaskError(f"{field}: cannot load {hub_id!r} from the HF hub ({first_line(exc)}); give a local copy with "
                             f"{field}") from None
         missing = [f for f in (q_field, a_field) if f not in rows.column_names]
         if missing:

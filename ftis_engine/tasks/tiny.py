@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 
 from ..rewards import tiny_answer_reward
-from . import Example, Task
+from .base import Example, Task
 
 
 def _add(rng: random.Random) -> Example:

@@ -1,0 +1,119 @@
+"""How members exchange rollouts: one protocol, a sync and an async implementation, and one receiver.
+
+Every step a member `send`s its scored rollouts (one wire buffer, rollouts.encode) and `receive`s what its peers
+sent as parcels; admission.py then decides what it trains on (the same checks in both modes). The transports:
+
+    sync.LocalSync            every member in this process
+    sync.DistributedSync      one member per process; every member waits for every member each step
+    async_.LocalAsync         every member in this process, deliveries delayed by swarm.latency only
+    async_.DistributedAsync   one member (or sampler) per process; nobody waits for anybody, except as far as
+                              swarm.max_lead bounds how far a member runs ahead of its slowest live peer
+    Alone                     collaboration: alone (wraps any of them: nothing goes on the wire)
+
+The collectives of a run's start and checkpoints (barrier, all_agree, gather_records, all_gather_object) are the
+transport's `collectives`: sync.Collectives for both distributed transports, sync.LocalCollectives in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+Limit = Callable[[int, int], int]  # (sender rank, step) -> the most words an honest parcel holds (0: none)
+
+
+@dataclass
+class Parcel:
+    """One sender's rollouts of one step (a sampler's: of one round), on their way to one receiver."""
+
+    sender: int  # the sender's rank (in one process: its member index)
+    step: int  # the sender's step (a sampler's round) that made them
+    version: int  # the policy version the sender declares for them (a learner's: step - 1)
+    buffer: torch.Tensor  # the wire buffer; empty when the transport refused it (see `refused`)
+    due_step: int = 0  # simulated latency: the receiver's first step that may use it
+    due_time: float = 0.0  # simulated latency: the first wall time it may be used
+    refused: str | None = None  # why the transport refused it unread (its size), or None
+
+
+@dataclass
+class Arrivals:
+    """What one receive() brought a member, and what it cost."""
+
+    parcels: list[Parcel] = field(default_factory=list)  # the peers' parcels, never the member's own
+    wait_seconds: float = 0.0  # waiting for peers (sync: the slowest peer's step; async: lead waits and locks)
+    lead_wait_seconds: float = 0.0  # async: of wait_seconds, the wait for a peer max_lead steps behind
+    lead_steps: int | None = None  # async across processes: how far this member's step was ahead of its slowest
+    # live peer's newest published step when it asked (None: no live peer)
+    seconds: float = 0.0  # the transfer itself (sync)
+    waiting: int = 0  # parcels that arrived and are not due yet (simulated latency, or ahead of max_lead)
+    dropped_sequences: int = 0  # sequences the transport dropped unread since the last receive (a full mailbox)
+    outbox_dropped: int = 0  # this rank's parcels dropped unsent since the last receive (a full outbox: slow link)
+
+
+class Collectives(Protocol):
+    """The few collectives a run's start and its checkpoints need (sync.Collectives across processes,
+    sync.LocalCollectives in one process)."""
+
+    def barrier(self) -> None: ...
+
+    def all_agree(self, value: int) -> int: ...
+
+    def gather_records(self, records: list[dict]) -> list[dict]: ...
+
+    def all_gather_object(self, value: object) -> list: ...
+
+    def close(self) -> None: ...
+
+
+class Exchange(Protocol):
+    """What the step loop and the run's start need from a transport."""
+
+    rank: int
+    world_size: int
+    independent: bool  # ranks never synchronise after the start (async across processes)
+    collectives: Collectives
+
+    def start(self, limit: Limit, start_step: int = 0) -> None:
+        """Begin exchanging (after every rank has opened the run): limit(sender, step) bounds what a receiver
+        allocates for a peer's parcel; start_step is the step the run (re)starts after."""
+
+    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
+        """Send each local member's buffer of `step` to its peers; returns the bytes each put on the wire."""
+
+    def receive(self, receiver: int, step: int) -> Arrivals:
+        """The parcels that local member `receiver` may use at `step`."""
+
+    def finish(self) -> None:
+        """Leave the exchange (async: say DONE to every peer and drain what they still send)."""
+
+
+def wire_bytes_sent(buffer: torch.Tensor, receivers: int) -> int:
+    """What a buffer costs on the wire: 4 bytes a word when anyone receives it, else nothing."""
+    return 4 * buffer.numel() if receivers > 0 else 0
+
+
+class Alone:
+    """collaboration: alone. Nothing goes on the wire and nothing arrives; the start's and checkpoints'
+    collectives (and, async, the DONE handshake) still go through the transport underneath."""
+
+    def __init__(self, transport: Exchange):
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.independent = transport.independent
+        self.collectives = transport.collectives
+
+    def start(self, limit: Limit, start_step: int = 0) -> None:
+        self.transport.start(limit, start_step)
+
+    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
+        return {m: 0 for m in buffers}
+
+    def receive(self, receiver: int, step: int) -> Arrivals:
+        return Arrivals()
+
+    def finish(self) -> None:
+        self.transport.finish()

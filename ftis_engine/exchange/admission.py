@@ -1,0 +1,295 @@
+"""The one receiver, in both modes: what a member makes of its peers' parcels (peers' rollouts are untrusted input).
+
+A parcel is admitted whole or not at all. In this order, the first failure drops it with one warning naming the
+peer (counted in rejected_batches), except staleness, which is no fault (counted in stale_dropped):
+
+    1. size      the transport refused it unread: more words than an honest parcel of its step can hold
+                 (schedule.Schedule.parcel_limit), or a size announced as empty
+    2. step      a learner's within 1..train.steps; a sampler's round >= 1
+    3. decode    a well-formed buffer (rollouts.decode)
+    4. versions  every rollout carries the parcel's policy version; a learner's is its step - 1; a sampler's is
+                 its start or a multiple of weight_sync_every, no newer than its learner can have pushed
+    5. time      made at most FUTURE_TOLERANCE_S in the future (a clock that far off would defeat max_delay_s)
+    6. staleness version more than swarm.max_staleness steps behind the receiver's (or made longer than
+                 swarm.max_delay_s ago): dropped, counted in stale_dropped
+    7. replay    a second parcel of the same sender and step
+    8. values    the deal of the sender's step or round (prompts, counts), the sender's member, token ids in
+                 the vocabulary, lengths, finite non-positive log-probs, finite rewards (validate)
+    9. re-score  every reward re-computed from the text here equals the sender's claim
+
+Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
+all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
+gives): each sender first, round-robin, up to its share of a step (a fast peer cannot crowd out a slow one), then
+the freshest policy versions of the rest. What is left waits for the next step while it will still be within
+max_staleness (at most max_staleness + 1 budgets wait), else it is dropped and counted in surplus_dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import RunConfig
+from ..rollouts import Rollout, RolloutError, buffer_digest, decode
+from ..schedule import Schedule
+from ..tasks import Task
+from . import Parcel
+
+log = logging.getLogger("ftis_engine.exchange")
+
+FUTURE_TOLERANCE_S = 600.0  # clocks of different nodes may differ by this much
+
+
+def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
+             expected: dict[int, int] | None, num_prompts: int) -> None:
+    """Check a peer's rollouts before training on them; raises RolloutError naming the first problem.
+    sender: the member they claim to be from; expected: prompt index -> number of completions dealt to it for
+    the parcel's step (None: not checked)."""
+    if expected is not None:
+        counts: dict[int, int] = {}
+        for r in rollouts:
+            counts[r.prompt_index] = counts.get(r.prompt_index, 0) + 1
+        for prompt, count in counts.items():
+            if prompt not in expected:
+                raise RolloutError(f"prompt index {prompt} was not dealt to member {sender} this step")
+            if count != expected[prompt]:
+                raise RolloutError(f"{count} completions of prompt {prompt}, {expected[prompt]} were dealt")
+        missing = set(expected) - set(counts)
+        if missing:
+            raise RolloutError(f"no completions of dealt prompt {min(missing)}")
+    for i, r in enumerate(rollouts):
+        where = f"sequence {i}"
+        if r.member != sender:
+            raise RolloutError(f"{where}: claims member {r.member}, sent by member {sender}")
+        if not 0 <= r.prompt_index < num_prompts:
+            raise RolloutError(f"{where}: prompt index {r.prompt_index} is outside the dataset (0..{num_prompts - 1})")
+        if r.gen_logprobs.numel() != r.num_tokens:
+            raise RolloutError(f"{where}: {r.gen_logprobs.numel()} log-probs for {r.num_tokens} tokens")
+        if not 1 <= r.num_tokens <= max_new_tokens:
+            raise RolloutError(f"{where}: {r.num_tokens} tokens, outside 1..max_new_tokens={max_new_tokens}")
+        if bool(((r.completion_ids < 0) | (r.completion_ids >= vocab_size)).any()):
+            raise RolloutError(f"{where}: token id outside the vocabulary [0, {vocab_size})")
+        if not bool(torch.isfinite(r.gen_logprobs).all()):
+            raise RolloutError(f"{where}: NaN or inf generation log-prob")
+        if bool((r.gen_logprobs > 0).any()):
+            raise RolloutError(f"{where}: positive generation log-prob")
+        if not math.isfinite(r.reward):
+            raise RolloutError(f"{where}: reward is not finite")
+        if r.policy_version < 0:
+            raise RolloutError(f"{where}: negative policy version {r.policy_version}")
+        if r.made_at < 0:
+            raise RolloutError(f"{where}: made before 1970 ({r.made_at:.3f} s since the epoch)")
+
+
+class RolloutChecker:
+    """Steps 8 and 9 for one receiving member: the values of a peer's rollouts, and their rewards re-scored."""
+
+    def __init__(self, task: Task, tokenizer, vocab_size: int, max_new_tokens: int):
+        self.task = task
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_new_tokens = max_new_tokens
+
+    def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
+        """Decode, validate and re-score a peer's buffer; raise RolloutError on any problem."""
+        return self.check(decode(buffer), sender, dealt)
+
+    def check(self, rollouts: list[Rollout], sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
+        """`accept` for rollouts already decoded."""
+        validate(rollouts, sender=sender, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens,
+                 expected=dealt, num_prompts=len(self.task.train))
+        try:
+            local = self.task.score(self.tokenizer, [r.completion_ids for r in rollouts],
+                                    [self.task.train[r.prompt_index] for r in rollouts])
+        except Exception as exc:  # ids the tokenizer cannot decode, or a reward that fails on this text
+            raise RolloutError(f"cannot score the completions: {exc}") from None
+        for i, (rollout, reward) in enumerate(zip(rollouts, local)):
+            if abs(reward - rollout.reward) > 1e-6:
+                raise RolloutError(f"sequence {i}: claims reward {rollout.reward:g}, re-scored {reward:g}")
+        return rollouts
+
+
+@dataclass
+class Group:
+    """Admitted rollouts that train together: one prompt's completions from one sender's parcel."""
+
+    sender: int
+    version: int
+    rollouts: list[Rollout]
+    order: int  # admission order: ties in freshness go to the earlier
+    parcel: str  # the parcel it came in: "sender@step"
+    digest: str  # that parcel's buffer digest (rollouts.buffer_digest)
+
+    @property
+    def size(self) -> int:
+        return len(self.rollouts)
+
+    @property
+    def made_at(self) -> float:
+        return min(r.made_at for r in self.rollouts)
+
+
+@dataclass
+class Received:
+    """What a receiver made of one step's arrivals: the peer rollouts it trains on now, and what it did not."""
+
+    rollouts: list[Rollout] = field(default_factory=list)
+    rejected: list[tuple[int, str]] = field(default_factory=list)  # (sender rank, reason): failed a check
+    stale_dropped: int = 0  # sequences that arrived older than max_staleness steps or max_delay_s seconds
+    surplus_dropped: int = 0  # admitted (or queued) sequences that never fitted an update's budget
+    staleness: list[int] = field(default_factory=list)  # per peer rollout trained on, in the receiver's steps
+    age_seconds: list[float] = field(default_factory=list)  # per peer rollout trained on, made -> taken
+    digests: dict[str, str] = field(default_factory=dict)  # "sender@step" -> buffer digest, per parcel trained on
+    waiting: int = 0  # admitted sequences left for a later step
+
+    def metrics(self) -> dict:
+        def spread(name: str, values: list) -> dict:
+            if not values:
+                return {f"{name}_min": None, f"{name}_mean": None, f"{name}_max": None}
+            return {f"{name}_min": min(values), f"{name}_mean": sum(values) / len(values), f"{name}_max": max(values)}
+
+        return {**spread("staleness", self.staleness), **spread("staleness_seconds", self.age_seconds),
+                "stale_dropped": self.stale_dropped, "surplus_dropped": self.surplus_dropped,
+                "peer_sequences": len(self.rollouts), "intake_waiting": self.waiting,
+                "rejected_batches": len(self.rejected), "received_sha256": self.digests}
+
+
+class Admission:
+    """One local member's receiver: admits parcels (the checks above) and takes each step's intake."""
+
+    def __init__(self, config: RunConfig, schedule: Schedule, checker: RolloutChecker, receiver: int,
+                 start_step: int = 0):
+        self.config = config
+        self.schedule = schedule
+        self.checker = checker
+        self.receiver = receiver
+        self.start_step = start_step  # the step a resumed run restarted after (a sampler may hold its version)
+        asynchronous = config.swarm.mode == "async"
+        self.budget = schedule.peer_budget(receiver) if asynchronous else None
+        self.shares = {rank: schedule.step_sequences(rank) for rank in schedule.senders(receiver)}
+        self.pool: list[Group] = []
+        self._seen: dict[tuple[int, int], int] = {}  # (sender rank, step) -> version, within the staleness window
+        self._order = 0
+
+    def sender_name(self, rank: int) -> str:
+        member, sampler = self.schedule.roles[rank] if 0 <= rank < len(self.schedule.roles) else (None, None)
+        if member is None:
+            return f"rank {rank}"
+        name = self.config.members[member].name
+        return name if sampler is None else f"{name}/sampler-{sampler}"
+
+    def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0) -> Received:
+        """Admit the step's parcels, then take the intake. dropped_unread: sequences the transport dropped from a
+        full queue (counted as surplus)."""
+        out = Received(surplus_dropped=dropped_unread)
+        now = time.time()
+        for parcel in parcels:
+            try:
+                self._admit(parcel, step, now, out)
+            except RolloutError as exc:
+                out.rejected.append((parcel.sender, str(exc)))
+                log.warning("%s: dropped the rollouts of peer %s of its step %d: %s",
+                            self.config.members[self.receiver].name, self.sender_name(parcel.sender), parcel.step, exc)
+        self._take(step, now, out)
+        return out
+
+    def _admit(self, parcel: Parcel, step: int, now: float, out: Received) -> None:
+        cfg = self.config
+        roles = self.schedule.roles
+        if parcel.refused is not None:
+            raise RolloutError(f"refused unread: {parcel.refused}")
+        if not 0 <= parcel.sender < len(roles):
+            raise RolloutError(f"from rank {parcel.sender}, which is not a rank of this run")
+        member, sampler = roles[parcel.sender]
+        if parcel.step < 1 or (sampler is None and parcel.step > cfg.train.steps):
+            raise RolloutError(f"parcel of step {parcel.step}, outside 1..train.steps={cfg.train.steps}")
+        rollouts = decode(parcel.buffer)
+        version = parcel.version
+        if sampler is None and version != parcel.step - 1:
+            raise RolloutError(f"policy version {version} declared for step {parcel.step} (a learner's rollouts of "
+                               f"step t are version t - 1)")
+        if any(r.policy_version != version for r in rollouts):
+            raise RolloutError(f"a policy version differs from its parcel's ({version})")
+        if sampler is not None:  # the versions an honest sampler can hold: its start, then its learner's pushes
+            every = cfg.members[member].weight_sync_every
+            newest = cfg.train.steps - 1 if member != self.receiver else step - 1
+            if version > newest or (version % every and version != self.start_step):
+                raise RolloutError(f"policy version {version}: a sampler holds the resumed step ({self.start_step}) "
+                                   f"or a multiple of weight_sync_every={every} up to {newest}")
+        if any(r.made_at > now + FUTURE_TOLERANCE_S for r in rollouts):
+            raise RolloutError(f"made more than {FUTURE_TOLERANCE_S:g} s in the future (a clock that far off would "
+                               "defeat max_delay_s)")
+        staleness = (step - 1) - version
+        age = max(0.0, now - min((r.made_at for r in rollouts), default=now))
+        if staleness > cfg.swarm.max_staleness or (cfg.swarm.max_delay_s is not None and age > cfg.swarm.max_delay_s):
+            out.stale_dropped += len(rollouts)
+            return
+        self._seen = {key: v for key, v in self._seen.items() if (step - 1) - v <= cfg.swarm.max_staleness}
+        if (parcel.sender, parcel.step) in self._seen:
+            raise RolloutError(f"a second parcel of step {parcel.step} (a replay)")
+        self._seen[(parcel.sender, parcel.step)] = version
+        dealt = (self.schedule.deal(parcel.step)[member] if sampler is None
+                 else self.schedule.round_deal(parcel.sender, parcel.step))
+        self.checker.check(rollouts, member, dealt)
+        name, digest = f"{self.sender_name(parcel.sender)}@{parcel.step}", buffer_digest(parcel.buffer)
+        by_prompt: dict[int, list[Rollout]] = {}
+        for r in rollouts:
+            by_prompt.setdefault(r.prompt_index, []).append(r)
+        for group in by_prompt.values():
+            self.pool.append(Group(parcel.sender, version, group, self._order, name, digest))
+            self._order += 1
+
+    def _take(self, step: int, now: float, out: Received) -> None:
+        cfg = self.config.swarm
+        fresh = [g for g in self.pool if (step - 1) - g.version <= cfg.max_staleness
+                 and (cfg.max_delay_s is None or now - g.made_at <= cfg.max_delay_s)]
+        out.surplus_dropped += sum(g.size for g in self.pool) - sum(g.size for g in fresh)  # aged while waiting
+        chosen = fresh if self.budget is None else self._choose(fresh, self.budget)
+        taken = {id(g) for g in chosen}
+        # what is left waits only if it can still be used fresh at the next step, and at most max_staleness + 1
+        # budgets of it (the freshest)
+        rest = sorted((g for g in fresh if id(g) not in taken and step - g.version <= cfg.max_staleness),
+                      key=lambda g: (-g.version, g.order))
+        room, self.pool = (self.budget or 0) * (cfg.max_staleness + 1), []
+        for g in rest:
+            if g.size <= room:
+                self.pool.append(g)
+                room -= g.size
+        out.surplus_dropped += sum(g.size for g in fresh) - sum(g.size for g in chosen) - sum(g.size for g in self.pool)
+        out.waiting = sum(g.size for g in self.pool)
+        for g in sorted(chosen, key=lambda g: (g.version, g.sender, g.order)):
+            out.digests[g.parcel] = g.digest
+            out.rollouts += g.rollouts
+            out.staleness += [(step - 1) - g.version] * g.size
+            out.age_seconds += [max(0.0, now - r.made_at) for r in g.rollouts]
+
+    def _choose(self, fresh: list[Group], budget: int) -> list[Group]:
+        """At most `budget` sequences of whole groups: round-robin over the senders, each up to its share of a
+        step, freshest first; then the freshest of the rest."""
+        queues: dict[int, list[Group]] = defaultdict(list)
+        for g in sorted(fresh, key=lambda g: (-g.version, g.order)):
+            queues[g.sender].append(g)
+        chosen: list[Group] = []
+        total, per_sender = 0, defaultdict(int)
+        added = True
+        while added:
+            added = False
+            for sender in sorted(queues):
+                queue = queues[sender]
+                if queue and per_sender[sender] + queue[0].size <= self.shares.get(sender, 0) \
+                        and total + queue[0].size <= budget:
+                    g = queue.pop(0)
+                    chosen.append(g)
+                    total += g.size
+                    per_sender[sender] += g.size
+                    added = True
+        for g in sorted((g for q in queues.values() for g in q), key=lambda g: (-g.version, g.order)):
+            if total + g.size <= budget:
+                chosen.append(g)
+                total += g.size
+        return chosen

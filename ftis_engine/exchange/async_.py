@@ -1,0 +1,298 @@
+"""Async transports (swarm.mode: async, the HeteroRL setting): a member publishes its scored rollouts of a step as
+one parcel and, before its update, takes the parcels that have arrived and are due. Nobody waits for anybody,
+except as far as the bounds below say; nothing grows without bound in a long run.
+
+- **Lead** (swarm.max_lead = K, across processes): a member starts training its step t only when every live peer
+  has published its step t - K or later, and takes no parcel whose policy version is more than K ahead of its own
+  (version <= t - 1 + K); later ones wait in the mailbox. So every peer rollout it trains on has a staleness in
+  [-K, max_staleness], K = 0 is lockstep (as sync mode), and a peer that has said DONE holds nobody back. The
+  publication counted is the parcel's arrival (a simulated swarm.latency delays its use, not its arrival).
+- **Samplers**: a sampler generates its round r only when its learner has taken its round r - 1 - K (a TAKEN
+  message), so at most K + 1 of its rounds are in flight.
+- **Bounded queues**: a mailbox keeps at most `capacity` parcels per sender and an outbox at most `capacity` per
+  peer (max_staleness + K + 2: more could not all be used fresh); the oldest make room for a newer one and are
+  counted (dropped_sequences, outbox_dropped).
+
+swarm.latency adds a simulated delay to every delivery, in steps or seconds, on either transport.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import torch
+
+from ..config import LatencySettings, RunConfig, rank_roles
+from ..rollouts import claimed_sequences
+from . import Arrivals, Limit, Parcel, wire_bytes_sent
+from .links import DATA, TAKEN, WEIGHTS, Links
+from .sync import Collectives, LocalCollectives
+
+
+def queue_capacity(config: RunConfig) -> int:
+    """Parcels a mailbox keeps per sender (and an outbox per peer): a receiver can use a parcel fresh for
+    max_staleness + 1 steps, and at most max_lead + 1 more are ahead of it."""
+    return config.swarm.max_staleness + (config.swarm.max_lead or 0) + 2
+
+
+class Latency:
+    """swarm.latency: the simulated delay of each (sender, receiver, step) delivery, drawn reproducibly."""
+
+    def __init__(self, settings: LatencySettings, seed: int):
+        self.settings = settings
+        self.seed = seed
+
+    def delay(self, sender: int, receiver: int, step: int) -> float:
+        low, high = self.settings.min, self.settings.max
+        if low == high:
+            return low
+        rng = random.Random(f"{self.seed}-latency-{sender}-{receiver}-{step}")
+        return float(rng.randint(int(low), int(high))) if self.settings.unit == "steps" else rng.uniform(low, high)
+
+    def schedule(self, parcel: Parcel, receiver: int, from_step: int | None = None) -> Parcel:
+        """Set when the parcel becomes usable. No simulated delay: as soon as it has arrived. In steps: from the
+        sender's step (from_step: another step to count from, e.g. a sampler's parcel, whose step is its round,
+        counts from the receiver's step at arrival); in seconds: from now (its arrival)."""
+        if self.settings.is_zero:
+            return parcel
+        delay = self.delay(parcel.sender, receiver, parcel.step)
+        if self.settings.unit == "steps":
+            parcel.due_step = (parcel.step if from_step is None else from_step) + int(delay)
+        else:
+            parcel.due_time = time.time() + delay
+        return parcel
+
+
+class Mailbox:
+    """A receiver's parcels that have arrived, released when due (thread-safe: receiving threads fill it). At most
+    `capacity` wait per sender: a newer one pushes out the sender's oldest (counted in its sequences)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._parcels: dict[int, list[Parcel]] = {}
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self.step = 0  # the receiver's newest step that took parcels (a sampler parcel's delay counts from it)
+
+    def put(self, parcel: Parcel) -> None:
+        with self._lock:
+            box = self._parcels.setdefault(parcel.sender, [])
+            box.append(parcel)
+            if len(box) > self.capacity:
+                oldest = min(range(len(box)), key=lambda i: box[i].step)
+                self._dropped += claimed_sequences(box.pop(oldest).buffer)
+
+    def take_due(self, step: int, now: float, newest_version: int | None = None) -> list[Parcel]:
+        """The parcels due at the receiver's `step` (and wall time `now`) whose version is at most newest_version
+        (None: any), by step then sender; the rest stay."""
+        due = []
+        with self._lock:
+            self.step = step
+            for sender, box in self._parcels.items():
+                ready = [p.due_step <= step and p.due_time <= now
+                         and (newest_version is None or p.version <= newest_version) for p in box]
+                due += [p for p, r in zip(box, ready) if r]
+                self._parcels[sender] = [p for p, r in zip(box, ready) if not r]
+        return sorted(due, key=lambda p: (p.step, p.sender))
+
+    def take_dropped(self) -> int:
+        """Sequences pushed out since the last call."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, 0
+        return dropped
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(box) for box in self._parcels.values())
+
+
+class LocalAsync:
+    """Every member in this process, stepping together: a parcel goes straight into each peer's mailbox, delayed
+    by the latency only (the lead bound never binds: nobody is ahead)."""
+
+    world_size = 1
+    rank = 0
+    independent = False
+
+    def __init__(self, members: list[int], latency: Latency, capacity: int):
+        self.collectives = LocalCollectives()
+        self.latency = latency
+        self.mailboxes = {m: Mailbox(capacity) for m in members}
+
+    def start(self, limit: Limit, start_step: int = 0) -> None:
+        """Nothing to allocate for: the buffers are this process's own."""
+
+    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
+        for sender, buffer in buffers.items():
+            for receiver, box in self.mailboxes.items():
+                if receiver != sender:
+                    box.put(self.latency.schedule(Parcel(sender, step, step - 1, buffer), receiver))
+        return {m: wire_bytes_sent(b, len(self.mailboxes) - 1) for m, b in buffers.items()}
+
+    def receive(self, receiver: int, step: int) -> Arrivals:
+        start = time.perf_counter()
+        box = self.mailboxes[receiver]
+        parcels = box.take_due(step, time.time())
+        return Arrivals(parcels, wait_seconds=time.perf_counter() - start, waiting=len(box),
+                        dropped_sequences=box.take_dropped())
+
+    def finish(self) -> None:
+        """Nothing crosses a process: what is still in a mailbox is simply not used."""
+
+
+class WeightSlot:
+    """A sampler's inbox for its learner's weights: accepted only from that learner (`source`), exactly `words`
+    long, of a version newer than the one it holds and at most `last_version` (an honest learner pushes none after
+    its last step). The newest replaces one not yet taken: a sampler skips versions it missed."""
+
+    def __init__(self, source: int, words: int, version: int, last_version: int):
+        self.source = source
+        self.words = words
+        self.version = version  # the newest version received (or the start's)
+        self.last_version = last_version
+        self._newest: tuple[int, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def limit(self, peer: int, version: int) -> int:
+        with self._lock:
+            fits = peer == self.source and self.words > 0 and self.version < version <= self.last_version
+        return self.words if fits else 0
+
+    def put(self, version: int, words: torch.Tensor) -> None:
+        with self._lock:
+            if version > self.version and words.numel() == self.words:
+                self._newest, self.version = (version, words), version
+
+    def take(self) -> tuple[int, torch.Tensor] | None:
+        """The newest weights that arrived since the last call (version, flat words), or None."""
+        with self._lock:
+            newest, self._newest = self._newest, None
+        return newest
+
+
+class DistributedAsync:
+    """One member (or one sampler) per process. The collectives of the run's start go through the default group as
+    in sync mode; rollouts, weights and the samplers' progress go point to point over `Links`."""
+
+    independent = True
+
+    def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency):
+        self.collectives = collectives
+        self.rank = collectives.rank
+        self.world_size = collectives.world_size
+        roles = rank_roles(config)
+        self.member, self.sampler = roles[self.rank]
+        learners = [r for r, (_, k) in enumerate(roles) if k is None]
+        self.targets = [r for r in learners if r != self.rank]  # rollouts go to the learners only
+        self.lead_peers = self.targets if self.sampler is None else []
+        self.own_samplers = [r for r, (m, k) in enumerate(roles) if m == self.member and k is not None
+                             ] if self.sampler is None else []
+        self.learner = self.member  # a sampler's learner is its member's rank
+        self.max_lead = config.swarm.max_lead
+        self.timeout_s = config.swarm.timeout_s
+        self.latency = latency
+        capacity = queue_capacity(config)
+        self.links = Links(self.rank, self.world_size, self.timeout_s, outbox_capacity=capacity)
+        self.mailbox = Mailbox(capacity)
+        self._limit: Limit | None = None
+        self.weights: WeightSlot | None = None
+        self._published = {p: 0 for p in self.lead_peers}  # the newest step each learner peer has published
+        self._taken: dict[int, int] = {}  # own sampler -> the newest of its rounds this learner has taken
+        self.taken = 0  # a sampler: the newest of its rounds its learner has taken
+        self._outbox_dropped = 0
+
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
+        """Start the links. A restarted run counts every peer as having published the restored step (and a
+        sampler's rounds up to it as taken). weights: a sampler's slot for its learner's weights."""
+        self._limit = limit
+        self.weights = weights
+        self._published = {p: start_step for p in self.lead_peers}
+        self._taken = {s: start_step for s in self.own_samplers}
+        self.taken = start_step
+        self.links.start(self)
+
+    # -- the training loop's side
+
+    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
+        return {self.rank: self.send_parcel(buffers[self.rank], step, step - 1)}
+
+    def send_parcel(self, buffer: torch.Tensor, step: int, version: int) -> int:
+        """Queue a parcel (a learner's step, or a sampler's round made with weights of `version`) to every
+        learner; returns the bytes it puts on the wire."""
+        buffer = buffer.to(torch.int32).contiguous()
+        for peer in self.targets:
+            self.links.post_parcel(peer, step, version, buffer)
+        return wire_bytes_sent(buffer, len(self.targets))
+
+    def receive(self, receiver: int, step: int) -> Arrivals:
+        start = time.perf_counter()
+        lead_wait = 0.0
+        live = [self._published[p] for p in self.lead_peers if not self.links.peer_done(p)]
+        lead = step - min(live) if live else None
+        if self.max_lead is not None and self.lead_peers:
+            need = step - self.max_lead
+            ready = lambda: all(self.links.peer_done(p) or self._published[p] >= need  # noqa: E731
+                                for p in self.lead_peers)
+            behind = [p for p in self.lead_peers if not (self.links.peer_done(p) or self._published[p] >= need)]
+            if behind:
+                lead_wait = self.links.wait_until(
+                    ready, self.timeout_s, f"peer rank(s) {behind} to publish step {need} (swarm.max_lead="
+                                           f"{self.max_lead}, this member's step {step})")
+        self.links.check()
+        newest = None if self.max_lead is None else step - 1 + self.max_lead
+        parcels = self.mailbox.take_due(step, time.time(), newest)
+        for parcel in parcels:  # tell each own sampler the newest of its rounds taken (its backpressure)
+            if parcel.sender in self._taken and parcel.step > self._taken[parcel.sender]:
+                self._taken[parcel.sender] = parcel.step
+                self.links.post_slot(parcel.sender, TAKEN, parcel.step)
+        outbox_dropped = sum(box.dropped_sequences for box in self.links.outboxes.values())
+        arrivals = Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
+                            lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
+                            outbox_dropped=outbox_dropped - self._outbox_dropped)
+        self._outbox_dropped = outbox_dropped
+        return arrivals
+
+    def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
+        """Queue a learner's weights (flat int32 words) of `version` to its samplers; an unsent copy is replaced."""
+        for peer in samplers:
+            self.links.post_slot(peer, WEIGHTS, 0, version, flat)
+
+    def wait_taken(self, round_: int) -> float:
+        """A sampler about to generate `round_`: wait until its learner has taken round_ - 1 - max_lead (or has
+        finished); returns the seconds waited."""
+        if self.max_lead is None:
+            return 0.0
+        need = round_ - 1 - self.max_lead
+        return self.links.wait_until(lambda: self.taken >= need or self.links.peer_done(self.learner),
+                                     self.timeout_s, f"its learner (rank {self.learner}) to take round {need} "
+                                     f"(swarm.max_lead={self.max_lead})")
+
+    def peer_done(self, peer: int) -> bool:
+        return self.links.peer_done(peer)
+
+    def check(self) -> None:
+        self.links.check()
+
+    def finish(self) -> None:
+        self.links.finish()
+
+    # -- the receiving threads' side (links.Handler)
+
+    def body_limit(self, peer: int, kind: int, step: int, version: int, size: int) -> int:
+        if kind == DATA:
+            return self._limit(peer, step) if self._limit is not None and self.sampler is None else 0
+        return self.weights.limit(peer, version) if kind == WEIGHTS and self.weights is not None else 0
+
+    def deliver(self, peer: int, kind: int, step: int, version: int, body: torch.Tensor, refused: str | None) -> None:
+        if kind == DATA:
+            parcel = Parcel(peer, step, version, body, refused=refused)
+            from_step = self.mailbox.step if peer not in self._published else None  # a sampler's round: our step
+            self.mailbox.put(self.latency.schedule(parcel, self.rank, from_step))
+            if peer in self._published:
+                self._published[peer] = max(self._published[peer], step)
+        elif kind == WEIGHTS and refused is None and self.weights is not None:
+            self.weights.put(version, body)
+        elif kind == TAKEN and peer == self.learner and self.sampler is not None:
+            self.taken = max(self.taken, step)

@@ -1,0 +1,39 @@
+"""One member's rollouts of one step (or a sampler's round): generate G completions of each dealt prompt, score
+them, and tag them with the policy version that made them."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from ..rollouts import Rollout
+from . import SamplingSettings
+
+if TYPE_CHECKING:
+    from ..members import Member
+    from ..session import Swarm
+
+
+def generate_rollouts(swarm: Swarm, member: Member, dealt: dict[int, int], version: int, seed: int) -> list[Rollout]:
+    """The member's completions of its dealt prompts ({prompt index: completions}), scored (Task.score), as
+    Rollouts of policy `version`, sampled with `seed`."""
+    config, task = swarm.config.rollout, swarm.task
+    by_n: dict[int, list[int]] = {}
+    for prompt, n in dealt.items():
+        by_n.setdefault(n, []).append(prompt)
+    rollouts: list[Rollout] = []
+    bar = swarm.progress.start(f"{member.name}: generate", sum(dealt.values()))
+    for n, prompts in by_n.items():
+        sampling = SamplingSettings(n=n, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                    top_p=config.top_p, top_k=config.top_k, seed=seed)
+        groups = member.generator.generate([swarm.prompt(member, p) for p in prompts], sampling,
+                                           on_batch=lambda k: swarm.progress.advance(bar, k))
+        completions = [(p, c) for p, group in zip(prompts, groups) for c in group]
+        rewards = task.score(member.tokenizer, [c.token_ids for _, c in completions],
+                             [task.train[p] for p, _ in completions])
+        made_at = time.time()
+        rollouts += [Rollout(member=member.index, prompt_index=p, completion_ids=c.token_ids, gen_logprobs=c.logprobs,
+                             reward=reward, finish_reason=c.finish_reason, policy_version=version, made_at=made_at)
+                     for (p, c), reward in zip(completions, rewards)]
+    swarm.progress.finish(bar)
+    return rollouts

@@ -1,0 +1,115 @@
+"""One step of the members this process holds, verb by verb (the paper's algorithm box), in both modes:
+
+    deal        the step's prompts to the members (vertical: round-robin, each generates a prompt's whole group;
+                horizontal: each its share of every prompt's group), schedule.py
+    generate    each member's completions of its dealt prompts, scored, generation/sample.py
+    send        its rollouts (token ids + generation log-probs) to its peers, exchange/
+    receive     the peers' parcels: sync, this step's (everybody waits for everybody); async, what has arrived
+                and is due, waiting only for a peer more than swarm.max_lead steps behind
+    admit       validated, re-scored, not stale, at most the intake budget, exchange/admission.py
+    advantages  A_i = (r_i - mean r) / (std r + 1e-8) over each prompt's group
+    update      one F-TIS step on its own rollouts (on-policy) and its peers' (off-policy), update.py
+    sync        the new weights to its generator (and every weight_sync_every steps to its samplers)
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from ftis_kernels import group_advantages
+
+from .batch import TrainItem
+from .checkpoint import latest_checkpoint
+from .generation import sample
+from .members import Member
+from .metrics import Stopwatch, resident_mib, train_record
+from .rollouts import Rollout, buffer_digest, encode
+from .samplers import flatten_weights, sampler_ranks
+from .session import Swarm
+from .update import DivergenceError, update_member
+
+log = logging.getLogger("ftis_engine")
+
+
+def run_step(swarm: Swarm, step: int) -> list[dict]:
+    """One step of every member this process holds; returns their `kind: train` records."""
+    dealt = swarm.schedule.deal(step)
+    own, watches = generate_all(swarm, step, dealt)
+    buffers = {m: encode(rollouts) for m, rollouts in own.items()}
+    sent = swarm.exchange.send(buffers, step)
+    records = []
+    for member in swarm.members:
+        index, watch = member.index, watches[member.index]
+        arrivals = swarm.exchange.receive(index, step)
+        got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences)
+        trained = own[index] + got.rollouts
+        items = training_items(swarm, member, trained)
+        with watch("train_seconds"):
+            stats = update(swarm, member, items, step)
+        member.generator.sync(member.model)
+        push_to_samplers(swarm, member, step)
+        watch.seconds["exchange_wait_seconds"] += arrivals.wait_seconds
+        watch.seconds["lead_wait_seconds"] += arrivals.lead_wait_seconds
+        watch.seconds["exchange_seconds"] += arrivals.seconds
+        record = train_record(step, member.name, own[index], trained, stats, watch,
+                              member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
+        record.update(got.metrics(), in_flight=arrivals.waiting, outbox_dropped=arrivals.outbox_dropped,
+                      lead_steps=arrivals.lead_steps, rss_mib=resident_mib())
+        records.append(record)
+    return records
+
+
+def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]]
+                 ) -> tuple[dict[int, list[Rollout]], dict[int, Stopwatch]]:
+    """Every local member generates and scores its dealt completions (policy version step - 1); returns them and
+    each member's stopwatch."""
+    watches = {m.index: Stopwatch() for m in swarm.members}
+    own = {}
+    for member in swarm.members:
+        with watches[member.index]("gen_seconds"), member.generator.awake():
+            own[member.index] = sample.generate_rollouts(swarm, member, dealt[member.index], step - 1,
+                                                         swarm.schedule.sampling_seed(step, member.index))
+    return own, watches
+
+
+def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:
+    """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G)."""
+    rewards = torch.tensor([r.reward for r in rollouts])
+    groups = torch.tensor(group_ids(rollouts, swarm.config.collaboration))
+    advantages = group_advantages(rewards, groups, scale=swarm.config.algorithm.scale_rewards == "group")
+    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g))
+            for r, a, g in zip(rollouts, advantages, groups)]
+
+
+def group_ids(rollouts: list[Rollout], collaboration: str) -> list[int]:
+    """A group id per rollout. horizontal: its prompt (the swarm shares each prompt's group); else one member's
+    completions of one prompt at one policy version (in async mode a batch may hold the same prompt twice, from
+    different steps). Ids follow the prompt order, so micro-batches split alike in both cases."""
+    if collaboration == "horizontal":
+        return [r.prompt_index for r in rollouts]
+    keys = [(r.prompt_index, r.member, r.policy_version) for r in rollouts]
+    index = {key: i for i, key in enumerate(sorted(set(keys)))}
+    return [index[key] for key in keys]
+
+
+def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> dict[str, float]:
+    bar = swarm.progress.start(f"{member.name}: update", sum(it.rollout.num_tokens for it in items))
+    try:
+        stats = update_member(member, items, swarm.loss_config, swarm.config.train.micro_batch_tokens,
+                              swarm.config.train.backend, on_micro_batch=lambda k: swarm.progress.advance(bar, k))
+    except DivergenceError as exc:
+        newest = latest_checkpoint(swarm.run_dir)
+        kept = (f"the newest complete checkpoint, step-{newest[0]}, is kept" if newest
+                else "no checkpoint was written before it")
+        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; {kept} (lower "
+                              f"members.{member.index}.lr, then --resume)") from None
+    swarm.progress.finish(bar)
+    return stats
+
+
+def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
+    """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
+    settings = swarm.config.members[member.index]
+    if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
+        swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flatten_weights(member.model), step)

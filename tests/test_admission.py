@@ -1,0 +1,217 @@
+"""The one receiver (exchange/admission.py): every check a peer's parcel passes, in both modes, and the intake an
+update takes (its budget, each peer's share, freshest first, what waits and what is dropped)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from ftis_engine.config import ConfigError, load_config
+from ftis_engine.exchange import Parcel
+from ftis_engine.exchange.admission import Admission, RolloutChecker, validate
+from ftis_engine.rollouts import Rollout, RolloutError, encode
+from ftis_engine.schedule import Schedule
+from ftis_engine.tasks import Example, Task
+
+from .helpers import SHORT, TINY, short_config
+
+
+class DigitTokenizer:
+    """Token id i decodes to the digit i % 10."""
+
+    def batch_decode(self, sequences, skip_special_tokens=True):
+        return ["".join(str(i % 10) for i in ids) for ids in sequences]
+
+
+TASK = Task(name="digits", train=[Example(question=f"q{i}", answer="7") for i in range(100)], evals={},
+            reward=lambda text, gold: float(text.endswith(gold)))
+
+
+def _checker() -> RolloutChecker:
+    return RolloutChecker(TASK, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
+
+
+def _rollouts(sender: int, dealt: dict[int, int], version: int = 0, seed: int = 0) -> list[Rollout]:
+    """Honest rollouts of a deal: random ids, rewards as the receiver scores them."""
+    g = torch.Generator().manual_seed(seed * 1000 + sender)
+    out = []
+    for prompt, n in dealt.items():
+        for _ in range(n):
+            ids = torch.randint(0, 50, (3,), generator=g, dtype=torch.int32)
+            reward = TASK.score(DigitTokenizer(), [ids], [TASK.train[prompt]])[0]
+            out.append(Rollout(sender, prompt, ids, -torch.rand(3, generator=g), reward, "stop", version, time.time()))
+    return out
+
+
+def _admission(*overrides: str, receiver: int = 0, config=None) -> Admission:
+    config = config or short_config("swarm.mode=async", "train.steps=100", *overrides)  # 2 members, 4 prompts of 4
+    return Admission(config, Schedule(config, tuple(range(100))), _checker(), receiver)
+
+
+def _parcel(admission: Admission, sender: int, step: int) -> Parcel:
+    """The honest parcel of a learner's step."""
+    rollouts = _rollouts(sender, admission.schedule.deal(step)[sender], step - 1, seed=step)
+    return Parcel(sender, step, step - 1, encode(rollouts))
+
+
+def _steps(rollouts: list[Rollout]) -> list[int]:
+    """The sender steps of rollouts, one entry per group (prompt) in order."""
+    seen = []
+    for r in rollouts:
+        key = (r.member, r.policy_version + 1, r.prompt_index)
+        if key not in seen:
+            seen.append(key)
+    return [step for _, step, _ in seen]
+
+
+# ----------------------------------------------------------------------------------------------- the checks
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda r: setattr(r, "completion_ids", torch.tensor([999], dtype=torch.int32)), "vocabulary"),
+    (lambda r: setattr(r, "completion_ids", torch.tensor([1, 2], dtype=torch.int32)), "log-probs for"),
+    (lambda r: (setattr(r, "completion_ids", torch.ones(9, dtype=torch.int32)),
+                setattr(r, "gen_logprobs", -torch.ones(9))), "max_new_tokens"),
+    (lambda r: setattr(r, "gen_logprobs", torch.tensor([float("nan")])), "NaN"),
+    (lambda r: setattr(r, "gen_logprobs", torch.tensor([0.5])), "positive"),
+    (lambda r: setattr(r, "prompt_index", 10_000), "outside the dataset"),
+    (lambda r: setattr(r, "member", 0), "claims member"),
+    (lambda r: setattr(r, "reward", float("inf")), "reward is not finite"),
+])
+def test_validation_names_the_problem(mutate, reason):
+    rollouts = [Rollout(1, 10, torch.tensor([4], dtype=torch.int32), torch.tensor([-0.5]), 0.0, "stop", 7)]
+    mutate(rollouts[0])
+    with pytest.raises(RolloutError, match=reason):
+        validate(rollouts, sender=1, vocab_size=100, max_new_tokens=8, expected=None, num_prompts=100)
+
+
+def test_a_peer_cannot_inflate_a_group_with_extra_or_missing_completions():
+    rollouts = _rollouts(1, {10: 1, 11: 1, 12: 1})
+    checker, dealt = _checker(), {10: 1, 11: 1, 12: 1}
+    assert len(checker.accept(encode(rollouts), sender=1, dealt=dealt)) == 3
+    with pytest.raises(RolloutError, match="completions of prompt 10"):
+        checker.accept(encode(rollouts + [rollouts[0]] * 40), sender=1, dealt=dealt)
+    with pytest.raises(RolloutError, match="no completions of dealt prompt 12"):
+        checker.accept(encode(rollouts[:2]), sender=1, dealt=dealt)
+
+
+def test_a_claimed_reward_that_the_receiver_does_not_reproduce_is_rejected():
+    rollouts = _rollouts(1, {10: 1, 11: 1})
+    rollouts[1].reward = 1.0 - rollouts[1].reward
+    with pytest.raises(RolloutError, match="sequence 1: claims reward"):
+        _checker().accept(encode(rollouts), sender=1, dealt=None)
+
+
+def test_sync_mode_trains_on_every_good_peer_and_drops_a_bad_batch_whole(tmp_path, caplog):
+    config = tmp_path / "three.yaml"
+    config.write_text(TINY.read_text().replace(
+        "algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:"))
+    admission = _admission(config=load_config(config, [*SHORT, "rollout.prompts_per_step=6", "train.steps=100"]))
+    good, bad = _parcel(admission, 1, 3), _parcel(admission, 2, 3)
+    words = bad.buffer.clone()
+    words[1 + 8 * 8] = 999  # the first token id, outside the vocabulary
+    with caplog.at_level(logging.WARNING, logger="ftis_engine.exchange"):
+        got = admission.receive([good, Parcel(2, 3, 2, words)], step=3)
+    assert [r.member for r in got.rollouts] == [1] * 8 and got.staleness == [0] * 8
+    assert len(got.rejected) == 1 and got.rejected[0][0] == 2 and "vocabulary" in got.rejected[0][1]
+    assert "tiny-s: dropped the rollouts of peer tiny-l of its step 3" in caplog.text
+    assert list(got.digests) == ["tiny-m-lora@3"] and got.waiting == 0
+
+
+def test_every_parcel_is_checked_against_the_step_it_claims_in_the_order_of_the_checks():
+    admission = _admission()
+    honest = _parcel(admission, 1, 3)
+    ok = admission.receive([honest], step=4)
+    assert len(ok.rollouts) == 8 and ok.rejected == [] and ok.staleness == [1] * 8
+    other = _rollouts(1, admission.schedule.deal(3)[1], version=2)
+    bad = admission.receive([
+        Parcel(1, 2, 1, honest.buffer),  # claims step 2: its rollouts' versions disagree
+        Parcel(1, 3, 1, encode(other)),  # declares version 1 for step 3
+        Parcel(1, 999, 998, honest.buffer),  # a step the run never has
+        Parcel(1, 3, 2, honest.buffer),  # step 3 again: a replay
+        Parcel(1, 4, 3, torch.zeros(0, dtype=torch.int32), refused="9999 words announced"),  # refused unread
+        Parcel(1, 4, 3, encode(_rollouts(1, admission.schedule.deal(3)[1], version=3))),  # step 3's deal
+        Parcel(7, 4, 3, honest.buffer),  # no such rank
+    ], step=4)
+    reasons = [reason for _, reason in bad.rejected]
+    assert bad.rollouts == [] and len(reasons) == 7
+    for reason, expected in zip(reasons, ["differs from its parcel's", "declared for step 3", "outside 1..train.steps",
+                                          "a replay", "refused unread: 9999 words", "was not dealt to member 1",
+                                          "not a rank of this run"]):
+        assert expected in reason, (reason, expected)
+    future = [Rollout(**{**vars(r), "made_at": time.time() + 3600}) for r in _rollouts(1, admission.schedule.deal(5)[1],
+                                                                                        version=4)]
+    ahead = admission.receive([Parcel(1, 5, 4, encode(future))], step=5)
+    assert ahead.rollouts == [] and "in the future" in ahead.rejected[0][1]
+
+
+def test_a_parcel_older_than_max_staleness_or_max_delay_is_dropped_as_stale_not_rejected():
+    admission = _admission("swarm.max_staleness=1")
+    old, fresh = _parcel(admission, 1, 2), _parcel(admission, 1, 3)
+    got = admission.receive([old, fresh], step=4)  # staleness 2 and 1
+    assert got.stale_dropped == 8 and got.rejected == [] and _steps(got.rollouts) == [3, 3]
+    late = _admission("swarm.max_delay_s=1")
+    parcel = _parcel(late, 1, 1)
+    rollouts = [Rollout(**{**vars(r), "made_at": time.time() - 5}) for r in _rollouts(1, late.schedule.deal(1)[1])]
+    got = late.receive([Parcel(1, 1, 0, encode(rollouts)), _parcel(late, 1, 2)], step=2)
+    assert got.stale_dropped == 8 and len(got.rollouts) == 8 and parcel.step == 1
+
+
+def test_the_replay_memory_stays_within_the_staleness_window():
+    admission = _admission("swarm.max_staleness=3")
+    for step in range(1, 60):
+        admission.receive([_parcel(admission, 1, step)], step=step)
+    assert len(admission._seen) <= 4
+
+
+# ----------------------------------------------------------------------------------------------- the intake
+
+
+def test_the_intake_takes_the_freshest_within_its_budget_and_keeps_the_rest_while_it_stays_fresh():
+    admission = _admission("swarm.max_staleness=2")  # the budget: one step of the peer, 2 groups of 4
+    assert admission.budget == 8
+    got = admission.receive([_parcel(admission, 1, s) for s in (3, 4, 5)], step=5)  # versions 2, 3, 4
+    assert _steps(got.rollouts) == [5, 5] and got.staleness == [0] * 8
+    # step 4's rollouts (version 3) can still be used at step 6; step 3's (version 2) would be 3 versions old
+    assert got.waiting == 8 and got.surplus_dropped == 8
+    got = admission.receive([], step=6)  # what waited
+    assert _steps(got.rollouts) == [4, 4] and got.staleness == [2] * 8 and got.waiting == 0
+    assert admission.receive([], step=7).rollouts == []
+
+
+def test_a_smaller_budget_takes_whole_groups_and_sync_mode_takes_everything():
+    small = _admission("swarm.max_peer_sequences=6")  # one group of 4 fits, a second does not
+    got = small.receive([_parcel(small, 1, 2)], step=2)
+    assert len(got.rollouts) == 4 and len({r.prompt_index for r in got.rollouts}) == 1 and got.waiting == 4
+    sync = Admission(short_config(), Schedule(short_config(), tuple(range(100))), _checker(), 0)
+    assert sync.budget is None
+    got = sync.receive([Parcel(1, 2, 1, _parcel(small, 1, 2).buffer)], step=2)
+    assert len(got.rollouts) == 8 and got.waiting == 0
+
+
+def test_each_peer_gets_its_share_before_a_fast_peer_fills_the_budget(tmp_path):
+    config = tmp_path / "three.yaml"
+    config.write_text(TINY.read_text().replace(
+        "algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:"))
+    admission = _admission(config=load_config(config, [*SHORT, "rollout.prompts_per_step=6", "swarm.mode=async",
+                                                            "train.steps=100"]))
+    assert admission.budget == 16 and admission.shares == {1: 8, 2: 8}
+    # the fast peer (1) has sent three steps, all fresher than the slow peer's (2) one
+    got = admission.receive([_parcel(admission, 1, s) for s in (3, 4, 5)] + [_parcel(admission, 2, 1)], step=3)
+    assert [(r.member, r.policy_version) for r in got.rollouts][::4] == [(2, 0), (2, 0), (1, 4), (1, 4)]
+    assert got.staleness == [2] * 8 + [-2] * 8 and got.waiting == 16
+
+
+def test_at_most_max_staleness_plus_one_budgets_wait():
+    admission = _admission("swarm.max_staleness=2")
+    got = admission.receive([_parcel(admission, 1, s) for s in range(3, 10)], step=4)  # a peer far ahead
+    assert got.waiting == 8 * 3 and got.surplus_dropped == 8 * 7 - 8 - 24  # taken, kept, dropped: all counted
+    assert _steps(got.rollouts) == [9, 9]
+
+
+def test_a_budget_smaller_than_one_group_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^swarm.max_peer_sequences: 3 is less than one group"):
+        short_config("swarm.mode=async", "swarm.max_peer_sequences=3")

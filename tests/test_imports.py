@@ -1,0 +1,87 @@
+"""The package's shape: no module of ftis_engine imports, directly or through others, a module that imports it
+back (imports inside functions count too: they are cycles that merely run later)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "ftis_engine"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
+    """The ftis_engine modules `path` imports (type-checking-only imports left out: they never run)."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    skipped = {id(node) for stmt in ast.walk(tree) if isinstance(stmt, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(stmt.test) for node in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("ftis_engine")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            if not base.startswith("ftis_engine"):
+                continue
+            for alias in node.names:  # `from . import sample` imports a module; `from .x import f` imports x
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    known = set(paths)
+    return {name: _imports(path, name, known) for name, path in paths.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_in_ftis_engine():
+    graph = _graph()
+    assert "ftis_engine.step" in graph and "ftis_engine.session" in graph["ftis_engine.step"]
+    assert _cycles(graph) == []

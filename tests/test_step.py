@@ -1,0 +1,43 @@
+"""The step's pieces (step.py): how groups form and what advantages each rollout gets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ftis_engine.rollouts import Rollout
+from ftis_engine.session import open_run
+from ftis_engine.step import group_ids, training_items
+
+from .helpers import short_config
+
+
+def _rollout(who: int, prompt: int, reward: float, version: int = 0) -> Rollout:
+    return Rollout(who, prompt, torch.tensor([5], dtype=torch.int32), torch.tensor([-1.0]), reward, "stop", version)
+
+
+def _advantages(rewards: list[float]) -> list[float]:
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return ((r - r.mean()) / (r.std() + 1e-8)).tolist()
+
+
+def test_horizontal_groups_span_members(tmp_path):
+    swarm, _ = open_run(short_config("collaboration=horizontal"), tmp_path / "run")
+    # prompt 3: member 0 scored 1, 0 and member 1 scored 1, 1 -> one group of four
+    mixed = [_rollout(0, 3, 1.0), _rollout(0, 3, 0.0), _rollout(1, 3, 1.0), _rollout(1, 3, 1.0)]
+    adv = [it.advantage for it in training_items(swarm, swarm.members[0], mixed)]
+    assert adv == pytest.approx(_advantages([1.0, 0.0, 1.0, 1.0]), abs=1e-6)
+    swarm.close()
+
+
+def test_vertical_groups_are_one_members_completions_of_one_prompt_at_one_version(tmp_path):
+    swarm, _ = open_run(short_config(), tmp_path / "run")  # collaboration: vertical (the default)
+    assert swarm.config.collaboration == "vertical"
+    # the same prompt from two members, and from one member at two versions (async): three groups
+    rollouts = [_rollout(0, 3, 1.0), _rollout(0, 3, 0.0), _rollout(1, 3, 1.0), _rollout(1, 3, 0.0),
+                _rollout(0, 3, 1.0, version=1), _rollout(0, 3, 1.0, version=1), _rollout(1, 4, 1.0),
+                _rollout(1, 4, 0.0)]
+    assert group_ids(rollouts, "vertical") == [0, 0, 2, 2, 1, 1, 3, 3]
+    adv = [it.advantage for it in training_items(swarm, swarm.members[0], rollouts)]
+    assert adv == pytest.approx([*_advantages([1.0, 0.0])] * 2 + [0.0, 0.0] + _advantages([1.0, 0.0]), abs=1e-6)
+    swarm.close()
