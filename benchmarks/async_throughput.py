@@ -1,12 +1,15 @@
-"""The price and the gain of bounded asynchrony: a fast and a slow member (two processes over gloo, the tiny
-default's members) in sync mode and in async mode with swarm.max_lead 0, 1, 2, 4 and null, side by side.
+"""The price and the gain of bounded asynchrony: two members (two processes over gloo, the tiny default's members)
+in sync mode and in async mode with swarm.max_lead 0, 1, 2, 4 and null, side by side, in two scenarios:
 
-    python benchmarks/async_throughput.py                # 20 steps, the slow member 1.0 s slower a step, 2 repeats
-    python benchmarks/async_throughput.py --quick        # 3 steps, 0.3 s; sync, max_lead 2 and null (CI)
+    slower   rank 1 is always `--slowdown` seconds slower a step (a member on a slower GPU, or a larger model)
+    varying  each rank is `--jitter` seconds slower on a random half of its steps (drawn per rank and step, the
+             same in every setting): speeds that vary, as generation lengths and shared machines make them
 
-The slowdown is a knob of this benchmark only: rank 1's generation sleeps `--slowdown` seconds each step (a
-member on a slower GPU, or with a longer generation), which costs no CPU, so the measurement is not distorted on
-a small machine. The settings run in turn, repeated, alternating (drift on the machine hits all alike). Metrics come
+    python benchmarks/async_throughput.py                # 20 steps, slowdown 1.0 s, jitter 0.5 s, 2 repeats
+    python benchmarks/async_throughput.py --quick        # 3 steps, slower by 0.3 s; sync, max_lead 2, null (CI)
+
+The delays are a knob of this benchmark only: they sleep inside generation, which costs no CPU, so the
+measurement is not distorted on a small machine. The settings run in turn, repeated, alternating (drift on the machine hits all alike). Metrics come
 from the runs' metrics.jsonl: steps/s = steps / the sum of the member's step_seconds (generation, exchange with its
 waiting, update; eval and start-up excluded); waited = exchange_wait_seconds per step (in async mode the wait for
 a peer max_lead steps behind); peer rollouts per step and the share of steps with any; staleness of the peer
@@ -21,6 +24,7 @@ import json
 import os
 import pathlib
 import platform
+import random
 import socket
 import statistics
 import subprocess
@@ -37,16 +41,19 @@ QUICK_SETTINGS = ["sync", "2", "null"]
 MEMBERS = ("tiny-s", "tiny-m-lora")  # rank 0 is the fast member, rank 1 the slow one
 
 
-def worker(slowdown: float, args: list[str]) -> None:
-    """One rank (RANK etc. in the environment); rank 1 is the slow member."""
-    if int(os.environ["RANK"]) == 1 and slowdown > 0:
+def worker(slowdown: float, jitter: float, args: list[str]) -> None:
+    """One rank (RANK etc. in the environment): rank 1 sleeps `slowdown` s in every generation; every rank sleeps
+    `jitter` s in the generation of a random half of its steps."""
+    rank = int(os.environ["RANK"])
+    if slowdown > 0 or jitter > 0:
         from ftis_engine.generation import sample
 
         honest = sample.generate_rollouts
 
-        def slow_generate(*a, **k):
-            time.sleep(slowdown)
-            return honest(*a, **k)
+        def slow_generate(swarm, member, dealt, version, seed):
+            slow = random.Random(f"jitter-{rank}-{version}").random() < 0.5
+            time.sleep((slowdown if rank == 1 else 0.0) + (jitter if slow else 0.0))
+            return honest(swarm, member, dealt, version, seed)
 
         sample.generate_rollouts = slow_generate
     from ftis_engine.cli import main as cli_main
@@ -64,7 +71,7 @@ def label(setting: str) -> str:
     return "sync" if setting == "sync" else f"async, max_lead {setting}"
 
 
-def run_swarm(setting: str, steps: int, slowdown: float, out: pathlib.Path) -> dict:
+def run_swarm(setting: str, steps: int, slowdown: float, jitter: float, out: pathlib.Path) -> dict:
     mode = ["swarm.mode=sync"] if setting == "sync" else ["swarm.mode=async", f"swarm.max_lead={setting}"]
     name = f"lead-{setting}"
     args = ["train", "--config", str(ROOT / "configs" / "tiny.yaml"), "--output-dir", str(out)]
@@ -77,7 +84,7 @@ def run_swarm(setting: str, steps: int, slowdown: float, out: pathlib.Path) -> d
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore",
                "HF_HUB_OFFLINE": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(slowdown), *args], env=env,
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", str(slowdown), str(jitter), *args], env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     for p in procs:
         _, err = p.communicate(timeout=900)
@@ -124,60 +131,40 @@ def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
-def plot(table: dict, path: pathlib.Path, slowdown: float, steps: int) -> None:
+def plot(scenarios: dict, path: pathlib.Path, steps: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = list(table)
-    names = [label(s).replace("async, ", "") for s in settings]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for member, colour in zip(MEMBERS, ("tab:blue", "tab:orange")):
-        role = "fast" if member == MEMBERS[0] else "slow"
-        axes[0].plot(names, [table[s][member]["steps_per_second"] for s in settings], "o-", color=colour,
-                     label=f"{member} ({role})")
-        axes[1].plot(names, [table[s][member]["steps_with_peers"] for s in settings], "o-", color=colour)
-        axes[2].plot(names, [table[s][member]["wait_seconds_per_step"] for s in settings], "o-", color=colour)
-    axes[0].set_yscale("log")
-    axes[0].set_ylabel("steps / s (log)")
-    axes[1].set_ylabel("share of steps with peer rollouts")
-    axes[1].set_ylim(-0.05, 1.05)
-    axes[2].set_ylabel("waited per step (s)")
-    for ax in axes:
-        ax.set_xlabel("mode / max_lead")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"A member {slowdown:g} s slower a step, {steps} steps: what bounding the lead costs and buys")
+    fig, rows = plt.subplots(len(scenarios), 3, figsize=(13, 3.6 * len(scenarios)), squeeze=False)
+    for axes, (scenario, info) in zip(rows, scenarios.items()):
+        table = info["settings"]
+        settings = list(table)
+        names = settings  # "sync", then async mode's max_lead
+        for member, colour in zip(MEMBERS, ("tab:blue", "tab:orange")):
+            axes[0].plot(names, [table[s][member]["steps_per_second"] for s in settings], "o-", color=colour,
+                         label=member)
+            axes[1].plot(names, [table[s][member]["steps_with_peers"] for s in settings], "o-", color=colour)
+            axes[2].plot(names, [table[s][member]["wait_seconds_per_step"] for s in settings], "o-", color=colour)
+        axes[0].set_yscale("log")
+        axes[0].set_ylabel("steps / s (log)")
+        axes[1].set_ylabel("share of steps with peer rollouts")
+        axes[1].set_ylim(-0.05, 1.05)
+        axes[2].set_ylabel("waited per step (s)")
+        axes[1].set_title(info["title"], fontsize=10)
+        for ax in axes:
+            ax.set_xlabel("sync, or async with max_lead")
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+    fig.suptitle(f"Two members, {steps} steps: what bounding the lead costs and buys")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--slowdown", type=float, default=1.0, help="seconds rank 1 sleeps per generation")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--settings", nargs="*", default=None, help=f"default: {' '.join(SETTINGS)}")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "async_throughput.json")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.slowdown, args.repeats = 3, 0.3, 1
-    settings = args.settings or (QUICK_SETTINGS if args.quick else SETTINGS)
-    runs: dict[str, list[dict]] = {s: [] for s in settings}
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for setting in settings:
-                runs[setting].append(run_swarm(setting, args.steps, args.slowdown, pathlib.Path(tmp) / f"r{repeat}"))
-    table = {s: _average(measured) for s, measured in runs.items()}
-    command = "python benchmarks/async_throughput.py" + (" " + " ".join(argv) if argv else "")
-    result = {"steps": args.steps, "slowdown_seconds": args.slowdown, "repeats": args.repeats, "settings": table,
-              "runs": runs, "machine": platform.platform(), "cpus": os.cpu_count(), "command": command}
-    lines = [f"# Bounded asynchrony: a member {args.slowdown:g} s slower a step ({args.steps} steps, {args.repeats} "
-             "repeats, means)", "", f"    {command}", "",
-             "| setting | member | steps/s | waited per step (s) | steps that waited | peer rollouts per step | "
+def table_lines(table: dict) -> list[str]:
+    lines = ["| setting | member | steps/s | waited per step (s) | steps that waited | peer rollouts per step | "
              "steps with peer rollouts | staleness mean [min, max] | both done (s) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for setting, row in table.items():
@@ -189,16 +176,54 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{m['wait_seconds_per_step']:.3f} | {m['steps_waited']:.1f} | "
                          f"{m['peer_sequences_per_step']:.1f} | {m['steps_with_peers']:.0%} | {stale} | "
                          f"{row['wall_seconds']:.0f} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--slowdown", type=float, default=1.0, help="slower: seconds rank 1 sleeps per generation")
+    parser.add_argument("--jitter", type=float, default=0.5, help="varying: seconds on a random half of the steps")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--settings", nargs="*", default=None, help=f"default: {' '.join(SETTINGS)}")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "async_throughput.json")
+    args = parser.parse_args(argv)
+    scenarios = {"slower": {"slowdown": args.slowdown, "jitter": 0.0,
+                            "title": f"tiny-m-lora always {args.slowdown:g} s slower a step"},
+                 "varying": {"slowdown": 0.0, "jitter": args.jitter,
+                             "title": f"each {args.jitter:g} s slower on a random half of its steps"}}
+    if args.quick:
+        args.steps, args.repeats = 3, 1
+        scenarios = {"slower": {"slowdown": 0.3, "jitter": 0.0, "title": "tiny-m-lora always 0.3 s slower a step"}}
+    settings = args.settings or (QUICK_SETTINGS if args.quick else SETTINGS)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, scenario in scenarios.items():
+            runs: dict[str, list[dict]] = {s: [] for s in settings}
+            for repeat in range(args.repeats):
+                for setting in settings:  # alternating: drift on the machine hits every setting alike
+                    out = pathlib.Path(tmp) / f"{name}-r{repeat}"
+                    runs[setting].append(run_swarm(setting, args.steps, scenario["slowdown"], scenario["jitter"], out))
+            scenario["runs"] = runs
+            scenario["settings"] = {s: _average(measured) for s, measured in runs.items()}
+    command = "python benchmarks/async_throughput.py" + (" " + " ".join(argv) if argv else "")
+    result = {"steps": args.steps, "repeats": args.repeats, "scenarios": scenarios,
+              "settings": scenarios["slower"]["settings"], "machine": platform.platform(), "cpus": os.cpu_count(),
+              "command": command}
+    lines = [f"# Bounded asynchrony: two members, {args.steps} steps, {args.repeats} repeats (means)", "",
+             f"    {command}", ""]
+    for name, scenario in scenarios.items():
+        lines += [f"## {name}: {scenario['title']}", "", *table_lines(scenario["settings"]), ""]
     print("\n".join(lines))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2))
-    args.output.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    plot(table, args.output.with_suffix(".png"), args.slowdown, args.steps)
+    args.output.with_suffix(".md").write_text("\n".join(lines))
+    plot(scenarios, args.output.with_suffix(".png"), args.steps)
     return result
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        worker(float(sys.argv[2]), sys.argv[3:])
+    if len(sys.argv) > 3 and sys.argv[1] == "--worker":
+        worker(float(sys.argv[2]), float(sys.argv[3]), sys.argv[4:])
     else:
         main()
