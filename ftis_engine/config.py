@@ -252,8 +252,10 @@ class SwarmSettings(_Section):
         description="async: a simulated delay added to every delivery (for delay studies on one machine).")
     timeout_s: float = Field(
         1800.0, gt=0.0,
-        description="Timeout of every collective; a dead or hung peer ends the run. In sync mode members also wait "
-                    "for each other's generation and eval, so it must exceed the slowest member's eval.",
+        description="Timeout of every collective and every wait for a peer; a dead or hung peer ends the run. "
+                    "Members wait for each other's generation and eval (sync: every step; async: a member "
+                    "max_lead steps ahead, and a sampler for its learner), so it must exceed the slowest "
+                    "member's eval.",
     )
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl when members are on GPUs, else gloo.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")

@@ -86,6 +86,7 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
                         "waited_seconds": waited, "sequences": len(rollouts),
                         "tokens": sum(r.num_tokens for r in rollouts),
                         "reward_mean": sum(r.reward for r in rollouts) / max(1, len(rollouts))})
+        exchange.check()  # the learner finished (DONE), or its link was lost or failed: say which
         exchange.finish()
     finally:
         logger.close()

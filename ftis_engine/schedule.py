@@ -77,10 +77,17 @@ class Schedule:
         return {m: deal(prompts, m, self.num_members, config.collaboration, config.rollout.group_size)
                 for m in range(self.num_members)}
 
+    def dealt_sizes(self, member: int) -> tuple[int, int]:
+        """(prompts, completions) a member is dealt every step: deals differ between steps in which prompts,
+        never in how many."""
+        config = self.config
+        dealt = deal(list(range(config.rollout.prompts_per_step)), member, self.num_members, config.collaboration,
+                     config.rollout.group_size)
+        return len(dealt), sum(dealt.values())
+
     def prompts_per_round(self, member: int) -> int:
-        """A sampler's round holds as many prompts as its member is dealt in a step (whole groups each); deals
-        differ between steps in which prompts, never in how many."""
-        return len(self.deal(1)[member])
+        """A sampler's round holds as many prompts as its member is dealt in a step (whole groups each)."""
+        return self.dealt_sizes(member)[0]
 
     def round_deal(self, rank: int, round_: int) -> dict[int, int]:
         """The deal of a sampler rank's round: prompts_per_round prompts, whole groups, from the sampler's own
@@ -99,7 +106,7 @@ class Schedule:
         member, sampler = self.roles[rank]
         if sampler is not None:
             return self.prompts_per_round(member) * self.config.rollout.group_size
-        return sum(self.deal(1)[member].values())
+        return self.dealt_sizes(member)[1]
 
     def parcel_limit(self, sender: int, step: int) -> int:
         """The most words an honest parcel of rank `sender`'s step (a sampler's: round) holds; 0 when it cannot

@@ -1,7 +1,7 @@
 """One rank of a hand-launched swarm (as torchrun would start it), for the tests: `python swarm_worker.py MODE
 ARGS...` runs `ftis-engine ARGS` in this process; MODE other than `none` corrupts what this rank puts on the wire (sync: the
-corruption's name; async: async-<name>), slows its member down (slow:<seconds per step>), or makes its receiving
-thread's own code fail (handler-error)."""
+corruption's name; async: async-<name>; async-junk: malformed control messages between the honest ones), slows
+its member down (slow:<seconds per step>), or makes its receiving thread's own code fail (handler-error)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,18 @@ def main() -> None:
             return honest_generate(*a, **k)
 
         sample.generate_rollouts = generate_rollouts
+    elif mode == "async-junk":  # async mode: between its honest messages, pings with bodies and unknown kinds
+        from ftis_engine.exchange import links
+
+        honest_take, calls = links.Outbox.take, [0]
+
+        def take(self, timeout):
+            calls[0] += 1
+            if calls[0] % 2 == 0:
+                return (links.PING if calls[0] % 4 == 0 else 9), 1, 0, torch.arange(5000, dtype=torch.int32)
+            return honest_take(self, timeout)
+
+        links.Outbox.take = take
     elif mode == "handler-error":  # async mode: the receiving side's own code fails on the first parcel
         honest_deliver = async_.DistributedAsync.deliver
 

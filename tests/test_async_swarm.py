@@ -151,6 +151,17 @@ def test_a_corrupt_peer_parcel_is_dropped_and_the_stream_goes_on(tmp_path, mode)
     assert all(r["rejected_batches"] == 0 for r in cheated) and sum(r["peer_sequences"] for r in cheated) > 0
 
 
+def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(tmp_path):
+    # every other message rank 1 sends is a ping with a 5000-word body or a message of an unknown kind
+    results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={1: "async-junk"})
+    assert [code for code, _, _ in results] == [0, 0], results
+    refusals = [line for line in results[0][1].splitlines() if "peer rank 1 sent" in line]
+    assert 1 <= len(refusals) <= 3 and "further refusals from this peer are counted" in results[0][1]
+    records = _train(_records(tmp_path))
+    assert sum(r["peer_sequences"] for r in records if r["member"] == "tiny-s") > 0
+    assert all(r["rejected_batches"] == 0 for r in records)
+
+
 def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_logged(tmp_path):
     args = _args(tmp_path, "train.steps=30", "checkpoint.every=2", "swarm.mode=async", "swarm.timeout_s=60")
     proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),

@@ -54,7 +54,8 @@ class Latency:
     def schedule(self, parcel: Parcel, receiver: int, from_step: int | None = None) -> Parcel:
         """Set when the parcel becomes usable. No simulated delay: as soon as it has arrived. In steps: from the
         sender's step (from_step: another step to count from, e.g. a sampler's parcel, whose step is its round,
-        counts from the receiver's step at arrival); in seconds: from now (its arrival)."""
+        counts from the receiver's newest step that took parcels when it arrived); in seconds: from now (its
+        arrival)."""
         if self.settings.is_zero:
             return parcel
         delay = self.delay(parcel.sender, receiver, parcel.step)

@@ -61,10 +61,13 @@ class Handler(Protocol):
         """A message has arrived (its body empty and `refused` set when its size was refused)."""
 
 
+SLOT_ORDER = (TAKEN, WEIGHTS)  # the round taken (no body) never waits behind a weights transfer
+
+
 class Outbox:
     """What this rank still has to send one peer: rollout parcels, of which at most `capacity` wait (a newer one
     replaces the oldest, counted in `dropped_sequences`: a receiver prefers fresh rollouts), slots in which only
-    the newest value matters (weights, the round taken), and DONE, which goes after everything else."""
+    the newest value matters (the round taken, then weights), and DONE, which goes after everything else."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -97,13 +100,19 @@ class Outbox:
         with self._cond:
             self._cond.wait_for(lambda: self._slots or self._parcels or self._done, timeout)
             if self._slots:
-                kind = min(self._slots)
+                kind = next(k for k in SLOT_ORDER if k in self._slots)
                 return (kind, *self._slots.pop(kind))
             if self._parcels:
                 return (DATA, *self._parcels.popleft())
             if self._done:
                 return DONE, 0, 0, None
             return PING, 0, 0, None
+
+    def clear_parcels(self) -> None:
+        """The peer has left: what still waits for it is dropped (counted), so its DONE answer goes at once."""
+        with self._cond:
+            self.dropped_sequences += sum(int(b[0]) for _, _, b in self._parcels if b.numel())
+            self._parcels.clear()
 
     def __len__(self) -> int:
         with self._cond:
@@ -126,6 +135,7 @@ class Links:
         self._finishing = threading.Event()
         self._lost: dict[int, str] = {}
         self._failed: dict[int, tuple[str, BaseException]] = {}
+        self.refused: dict[int, int] = {}  # peer -> messages refused
         self.changed = threading.Condition()  # notified whenever a message arrives or a link ends
         self._handler: Handler | None = None
 
@@ -186,7 +196,7 @@ class Links:
             self.outboxes[peer].put_done()
         deadline = time.time() + self.timeout_s
         for peer in self.peers:
-            while not self._done_received[peer].is_set():
+            while not (self._done_received[peer].is_set() or peer in self._lost or peer in self._failed):
                 if time.time() > deadline:
                     log.warning("rank %d: peer rank %d did not say DONE in time; leaving anyway", self.rank, peer)
                     break
@@ -240,23 +250,23 @@ class Links:
                 if not self._recv(peer, header, tag=0):
                     return
                 kind, step, version, size = (int(x) for x in header)
-                if kind == PING:
-                    continue
-                if kind == DONE:
-                    self._done_received[peer].set()
-                    self.outboxes[peer].put_done()  # answer (a no-op if ours went already)
-                    self._notify()
-                    return
                 with_body = kind in (DATA, WEIGHTS)
                 limit = self._handler.body_limit(peer, kind, step, version, size) if with_body else 0
-                body, refused = self._read_body(peer, size, limit)
+                body, refused = self._read_body(peer, size, limit)  # a body where none belongs is drained
                 if body is None:
                     return  # the connection closed while draining
                 if refused is None and with_body and size < 1:
                     refused = "an empty body"
                 if refused is not None:
-                    log.warning("rank %d: peer rank %d sent %s of step %d: %s; refused", self.rank, peer,
-                                KIND_NAMES.get(kind, f"an unknown kind {kind}"), step, refused)
+                    self._refused(peer, kind, step, refused)
+                if kind == PING:
+                    continue
+                if kind == DONE:
+                    self._done_received[peer].set()
+                    self.outboxes[peer].clear_parcels()  # nothing more is used there: answer at once
+                    self.outboxes[peer].put_done()  # (a no-op if ours went already)
+                    self._notify()
+                    return
                 if self._finishing.is_set() or kind not in KIND_NAMES or (kind == TAKEN and refused):
                     continue  # drained, not used: this rank has finished, or a kind it does not know
                 self._handler.deliver(peer, kind, step, version, body, refused)
@@ -265,6 +275,15 @@ class Links:
             self._failed.setdefault(peer, ("receive", exc))
             self._done_received[peer].set()
             self._notify()
+
+    def _refused(self, peer: int, kind: int, step: int, reason: str) -> None:
+        """Log a refused message: the first few of each peer, then only their count (a peer cannot flood the log)."""
+        self.refused[peer] = self.refused.get(peer, 0) + 1
+        count = self.refused[peer]
+        if count <= 3:
+            log.warning("rank %d: peer rank %d sent %s of step %d: %s; refused%s", self.rank, peer,
+                        KIND_NAMES.get(kind, f"an unknown kind {kind}"), step, reason,
+                        "" if count < 3 else " (further refusals from this peer are counted, not logged)")
 
     def _recv(self, peer: int, tensor: torch.Tensor, tag: int) -> bool:
         """Receive into `tensor`; False when the connection closed (the peer is lost unless it said DONE)."""
