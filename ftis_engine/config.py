@@ -338,6 +338,24 @@ def rank_roles(config: RunConfig) -> list[tuple[int, int | None]]:
     return roles
 
 
+def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
+    """(dotted field, saved value, new value) for every leaf that differs."""
+    out: list[tuple[str, object, object]] = []
+
+    def walk(a, b, path: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in list(a) + [k for k in b if k not in a]:
+                walk(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            for i, (x, y) in enumerate(zip(a, b)):
+                walk(x, y, f"{path}.{i}")
+        elif a != b:
+            out.append((path, a, b))
+
+    walk(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    return out
+
+
 # ----------------------------------------------------------------------------------------------- loading
 
 

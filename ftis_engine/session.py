@@ -22,7 +22,7 @@ import torch
 from ftis_kernels import LossConfig
 
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
-from .config import ConfigError, RunConfig, rank_roles
+from .config import ConfigError, RunConfig, config_differences, rank_roles
 from .errors import first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import Admission, RolloutChecker
@@ -115,24 +115,6 @@ RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "check
              "swarm.timeout_s", "swarm.max_restarts")
 # the member fields that make the model eval loads (with the run's seed: a built-in model is rebuilt from it)
 MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype", "warm_start")
-
-
-def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
-    """(dotted field, saved value, new value) for every leaf that differs."""
-    out: list[tuple[str, object, object]] = []
-
-    def walk(a, b, path: str) -> None:
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in list(a) + [k for k in b if k not in a]:
-                walk(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
-        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            for i, (x, y) in enumerate(zip(a, b)):
-                walk(x, y, f"{path}.{i}")
-        elif a != b:
-            out.append((path, a, b))
-
-    walk(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
-    return out
 
 
 def _saved_config(run_dir: pathlib.Path, what: str) -> RunConfig | None:

@@ -179,7 +179,7 @@ def test_a_study_run_again_skips_its_finished_runs(quick_study, monkeypatch):
     def no_launch(*args, **kwargs):
         raise AssertionError("a finished run was launched again")
 
-    monkeypatch.setattr(study_module, "launch", no_launch)
+    monkeypatch.setattr(study_module.runner, "launch", no_launch)
     summary = study_module.run_study(load_study(PAPER), quick_study, quick=True, progress=False)
     assert len(summary["groups"]) == 2
 

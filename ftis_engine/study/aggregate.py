@@ -1,0 +1,142 @@
+"""A study's numbers: per group and member, eval curves, final accuracy, AUC and early accuracy with 95% intervals
+over seeds, the training stats, and paired differences seed by seed."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import Any
+
+from ..metrics import read_metrics
+from .config import StudyConfig
+from .plan import Group
+
+# two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond
+_T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+
+TRAIN_STATS = ("reward_mean", "kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac",
+               "entropy_mean", "completion_len_mean", "staleness_mean", "stale_dropped")
+# Over the peers' rollouts only. A member's own rollouts come from its current policy (KL 0 up to rounding, never
+# filtered), so the step's mean over all sequences, times sequences / peer sequences, is the mean over the peers':
+# peer_kl_mean is the KL between the members, as the receiver's estimator measures it.
+PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
+
+
+def interval(values: list[float]) -> dict[str, Any]:
+    """Mean and 95% t-interval over seeds (low = high = mean for one seed)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return {"mean": mean, "low": mean, "high": mean, "n": n, "values": values}
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n, "values": values}
+
+
+def _curve_area(points: list[tuple[int, float]]) -> float:
+    """Mean accuracy over the run: the trapezoid area under the eval curve divided by its span of steps."""
+    if len(points) == 1:
+        return points[0][1]
+    area = sum((s1 - s0) * (a0 + a1) / 2 for (s0, a0), (s1, a1) in zip(points, points[1:]))
+    return area / (points[-1][0] - points[0][0])
+
+
+def read_run(run_dir: pathlib.Path) -> tuple[dict, dict]:
+    """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}) of a finished run."""
+    evals: dict[tuple[str, str], list[tuple[int, float]]] = {}
+    train: dict[str, dict[str, list[float]]] = {}
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        if record["kind"] == "eval":
+            evals.setdefault((record["member"], record["dataset"]), []).append((record["step"], record["accuracy"]))
+        elif record["kind"] == "train":
+            stats = train.setdefault(record["member"], {})
+            for key in TRAIN_STATS:
+                if isinstance(record.get(key), (int, float)):
+                    stats.setdefault(key, []).append(float(record[key]))
+            peers = record.get("sequences", 0) - record.get("own_sequences", 0)
+            for key, source in PEER_STATS.items():
+                if peers > 0 and isinstance(record.get(source), (int, float)):
+                    stats.setdefault(key, []).append(float(record[source]) * record["sequences"] / peers)
+    return {k: sorted(v) for k, v in evals.items()}, train
+
+
+def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str) -> dict:
+    """Per group and member: eval curves (mean and 95% interval per eval step over seeds), final accuracy, the
+    area under the curve (mean accuracy over the run), accuracy early in the run (mean over the eval points of its
+    first half, step 0 excluded), and the training stats averaged over steps (then over seeds)."""
+    out_groups = []
+    for group in groups:
+        finished = [run for run in group.runs if run.finished]
+        config = group.config
+        entry: dict[str, Any] = {
+            "group": group.name, "member_set": group.member_set, "members": [m.name for m in config.members],
+            "method": config.algorithm.method, "collaboration": config.collaboration,
+            "g": config.algorithm.kl_threshold, "is_cap": config.algorithm.is_cap,
+            "kl_estimator": config.algorithm.kl_estimator, "kl_reduction": config.algorithm.kl_reduction,
+            "steps": config.train.steps, "seeds": [run.seed for run in finished],
+            "runs": [str(run.run_dir) for run in finished], "by_member": {}, "baseline": group.baseline,
+            "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
+        }
+        per_run = [read_run(run.run_dir) for run in finished]
+        for member in entry["members"]:
+            result: dict[str, Any] = {"final": {}, "auc": {}, "early": {}, "curve": {}, "train": {}}
+            datasets = sorted({d for evals, _ in per_run for (m, d) in evals if m == member})
+            for dataset in datasets:
+                curves = [evals.get((member, dataset), []) for evals, _ in per_run]
+                curves = [c for c in curves if c]
+                if not curves:
+                    continue
+                steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
+                by_step = [dict(c) for c in curves]
+                result["final"][dataset] = interval([c[-1][1] for c in curves])
+                result["auc"][dataset] = interval([_curve_area(c) for c in curves])
+                half = steps[-1] / 2 if steps else 0
+                early_steps = [s for s in steps if 0 < s <= half] or steps[:1]
+                result["early"][dataset] = interval([sum(b[s] for s in early_steps) / len(early_steps)
+                                                     for b in by_step])
+                points = [interval([b[s] for b in by_step]) for s in steps]
+                result["curve"][dataset] = {"steps": steps, "mean": [p["mean"] for p in points],
+                                            "low": [p["low"] for p in points], "high": [p["high"] for p in points]}
+            for key in (*TRAIN_STATS, *PEER_STATS):
+                values = [sum(t[member][key]) / len(t[member][key]) for _, t in per_run
+                          if member in t and t[member].get(key)]
+                if values:
+                    result["train"][key] = interval(values)
+            entry["by_member"][member] = result
+        out_groups.append(entry)
+    add_paired_differences(out_groups)
+    return {"study": study.study, "quick": quick, "command": command,
+            "seeds": study.quick.seeds if quick else study.seeds, "groups": out_groups}
+
+
+METRICS = ("final", "auc", "early")
+
+
+def paired_difference(a: dict, b: dict, seeds_a: list[int], seeds_b: list[int]) -> dict[str, Any] | None:
+    """Interval of the per-seed differences a - b over the seeds both have: runs with the same seed share the
+    warm start and the data order, so the paired difference is far less noisy than two separate intervals."""
+    by_seed_b = dict(zip(seeds_b, b["values"]))
+    diffs = [va - by_seed_b[s] for s, va in zip(seeds_a, a["values"]) if s in by_seed_b]
+    return interval(diffs) if diffs else None
+
+
+def add_paired_differences(groups: list[dict]) -> None:
+    """Each collaborating group's members get `vs_alone`: per metric and dataset, the paired difference with the
+    same member in its member set's alone group (the first one)."""
+    alone, by_name = {}, {g["group"]: g for g in groups}
+    for g in groups:
+        if g["collaboration"] == "alone":
+            alone.setdefault(g["member_set"], g)
+    for g in groups:
+        for key, base in (("vs_alone", alone.get(g["member_set"])), ("vs_baseline", by_name.get(g.get("baseline")))):
+            if base is None or base is g:
+                continue
+            for member, result in g["by_member"].items():
+                ref = base["by_member"].get(member)
+                if ref is None:
+                    continue
+                result[key] = {
+                    metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
+                             if (diff := paired_difference(v, ref[metric][d], g["seeds"], base["seeds"])) is not None}
+                    for metric in METRICS}

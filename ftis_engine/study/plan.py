@@ -1,0 +1,144 @@
+"""A study's plan: every run (group x seed) with its validated config, and the check that a run directory already
+there holds this very run. Nothing here writes."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError, RunConfig, apply_override, config_differences, validate_config
+from .config import GroupSettings, StudyConfig, StudyError
+
+
+@dataclass
+class Run:
+    group: str
+    seed: int
+    config: RunConfig
+    config_path: pathlib.Path
+    log_path: pathlib.Path
+
+    @property
+    def run_dir(self) -> pathlib.Path:
+        return pathlib.Path(self.config.output_dir) / self.config.run_name
+
+    @property
+    def finished(self) -> bool:
+        return (self.run_dir / "final_eval.json").is_file()
+
+
+@dataclass
+class Group:
+    name: str
+    member_set: str
+    config: RunConfig  # the first seed's: what the group's runs share
+    runs: list[Run]
+    baseline: str | None = None  # the group it is paired with (GroupSettings.baseline, filled)
+
+
+def _label(key: str) -> str:
+    return key.split(".")[-1]
+
+
+def baseline_name(group: GroupSettings, combo: dict[str, Any]) -> str | None:
+    if group.baseline is None:
+        return None
+    return group.baseline.format(**{_label(k): v for k, v in combo.items()})
+
+
+def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, GroupSettings, dict[str, Any]]]:
+    """(index in groups, name, group, its overrides) for every group after grid expansion, in order; --quick keeps
+    quick.groups. Names are unique."""
+    out: list[tuple[int, str, GroupSettings, dict[str, Any]]] = []
+    for i, group in enumerate(study.groups):
+        keys = list(group.grid)
+        for values in itertools.product(*(group.grid[k] for k in keys)):
+            combo = dict(zip(keys, values))
+            try:
+                name = group.name.format(**{_label(k): v for k, v in combo.items()})
+            except (KeyError, IndexError, ValueError) as exc:
+                raise StudyError(f"groups.{i}.name: {group.name!r} cannot be filled from the grid ({exc})") from None
+            try:
+                baseline_name(group, combo)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise StudyError(f"groups.{i}.baseline: {group.baseline!r} cannot be filled from the grid "
+                                 f"({exc})") from None
+            if keys and name == group.name:
+                name = group.name + "-" + "-".join(f"{_label(k)}{v}" for k, v in combo.items())
+            out.append((i, name, group, {**group.set, **combo}))
+    names = [name for _, name, _, _ in out]
+    for i, name, _, _ in out:
+        if names.count(name) > 1:
+            raise StudyError(f"groups.{i}.name: {name!r} names two groups")
+        if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+            raise StudyError(f"groups.{i}.name: {name!r} is not a plain file name (letters, digits, - _ .)")
+    if quick and study.quick.groups is not None:
+        unknown = [g for g in study.quick.groups if g not in names]
+        if unknown:
+            raise StudyError(f"quick.groups: unknown group {unknown[0]!r}")
+        out = [entry for entry in out if entry[1] in study.quick.groups]
+    return out
+
+
+def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Group]:
+    """Every run of the study with its validated config; nothing is written. Raises StudyError naming the field."""
+    seeds = study.quick.seeds if quick else study.seeds
+    groups = []
+    for i, name, group, overrides in expand_groups(study, quick):
+        runs = []
+        for seed in seeds:
+            raw = copy.deepcopy(study.base)
+            if "members" in raw:
+                raise StudyError("base.members: members come from member_sets")
+            raw["members"] = copy.deepcopy(study.member_sets[group.members])
+            raw["collaboration"] = group.collaboration
+            where = f"groups.{i}"
+            try:
+                for key, value in overrides.items():
+                    apply_override(raw, f"{key}={json.dumps(value)}")
+                if quick:
+                    where = "quick.set"
+                    for key, value in study.quick.set.items():
+                        apply_override(raw, f"{key}={json.dumps(value)}")
+                where = f"groups.{i} ({name}){' with quick.set' if quick else ''}"
+                raw.update(seed=seed, run_name=f"seed-{seed}", output_dir=str(output_dir / "runs" / name))
+                config = validate_config(raw)
+            except ConfigError as exc:
+                raise StudyError(f"{where}: {str(exc).removeprefix('--set ')}") from None
+            runs.append(Run(group=name, seed=seed, config=config,
+                            config_path=output_dir / "configs" / name / f"seed-{seed}.yaml",
+                            log_path=output_dir / "logs" / f"{name}-seed-{seed}.log"))
+        combo = {k: overrides[k] for k in group.grid}
+        groups.append(Group(name=name, member_set=group.members, config=runs[0].config, runs=runs,
+                            baseline=baseline_name(group, combo)))
+    names = {name for _, name, _, _ in expand_groups(study, quick=False)}
+    for group in groups:
+        if group.baseline is not None and group.baseline not in names:
+            raise StudyError(f"groups ({group.name}).baseline: unknown group {group.baseline!r}")
+    for f, figure in enumerate(study.figures):
+        unknown = [g for g in figure.groups if g not in names]
+        if unknown:
+            raise StudyError(f"figures.{f}.groups: unknown group {unknown[0]!r}")
+    return groups
+
+
+def check_reuse(run: Run) -> None:
+    """A run directory already there must hold this very run (same config but for how long it ran)."""
+    saved = run.run_dir / "config.yaml"
+    if not saved.is_file():
+        return
+    try:
+        old = validate_config(yaml.safe_load(saved.read_text()))
+    except (ConfigError, yaml.YAMLError):
+        raise StudyError(f"--output-dir: {saved} is not a run config; choose another --output-dir") from None
+    changed = [c for c in config_differences(old, run.config)]
+    if changed:
+        field, before, after = changed[0]
+        raise StudyError(f"--output-dir: {run.run_dir} was run with {field}={before!r}, the study now says "
+                         f"{after!r}; choose another --output-dir (or delete that run to redo it)")

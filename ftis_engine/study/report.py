@@ -1,0 +1,139 @@
+"""A study's outputs: summary.json, report.md and the figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+
+from .config import FigureSettings, StudyConfig
+from .plan import Group
+
+
+def _fmt(value: dict | None, digits: int = 3) -> str:
+    if not value:
+        return "–"
+    if value["n"] < 2:
+        return f"{value['mean']:.{digits}f}"
+    return f"{value['mean']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]"
+
+
+def _fmt_g(value: dict | None) -> str:
+    return "–" if not value else f"{value['mean']:.3g}"
+
+
+def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
+    lines = [f"# Study `{summary['study']}`{' (--quick)' if summary['quick'] else ''}", ""]
+    if summary.get("command"):
+        lines += ["Made by:", "", f"    {summary['command']}", ""]
+    lines += [f"Seeds {summary['seeds']}; every number is a mean over seeds with its 95% t-interval in brackets. "
+              "final: greedy pass@1 at the last step; AUC: mean accuracy over the run (area under the eval curve / "
+              "steps); early: mean over the eval points of the run's first half (step 0 excluded). Training stats "
+              "are means over steps, then seeds: peer KL is the mean KL_i of the peers' rollouts under the receiver (the "
+              "configured estimator and reduction: k3, summed over the sequence by default), peer filtered the share "
+              "of the peers' rollouts the filter dropped, IS w the mean truncated weight over all tokens.", ""]
+    by_set: dict[str, list[dict]] = {}
+    for group in summary["groups"]:
+        by_set.setdefault(group["member_set"], []).append(group)
+    for member_set, groups in by_set.items():
+        datasets = sorted({d for g in groups for m in g["by_member"].values() for d in m["final"]})
+        lines += [f"## Member set `{member_set}`", ""]
+        head = ["group", "member", "method", "collab", "g", "seeds"]
+        head += [f"final {d}" for d in datasets] + [f"AUC {d}" for d in datasets] + [f"early {d}" for d in datasets[:1]]
+        head += ["peer KL", "peer filtered", "IS w", "truncated", "reward"]
+        asynchronous = any(g.get("swarm_mode") == "async" for g in groups)
+        head += ["staleness"] if asynchronous else []
+        lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for g in groups:
+            for member, r in g["by_member"].items():
+                t = r["train"]
+                row = [g["group"], member, g["method"] if g["collaboration"] != "alone" else "–", g["collaboration"],
+                       f"{g['g']:g}" if g["method"].startswith("f-") and g["collaboration"] != "alone" else "–",
+                       str(len(g["seeds"]))]
+                row += [_fmt(r["final"].get(d)) for d in datasets] + [_fmt(r["auc"].get(d)) for d in datasets]
+                row += [_fmt(r["early"].get(d)) for d in datasets[:1]]
+                row += [_fmt_g(t.get("peer_kl_mean")), _fmt_g(t.get("peer_filtered_frac")), _fmt_g(t.get("is_weight_mean")),
+                        _fmt_g(t.get("is_truncated_frac")), _fmt_g(t.get("reward_mean"))]
+                row += [_fmt_g(t.get("staleness_mean"))] if asynchronous else []
+                lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+        lines += _paired_table(groups, datasets, "vs_alone", f"Paired with `{member_set}`'s alone baseline: per seed, "
+                               "this group's number minus the alone run's (same seed: same warm start, same data "
+                               "order), mean and 95% t-interval over seeds.")
+        lines += _paired_table(groups, datasets, "vs_baseline", "Paired with each group's baseline (Δ = group - "
+                               "baseline, per seed, mean and 95% t-interval over seeds):")
+    if figures:
+        lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
+    return "\n".join(lines)
+
+
+def _paired_table(groups: list[dict], datasets: list[str], key: str, intro: str) -> list[str]:
+    """A table of the paired differences `key` (vs_alone, vs_baseline) of every group and member that has them."""
+    paired = [(g, member, r[key]) for g in groups for member, r in g["by_member"].items() if key in r]
+    if not paired:
+        return []
+    head = ["group", "member"] + (["baseline"] if key == "vs_baseline" else [])
+    head += [f"Δ final {d}" for d in datasets] + [f"Δ AUC {d}" for d in datasets] + [f"Δ early {d}" for d in datasets[:1]]
+    lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for g, member, vs in paired:
+        row = [g["group"], member] + ([g["baseline"]] if key == "vs_baseline" else [])
+        row += [_fmt(vs["final"].get(d)) for d in datasets] + [_fmt(vs["auc"].get(d)) for d in datasets]
+        row += [_fmt(vs["early"].get(d)) for d in datasets[:1]]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
+    """One PNG per figure (default: one per member set): a column per member, a row per eval set, a line per
+    group with its 95% band over seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = {g["group"]: g for g in summary["groups"]}
+    figures = study.figures or [
+        FigureSettings(name=f"set-{s}", title=f"member set {s}", groups=[g["group"] for g in summary["groups"]
+                                                                          if g["member_set"] == s])
+        for s in dict.fromkeys(g["member_set"] for g in summary["groups"])]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for figure in figures:
+        chosen = [groups[name] for name in figure.groups if name in groups]
+        if not chosen:
+            continue
+        members = figure.members or list(dict.fromkeys(m for g in chosen for m in g["by_member"]))
+        datasets = figure.datasets or sorted({d for g in chosen for m in g["by_member"].values() for d in m["curve"]})
+        if not members or not datasets:
+            continue
+        fig, axes = plt.subplots(len(datasets), len(members), figsize=(5.2 * len(members), 3.6 * len(datasets)),
+                                 squeeze=False)
+        for row, dataset in enumerate(datasets):
+            for col, member in enumerate(members):
+                ax = axes[row][col]
+                for k, g in enumerate(chosen):
+                    curve = g["by_member"].get(member, {}).get("curve", {}).get(dataset)
+                    if not curve:
+                        continue
+                    label = f"{g['group']} (n={len(g['seeds'])})"
+                    ax.plot(curve["steps"], curve["mean"], marker="o", markersize=3, color=f"C{k % 10}", label=label)
+                    ax.fill_between(curve["steps"], curve["low"], curve["high"], color=f"C{k % 10}", alpha=0.15)
+                ax.set(title=f"{member}: {dataset}", xlabel="step", ylabel="greedy pass@1")
+                ax.grid(alpha=0.3)
+                ax.legend(fontsize=7)
+        fig.suptitle(f"{figure.title or figure.name} (mean over seeds, 95% band)")
+        fig.tight_layout()
+        path = out_dir / f"{figure.name}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_outputs(study: StudyConfig, groups: list[Group], summary: dict, output_dir: pathlib.Path) -> None:
+    figures = draw_figures(study, summary, output_dir / "figures")
+    summary["figures"] = [f"figures/{p.name}" for p in figures]
+    partial = output_dir / "summary.json.tmp"
+    partial.write_text(json.dumps(summary, indent=1))
+    os.replace(partial, output_dir / "summary.json")
+    (output_dir / "report.md").write_text(report_markdown(summary, figures))

@@ -1,0 +1,69 @@
+"""Running a study: each run its own train process (`jobs` at once), resumed or skipped as it stands, then the
+aggregate and the outputs."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+from ..checkpoint import latest_checkpoint
+from ..config import dump_config
+from .aggregate import aggregate
+from .config import StudyConfig
+from .plan import Run, check_reuse, plan
+from .report import write_outputs
+
+
+def launch(run: Run, env: dict[str, str]) -> int:
+    """Run one train process to completion (resuming from its newest checkpoint when it has one); its output goes
+    to the run's log. Returns its exit code."""
+    run.config_path.parent.mkdir(parents=True, exist_ok=True)
+    run.log_path.parent.mkdir(parents=True, exist_ok=True)
+    run.config_path.write_text(dump_config(run.config))
+    command = [sys.executable, "-m", "ftis_engine", "train", "--config", str(run.config_path)]
+    if latest_checkpoint(run.run_dir) is not None:
+        command.append("--resume")
+    elif run.run_dir.exists():  # interrupted before its first checkpoint: start it again
+        shutil.rmtree(run.run_dir)
+    with run.log_path.open("a") as log:
+        log.write(f"$ {' '.join(command)}\n")
+        log.flush()
+        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = False, jobs: int | None = None,
+              command: str = "", progress: bool = True) -> dict:
+    """Plan, run what is not finished (`jobs` at once), aggregate; returns the summary. Raises StudyError on a bad
+    config and RuntimeError naming the failed runs' logs (after the others have finished)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    groups = plan(study, output_dir, quick)
+    runs = [run for group in groups for run in group.runs]
+    for run in runs:
+        check_reuse(run)
+    todo = [run for run in runs if not run.finished]
+    env = dict(os.environ)
+    failed: list[Run] = []
+    started = time.perf_counter()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  disable=not progress) as bar:
+        task = bar.add_task(f"study {study.study}: runs", total=len(runs), completed=len(runs) - len(todo))
+        with ThreadPoolExecutor(max_workers=jobs or study.jobs) as pool:
+            futures = {pool.submit(launch, run, env): run for run in todo}
+            for future in as_completed(futures):
+                run, code = futures[future], future.result()
+                if code != 0 or not run.finished:
+                    failed.append(run)
+                    bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {code}): {run.log_path}")
+                bar.advance(task)
+    summary = aggregate(study, groups, quick=quick, command=command)
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    write_outputs(study, groups, summary, output_dir)
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(runs)} runs failed; see {failed[0].log_path}")
+    return summary
