@@ -78,6 +78,11 @@ BAD = [
     ({"figures": [{"name": "f", "groups": ["nope"]}]}, "figures.0.groups: unknown group 'nope'"),
     ({"base": {"members": []}}, "base.members: members come from member_sets"),
     ({"groups": [{"name": "x", "members": "pair", "grid": {"algorithm.method": []}}]}, "groups.0.grid"),
+    ({"figures": [{"name": "f", "groups": ["pair-nois"], "members": ["zed"]}]},
+     "figures.0.members: 'zed' is a member of none of its groups"),
+    # --quick validates the whole study: a group it leaves out is checked all the same
+    ({"groups": [{"name": "ok", "members": "pair"}, {"name": "bad", "members": "pair", "set": {"train.steps": -1}}],
+      "quick": {"groups": ["ok"]}}, r"groups.1 \(bad\): train.steps"),
 ]
 
 
@@ -98,12 +103,31 @@ def test_the_cli_refuses_a_bad_study_config_with_exit_2_and_writes_nothing(tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_study_whose_runs_would_fail_on_a_bad_model_stops_before_launching_any(tmp_path):
+    raw = {**MINIMAL, "member_sets": {"pair": [{"name": "a", "model": str(tmp_path / "no-such-model")},
+                                               {"name": "b", "model": "builtin:tiny-s"}]}}
+    result = cli("study", "--config", write_study(tmp_path, raw), "--output-dir", tmp_path / "out")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: groups (pair-nois): members.0.model: cannot load model")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("where", ["file", "under-file"])
+def test_a_study_output_dir_that_cannot_be_written_is_one_line(tmp_path, where):
+    (tmp_path / "a-file").write_text("x")
+    out = tmp_path / "a-file" if where == "file" else tmp_path / "a-file" / "out"
+    result = cli("study", "--config", write_study(tmp_path, MINIMAL), "--output-dir", out)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(f"error: --output-dir: cannot write to {out}")
+
+
 def test_the_interval_is_the_mean_with_students_t_half_width():
     got = interval([0.5, 0.7, 0.6])
     half = 4.303 * 0.1 / math.sqrt(3)
     assert got["mean"] == pytest.approx(0.6) and got["n"] == 3
     assert (got["low"], got["high"]) == (pytest.approx(0.6 - half), pytest.approx(0.6 + half))
     assert interval([0.25]) == {"mean": 0.25, "low": 0.25, "high": 0.25, "n": 1, "values": [0.25]}
+    assert interval([0.25, 0.5], seeds=[7, 3])["seeds"] == [7, 3]
 
 
 def _fake_run(run, curve: list[tuple[int, float]], kl: list[float]) -> None:
@@ -137,6 +161,23 @@ def test_aggregation_over_seeds_gives_final_area_early_curve_and_stats(tmp_path)
     assert "b" in entry["by_member"] and entry["by_member"]["b"]["final"] == {}
 
 
+def test_a_run_without_an_eval_of_one_dataset_leaves_the_other_seeds_paired_by_seed(tmp_path):
+    raw = {**MINIMAL, "seeds": [3, 4, 5],
+           "groups": [{"name": "alone", "members": "pair", "collaboration": "alone"},
+                      {"name": "pair", "members": "pair"}]}
+    spec = study_module.StudyConfig.model_validate(raw)
+    alone, pair = plan(spec, tmp_path, quick=False)
+    for run, final in zip(alone.runs, (0.1, 0.2, 0.3)):
+        _fake_run(run, [(0, 0.0), (2, final)], [1.0])
+    for run, final in zip(pair.runs, (0.5, None, 0.9)):  # seed 4's run never evaluated tiny-add
+        _fake_run(run, [(0, 0.0), (2, final)] if final is not None else [], [1.0])
+    summary = aggregate(spec, [alone, pair], quick=False, command="c")
+    final = summary["groups"][1]["by_member"]["a"]["final"]["tiny-add"]
+    assert final["seeds"] == [3, 5] and final["values"] == [0.5, 0.9]
+    vs = summary["groups"][1]["by_member"]["a"]["vs_alone"]["final"]["tiny-add"]
+    assert vs["seeds"] == [3, 5] and vs["values"] == pytest.approx([0.5 - 0.1, 0.9 - 0.3])  # not 0.9 - 0.2
+
+
 def test_a_finished_run_with_another_config_is_refused_not_reused(tmp_path):
     from ftis_engine.config import dump_config
 
@@ -150,6 +191,10 @@ def test_a_finished_run_with_another_config_is_refused_not_reused(tmp_path):
     (run.run_dir / "config.yaml").write_text(dump_config(other))
     with pytest.raises(StudyError, match="was run with train.steps=3, the study now says 2"):
         check_reuse(run)
+    moved = run.config.model_copy(deep=True)
+    moved.output_dir = "/where/the/study/was/before"  # a study directory moved or copied: still the same run
+    (run.run_dir / "config.yaml").write_text(dump_config(moved))
+    check_reuse(run)
 
 
 @pytest.fixture(scope="module")
@@ -199,15 +244,15 @@ def test_plot_names_a_run_directory_without_metrics(tmp_path):
 def test_paired_difference_matches_seeds_and_the_report_shows_it():
     from ftis_engine.study import add_paired_differences, paired_difference
 
-    a = {"values": [0.5, 0.7, 0.4]}
-    b = {"values": [0.3, 0.6]}
-    diff = paired_difference(a, b, [0, 1, 2], [2, 0])  # seed 2 of b is 0.3, seed 0 is 0.6; seed 1 has no pair
-    assert diff["values"] == pytest.approx([0.5 - 0.6, 0.4 - 0.3])
-    assert paired_difference(a, b, [5], [2, 0]) is None
+    a = {"values": [0.5, 0.7, 0.4], "seeds": [0, 1, 2]}
+    b = {"values": [0.3, 0.6], "seeds": [2, 0]}
+    diff = paired_difference(a, b)  # seed 2 of b is 0.3, seed 0 is 0.6; seed 1 has no pair
+    assert diff["values"] == pytest.approx([0.5 - 0.6, 0.4 - 0.3]) and diff["seeds"] == [0, 2]
+    assert paired_difference({"values": [0.5], "seeds": [5]}, b) is None
 
     def group(name, collaboration, finals):
         return {"group": name, "member_set": "s", "collaboration": collaboration, "seeds": [0, 1],
-                "by_member": {"m": {"final": {"d": {"values": finals}}, "auc": {}, "early": {}}}}
+                "by_member": {"m": {"final": {"d": {"values": finals, "seeds": [0, 1]}}, "auc": {}, "early": {}}}}
 
     groups = [group("s-alone", "alone", [0.2, 0.4]), group("s-f-tis", "vertical", [0.5, 0.5])]
     add_paired_differences(groups)
@@ -233,8 +278,8 @@ def test_a_group_is_paired_with_its_baseline_filled_from_the_grid():
     def group(name, baseline, finals):
         return {"group": name, "member_set": "s", "collaboration": "vertical", "seeds": [0, 1], "baseline": baseline,
                 "method": "tis", "g": 50.0, "swarm_mode": "async",
-                "by_member": {"m": {"final": {"d": {"values": finals, "mean": sum(finals) / 2, "n": 2, "low": 0,
-                                                    "high": 1}}, "auc": {}, "early": {},
+                "by_member": {"m": {"final": {"d": {"values": finals, "seeds": [0, 1], "mean": sum(finals) / 2,
+                                                    "n": 2, "low": 0, "high": 1}}, "auc": {}, "early": {},
                                     "train": {"staleness_mean": {"mean": 2.0, "n": 2}}}}}
 
     summary = [group("tis-lat0", "tis-lat0", [0.5, 0.7]), group("tis-lat2", "tis-lat0", [0.2, 0.6])]

@@ -23,15 +23,21 @@ TRAIN_STATS = ("reward_mean", "kl_mean", "filtered_frac", "is_weight_mean", "is_
 PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
 
 
-def interval(values: list[float]) -> dict[str, Any]:
-    """Mean and 95% t-interval over seeds (low = high = mean for one seed)."""
+def interval(values: list[float], seeds: list[int] | None = None) -> dict[str, Any]:
+    """Mean and 95% t-interval over seeds (low = high = mean for one seed); `seeds`, when given, says whose each
+    value is (paired differences match values by seed, never by position)."""
     n = len(values)
     mean = sum(values) / n
-    if n < 2:
-        return {"mean": mean, "low": mean, "high": mean, "n": n, "values": values}
-    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
-    return {"mean": mean, "low": mean - half, "high": mean + half, "n": n, "values": values}
+    out = {"mean": mean, "low": mean, "high": mean, "n": n, "values": values}
+    if seeds is not None:
+        if len(seeds) != n:
+            raise ValueError(f"{n} values for {len(seeds)} seeds")
+        out["seeds"] = list(seeds)
+    if n >= 2:
+        sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
+        out.update(low=mean - half, high=mean + half)
+    return out
 
 
 def _curve_area(points: list[tuple[int, float]]) -> float:
@@ -78,31 +84,32 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "runs": [str(run.run_dir) for run in finished], "by_member": {}, "baseline": group.baseline,
             "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
-        per_run = [read_run(run.run_dir) for run in finished]
+        per_run = {run.seed: read_run(run.run_dir) for run in finished}
         for member in entry["members"]:
             result: dict[str, Any] = {"final": {}, "auc": {}, "early": {}, "curve": {}, "train": {}}
-            datasets = sorted({d for evals, _ in per_run for (m, d) in evals if m == member})
+            datasets = sorted({d for evals, _ in per_run.values() for (m, d) in evals if m == member})
             for dataset in datasets:
-                curves = [evals.get((member, dataset), []) for evals, _ in per_run]
-                curves = [c for c in curves if c]
-                if not curves:
-                    continue
-                steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves)))
-                by_step = [dict(c) for c in curves]
-                result["final"][dataset] = interval([c[-1][1] for c in curves])
-                result["auc"][dataset] = interval([_curve_area(c) for c in curves])
+                # a run without this curve (no eval of it) is left out, and every value keeps its own seed
+                curves = {seed: evals[(member, dataset)] for seed, (evals, _) in per_run.items()
+                          if evals.get((member, dataset))}
+                seeds = list(curves)
+                steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves.values())))
+                by_step = [dict(c) for c in curves.values()]
+                result["final"][dataset] = interval([c[-1][1] for c in curves.values()], seeds)
+                result["auc"][dataset] = interval([_curve_area(c) for c in curves.values()], seeds)
                 half = steps[-1] / 2 if steps else 0
                 early_steps = [s for s in steps if 0 < s <= half] or steps[:1]
-                result["early"][dataset] = interval([sum(b[s] for s in early_steps) / len(early_steps)
-                                                     for b in by_step])
+                if early_steps:
+                    result["early"][dataset] = interval([sum(b[s] for s in early_steps) / len(early_steps)
+                                                         for b in by_step], seeds)
                 points = [interval([b[s] for b in by_step]) for s in steps]
                 result["curve"][dataset] = {"steps": steps, "mean": [p["mean"] for p in points],
                                             "low": [p["low"] for p in points], "high": [p["high"] for p in points]}
             for key in (*TRAIN_STATS, *PEER_STATS):
-                values = [sum(t[member][key]) / len(t[member][key]) for _, t in per_run
-                          if member in t and t[member].get(key)]
-                if values:
-                    result["train"][key] = interval(values)
+                stats = {seed: sum(t[member][key]) / len(t[member][key]) for seed, (_, t) in per_run.items()
+                         if member in t and t[member].get(key)}
+                if stats:
+                    result["train"][key] = interval(list(stats.values()), list(stats))
             entry["by_member"][member] = result
         out_groups.append(entry)
     add_paired_differences(out_groups)
@@ -113,12 +120,13 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
 METRICS = ("final", "auc", "early")
 
 
-def paired_difference(a: dict, b: dict, seeds_a: list[int], seeds_b: list[int]) -> dict[str, Any] | None:
-    """Interval of the per-seed differences a - b over the seeds both have: runs with the same seed share the
-    warm start and the data order, so the paired difference is far less noisy than two separate intervals."""
-    by_seed_b = dict(zip(seeds_b, b["values"]))
-    diffs = [va - by_seed_b[s] for s, va in zip(seeds_a, a["values"]) if s in by_seed_b]
-    return interval(diffs) if diffs else None
+def paired_difference(a: dict, b: dict) -> dict[str, Any] | None:
+    """Interval of the per-seed differences a - b over the seeds both have (each interval's `seeds` says whose
+    each value is): runs with the same seed share the warm start and the data order, so the paired difference is
+    far less noisy than two separate intervals."""
+    by_seed_b = dict(zip(b["seeds"], b["values"], strict=True))
+    pairs = [(s, va - by_seed_b[s]) for s, va in zip(a["seeds"], a["values"], strict=True) if s in by_seed_b]
+    return interval([d for _, d in pairs], [s for s, _ in pairs]) if pairs else None
 
 
 def add_paired_differences(groups: list[dict]) -> None:
@@ -138,5 +146,5 @@ def add_paired_differences(groups: list[dict]) -> None:
                     continue
                 result[key] = {
                     metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
-                             if (diff := paired_difference(v, ref[metric][d], g["seeds"], base["seeds"])) is not None}
+                             if (diff := paired_difference(v, ref[metric][d])) is not None}
                     for metric in METRICS}

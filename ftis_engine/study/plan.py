@@ -87,7 +87,10 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
 
 
 def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Group]:
-    """Every run of the study with its validated config; nothing is written. Raises StudyError naming the field."""
+    """Every run of the study with its validated config; nothing is written. Raises StudyError naming the field.
+    --quick validates the whole study first: a quick run passes only when the full one would start."""
+    if quick:
+        plan(study, output_dir, quick=False)
     seeds = study.quick.seeds if quick else study.seeds
     groups = []
     for i, name, group, overrides in expand_groups(study, quick):
@@ -121,15 +124,22 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
     for group in groups:
         if group.baseline is not None and group.baseline not in names:
             raise StudyError(f"groups ({group.name}).baseline: unknown group {group.baseline!r}")
+    members = {name: [m["name"] for m in study.member_sets[group.members]]
+               for _, name, group, _ in expand_groups(study, quick=False)}
     for f, figure in enumerate(study.figures):
         unknown = [g for g in figure.groups if g not in names]
         if unknown:
             raise StudyError(f"figures.{f}.groups: unknown group {unknown[0]!r}")
+        drawn = {m for g in figure.groups for m in members[g]}
+        unknown = [m for m in figure.members or [] if m not in drawn]
+        if unknown:
+            raise StudyError(f"figures.{f}.members: {unknown[0]!r} is a member of none of its groups "
+                             f"({', '.join(sorted(drawn))})")
     return groups
 
 
 def check_reuse(run: Run) -> None:
-    """A run directory already there must hold this very run (same config but for how long it ran)."""
+    """A run directory already there must hold this very run: the same config in everything but where it lives."""
     saved = run.run_dir / "config.yaml"
     if not saved.is_file():
         return
@@ -137,7 +147,8 @@ def check_reuse(run: Run) -> None:
         old = validate_config(yaml.safe_load(saved.read_text()))
     except (ConfigError, yaml.YAMLError):
         raise StudyError(f"--output-dir: {saved} is not a run config; choose another --output-dir") from None
-    changed = [c for c in config_differences(old, run.config)]
+    # where the study lives is no part of the run: a study directory moved or copied elsewhere is still itself
+    changed = [c for c in config_differences(old, run.config) if c[0] != "output_dir"]
     if changed:
         field, before, after = changed[0]
         raise StudyError(f"--output-dir: {run.run_dir} was run with {field}={before!r}, the study now says "

@@ -3,6 +3,7 @@ aggregate and the outputs."""
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -12,10 +13,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from ..checkpoint import latest_checkpoint
-from ..config import dump_config
+from ..config import ConfigError, dump_config
+from ..members import check_warm_start
+from ..session import check_before_launch
+from ..tasks import TaskError, load_task
 from .aggregate import aggregate
-from .config import StudyConfig
-from .plan import Run, check_reuse, plan
+from .config import StudyConfig, StudyError
+from .plan import Group, Run, check_reuse, plan
 from .report import write_outputs
 
 
@@ -36,6 +40,26 @@ def launch(run: Run, env: dict[str, str]) -> int:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
+def check_runs(groups: list[Group]) -> None:
+    """What a train run checks before it writes anything (models, tokenizers, generators, the backend, the task and
+    its data, warm-start styles), once per group, before any run is launched: a study whose runs would all fail
+    on a bad model path stops with one line instead."""
+    checked: set[str] = set()
+    for group in groups:
+        config = group.config
+        key = json.dumps(config.model_dump(mode="json", include={"members", "data", "eval", "train"}), sort_keys=True)
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            check_before_launch(config, distributed=False)
+            task = load_task(config.data, config.seed, config.eval.datasets)
+            for i, member in enumerate(config.members):
+                check_warm_start(i, member, task)
+        except (ConfigError, TaskError) as exc:
+            raise StudyError(f"groups ({group.name}): {exc}") from None
+
+
 def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = False, jobs: int | None = None,
               command: str = "", progress: bool = True) -> dict:
     """Plan, run what is not finished (`jobs` at once), aggregate; returns the summary. Raises StudyError on a bad
@@ -47,6 +71,14 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     for run in runs:
         check_reuse(run)
     todo = [run for run in runs if not run.finished]
+    check_runs([group for group in groups if any(run in todo for run in group.runs)])
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise StudyError(f"--output-dir: cannot write to {output_dir} ({exc.strerror or type(exc).__name__})") from None
     env = dict(os.environ)
     failed: list[Run] = []
     started = time.perf_counter()
