@@ -1,8 +1,10 @@
 """Checkpoints: run_dir/checkpoints/step-<N>/, written to a temporary directory and renamed when complete.
 
-Layout of step-<N>/: state.json (step, data position, policy versions, member names), and per member
-members/<name>/ with the model (HF format) or the LoRA adapter (peft format), the tokenizer, optimizer.pt and
-rng.pt. A directory named step-<N> is complete by construction (the rename is the last act).
+Layout of step-<N>/: state.json (the step and the member names; a member's policy version is the step, and the
+data position follows from it), and per member members/<name>/ with the model (HF format) or the LoRA adapter
+(peft format), the tokenizer, optimizer.pt and rng.pt. A directory named step-<N> is complete by construction (the
+rename is the last act). Nothing is loaded with pickle's code execution (torch.load(weights_only=True)), so a
+checkpoint from someone else can be resumed or evaluated safely; weights that are NaN or inf are never saved.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import re
 import shutil
 
 import torch
+
+from .update import DivergenceError, weights_finite
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -55,6 +59,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
+    if not weights_finite(member.trainable_parameters()):
+        raise DivergenceError(f"members.{member.index} ({member.name}): its weights are NaN or inf; they are not "
+                              "saved (the newest complete checkpoint stays)")
     directory.mkdir(parents=True, exist_ok=True)
     member.model.save_pretrained(str(directory / "model"), safe_serialization=True)
     member.tokenizer.save_pretrained(str(directory / "model"))
@@ -163,5 +170,5 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
         member.optimizer.load_state_dict(torch.load(optimizer_file, map_location=member.device, weights_only=True))
     rng_file = directory / "rng.pt"
     if rng_file.exists():
-        set_rng_state(torch.load(rng_file, weights_only=False))
+        set_rng_state(torch.load(rng_file, weights_only=True))
 

@@ -32,13 +32,23 @@ def _timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+class RewardTimeout(Exception):
+    """math-verify ran out of time on this answer: the reward has no verdict (neither 1 nor 0)."""
+
+
 def _parse(text: str):
     from math_verify import parse
+    from math_verify.errors import TimeoutException
 
     # Bare answers ("18", "\frac{1}{2}") parse more reliably inside $...$ than as free text.
     candidates = [text] if "$" in text or "\\boxed" in text else [f"${text}$", text]
     for candidate in candidates:
-        parsed = parse(candidate, parsing_timeout=_timeout())
+        try:
+            parsed = parse(candidate, parsing_timeout=_timeout(), raise_on_error=True)
+        except TimeoutException:
+            raise RewardTimeout(f"parsing {candidate[:80]!r} timed out") from None
+        except Exception:  # text math-verify cannot parse: no expression
+            parsed = []
         if parsed:
             return parsed
     return []
@@ -50,18 +60,26 @@ def _normalise(text: str) -> str:
 
 def answers_match(answer: str, gold: str) -> bool:
     """math-verify equivalence of two answer strings (numbers, fractions, LaTeX expressions, tuples...), falling
-    back to white-space-insensitive string equality when math-verify parses neither (e.g. text answers)."""
+    back to white-space-insensitive string equality when math-verify parses neither (e.g. text answers). Raises
+    RewardTimeout when math-verify runs out of time (5 s in the main thread): no verdict, not a mismatch."""
     from math_verify import verify
+    from math_verify.errors import TimeoutException
 
     parsed_gold, parsed_answer = _parse(gold), _parse(answer)
-    if parsed_gold and parsed_answer and verify(parsed_gold, parsed_answer, timeout_seconds=_timeout()):
-        return True
+    if parsed_gold and parsed_answer:
+        try:
+            if verify(parsed_gold, parsed_answer, timeout_seconds=_timeout(), raise_on_error=True):
+                return True
+        except TimeoutException:
+            raise RewardTimeout("comparing the answer with the gold timed out") from None
+        except Exception:  # expressions math-verify cannot compare: not equal by it
+            pass
     return _normalise(answer) == _normalise(gold) and bool(_normalise(gold))
 
 
 def binary_answer_reward(completion: str, gold: str) -> float:
     """1.0 when the completion is `<think>...</think><answer>...</answer>` and the answer equals the gold answer
-    by math-verify; else 0.0."""
+    by math-verify; else 0.0. Raises RewardTimeout when math-verify runs out of time on it."""
     answer = extract_answer(completion)
     if answer is None or not answer:
         return 0.0

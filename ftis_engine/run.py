@@ -45,7 +45,7 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
 
 def save_checkpoint(swarm: Swarm, step: int) -> None:
     cfg = swarm.config.checkpoint
-    state = {"data_position": step * swarm.config.rollout.prompts_per_step, "members": swarm.names}
+    state = {"members": swarm.names}
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer)
     if swarm.independent:  # no barrier: whoever stages step N last completes it
         finalize_when_staged(swarm.run_dir, step, state, cfg.keep_last)

@@ -69,7 +69,9 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
 
 
 class DivergenceError(RuntimeError):
-    """A member's loss, gradient or hidden states turned NaN or inf: training stops, no step is taken on it."""
+    """A member's loss, gradient, hidden states or weights turned NaN or inf: training stops. A non-finite loss or
+    gradient is never stepped on; weights an optimizer step made non-finite are never saved (checkpoint.py
+    refuses them), so the newest complete checkpoint stays the last good state."""
 
 
 def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
@@ -90,11 +92,15 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
             raise DivergenceError(f"the {what} is {value}; no step was taken")
     member.optimizer.step()
     member.optimizer.zero_grad(set_to_none=True)
-    if not bool(torch.stack([p.detach().isfinite().all() for p in params]).all()):
-        raise DivergenceError(f"the weights became NaN or inf in the optimizer step (gradient norm {float(grad_norm):.3g} "
-                              f"before clipping to {member.settings.grad_clip:g})")
+    if not weights_finite(params):
+        raise DivergenceError(f"the optimizer step made the weights NaN or inf (gradient norm {float(grad_norm):.3g} "
+                              f"before clipping to {member.settings.grad_clip:g}); they are not saved")
     stats["grad_norm"] = float(grad_norm)
     return stats
+
+
+def weights_finite(params: list[torch.Tensor]) -> bool:
+    return bool(torch.stack([p.detach().isfinite().all() for p in params]).all()) if params else True
 
 
 def check_model(member) -> None:

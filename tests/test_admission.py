@@ -91,7 +91,8 @@ def test_validation_names_the_problem(mutate, reason):
 def test_a_peer_cannot_inflate_a_group_with_extra_or_missing_completions():
     rollouts = _rollouts(1, {10: 1, 11: 1, 12: 1})
     checker, dealt = _checker(), {10: 1, 11: 1, 12: 1}
-    assert len(checker.accept(encode(rollouts), sender=1, dealt=dealt)) == 3
+    assert [len(x) if isinstance(x, list) else x for x in checker.accept(encode(rollouts), sender=1, dealt=dealt)
+            ] == [3, 0]
     with pytest.raises(RolloutError, match="completions of prompt 10"):
         checker.accept(encode(rollouts + [rollouts[0]] * 40), sender=1, dealt=dealt)
     with pytest.raises(RolloutError, match="no completions of dealt prompt 12"):
@@ -103,6 +104,26 @@ def test_a_claimed_reward_that_the_receiver_does_not_reproduce_is_rejected():
     rollouts[1].reward = 1.0 - rollouts[1].reward
     with pytest.raises(RolloutError, match="sequence 1: claims reward"):
         _checker().accept(encode(rollouts), sender=1, dealt=None)
+
+
+def test_a_re_score_that_times_out_leaves_out_its_group_not_the_batch():
+    from ftis_engine.rewards import RewardTimeout
+
+    def reward(text, gold):  # math-verify runs out of time on one answer (the text of token ids 3 3 3)
+        if text == "333":
+            raise RewardTimeout("parsing timed out")
+        return float(text.endswith(gold))
+
+    task = Task(name="digits", train=TASK.train, evals={}, reward=reward)
+    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
+    rollouts = _rollouts(1, {10: 2, 11: 2})
+    rollouts[1].completion_ids = torch.tensor([3, 3, 3], dtype=torch.int32)  # its claim cannot be checked
+    kept, unverified = checker.accept(encode(rollouts), sender=1, dealt={10: 2, 11: 2})
+    assert [r.prompt_index for r in kept] == [11, 11] and unverified == 2  # prompt 10's group, whole
+    rollouts[2].reward = 1.0 - rollouts[2].reward  # a real mismatch still drops the batch
+    with pytest.raises(RolloutError, match="sequence 2: claims reward"):
+        checker.accept(encode(rollouts), sender=1, dealt={10: 2, 11: 2})
+    assert task.score(DigitTokenizer(), [rollouts[1].completion_ids], [TASK.train[10]]) == [0.0]  # one's own: 0
 
 
 def test_sync_mode_trains_on_every_good_peer_and_drops_a_bad_batch_whole(tmp_path, caplog):

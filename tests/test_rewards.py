@@ -79,3 +79,18 @@ def test_tiny_reward_and_dotted_loading():
     assert load_reward("ftis_engine.rewards.tiny_answer_reward") is tiny_answer_reward
     with pytest.raises(ValueError):
         load_reward("ftis_engine.rewards:nothing_here")
+
+
+def test_a_math_verify_time_out_is_no_verdict_not_a_zero(monkeypatch):
+    import math_verify
+    from math_verify.errors import TimeoutException
+
+    from ftis_engine.rewards import RewardTimeout
+
+    def slow_parse(*args, **kwargs):
+        raise TimeoutException("Operation timed out!")
+
+    monkeypatch.setattr(math_verify, "parse", slow_parse)
+    with pytest.raises(RewardTimeout, match="timed out"):
+        binary_answer_reward("<think>x</think><answer>12</answer>", "12")
+    assert binary_answer_reward("no tags at all", "12") == 0.0  # nothing to parse: a verdict

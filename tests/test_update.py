@@ -1,4 +1,5 @@
-"""One update of one member: a diverged loss, gradient or model stops training without taking a step on it."""
+"""One update of one member: a diverged loss, gradient or model stops training without taking a step on it; a step
+that makes the weights non-finite says so (and checkpoint.py never saves them)."""
 
 from __future__ import annotations
 
@@ -37,3 +38,23 @@ def test_a_non_finite_gradient_is_a_divergence_and_no_step_is_taken(monkeypatch)
     with pytest.raises(DivergenceError, match="the gradient norm is inf"):
         update_member(m, items, LossConfig(), 100_000, backend="torch")
     assert all(torch.equal(a, b) for a, b in zip(before, _weights(m)))
+
+
+def test_a_step_that_makes_the_weights_non_finite_says_so_and_they_are_never_saved(tmp_path):
+    from ftis_engine.checkpoint import stage_members
+
+    m, _ = member(0)
+    items = random_items(len(m.tokenizer), n_groups=2, per_group=2)
+    honest_step = m.optimizer.step
+
+    def overflowing_step(*args, **kwargs):  # an update beyond float32's range (lr 1e30 with Adam does this)
+        honest_step(*args, **kwargs)
+        with torch.no_grad():
+            m.trainable_parameters()[0].view(-1)[0] = float("inf")
+
+    m.optimizer.step = overflowing_step
+    with pytest.raises(DivergenceError, match=r"the optimizer step made the weights NaN or inf .* they are not saved"):
+        update_member(m, items, LossConfig(), 100_000, backend="torch")
+    with pytest.raises(DivergenceError, match="not saved"):
+        stage_members(tmp_path, 1, [m], save_optimizer=True)
+    assert not list(tmp_path.rglob("rng.pt"))

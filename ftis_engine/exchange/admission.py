@@ -15,7 +15,8 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
     7. replay    a second parcel of the same sender and step
     8. values    the deal of the sender's step or round (prompts, counts), the sender's member, token ids in
                  the vocabulary, lengths, finite non-positive log-probs, finite rewards (validate)
-    9. re-score  every reward re-computed from the text here equals the sender's claim
+    9. re-score  every reward re-computed from the text here equals the sender's claim; a re-score that times
+                 out (math-verify) is no verdict: that prompt's group is left out (rescore_timeouts), the rest kept
 
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
 all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
@@ -95,23 +96,31 @@ class RolloutChecker:
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
 
-    def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
-        """Decode, validate and re-score a peer's buffer; raise RolloutError on any problem."""
+    def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> tuple[list[Rollout], int]:
+        """Decode, validate and re-score a peer's buffer; raise RolloutError on any problem. Returns the rollouts
+        and how many were left out because their re-score timed out (see `check`)."""
         return self.check(decode(buffer), sender, dealt)
 
-    def check(self, rollouts: list[Rollout], sender: int, dealt: dict[int, int] | None) -> list[Rollout]:
-        """`accept` for rollouts already decoded."""
+    def check(self, rollouts: list[Rollout], sender: int, dealt: dict[int, int] | None
+              ) -> tuple[list[Rollout], int]:
+        """`accept` for rollouts already decoded. A reward whose re-score times out (math-verify's 5 s) is no
+        mismatch and no proof: the prompt group it belongs to is left out whole (its claim cannot be checked, and
+        a group trains only whole), the rest of the batch is kept, and the count comes back."""
         validate(rollouts, sender=sender, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens,
                  expected=dealt, num_prompts=len(self.task.train))
         try:
             local = self.task.score(self.tokenizer, [r.completion_ids for r in rollouts],
-                                    [self.task.train[r.prompt_index] for r in rollouts])
+                                    [self.task.train[r.prompt_index] for r in rollouts], undecided=None)
         except Exception as exc:  # ids the tokenizer cannot decode, or a reward that fails on this text
             raise RolloutError(f"cannot score the completions: {exc}") from None
+        unverified = set()
         for i, (rollout, reward) in enumerate(zip(rollouts, local)):
-            if abs(reward - rollout.reward) > 1e-6:
+            if reward is None:
+                unverified.add(rollout.prompt_index)
+            elif abs(reward - rollout.reward) > 1e-6:
                 raise RolloutError(f"sequence {i}: claims reward {rollout.reward:g}, re-scored {reward:g}")
-        return rollouts
+        kept = [r for r in rollouts if r.prompt_index not in unverified]
+        return kept, len(rollouts) - len(kept)
 
 
 @dataclass
@@ -142,6 +151,7 @@ class Received:
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (sender rank, reason): failed a check
     stale_dropped: int = 0  # sequences that arrived older than max_staleness steps or max_delay_s seconds
     surplus_dropped: int = 0  # admitted (or queued) sequences that never fitted an update's budget
+    rescore_timeouts: int = 0  # sequences left out (whole groups) because their re-score timed out
     staleness: list[int] = field(default_factory=list)  # per peer rollout trained on, in the receiver's steps
     age_seconds: list[float] = field(default_factory=list)  # per peer rollout trained on, made -> taken
     digests: dict[str, str] = field(default_factory=dict)  # "sender@step" -> buffer digest, per parcel trained on
@@ -155,6 +165,7 @@ class Received:
 
         return {**spread("staleness", self.staleness), **spread("staleness_seconds", self.age_seconds),
                 "stale_dropped": self.stale_dropped, "surplus_dropped": self.surplus_dropped,
+                "rescore_timeouts": self.rescore_timeouts,
                 "peer_sequences": len(self.rollouts), "intake_waiting": self.waiting,
                 "rejected_batches": len(self.rejected), "received_sha256": self.digests}
 
@@ -235,7 +246,8 @@ class Admission:
         self._seen[(parcel.sender, parcel.step)] = version
         dealt = (self.schedule.deal(parcel.step)[member] if sampler is None
                  else self.schedule.round_deal(parcel.sender, parcel.step))
-        self.checker.check(rollouts, member, dealt)
+        rollouts, unverified = self.checker.check(rollouts, member, dealt)
+        out.rescore_timeouts += unverified
         name, digest = f"{self.sender_name(parcel.sender)}@{parcel.step}", buffer_digest(parcel.buffer)
         by_prompt: dict[int, list[Rollout]] = {}
         for r in rollouts:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..rewards import Reward
+from ..rewards import Reward, RewardTimeout
 
 # The <think>/<answer> instruction (R1 style) that goes with binary_answer_reward's format.
 SYSTEM_PROMPT = (
@@ -33,13 +33,22 @@ class Task:
     # (style, count, seed) -> worked (question, completion) pairs for a warm start; None: the task has none
     demonstrations: Callable[[str, int, int], list[tuple[str, str]]] | None = None
 
-    def score(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example]) -> list[float]:
+    def score(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example],
+              undecided: float | None = 0.0) -> list[float | None]:
         """The reward of each completion (token ids, special tokens dropped when decoding) against its example's
         gold answer. The one scoring path: generation, the receiver's re-score of a peer's rollouts and eval all
-        use it, so a peer's claimed reward and the local re-score can never drift apart."""
+        use it, so a peer's claimed reward and the local re-score can never drift apart. A reward that times out
+        (RewardTimeout) has no verdict and scores `undecided`: 0 for one's own completions and eval (it was not
+        shown right), None for a receiver, which then cannot check the peer's claim."""
         ids = [c.tolist() if hasattr(c, "tolist") else list(c) for c in completions]
         texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        return [float(self.reward(text, example.answer)) for text, example in zip(texts, examples, strict=True)]
+        rewards: list[float | None] = []
+        for text, example in zip(texts, examples, strict=True):
+            try:
+                rewards.append(float(self.reward(text, example.answer)))
+            except RewardTimeout:
+                rewards.append(undecided)
+        return rewards
 
 
 class TaskError(ValueError):

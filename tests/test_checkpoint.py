@@ -1,0 +1,107 @@
+"""Checkpoints (checkpoint.py): every weight restored exactly, nothing loaded with pickle's code execution,
+no non-finite weight ever saved, and a step's checkpoint completed only when every member has staged it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from ftis_engine.checkpoint import (complete_checkpoints, finalize_when_staged, restore_member, save_member,
+                                    stage_members)
+from ftis_engine.update import DivergenceError
+
+from .helpers import member
+
+
+def _tiny_local_model(tmp_path, architecture: str):
+    import transformers
+
+    from ftis_engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer("builtin:tiny-s")
+    common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if architecture == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        model = transformers.MixtralForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(config)
+    model.save_pretrained(str(tmp_path / architecture))
+    tokenizer.save_pretrained(str(tmp_path / architecture))
+    return str(tmp_path / architecture)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mixtral"])
+def test_a_checkpoint_restores_every_weight_exactly(tmp_path, architecture):
+    """transformers 5 saves some families (MoE experts) under their original names; resume must map them back."""
+    path = _tiny_local_model(tmp_path, architecture)
+    m, _ = member(1, f"members.1.model={path}", "members.1.lora=null")
+    before = {k: v.clone() for k, v in m.model.state_dict().items()}
+    save_member(m, tmp_path / "ckpt" / "members" / m.name, save_optimizer=False)
+    with torch.no_grad():
+        for p in m.model.parameters():
+            p.add_(1.0)
+    restore_member(m, tmp_path / "ckpt", load_optimizer=False)
+    after = m.model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Exploit:
+    """Unpickling this runs a command: what a checkpoint from someone else could hold."""
+
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/ftis-pickle-exploit-ran",))
+
+
+def test_an_rng_file_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    m, _ = member(0)
+    save_member(m, tmp_path / "ckpt" / "members" / m.name, save_optimizer=True)
+    marker = "/tmp/ftis-pickle-exploit-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    torch.save({"torch": _Exploit()}, tmp_path / "ckpt" / "members" / m.name / "rng.pt")
+    with pytest.raises(pickle.UnpicklingError):
+        restore_member(m, tmp_path / "ckpt", load_optimizer=True)
+    assert not os.path.exists(marker)
+
+
+def test_the_rng_state_comes_back_exactly(tmp_path):
+    m, _ = member(0)
+    torch.manual_seed(5)
+    save_member(m, tmp_path / "ckpt" / "members" / m.name, save_optimizer=False)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    restore_member(m, tmp_path / "ckpt", load_optimizer=False)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_weights_that_are_nan_or_inf_are_never_saved(tmp_path):
+    m, _ = member(0)
+    with torch.no_grad():
+        m.trainable_parameters()[0].view(-1)[0] = float("inf")
+    with pytest.raises(DivergenceError, match=r"members.0 \(tiny-s\): its weights are NaN or inf; they are not saved"):
+        stage_members(tmp_path, 4, [m], save_optimizer=True)
+    assert not list((tmp_path / "checkpoints").rglob("rng.pt"))  # not staged: the step can never complete
+
+
+def test_a_step_is_complete_only_when_every_member_has_staged_it(tmp_path):
+    a, _ = member(0)
+    b, _ = member(1)
+    state = {"members": [a.name, b.name]}
+    stage_members(tmp_path, 2, [a], save_optimizer=False)
+    assert finalize_when_staged(tmp_path, 2, state, keep_last=2) is None and complete_checkpoints(tmp_path) == []
+    stage_members(tmp_path, 2, [b], save_optimizer=False)
+    final = finalize_when_staged(tmp_path, 2, state, keep_last=2)
+    assert final == tmp_path / "checkpoints" / "step-2"
+    assert json.loads((final / "state.json").read_text()) == {"members": [a.name, b.name], "step": 2}
+    for step in (4, 6):
+        stage_members(tmp_path, step, [a, b], save_optimizer=False)
+        finalize_when_staged(tmp_path, step, state, keep_last=2)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 6]  # keep_last
