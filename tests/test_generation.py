@@ -93,3 +93,50 @@ def test_a_models_shipped_sampling_defaults_do_not_leak_into_the_recorded_distri
                                    rtol=0, atol=2e-5)
     assert m.causal_lm.generation_config.min_p == 0.999  # the model's own config is left as it was
     assert len({tuple(c.token_ids.tolist()) for c in completions}) > 1  # sampled, not greedy
+
+
+def test_a_failed_generation_leaves_the_model_in_the_mode_it_found_it():
+    m, _ = member(0)
+    m.model.train()
+
+    def broken_generate(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    m.causal_lm.generate = broken_generate
+    for call in (lambda: m.generator.generate([[5, 6]], SamplingSettings(n=2, max_new_tokens=3)),
+                 lambda: m.generator.greedy([[5, 6]], 3)):
+        with pytest.raises(RuntimeError, match="out of memory"):
+            call()
+        assert m.model.training  # dropout and friends stay as training needs them
+
+
+def test_eos_ids_are_the_generation_configs_and_the_tokenizers():
+    from types import SimpleNamespace
+
+    tokenizer = SimpleNamespace(eos_token_id=2)
+    assert generation.eos_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 9])),
+                                    tokenizer) == {2, 7, 9}
+    assert generation.eos_token_ids(SimpleNamespace(), tokenizer) == {2}  # a model without a generation config
+
+
+def test_a_vllm_engine_that_fails_to_start_leaves_no_temporary_weights(monkeypatch, tmp_path):
+    import sys
+    import tempfile
+    from types import ModuleType
+
+    from ftis_engine.generation import vllm as vllm_gen
+
+    fake = ModuleType("vllm")
+
+    class LLM:
+        def __init__(self, **kwargs):
+            raise RuntimeError("CUDA out of memory")
+
+    fake.LLM = LLM
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(vllm_gen, "check_available", lambda: None)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    m, config = member(0)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        vllm_gen.VLLMGenerator(m.model, m.tokenizer, torch.device("cpu"), config.members[0], config, seed=0)
+    assert list(tmp_path.iterdir()) == []  # the built-in model's weights written for the engine are gone

@@ -72,6 +72,18 @@ def warn_if_biased(top_p: float, top_k: int | None) -> None:
         )
 
 
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """Every token id that ends a completion: the model's generation config's EOS ids and the tokenizer's."""
+    ids: set[int] = set()
+    generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (generation_eos, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source is not None:
+            ids.update(int(i) for i in source)
+    return ids
+
+
 def cut_at_eos(token_ids: torch.Tensor, logprobs: torch.Tensor, eos_ids: set[int], limit: int) -> Completion:
     """The completion up to and including its first EOS token ("stop"), else its first `limit` tokens ("length")."""
     ids = token_ids.tolist()

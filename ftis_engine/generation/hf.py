@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from . import Completion, SamplingSettings, cut_at_eos, warn_if_biased
+from . import Completion, SamplingSettings, cut_at_eos, eos_token_ids, warn_if_biased
 
 
 class _SampledLogprobRecorder(LogitsProcessor):
@@ -33,16 +33,6 @@ class _SampledLogprobRecorder(LogitsProcessor):
         if self.previous is not None:
             self.logprobs.append(self.previous.gather(1, sampled[:, None]).squeeze(1))
             self.previous = None
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for source in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.add(source)
-        elif source is not None:
-            ids.update(int(i) for i in source)
-    return ids
 
 
 class HFGenerator:
@@ -104,10 +94,8 @@ class HFGenerator:
         warn_if_biased(sampling.top_p, sampling.top_k)
         repeated = [p for p in prompts for _ in range(sampling.n)]
         completions: list[Completion] = []
-        was_training = self.model.training
-        self.model.eval()
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self._without_model_defaults():
+        with self._eval_mode(), torch.random.fork_rng(devices=devices), self._without_model_defaults():
             torch.manual_seed(sampling.seed)
             for ids, mask in self._batches(repeated):
                 recorder = _SampledLogprobRecorder()
@@ -129,23 +117,31 @@ class HFGenerator:
                                                   sampling.max_new_tokens))
                 if on_batch is not None:
                     on_batch(ids.shape[0])
-        self.model.train(was_training)
         return [completions[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]
 
     @torch.no_grad()
     def greedy(self, prompts: list[list[int]], max_new_tokens: int, on_batch=None) -> list[torch.Tensor]:
         """Greedy completions (token ids, cut after the first EOS) for evaluation."""
         outputs: list[torch.Tensor] = []
+        with self._eval_mode():
+            for ids, mask in self._batches(prompts):
+                with self._without_model_defaults():
+                    out = self.model.generate(input_ids=ids, attention_mask=mask,
+                                              generation_config=self._clean_config(max_new_tokens, do_sample=False))
+                for row in out[:, ids.shape[1] :].cpu():
+                    done = cut_at_eos(row, torch.zeros(row.numel()), self.eos_ids, max_new_tokens)
+                    outputs.append(done.token_ids)
+                if on_batch is not None:
+                    on_batch(ids.shape[0])
+        return outputs
+
+    @contextlib.contextmanager
+    def _eval_mode(self):
+        """Generation runs in eval mode; the model's mode is restored however generation ends (an exception in
+        it must not leave the trainer's model in eval mode, with dropout off)."""
         was_training = self.model.training
         self.model.eval()
-        for ids, mask in self._batches(prompts):
-            with self._without_model_defaults():
-                out = self.model.generate(input_ids=ids, attention_mask=mask,
-                                          generation_config=self._clean_config(max_new_tokens, do_sample=False))
-            for row in out[:, ids.shape[1] :].cpu():
-                done = cut_at_eos(row, torch.zeros(row.numel()), self.eos_ids, max_new_tokens)
-                outputs.append(done.token_ids)
-            if on_batch is not None:
-                on_batch(ids.shape[0])
-        self.model.train(was_training)
-        return outputs
+        try:
+            yield
+        finally:
+            self.model.train(was_training)

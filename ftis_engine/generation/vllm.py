@@ -28,7 +28,7 @@ import tempfile
 
 import torch
 
-from . import Completion, SamplingSettings, warn_if_biased
+from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
 log = logging.getLogger("ftis_engine.vllm")
 
@@ -108,9 +108,22 @@ class VLLMGenerator:
         self.tokenizer = tokenizer
         self.settings = settings
         self.lora = settings.lora is not None
-        self.eos_ids = {int(tokenizer.eos_token_id)} | _generation_eos(model)
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.sleep_level = settings.vllm.sleep_level
         self._work = pathlib.Path(tempfile.mkdtemp(prefix=f"ftis-vllm-{settings.name}-"))
+        try:  # no engine: nothing else would remove what was written for it
+            self._start_engine(model, tokenizer, device, settings, config, seed, LLM)
+        except BaseException:
+            shutil.rmtree(self._work, ignore_errors=True)
+            raise
+        self._model = model
+        self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
+        self._lora_request = None
+        self._lora_version = 0
+        self._asleep = False
+
+    def _start_engine(self, model, tokenizer, device, settings, config, seed, LLM) -> None:
+        """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
         source = settings.model
         if source.startswith("builtin:"):  # vLLM loads from disk: write the built-in model's initial weights
             base = model.get_base_model() if self.lora else model
@@ -142,11 +155,6 @@ class VLLMGenerator:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(settings.lora.r))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.llm = LLM(**kwargs)  # vLLM seeds the process-wide RNGs; keep the trainer's streams as they were
-        self._model = model
-        self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
-        self._lora_request = None
-        self._lora_version = 0
-        self._asleep = False
 
     # ------------------------------------------------------------------------------------------- lifecycle
 
@@ -250,10 +258,3 @@ class VLLMGenerator:
                 shutdown()
             del llm
         shutil.rmtree(self._work, ignore_errors=True)
-
-
-def _generation_eos(model) -> set[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(eos)} if isinstance(eos, int) else {int(e) for e in eos}
