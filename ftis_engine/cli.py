@@ -22,6 +22,11 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 INTERRUPTED = 130  # the shell's code for Ctrl-C
+INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on
+    "train": "interrupted; the newest complete checkpoint is intact: continue with --resume",
+    "study": "interrupted; rerun the same command to continue (finished runs are kept, interrupted ones resume "
+             "from their newest checkpoint)",
+}
 
 
 class UsageFailure(Exception):
@@ -177,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:
         code = INTERRUPTED
     if code == INTERRUPTED:  # typer turns Ctrl-C into this exit code
-        _fail("interrupted; the newest complete checkpoint is intact: continue with --resume", code=INTERRUPTED)
+        command = (argv if argv is not None else sys.argv[1:])[:1]
+        _fail(INTERRUPTED_HINTS.get(command[0] if command else "", "interrupted"), code=INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
 

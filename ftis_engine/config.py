@@ -17,6 +17,8 @@ import yaml
 from ftis_kernels import LossConfig
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from .rollouts import wire_bytes
+
 
 class ConfigError(ValueError):
     """A bad config file, key, value, override or path. The message is one line naming the field."""
@@ -28,6 +30,18 @@ Seed = typing.Annotated[int, Field(ge=0, lt=2**63, description="A seed torch acc
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,99}$")
+
+
+def safe_path_name(value: str) -> str:
+    """A name the engine turns into a path (a run, a member) must be one plain path component: it can never
+    escape or nest under the directory it is joined to."""
+    if not SAFE_NAME.match(value):
+        raise ValueError(f"{value!r} is not a plain file name (1-100 letters, digits and _ . + = @ -, not starting "
+                         "with . + = @ or -)")
+    return value
 
 
 class LoraSettings(_Section):
@@ -62,7 +76,8 @@ class WarmStartSettings(_Section):
 
 
 class MemberSettings(_Section):
-    name: str = Field(..., min_length=1, description="A unique name for this member (used in logs and checkpoints).")
+    name: str = Field(..., min_length=1, description="A unique name for this member (used in logs and checkpoints: "
+                      "a plain file name of letters, digits and _ . + = @ -).")
     model: str = Field(
         ...,
         min_length=1,
@@ -88,6 +103,11 @@ class MemberSettings(_Section):
                              "weight_sync_every steps, generate continuously and stream rollouts tagged with the "
                              "weight version they used to every member; TIS / F-TIS / GEPO correct the lag.")
     weight_sync_every: int = Field(1, ge=1, description="Learner steps between weight pushes to its samplers.")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        return safe_path_name(value)
 
     @model_validator(mode="after")
     def _lora_keeps_its_base(self) -> MemberSettings:
@@ -286,9 +306,7 @@ class RunConfig(_Section):
     @field_validator("run_name")
     @classmethod
     def _plain_name(cls, value: str) -> str:
-        if "/" in value or value in (".", ".."):
-            raise ValueError("must be a plain directory name")
-        return value
+        return safe_path_name(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
@@ -319,6 +337,7 @@ class RunConfig(_Section):
         if latency.unit == "seconds" and self.swarm.max_delay_s is not None and latency.min > self.swarm.max_delay_s:
             raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} s late, more than "
                              f"swarm.max_delay_s={self.swarm.max_delay_s:g}: every peer rollout would be dropped")
+        _check_step_size(self)
         budget = self.swarm.max_peer_sequences
         if budget is not None and budget < self.rollout.group_size:
             raise ValueError(f"swarm.max_peer_sequences: {budget} is less than one group (rollout.group_size="
@@ -327,6 +346,24 @@ class RunConfig(_Section):
             raise ValueError("swarm.mode: async needs collaboration vertical or alone (a horizontal group's shares "
                              "would arrive at different steps and never form a whole group)")
         return self
+
+
+# The most a step's rollouts may take (the swarm's, on the wire and in every member's update): past this a run
+# would fail late (out of memory after the step-0 eval, a run directory left behind) instead of at once.
+MAX_STEP_ROLLOUT_BYTES = 16 * 2**30
+
+
+def _check_step_size(config: RunConfig) -> None:
+    rollout = config.rollout
+    sequences = rollout.group_size * rollout.prompts_per_step
+    size = wire_bytes(sequences, sequences * rollout.max_new_tokens)
+    if size > MAX_STEP_ROLLOUT_BYTES:
+        # name the factor furthest beyond what real runs use (group 64, 1024 prompts, 32k tokens)
+        field = max((rollout.group_size / 64, "rollout.group_size"), (rollout.prompts_per_step / 1024,
+                    "rollout.prompts_per_step"), (rollout.max_new_tokens / 32768, "rollout.max_new_tokens"))[1]
+        raise ValueError(f"{field}: {rollout.prompts_per_step} prompts x {rollout.group_size} completions of up to "
+                         f"{rollout.max_new_tokens} tokens are {size / 2**30:.3g} GiB of rollouts a step, more "
+                         f"than the {MAX_STEP_ROLLOUT_BYTES // 2**30} GiB a step may hold")
 
 
 def rank_roles(config: RunConfig) -> list[tuple[int, int | None]]:
@@ -431,20 +468,34 @@ def _child(node: Any, part: str, where: str, create: bool) -> Any:
     raise ConfigError(f"--set {where}: not a section")
 
 
-def load_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read YAML, apply `--set` overrides, validate. Raises ConfigError (one line naming the field)."""
+def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = ConfigError) -> dict:
+    """A config file's top-level mapping: UTF-8 (with or without a byte-order mark) or UTF-16 with its mark, as
+    editors save them. Anything else raises `error` with one line naming --config and the file."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+        raise error(f"--config {path}: no such file")
     try:
-        raw = yaml.safe_load(path.read_text())
+        data = path.read_bytes()
+    except OSError as exc:
+        raise error(f"--config {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    try:
+        text = data.decode("utf-16") if data[:2] in (b"\xff\xfe", b"\xfe\xff") else data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        raise error(f"--config {path}: is not UTF-8 (or UTF-16) text; save it as UTF-8") from None
+    try:
+        raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"--config {path}:{where} is not valid YAML") from None
+        raise error(f"--config {path}:{where} is not valid YAML") from None
     if not isinstance(raw, dict):
-        raise ConfigError(f"--config {path}: expected a mapping of sections at the top level")
-    raw = copy.deepcopy(raw)
+        raise error(f"--config {path}: expected a mapping of sections at the top level")
+    return raw
+
+
+def load_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read YAML, apply `--set` overrides, validate. Raises ConfigError (one line naming the field)."""
+    raw = copy.deepcopy(read_yaml_mapping(path))
     for assignment in overrides:
         apply_override(raw, assignment)
     return validate_config(raw)

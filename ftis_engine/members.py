@@ -123,9 +123,10 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
             tokenizers.append(None)
             continue
         try:
-            check_model_spec(member.model)
+            context = check_model_spec(member.model)
         except ModelSpecError as exc:
             raise ConfigError(f"members.{i}.model: {exc}") from None
+        check_context(config, i, context)
         try:
             tokenizer = load_tokenizer(member.tokenizer or member.model)
         except ModelSpecError as exc:
@@ -133,6 +134,19 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
             raise ConfigError(f"members.{i}.{field_name}: {exc}") from None
         tokenizers.append(tokenizer)
     return tokenizers
+
+
+def check_context(config: RunConfig, index: int, context: int | None) -> None:
+    """A prompt of up to data.max_prompt_tokens and a completion of up to max_new_tokens (rollout's, and eval's)
+    must fit the member's context, or generation runs past what the model was built for (or without end)."""
+    if context is None:
+        return
+    prompt = config.data.max_prompt_tokens
+    for field, new in (("rollout.max_new_tokens", config.rollout.max_new_tokens),
+                       ("eval.max_new_tokens", config.eval.max_new_tokens)):
+        if new is not None and prompt + new > context:
+            raise ConfigError(f"{field}: {new} new tokens after prompts of up to data.max_prompt_tokens={prompt} "
+                              f"exceed members.{index}.model's context of {context} tokens; lower either")
 
 
 def check_warm_start(index: int, settings: MemberSettings, task) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import math
 import os
 import pathlib
@@ -13,6 +14,8 @@ import time
 from collections import defaultdict
 
 from .rollouts import Rollout
+
+log = logging.getLogger("ftis_engine.metrics")
 
 
 class Stopwatch:
@@ -135,16 +138,24 @@ class MetricsLogger:
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The records of a metrics.jsonl. A last line torn by a crash is left out silently; a broken line before
+    the last ends the readable log too, and a warning says which line and how many were left out."""
     if not path.exists():
         return []
-    lines = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            try:
-                lines.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # a line torn by a crash ends the readable log
-    return lines
+    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+            if number < len(lines):
+                log.warning("%s: line %d is not a record (a JSON object with a kind); it and the %d line(s) after it "
+                            "are left out", path, number, len(lines) - number)
+            break
+        records.append(record)
+    return records
 
 
 def truncate_metrics(path: pathlib.Path, last_step: int) -> list[dict]:

@@ -43,6 +43,8 @@ TINY_MODELS = {
     "shape-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        intermediate_size=8960, tie_word_embeddings=True, initializer_range=0.02),
 }
+# context length (max_position_embeddings): the tiny models' 1024, the shapes' that of the Qwen2.5 models they mimic
+CONTEXT = {"tiny-s": 1024, "tiny-m": 1024, "tiny-l": 1024, "shape-0.5b": 32768, "shape-1.5b": 32768}
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -144,20 +146,22 @@ def _from_hub(spec: str) -> bool:
     return not is_builtin(spec) and not pathlib.Path(spec).exists()
 
 
-def check_model_spec(spec: str) -> None:
-    """Fail fast on a model that cannot be found, without loading weights."""
+def check_model_spec(spec: str) -> int | None:
+    """Fail fast on a model that cannot be found, without loading weights; returns its context length in tokens
+    (max_position_embeddings; None when its config does not say)."""
     if is_builtin(spec):
-        builtin_name(spec)
-        return
+        return CONTEXT[builtin_name(spec)]
     from transformers import AutoConfig
 
     if _from_hub(spec):
         hub_reachable()
 
     try:
-        AutoConfig.from_pretrained(spec)
+        config = AutoConfig.from_pretrained(spec)
     except Exception as exc:
         raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None
+    context = getattr(config, "max_position_embeddings", None)
+    return context if isinstance(context, int) else None
 
 
 def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_implementation: str):
@@ -167,8 +171,8 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
     if is_builtin(spec):
         shape = TINY_MODELS[builtin_name(spec)]
         config = Qwen2Config(
-            vocab_size=vocab_size, max_position_embeddings=1024, rope_theta=10000.0, bos_token_id=None,
-            eos_token_id=0, pad_token_id=0, attn_implementation=attn_implementation, **shape,
+            vocab_size=vocab_size, max_position_embeddings=CONTEXT[builtin_name(spec)], rope_theta=10000.0,
+            bos_token_id=None, eos_token_id=0, pad_token_id=0, attn_implementation=attn_implementation, **shape,
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

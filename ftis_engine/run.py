@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import pathlib
 import time
 
@@ -22,6 +23,8 @@ from .plots import NothingToPlot, make_plots
 from .progress import LEGEND, summary_line
 from .session import Swarm
 from .step import run_step
+
+log = logging.getLogger("ftis_engine")
 
 # ----------------------------------------------------------------------------------------------- eval, checkpoint
 
@@ -88,9 +91,12 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
             if swarm.is_main and start_step < steps:
                 swarm.progress.print(LEGEND)
             started = time.perf_counter()
+            peer_sequences = {m.name: 0 for m in swarm.members}
             for step in range(start_step + 1, steps + 1):
                 step_start = time.perf_counter()
                 records = run_step(swarm, step)
+                for r in records:
+                    peer_sequences[r["member"]] += r["peer_sequences"]
                 last = step == steps
                 evaluating = last or (config.eval.every and step % config.eval.every == 0)
                 if evaluating:
@@ -102,6 +108,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
                     final = [r for r in logged if r["kind"] == "eval"]
                 if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                     save_checkpoint(swarm, step)
+            if start_step < steps:
+                warn_if_alone(swarm, peer_sequences, steps - start_step)
             if start_step >= steps:  # nothing left to train: report the finished run's accuracy
                 final = evaluate_all(swarm, steps)
                 final = final if swarm.independent else swarm.exchange.collectives.gather_records(final)
@@ -116,6 +124,24 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         make_plots(run_dir)
         (run_dir / "final_eval.json").write_text(json.dumps(final, indent=2))
     return final
+
+
+def warn_if_alone(swarm: Swarm, peer_sequences: dict[str, int], steps: int) -> None:
+    """A collaborating member that trained on no peer rollout in the whole run trained alone: say so, and the
+    likeliest cause, rather than let a study read it as collaboration."""
+    if swarm.config.collaboration == "alone" or len(swarm.names) < 2:
+        return
+    latency = swarm.config.swarm.latency
+    for name, count in peer_sequences.items():
+        if count:
+            continue
+        if latency.unit == "seconds" and not latency.is_zero:
+            cause = f"swarm.latency ({latency.min:g}-{latency.max:g} s) is longer than the run?"
+        elif not latency.is_zero and latency.min >= steps:
+            cause = f"swarm.latency delays every delivery {latency.min:g} steps, the run has {steps}"
+        else:
+            cause = "every peer rollout was stale, rejected, or arrived after this member's last step"
+        log.warning("%s trained on no peer rollout in its %d steps: it trained alone (%s)", name, steps, cause)
 
 
 def write_final_shared(run_dir: pathlib.Path, final: list[dict]) -> None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from ftis_kernels import LossConfig
+from ftis_kernels import LossConfig, resolve_backend
 
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
 from .config import ConfigError, RunConfig, config_differences, rank_roles
@@ -162,6 +162,7 @@ def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list
     from .config import load_config
 
     saved = _saved_config(run_dir, "--checkpoint")
+    given = "--config" if config is not None else "--set"  # what the user changed the run's config with
     if config is None:
         if saved is None:
             raise RunDirError(f"--checkpoint: {run_dir} has no config.yaml; pass the run's config with --config")
@@ -172,39 +173,45 @@ def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list
         changes = [c for c in config_differences(saved, config) if c[0] == "seed" or (
             c[0].startswith("members.") and c[0].split(".")[2] in MEMBER_MODEL_KEYS)]
         if changes:
-            raise RunDirError(f"--config: builds other models than the run trained ({_describe(changes)}, against "
-                              f"{run_dir / 'config.yaml'}); drop --config to use the run's own")
+            raise RunDirError(f"{given}: builds other models than the run trained ({_describe(changes)}, against "
+                              f"{run_dir / 'config.yaml'}); drop {given} to use the run's own")
     return config
 
 
 class RunLock:
-    """Holds a run directory for one run (train, or an --nproc launcher for its ranks): `run_dir/.lock`, locked
-    with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A second run
-    into the same directory stops with one line naming the holder. A directory this lock created and the run
-    left empty is removed again, so a run that fails before its first step leaves nothing behind."""
+    """Holds a directory for one run (train, or an --nproc launcher for its ranks) or one study: `<dir>/.lock`,
+    locked with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A
+    second one into the same directory stops with one line naming the holder. A directory this lock created and
+    that was left empty is removed again, so a run that fails before its first step leaves nothing behind."""
 
-    def __init__(self, run_dir: pathlib.Path):
+    # kind -> (the field a message names, what to choose instead)
+    KINDS = {"run": ("run_name", "another run_name/--output-dir"), "study": ("--output-dir", "another --output-dir")}
+
+    def __init__(self, run_dir: pathlib.Path, kind: str = "run"):
         self.run_dir = run_dir
+        self.kind = kind
         self._fd: int | None = None
         self._created = False
         self._top: pathlib.Path | None = None
 
     def __enter__(self) -> "RunLock":
+        field, instead = self.KINDS[self.kind]
         self._top = next((d for d in reversed([self.run_dir, *self.run_dir.parents]) if not d.exists()), None)
         self._created = self._top is not None
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise RunDirError(f"output_dir: cannot create or write the run directory {self.run_dir} "
-                              f"({exc.strerror or type(exc).__name__})") from None
+            where = "output_dir" if self.kind == "run" else field
+            raise RunDirError(f"{where}: cannot write to {self.run_dir} ({exc.strerror or type(exc).__name__})"
+                              ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise RunDirError(f"run_name: {self.run_dir} is in use by another run ({holder}); wait for it to end "
-                              "or choose another run_name/--output-dir") from None
+            raise RunDirError(f"{field}: {self.run_dir} is in use by another {self.kind} ({holder}); wait for it to "
+                              f"end or choose {instead}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
                       f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
@@ -215,7 +222,8 @@ class RunLock:
         if self._fd is None:
             return
         leftover = sorted(p.name for p in self.run_dir.iterdir())
-        if self._created and leftover in ([".lock"], [".lock", "metrics.jsonl"]) and not holds_run(self.run_dir):
+        empty = [[".lock"], [".lock", "metrics.jsonl"]] if self.kind == "run" else [[".lock"]]
+        if self._created and leftover in empty and not holds_run(self.run_dir):
             for name in leftover:
                 (self.run_dir / name).unlink()
             for directory in [self.run_dir, *self.run_dir.parents]:  # up to the first one this lock created
@@ -239,10 +247,11 @@ def check_shared_vocabulary(hashes: dict[int, str]) -> None:
 
 
 def check_backend(config: RunConfig, device: torch.device) -> None:
-    """train.backend: triton needs CUDA (or the interpreter, TRITON_INTERPRET=1, for tests)."""
-    if config.train.backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"train.backend: 'triton' needs a CUDA device, and train.device={config.train.device!r} "
-                          f"gives {device.type} here; use auto or torch")
+    """train.backend must run on the member's device (the op's own rule: ftis_kernels.resolve_backend)."""
+    try:
+        resolve_backend(config.train.backend, device)
+    except ValueError as exc:
+        raise ConfigError(f"train.{exc} (train.device={config.train.device!r} gives {device.type} here)") from None
 
 
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
@@ -345,6 +354,9 @@ def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> l
     fits = [i for i, ex in enumerate(task.train) if len(prompt_ids(tokenizer, task, ex.question)) <= limit]
     fits = exchange.collectives.all_gather_object(fits)[0]
     if len(fits) < config.rollout.prompts_per_step:
+        if len(task.train) < config.rollout.prompts_per_step:  # the data set itself is too small
+            raise ConfigError(f"rollout.prompts_per_step={config.rollout.prompts_per_step}: the task's training set "
+                              f"has only {len(task.train)} prompts")
         raise ConfigError(f"data.max_prompt_tokens={limit}: only {len(fits)} training prompts are that "
                           f"short, fewer than rollout.prompts_per_step={config.rollout.prompts_per_step}")
     for name, examples in task.evals.items():  # eval prompts obey the same limit (a vLLM engine is sized by it)
@@ -364,6 +376,7 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
         state = read_state(checkpoint)
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
+        _replaced(checkpoint, what)
         raise RunDirError(f"{what} {checkpoint}: unreadable state.json ({type(exc).__name__}: "
                           f"{first_line(exc)})") from None
     names = [m.name for m in config.members]
@@ -373,7 +386,19 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
         try:
             restore_member(member, checkpoint, load_optimizer=load_optimizer)
         except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
+            _replaced(checkpoint, what)
             raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "
                               f"({type(exc).__name__}: {first_line(exc)})") from None
         member.generator.sync(member.model)
     return step
+
+
+def _replaced(checkpoint: pathlib.Path, what: str) -> None:
+    """A running training keeps checkpoint.keep_last checkpoints: one read while it is pruned is gone midway. Say
+    so (and which is newest now) instead of blaming its files."""
+    if checkpoint.is_dir():
+        return
+    newest = latest_checkpoint(checkpoint.parent.parent)
+    now = f"the newest complete one now is {newest[1]}" if newest else "there is no complete one now"
+    raise RunDirError(f"{what} {checkpoint}: it was removed while being read (a running training keeps only its "
+                      f"newest checkpoint.keep_last); {now}: retry with it")

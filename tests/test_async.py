@@ -125,3 +125,14 @@ def test_resume_logs_the_rollouts_lost_after_the_checkpoint_and_continues_with_n
         assert [r["step"] for r in _train(again, member)] == [1, 2, 3, 4]
     # in-flight rollouts are not restored: after the resume, step 3 has nothing from the peer yet
     assert all(r["peer_sequences"] == 0 for r in _train(again) if r["step"] == 3)
+
+
+def test_a_member_that_never_saw_a_peer_rollout_is_warned_about(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="ftis_engine"):
+        records = _train(_run(tmp_path, "far", "train.steps=2", "checkpoint.every=0", "swarm.mode=async",
+                              "swarm.latency.unit=seconds", "swarm.latency.min=1000", "swarm.latency.max=1000"))
+    assert all(r["peer_sequences"] == 0 for r in records)
+    warned = [m for m in caplog.messages if "trained on no peer rollout" in m]
+    assert len(warned) == 2 and "swarm.latency (1000-1000 s) is longer than the run?" in warned[0]

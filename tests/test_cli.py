@@ -82,7 +82,8 @@ def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):
                              str(tmp_path / "out"), "--set", "train.backend=triton"], capture_output=True, text=True,
                             env={**env, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}, timeout=300)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
-        "error: train.backend: 'triton' needs a CUDA device, and train.device='auto' gives cpu here; use auto or torch"]
+        "error: train.backend: 'triton' needs CUDA tensors (got cpu); on CPU set TRITON_INTERPRET=1 before triton is "
+        "imported, or use backend='torch' (train.device='auto' gives cpu here)"]
     assert not (tmp_path / "out").exists()
 
 
@@ -124,6 +125,21 @@ def test_ctrl_c_is_one_line_with_exit_code_130(monkeypatch, capsys, tmp_path):
 
     code, err = _main_exit(monkeypatch, capsys, interrupt, tmp_path)
     assert code == 130 and err.strip().splitlines()[-1].startswith("error: interrupted; the newest complete checkpoint")
+
+
+def test_ctrl_c_in_a_study_says_to_rerun_it_not_to_resume(monkeypatch, capsys, tmp_path):
+    from ftis_engine import cli as cli_module
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ftis_engine.study.run_study", interrupt)
+    with pytest.raises(SystemExit) as done:
+        cli_module.main(["study", "--config", str(ROOT / "configs" / "study" / "paper.yaml"), "--quick",
+                         "--output-dir", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert done.value.code == 130 and err.startswith("error: interrupted; rerun the same command to continue")
+    assert "--resume" not in err
 
 
 def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):

@@ -74,6 +74,14 @@ def test_dump_round_trips(tmp_path):
         (["train.steps=0"], "train.steps"),
         (["members.1.name=tiny-s"], "members"),
         (["run_name=a/b"], "run_name"),
+        (["run_name=.."], "run_name"),
+        (["run_name=.hidden"], "run_name"),
+        (["members.0.name=../../../../ESCAPED"], "members.0.name"),
+        (["members.0.name=a/b"], "members.0.name"),
+        (["members.1.name=-rf"], "members.1.name"),
+        (["rollout.group_size=1000000000"], "rollout.group_size"),
+        (["rollout.prompts_per_step=1000000000"], "rollout.prompts_per_step"),
+        (["rollout.max_new_tokens=1000000000"], "rollout.max_new_tokens"),
         (["nonsense"], "nonsense"),
         (["collaboration=horizontal", "rollout.group_size=1"], "rollout.group_size"),
         (["train.attn_implementation=flash_attention_3"], "train.attn_implementation"),
@@ -90,6 +98,29 @@ def test_bad_values_raise_one_line_naming_the_field(overrides, field):
         load_config(TINY, overrides)
     message = str(info.value)
     assert field in message and "\n" not in message
+
+
+def test_a_config_saved_as_utf16_or_with_a_utf8_mark_loads_and_other_bytes_are_one_line(tmp_path):
+    text = TINY.read_text()
+    for encoding in ("utf-16", "utf-8-sig"):
+        path = tmp_path / f"{encoding}.yaml"
+        path.write_bytes(text.encode(encoding))
+        assert load_config(path) == load_config(TINY)
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes("run_name: caf\xe9\n".encode("latin-1") + text.encode())
+    with pytest.raises(ConfigError, match="is not UTF-8 .* text; save it as UTF-8"):
+        load_config(latin)
+
+
+def test_a_prompt_and_completion_longer_than_the_models_context_are_refused_before_anything_runs():
+    from ftis_engine.members import preflight
+
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 600 new tokens after prompts of up to "
+                                          r"data.max_prompt_tokens=512 exceed members.0.model's context of 1024"):
+        preflight(load_config(TINY, ["rollout.max_new_tokens=600"]))
+    with pytest.raises(ConfigError, match=r"^eval.max_new_tokens: 2000 new tokens"):
+        preflight(load_config(TINY, ["eval.max_new_tokens=2000"]))
+    preflight(load_config(TINY, ["rollout.max_new_tokens=512"]))  # exactly the context: fine
 
 
 def test_bad_files(tmp_path):

@@ -75,6 +75,16 @@ def test_top_p_below_one_warns_once_about_biased_ratios(monkeypatch):
     assert sum("biased" in str(w.message) for w in caught) == 1
 
 
+def test_a_top_k_that_covers_the_whole_vocabulary_truncates_nothing_and_warns_nothing(monkeypatch):
+    monkeypatch.setattr(generation, "_warned_biased", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        generation.warn_if_biased(1.0, 500, vocab_size=500)
+        assert not caught
+        generation.warn_if_biased(1.0, 499, vocab_size=500)
+    assert sum("biased" in str(w.message) for w in caught) == 1
+
+
 def test_a_models_shipped_sampling_defaults_do_not_leak_into_the_recorded_distribution():
     """Models ship generation configs (min_p, top_k, temperature...); sampling must use exactly ours."""
     m, _ = member(1)

@@ -86,6 +86,26 @@ def test_an_unusable_checkpoint_is_one_line_naming_it(trained, tmp_path, damage,
     assert str(ckpt) in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(trained, tmp_path, monkeypatch):
+    from ftis_engine import checkpoint as checkpoints
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    older, newest = copy / "checkpoints" / "step-1", copy / "checkpoints" / "step-2"
+    shutil.copytree(newest, older)
+    honest = checkpoints.read_state
+
+    def read_while_pruned(checkpoint):  # a running training's prune removes it between listing and reading
+        shutil.rmtree(checkpoint)
+        return honest(checkpoint)
+
+    monkeypatch.setattr("ftis_engine.session.read_state", read_while_pruned)
+    with pytest.raises(RunDirError, match=re.escape("it was removed while being read") + ".*" +
+                       re.escape(f"the newest complete one now is {newest}: retry with it")):
+        open_run(config, copy, checkpoint=older)
+
+
 def test_a_second_run_into_a_held_directory_stops_naming_the_holder(tmp_path):
     run_dir = tmp_path / "out" / "run"
     with RunLock(run_dir):
@@ -97,6 +117,11 @@ def test_a_second_run_into_a_held_directory_stops_naming_the_holder(tmp_path):
     with RunLock(run_dir):  # free again
         (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
     assert (run_dir / "metrics.jsonl").exists()  # a run's files stay
+    with RunLock(tmp_path / "study", kind="study"):
+        with pytest.raises(RunDirError, match=r"^--output-dir: .* is in use by another study \(pid \d+ .*choose "
+                                              r"another --output-dir$"):
+            with RunLock(tmp_path / "study", kind="study"):
+                pass
 
 
 def test_resume_refuses_a_config_that_changes_the_run_but_not_its_length_or_cadence(trained):
@@ -115,8 +140,8 @@ def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(
     assert eval_config(run_dir, None) == config  # config.yaml beside the checkpoints
     assert eval_config(run_dir, short_config("train.steps=2", "eval.max_samples=3")).eval.max_samples == 3
     assert eval_config(run_dir, None, ["eval.max_samples=3"]).eval.max_samples == 3  # --set on the run's own
-    with pytest.raises(RunDirError, match=re.escape("builds other models than the run trained (seed (0 -> 1)")):
-        eval_config(run_dir, None, ["seed=1"])
+    with pytest.raises(RunDirError, match=re.escape("--set: builds other models than the run trained (seed (0 -> 1)")):
+        eval_config(run_dir, None, ["seed=1"])  # the --set is named, not a --config nobody gave
     for override, field in (("seed=1", "seed"), ("members.1.lora.target_modules=[q_proj]",
                                                  "members.1.lora.target_modules"), ("members.0.seed=9", "members.0.seed")):
         with pytest.raises(RunDirError, match=re.escape(f"--config: builds other models than the run trained ({field} ")):

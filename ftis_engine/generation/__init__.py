@@ -58,11 +58,13 @@ class Generator(Protocol):
 _warned_biased = False
 
 
-def warn_if_biased(top_p: float, top_k: int | None) -> None:
-    """Warn once: with top_p < 1 or top_k the sampler renormalises over a truncated vocabulary, so its log-probs
-    are not log_softmax(logits / T) and the importance ratios computed by the trainer are biased."""
+def warn_if_biased(top_p: float, top_k: int | None, vocab_size: int | None = None) -> None:
+    """Warn once: with top_p < 1 or a top_k below the vocabulary's size the sampler renormalises over a truncated
+    vocabulary, so its log-probs are not log_softmax(logits / T) and the importance ratios computed by the trainer
+    are biased (a top_k that covers the whole vocabulary truncates nothing)."""
     global _warned_biased
-    if (top_p < 1.0 or top_k is not None) and not _warned_biased:
+    truncating_k = top_k is not None and (vocab_size is None or top_k < vocab_size)
+    if (top_p < 1.0 or truncating_k) and not _warned_biased:
         _warned_biased = True
         warnings.warn(
             f"rollout.top_p={top_p}, rollout.top_k={top_k}: generation log-probs are renormalised over a truncated "

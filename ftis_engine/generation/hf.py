@@ -91,7 +91,7 @@ class HFGenerator:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, on_batch=None) -> list[list[Completion]]:
         """n sampled completions for each prompt (token ids), each with the sampler's log-probs."""
-        warn_if_biased(sampling.top_p, sampling.top_k)
+        warn_if_biased(sampling.top_p, sampling.top_k, self.model.get_output_embeddings().weight.shape[0])
         repeated = [p for p in prompts for _ in range(sampling.n)]
         completions: list[Completion] = []
         devices = [self.device] if self.device.type == "cuda" else []

@@ -222,7 +222,7 @@ class VLLMGenerator:
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings, on_batch=None) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        warn_if_biased(sampling.top_p, sampling.top_k)
+        warn_if_biased(sampling.top_p, sampling.top_k, self._model.get_output_embeddings().weight.shape[0])
         self.wake_up()
         params = []
         for i in range(len(prompts)):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..config import ConfigError, format_validation_error
+from ..config import ConfigError, format_validation_error, read_yaml_mapping
 
 
 class StudyError(ConfigError):
@@ -82,14 +81,7 @@ class StudyConfig(_Section):
 
 
 def load_study(path: pathlib.Path) -> StudyConfig:
-    if not path.is_file():
-        raise StudyError(f"--config {path}: no such file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        raise StudyError(f"--config {path}: is not valid YAML") from None
-    if not isinstance(raw, dict):
-        raise StudyError(f"--config {path}: expected a mapping of sections at the top level")
+    raw = read_yaml_mapping(path, StudyError)
     try:
         return StudyConfig.model_validate(raw)
     except ValidationError as exc:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from ..checkpoint import latest_checkpoint
 from ..config import ConfigError, dump_config
 from ..members import check_warm_start
-from ..session import check_before_launch
+from ..session import RunLock, check_before_launch
 from ..tasks import TaskError, load_task
 from .aggregate import aggregate
 from .config import StudyConfig, StudyError
@@ -64,21 +64,21 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
               command: str = "", progress: bool = True) -> dict:
     """Plan, run what is not finished (`jobs` at once), aggregate; returns the summary. Raises StudyError on a bad
     config and RuntimeError naming the failed runs' logs (after the others have finished)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     groups = plan(study, output_dir, quick)
     runs = [run for group in groups for run in group.runs]
     for run in runs:
         check_reuse(run)
     todo = [run for run in runs if not run.finished]
     check_runs([group for group in groups if any(run in todo for run in group.runs)])
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise StudyError(f"--output-dir: cannot write to {output_dir} ({exc.strerror or type(exc).__name__})") from None
+    # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
+    with RunLock(output_dir, kind="study"):
+        return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress)
+
+
+def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Run], output_dir: pathlib.Path,
+         quick: bool, jobs: int | None, command: str, progress: bool) -> dict:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     env = dict(os.environ)
     failed: list[Run] = []
     started = time.perf_counter()

@@ -1,0 +1,32 @@
+"""Launching several processes (launch.py): the process count is checked before anything starts, and a worker's
+failure is told for what it is. The runs themselves: tests/test_swarm.py and tests/test_async_swarm.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftis_engine.config import ConfigError
+from ftis_engine.launch import _collective_failure, launch_distributed
+
+from .helpers import short_config
+
+
+def test_nproc_must_be_one_process_per_member_and_sampler(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match=r"^--nproc 3: one process per member and sampler, and the config has 2 "
+                                          r"members$"):
+        launch_distributed(short_config(), tmp_path / "run", resume=False, nproc=3)
+    with pytest.raises(ConfigError, match=r"and 1 sampler rank\(s\)"):
+        launch_distributed(short_config("swarm.mode=async", "members.0.samplers=1"), tmp_path / "run", False, 2)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("message, lost", [
+    ("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:5", True),
+    ("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error", True),
+    ("Rank 1 failed to pass monitoredBarrier in 1800000 ms", True),
+    ("The size of tensor a (3) must match the size of tensor b (4) at non-singleton dimension 0", False),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB", False),
+])
+def test_a_collectives_failure_is_a_lost_peer_and_anything_else_a_failure(message, lost):
+    assert _collective_failure(RuntimeError(message)) is lost

@@ -1,0 +1,84 @@
+"""metrics.jsonl and the step's record (metrics.py): what a record says, how the log is appended, cut back on
+resume and read back (a torn last line silently, a broken middle line with a warning)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+
+from ftis_engine.metrics import (MetricsLogger, Stopwatch, read_metrics, resident_mib, resume_records, train_record,
+                                 truncate_metrics)
+from ftis_engine.rollouts import Rollout
+
+
+def _rollout(tokens: int, reward: float, reason: str = "stop") -> Rollout:
+    return Rollout(0, 1, torch.ones(tokens, dtype=torch.int32), -torch.ones(tokens), reward, reason, 0)
+
+
+def test_a_stopwatch_adds_up_each_phase():
+    watch = Stopwatch()
+    for _ in range(2):
+        with watch("gen_seconds"):
+            time.sleep(0.01)
+    assert 0.02 <= watch.seconds["gen_seconds"] < 1.0 and watch.seconds["train_seconds"] == 0.0
+
+
+def test_a_train_record_counts_what_was_made_sent_and_trained_on():
+    own = [_rollout(3, 1.0), _rollout(5, 0.0, "length")]
+    trained = own + [_rollout(4, 1.0)]
+    watch = Stopwatch()
+    watch.seconds.update(gen_seconds=1.0, train_seconds=2.0, exchange_wait_seconds=0.5, exchange_seconds=0.25)
+    record = train_record(3, "tiny-s", own, trained, {"loss": 0.1}, watch, 1e-3, sent_bytes=100, own_digest="ab")
+    assert (record["step"], record["member"], record["kind"], record["loss"]) == (3, "tiny-s", "train", 0.1)
+    assert (record["reward_mean"], record["swarm_reward_mean"]) == (0.5, 2 / 3)
+    assert (record["tokens"], record["sequences"], record["own_sequences"]) == (12, 3, 2)
+    assert (record["completion_len_mean"], record["truncated_frac"]) == (4.0, 0.5)
+    assert (record["exchange_bytes"], record["exchange_tokens"], record["exchange_sequences"]) == (100, 8, 2)
+    assert record["step_seconds"] == 3.75 and record["rollouts_sha256"] == "ab"
+    alone = train_record(3, "tiny-s", own, own, {}, Stopwatch(), 1e-3, sent_bytes=0, own_digest="ab")
+    assert (alone["exchange_bytes"], alone["exchange_tokens"], alone["exchange_sequences"]) == (0, 0, 0)
+
+
+def test_shared_loggers_append_whole_lines_and_non_finite_numbers_become_null(tmp_path):
+    a = MetricsLogger(tmp_path, tensorboard=False, shared=True)
+    b = MetricsLogger(tmp_path, tensorboard=False, shared=True)
+    for step in range(1, 4):
+        a.log({"step": step, "member": "a", "kind": "train", "loss": float("nan")})
+        b.log({"step": step, "member": "b", "kind": "train", "loss": 1.0})
+    a.close()
+    b.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [(r["member"], r["step"]) for r in records] == [(m, s) for s in (1, 2, 3) for m in "ab"]
+    assert all(r["loss"] is None for r in records if r["member"] == "a")
+
+
+def test_resume_cuts_the_log_back_and_says_what_was_lost(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": s, "member": m, "kind": "train", "own_sequences": 8} for s in (1, 2, 3) for m in ("a", "b")]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    dropped = truncate_metrics(path, 1)
+    assert [r["step"] for r in read_metrics(path)] == [1, 1] and len(dropped) == 4
+    assert resume_records(1, ["a", "b"], dropped) == [
+        {"step": 1, "member": "a", "kind": "resume", "lost_steps": 2, "lost_rollouts": 16},
+        {"step": 1, "member": "b", "kind": "resume", "lost_steps": 2, "lost_rollouts": 16}]
+
+
+def test_a_torn_last_line_is_left_out_silently_and_a_broken_middle_line_with_a_warning(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    good = json.dumps({"step": 1, "member": "a", "kind": "train"})
+    path.write_text(good + "\n" + good[:10] + "\n")  # a crash in the middle of a write
+    with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
+        assert len(read_metrics(path)) == 1
+    assert not caplog.messages
+    path.write_text(good + "\n" + "[1, 2]\n" + good + "\n" + good + "\n")  # valid JSON, but no record
+    with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
+        assert len(read_metrics(path)) == 1
+    assert "line 2 is not a record" in caplog.text and "2 line(s) after it are left out" in caplog.text
+
+
+def test_resident_memory_is_reported_in_mib():
+    mib = resident_mib()
+    assert mib is None or 10 < mib < 100_000
