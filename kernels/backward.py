@@ -117,22 +117,36 @@ def _launch(x, weight, bias, targets, lse, coef, dx, dw, db, vocab: int, dim: in
     )
 
 
-_ADDMM_OUT_DTYPE: dict[str, bool] = {}
+_ADDMM_OUT_DTYPE: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def addmm_out_dtype(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this torch has addmm(out_dtype=float32) for `dtype` inputs on `device` (CUDA, torch >= 2.8):
+    probed once per device type and dtype on 1 x 1 tensors, so an error of a real product (a CUDA fault, out of
+    memory) is never taken for a missing overload. Only the errors a missing overload raises count as "no"."""
+    key = (device.type, dtype)
+    if key not in _ADDMM_OUT_DTYPE:
+        a = torch.zeros(1, 1, dtype=dtype, device=device)
+        acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        try:
+            torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+            _ADDMM_OUT_DTYPE[key] = True
+        except NotImplementedError:  # the operator exists, not for this backend
+            _ADDMM_OUT_DTYPE[key] = False
+        except (TypeError, RuntimeError) as exc:  # an older torch: no such keyword or overload
+            if "out_dtype" not in str(exc) and "dtype_out" not in str(exc) and not isinstance(exc, TypeError):
+                raise
+            _ADDMM_OUT_DTYPE[key] = False
+    return _ADDMM_OUT_DTYPE[key]
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b with acc fp32 and a, b in the input dtype: one cuBLAS call with an fp32 output where this torch
-    has addmm(out_dtype=) for the device (CUDA, torch >= 2.8), else a product in the input dtype added in fp32."""
-    if a.dtype != acc.dtype and _ADDMM_OUT_DTYPE.get(acc.device.type, True):
-        try:
-            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
-            _ADDMM_OUT_DTYPE[acc.device.type] = True
-            return
-        except torch.OutOfMemoryError:
-            raise
-        except (RuntimeError, TypeError, NotImplementedError):  # no such overload for this device or torch
-            _ADDMM_OUT_DTYPE[acc.device.type] = False
-    acc += a @ b if a.dtype == acc.dtype else (a @ b).to(acc.dtype)
+    has addmm(out_dtype=) for the device (addmm_out_dtype), else a product in the input dtype added in fp32."""
+    if a.dtype != acc.dtype and addmm_out_dtype(acc.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += a @ b if a.dtype == acc.dtype else (a @ b).to(acc.dtype)
 
 
 def chunk_columns(n: int, vocab: int, blocks: Blocks) -> int:

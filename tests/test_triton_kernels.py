@@ -225,3 +225,26 @@ def test_chunked_backward_in_bf16_keeps_fp32_accumulation():
     for ours, exact in ((h.grad, h64.grad), (w.grad, w64.grad)):
         assert ours.dtype == torch.bfloat16
         assert float((ours.double() - exact).abs().max() / exact.abs().max()) < 2e-2
+
+
+def test_the_addmm_overload_is_probed_once_and_a_real_error_passes_through(monkeypatch):
+    from ftis_kernels import backward
+
+    monkeypatch.setattr(backward, "_ADDMM_OUT_DTYPE", {})
+    acc, a, b = torch.zeros(2, 3), torch.ones(2, 4, dtype=torch.bfloat16), torch.ones(4, 3, dtype=torch.bfloat16)
+    backward._add_product(acc, a, b)
+    assert torch.equal(acc, torch.full((2, 3), 4.0))
+    assert backward._ADDMM_OUT_DTYPE == {("cpu", torch.bfloat16): False}  # CPU torch has no such overload
+    calls = []
+
+    def addmm(acc, a, b, out_dtype=None, out=None):  # a torch that has the overload, then a device fault
+        calls.append(a.shape)
+        if a.shape[0] > 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return out
+
+    monkeypatch.setattr(backward, "_ADDMM_OUT_DTYPE", {})
+    monkeypatch.setattr(backward.torch, "addmm", addmm)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        backward._add_product(acc, a, b)
+    assert backward._ADDMM_OUT_DTYPE == {("cpu", torch.bfloat16): True} and calls == [(1, 1), (2, 4)]
