@@ -112,6 +112,14 @@ def test_a_study_whose_runs_would_fail_on_a_bad_model_stops_before_launching_any
     assert not (tmp_path / "out").exists()
 
 
+def test_a_figure_naming_an_eval_set_of_none_of_its_groups_is_refused_before_any_run(tmp_path):
+    raw = {**MINIMAL, "figures": [{"name": "f", "groups": ["pair-nois"], "datasets": ["gsm8k"]}]}
+    result = cli("study", "--config", write_study(tmp_path, raw), "--output-dir", tmp_path / "out")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: figures.0.datasets: 'gsm8k' is an eval set of none of its groups (tiny-add)")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("where", ["file", "under-file"])
 def test_a_study_output_dir_that_cannot_be_written_is_one_line(tmp_path, where):
     (tmp_path / "a-file").write_text("x")

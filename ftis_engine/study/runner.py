@@ -40,24 +40,33 @@ def launch(run: Run, env: dict[str, str]) -> int:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
 
 
-def check_runs(groups: list[Group]) -> None:
+def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None:
     """What a train run checks before it writes anything (models, tokenizers, generators, the backend, the task and
-    its data, warm-start styles), once per group, before any run is launched: a study whose runs would all fail
-    on a bad model path stops with one line instead."""
-    checked: set[str] = set()
+    its data, warm-start styles), once per group with runs to do, before any run is launched: a study whose runs
+    would all fail on a bad model path stops with one line instead. Then every figure's datasets must be eval sets
+    of its groups (a figure of none would be blank)."""
+    checked: dict[str, list[str]] = {}
+    evals: dict[str, list[str]] = {}
     for group in groups:
         config = group.config
         key = json.dumps(config.model_dump(mode="json", include={"members", "data", "eval", "train"}), sort_keys=True)
-        if key in checked:
-            continue
-        checked.add(key)
-        try:
-            check_before_launch(config, distributed=False)
-            task = load_task(config.data, config.seed, config.eval.datasets)
-            for i, member in enumerate(config.members):
-                check_warm_start(i, member, task)
-        except (ConfigError, TaskError) as exc:
-            raise StudyError(f"groups ({group.name}): {exc}") from None
+        if key not in checked:
+            try:
+                if any(run in todo for run in group.runs):
+                    check_before_launch(config, distributed=False)
+                task = load_task(config.data, config.seed, config.eval.datasets)
+                for i, member in enumerate(config.members):
+                    check_warm_start(i, member, task)
+            except (ConfigError, TaskError) as exc:
+                raise StudyError(f"groups ({group.name}): {exc}") from None
+            checked[key] = list(task.evals)
+        evals[group.name] = checked[key]
+    for f, figure in enumerate(study.figures):
+        known = {d for g in figure.groups if g in evals for d in evals[g]}
+        unknown = [d for d in figure.datasets or [] if d not in known]
+        if unknown and all(g in evals for g in figure.groups):
+            raise StudyError(f"figures.{f}.datasets: {unknown[0]!r} is an eval set of none of its groups "
+                             f"({', '.join(sorted(known))})")
 
 
 def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = False, jobs: int | None = None,
@@ -69,7 +78,7 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     for run in runs:
         check_reuse(run)
     todo = [run for run in runs if not run.finished]
-    check_runs([group for group in groups if any(run in todo for run in group.runs)])
+    check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
     with RunLock(output_dir, kind="study"):
         return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress)
