@@ -146,3 +146,18 @@ def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(
                                                  "members.1.lora.target_modules"), ("members.0.seed=9", "members.0.seed")):
         with pytest.raises(RunDirError, match=re.escape(f"--config: builds other models than the run trained ({field} ")):
             eval_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
+
+
+def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_path, monkeypatch):
+    from ftis_engine import session
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    for f in (copy / "checkpoints" / "step-2").rglob("adapter_model.safetensors"):
+        f.unlink()  # the second member cannot be restored, after both were built
+    closed = []
+    monkeypatch.setattr(session, "close_generators", lambda members: closed.extend(m.name for m in members))
+    with pytest.raises(RunDirError, match="cannot load member 'tiny-m-lora'"):
+        open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+    assert closed == ["tiny-s", "tiny-m-lora"]  # a vLLM engine would otherwise hold its GPU memory
