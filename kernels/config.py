@@ -14,6 +14,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3", "k1-gen", "k3-gen")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
 IS_SOURCES = ("current", "old")
+IS_TOKENS = ("kept", "all")
 RATIO_LEVELS = ("token", "sequence")
 POLICY_LOSSES = ("ppo", "cispo")
 REJECT_LEVELS = ("none", "token", "sum", "mean", "max")
@@ -90,6 +91,9 @@ class LossConfig:
     is_source: str = field(default="current", metadata={"choices": IS_SOURCES, "help": (
         "The policy in the IS weight's numerator: current (the paper: l_t, recomputed each PPO epoch) | old (TRL, "
         "verl decoupled PPO: the given old_logprobs, constant across epochs).")})
+    is_tokens: str = field(default="kept", metadata={"choices": IS_TOKENS, "help": (
+        "The tokens a sequence or geometric IS weight is computed over when reject drops some: kept (default: "
+        "those rejection left) | all (verl: the whole response, rejected tokens included).")})
     dual_clip: float | None = field(default=None, metadata={"help": (
         "Dual clip c > 1 (verl clip_ratio_c, 3.0): for A < 0 the term is max(PPO(r, A), c * A).")})
     delta: float | None = field(default=None, metadata={"help": (
@@ -110,7 +114,9 @@ class LossConfig:
     reject_min: float | None = field(default=None, metadata={"help": (
         "Lower bound of the rejection statistic (default: none; verl's k1 lower bound is log of its threshold).")})
     eps_low: float = field(default=0.2, metadata={"help": "PPO clip: 1 - eps_low."})
-    eps_high: float = field(default=0.2, metadata={"help": "PPO clip: 1 + eps_high."})
+    eps_high: float = field(default=0.2, metadata={"help": (
+        "PPO clip: 1 + eps_high (>= 0). cispo: its cap on the ratio is 1 + eps_high, which may be below 1 "
+        "(eps_high > -eps_low): TRL's epsilon_high E is eps_high = E - 1 with eps_low = 1.")})
     temperature: float = field(default=1.0, metadata={"help": (
         "The generator's sampling temperature; log-probs are log_softmax(logits / T).")})
     normalization: str = field(default="sequence", metadata={"choices": NORMALIZATIONS, "help": (
@@ -142,7 +148,11 @@ class LossConfig:
         _number("kl_threshold", self.kl_threshold)
         if not 0 <= _number("eps_low", self.eps_low) <= 1:
             raise ValueError(f"LossConfig.eps_low: must be in [0, 1], got {self.eps_low!r}")
-        if not 0 <= _number("eps_high", self.eps_high) < math.inf:
+        if self.policy_loss == "cispo":  # a cap on the weight, not a trust region: it may lie below 1
+            if not -self.eps_low < _number("eps_high", self.eps_high) < math.inf:
+                raise ValueError(f"LossConfig.eps_high: cispo's cap 1 + eps_high must lie above its floor 1 - eps_low"
+                                 f" = {1 - self.eps_low!r}, got eps_high={self.eps_high!r}")
+        elif not 0 <= _number("eps_high", self.eps_high) < math.inf:
             raise ValueError(f"LossConfig.eps_high: must be a finite number >= 0, got {self.eps_high!r}")
         if not 0 < _number("temperature", self.temperature) < math.inf:
             raise ValueError(f"LossConfig.temperature: must be a finite number > 0, got {self.temperature!r}")

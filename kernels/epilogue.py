@@ -217,8 +217,14 @@ def ftis_objective(
         filtered = torch.zeros_like(adv, dtype=torch.bool)
     adv = torch.where(filtered, zero, adv)
 
-    # IS weight, by default w_t = min(exp(lb_t - g_t), C): a constant, reported for every method.
-    is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
+    # IS weight, by default w_t = min(exp(lb_t - g_t), C): a constant, reported for every method. A sequence-level
+    # weight sums over the tokens rejection kept, or (is_tokens all, verl) over every given token.
+    if cfg.is_tokens == "all" and cfg.reject != "none" and cfg.is_level != "token":
+        g_given = torch.where(given, gen_logprobs.to(dtype), zero)
+        is_weight, out_of_range = importance_weight(numerator - g_given, seq, segment_sum(given.to(dtype), seq,
+                                                    num_seqs), given, cfg)
+    else:
+        is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
 
     if cfg.base_method == "gepo":
         loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)

@@ -81,6 +81,7 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
 
     # Rejection (SPEC 2b, verl rollout_rs): blind to A; a rejected token is dropped from everything below.
     given_tokens = sum(len(t[0]) for t in seq_terms)
+    all_terms = seq_terms  # before rejection (is_tokens all: a sequence-level IS weight over these)
     emptied = [False] * num_seqs
     statistics = []  # the rejection statistic of each token (reject=token) or sequence
     if cfg.reject != "none":
@@ -118,9 +119,14 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
     total_tokens = sum(len(t[0]) for t in seq_terms)
     weights, truncated, clip_count, clip_total = [], 0, 0, 0
     seq_weights = []
-    for toks, l, g, o in seq_terms:
+    for i, (toks, l, g, o) in enumerate(seq_terms):
         ref = o if cfg.is_source == "old" else l.detach()
         w, outside = _weights(ref, g, cfg) if toks else ([], [])
+        if toks and cfg.is_tokens == "all" and cfg.is_level != "token":  # the weight of the whole response
+            all_toks, all_l, all_g, all_o = all_terms[i]
+            all_ref = all_o if cfg.is_source == "old" else all_l.detach()
+            w_all, outside_all = _weights(all_ref, all_g, cfg)
+            w, outside = [w_all[0]] * len(toks), [outside_all[0]] * len(toks)
         seq_weights.append(torch.tensor(w, dtype=torch.float64))
         weights += w
         truncated += sum(outside)

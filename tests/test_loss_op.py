@@ -53,6 +53,10 @@ CASES = {
     "reject-sum-constant": dict(method="nois", reject="sum", reject_estimator="k3", normalization="constant",
                                 norm_max_len=12),
     "dual-clip-delta-tis": dict(method="tis", _old=True, dual_clip=1.02, delta=1.03, eps_low=0.01, eps_high=0.01),
+    "reject-token-is-geometric-all": dict(method="tis", reject="token", reject_estimator="k1-gen", _reject_min=True,
+                                          is_level="geometric", is_tokens="all", is_cap=1.5),
+    "cispo-cap-below-one": dict(method="nois", _old=True, policy_loss="cispo", eps_low=1.0, eps_high=-0.8,
+                                normalization="token"),
 }
 # each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
 OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta", "gspo", "cispo",
@@ -156,7 +160,7 @@ def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
     cfg, extra = configure(CASES[case], problem)
     paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
                         delta=None, kl_estimator="k3", ratio_level="token", policy_loss="ppo",
-                        reject="none")
+                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0))
     with_option, *_ = run_oracle(problem, cfg, extra)
     without, *_ = run_oracle(problem, paper, extra)
     assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)

@@ -40,7 +40,7 @@ def _logps(p, logits):
     return torch.log_softmax(logits, -1).gather(-1, p["ids"][..., None])[..., 0]
 
 
-def ours(p, cfg: LossConfig, with_old: bool = True, num_tokens: int | None = None):
+def ours(p, cfg: LossConfig, with_old: bool = True, num_tokens: int | None = None, num_sequences: int | None = None):
     """Our op on the same problem, packed: (loss, d loss / d logits [B, T, V], the LossOutput)."""
     logits = p["logits"].clone().requires_grad_()
     keep = p["mask"].bool()
@@ -49,7 +49,7 @@ def ours(p, cfg: LossConfig, with_old: bool = True, num_tokens: int | None = Non
     cu[1:] = torch.cumsum(lengths, 0)
     out = ftis_kernels.ftis_loss(
         logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg, backend="torch",
-        old_logprobs=p["old"][keep] if with_old else None, num_tokens=num_tokens,
+        old_logprobs=p["old"][keep] if with_old else None, num_tokens=num_tokens, num_sequences=num_sequences,
     )
     (grad,) = torch.autograd.grad(out.loss, logits)
     return out.loss.detach(), grad, out
@@ -180,15 +180,30 @@ def test_trl_cispo():
     assert 0 < float(result[2].stats["clip_frac"]) < 1
 
 
+def test_trl_cispo_with_its_default_epsilon_high_below_one():
+    """TRL's CISPO falls back to epsilon = 0.2 when epsilon_high is unset: the weight min(r, 0.2), a cap below 1.
+    Ours: eps_high = 0.2 - 1 = -0.8 (allowed for cispo, whose cap is not a trust region), eps_low = 1."""
+    p = _problem(5, spread=1.0)
+    cfg = LossConfig(method="nois", policy_loss="cispo", eps_low=1.0, eps_high=-0.8, normalization="token")
+    assert_same(ours(p, cfg), peer(p, trl_loss, loss_type="cispo", eps_high=0.2))
+    with pytest.raises(ValueError, match="LossConfig.eps_high: cispo's cap"):
+        LossConfig(policy_loss="cispo", eps_low=0.2, eps_high=-0.5)  # a cap below the floor 1 - eps_low
+    with pytest.raises(ValueError, match="LossConfig.eps_high: must be a finite number >= 0"):
+        LossConfig(eps_high=-0.8)  # PPO's clip range stays a range around 1
+
+
 # ------------------------------------------------------------------------------------------------------ verl
 
 VERL_K = {"k1": "k1-gen", "k2": "k2", "k3": "k3-gen"}  # verl's per-token terms on log(pi_old / pi_rollout)
 
 
 def verl_loss(p, logps, *, rollout_is=None, is_threshold=2.0, rollout_rs=None, rs_threshold=None,
-              clip_ratio=0.2, clip_ratio_c=3.0, agg="token-mean"):
-    """verl decoupled mode: IS weights and the rejection mask from old vs rollout log-probs, then the vanilla
-    PPO loss with dual clip, times the weights, aggregated over the rejection-modified response mask."""
+              clip_ratio=0.2, clip_ratio_c=3.0, agg="token-mean", trainer=False):
+    """verl decoupled mode: IS weights (on the response mask before rejection, rollout_corr_helper) and the
+    rejection mask from old vs rollout log-probs, then the vanilla PPO loss with dual clip, times the weights,
+    aggregated over the rejection-modified response mask. trainer: seq-mean-token-mean divides by the trainer's
+    global batch size (ppo_mini_batch_size * rollout.n: every sequence, emptied ones included, ray_trainer.py)
+    instead of the sequences left, as a standalone agg_loss call does."""
     mask, adv = p["mask"], p["adv"][:, None]
     log_ratio = p["old"] - p["sampling"]
     weights = None
@@ -227,6 +242,8 @@ def verl_loss(p, logps, *, rollout_is=None, is_threshold=2.0, rollout_rs=None, r
         return (losses * mask).sum() / mask.sum()
     per_seq_tokens = mask.sum(-1)
     seq_losses = (losses * mask).sum(-1) / (per_seq_tokens + 1e-8)  # verl's epsilon
+    if trainer:
+        return seq_losses.sum() / per_seq_tokens.numel()
     live = (per_seq_tokens > 0).double()
     return (seq_losses * live).sum() / live.sum()
 
@@ -271,6 +288,37 @@ def test_verl_rejection_sampling(option, threshold, agg):
     assert 0 < float(result[2].stats["rejected_frac"]) < 0.8  # the threshold binds, something is left
     if level != "token":
         assert float(result[2].stats["rejected_seq_frac"]) > 0
+
+
+def test_verl_trainer_divides_seq_mean_by_every_sequence_of_the_batch():
+    """verl's trainer passes agg_loss its global batch size, so under seq-mean-token-mean a sequence that rejection
+    emptied stays in the divisor: ours given num_sequences = the batch's sequences (no rejection_scale). A
+    standalone agg_loss divides by the sequences left: ours by default (test_verl_rejection_sampling)."""
+    p = _problem(7, spread=0.5)
+    cfg = LossConfig(method="tis", is_source="old", is_cap=2.0, dual_clip=3.0, reject="sum", reject_estimator="k2",
+                     reject_max=1.0, normalization="sequence")
+    reference = peer(p, verl_loss, rollout_is="token", rollout_rs="seq_sum_k2", rs_threshold=1.0,
+                     agg="seq-mean-token-mean", trainer=True)
+    result = ours(p, cfg, num_sequences=B)
+    assert_same(result, reference, rel=1e-6)  # verl's 1e-8 in each sequence's token count
+    assert float(result[2].stats["rejected_seq_frac"]) > 0  # an emptied sequence makes the two divisors differ
+    assert float(ours(p, cfg)[0]) != pytest.approx(float(reference[0]), rel=1e-3)
+
+
+def test_verl_sequence_is_weight_counts_the_tokens_rejection_drops_with_is_tokens_all():
+    """verl computes a sequence IS weight on the response mask from before rejection: a token rejection leaves
+    the rejected tokens' log-ratios in their sequence's weight. Ours: is_tokens all (default kept: only kept
+    tokens enter the weight)."""
+    p = _problem(9, spread=0.5)
+    common = dict(method="tis", is_source="old", is_level="sequence", is_cap=2.0, dual_clip=3.0, reject="token",
+                  reject_estimator="k1-gen", reject_min=math.log(0.7), reject_max=math.log(1.4),
+                  normalization="token")
+    reference = peer(p, verl_loss, rollout_is="sequence", rollout_rs="token_k1", rs_threshold="0.7_1.4")
+    result = ours(p, LossConfig(**common, is_tokens="all"))
+    assert_same(result, reference)
+    assert 0 < float(result[2].stats["rejected_frac"]) < 0.8
+    kept = ours(p, LossConfig(**common))  # the default weighs sequences by their kept tokens only
+    assert float(kept[0]) != pytest.approx(float(reference[0]), rel=1e-3)
 
 
 # -------------------------------------------------------------------------------------------------- prime-rl
