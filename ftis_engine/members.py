@@ -136,17 +136,19 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
     return tokenizers
 
 
-def check_context(config: RunConfig, index: int, context: int | None) -> None:
-    """A prompt of up to data.max_prompt_tokens and a completion of up to max_new_tokens (rollout's, and eval's)
-    must fit the member's context, or generation runs past what the model was built for (or without end)."""
+def check_context(config: RunConfig, index: int, context: int | None, longest_prompt: int = 0) -> None:
+    """A completion of up to max_new_tokens (rollout's, and eval's) after the longest prompt the run uses must fit
+    the member's context, or generation runs past what the model was built for (or without end). Before the data
+    is read (longest_prompt 0) only a completion that cannot fit after any prompt is refused."""
     if context is None:
         return
-    prompt = config.data.max_prompt_tokens
     for field, new in (("rollout.max_new_tokens", config.rollout.max_new_tokens),
                        ("eval.max_new_tokens", config.eval.max_new_tokens)):
-        if new is not None and prompt + new > context:
-            raise ConfigError(f"{field}: {new} new tokens after prompts of up to data.max_prompt_tokens={prompt} "
-                              f"exceed members.{index}.model's context of {context} tokens; lower either")
+        if new is not None and longest_prompt + new >= context + (1 if longest_prompt else 0):
+            after = (f" after the longest prompt of {longest_prompt} tokens (data.max_prompt_tokens="
+                     f"{config.data.max_prompt_tokens} bounds them)" if longest_prompt else "")
+            raise ConfigError(f"{field}: {new} new tokens{after} exceed members.{index}.model's context of "
+                              f"{context} tokens; lower it")
 
 
 def check_warm_start(index: int, settings: MemberSettings, task) -> None:

@@ -28,7 +28,8 @@ from .exchange import Alone, Exchange
 from .exchange.admission import Admission, RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
 from .exchange.sync import LocalSync
-from .members import Member, build_member, check_generator_placement, check_warm_start, preflight, resolve_device
+from .members import (Member, build_member, check_context, check_generator_placement, check_warm_start, preflight,
+                      resolve_device)
 from .models import vocabulary_hash
 from .progress import Progress
 from .schedule import Schedule
@@ -318,7 +319,10 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
             member = build_member(i, config, tokenizers[i], device, task)
             members.append(member)
             check_model(member)
-        train_indices = _usable_prompts(config, task, members[0].tokenizer, exchange)
+        train_indices, longest_prompt = _usable_prompts(config, task, members[0].tokenizer, exchange)
+        for member in members:  # a completion after the longest prompt must fit each model's context
+            check_context(config, member.index, getattr(member.causal_lm.config, "max_position_embeddings", None),
+                          longest_prompt)
         start_step = 0
         if checkpoint is not None:
             start_step = restore(members, config, checkpoint, load_optimizer=False, what="--checkpoint")
@@ -348,10 +352,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     return swarm, start_step
 
 
-def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> list[int]:
-    """Training prompts that fit data.max_prompt_tokens (rank 0's list on every rank); eval sets are cut alike."""
+def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> tuple[list[int], int]:
+    """Training prompts that fit data.max_prompt_tokens (rank 0's list on every rank), and the longest prompt the
+    run uses, in tokens; eval sets are cut alike."""
     limit = config.data.max_prompt_tokens
-    fits = [i for i, ex in enumerate(task.train) if len(prompt_ids(tokenizer, task, ex.question)) <= limit]
+    lengths = [len(prompt_ids(tokenizer, task, ex.question)) for ex in task.train]
+    fits = [i for i, n in enumerate(lengths) if n <= limit]
     fits = exchange.collectives.all_gather_object(fits)[0]
     if len(fits) < config.rollout.prompts_per_step:
         if len(task.train) < config.rollout.prompts_per_step:  # the data set itself is too small
@@ -359,14 +365,17 @@ def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> l
                               f"has only {len(task.train)} prompts")
         raise ConfigError(f"data.max_prompt_tokens={limit}: only {len(fits)} training prompts are that "
                           f"short, fewer than rollout.prompts_per_step={config.rollout.prompts_per_step}")
+    longest = max((lengths[i] for i in fits if i < len(lengths)), default=0)
     for name, examples in task.evals.items():  # eval prompts obey the same limit (a vLLM engine is sized by it)
-        keep = [i for i, ex in enumerate(examples) if len(prompt_ids(tokenizer, task, ex.question)) <= limit]
+        eval_lengths = [len(prompt_ids(tokenizer, task, ex.question)) for ex in examples]
+        keep = [i for i, n in enumerate(eval_lengths) if n <= limit]
         kept = [examples[i] for i in exchange.collectives.all_gather_object(keep)[0]]
         if len(kept) < len(examples):
             log.warning("eval %s: %d of %d prompts exceed data.max_prompt_tokens=%d and are left out", name,
                         len(examples) - len(kept), len(examples), limit)
         task.evals[name] = kept
-    return fits
+        longest = max([longest] + [eval_lengths[i] for i in keep])
+    return fits, longest
 
 
 def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, load_optimizer: bool,

@@ -112,15 +112,21 @@ def test_a_config_saved_as_utf16_or_with_a_utf8_mark_loads_and_other_bytes_are_o
         load_config(latin)
 
 
-def test_a_prompt_and_completion_longer_than_the_models_context_are_refused_before_anything_runs():
+def test_a_completion_longer_than_the_models_context_is_refused_before_anything_runs(tmp_path):
     from ftis_engine.members import preflight
+    from ftis_engine.session import open_run
 
-    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 600 new tokens after prompts of up to "
-                                          r"data.max_prompt_tokens=512 exceed members.0.model's context of 1024"):
-        preflight(load_config(TINY, ["rollout.max_new_tokens=600"]))
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1024 new tokens exceed members.0.model's "
+                                          r"context of 1024 tokens"):
+        preflight(load_config(TINY, ["rollout.max_new_tokens=1024"]))  # cannot fit after any prompt
     with pytest.raises(ConfigError, match=r"^eval.max_new_tokens: 2000 new tokens"):
         preflight(load_config(TINY, ["eval.max_new_tokens=2000"]))
-    preflight(load_config(TINY, ["rollout.max_new_tokens=512"]))  # exactly the context: fine
+    # after the data is read: the longest prompt the run uses (a few tokens here) plus the completion
+    config = load_config(TINY, ["rollout.max_new_tokens=1020", "eval.max_samples=4"])
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1020 new tokens after the longest prompt of \d+ "
+                                          r"tokens \(data.max_prompt_tokens=512 bounds them\) exceed"):
+        open_run(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 def test_bad_files(tmp_path):

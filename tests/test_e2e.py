@@ -134,7 +134,7 @@ def test_gsm8k_task_runs_on_the_real_data_with_tiny_models(tmp_path, shared_data
         "data.task=gsm8k", f"data.train_path={shared_data / 'gsm8k' / 'train.jsonl'}",
         f"data.eval_paths.gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}",
         f"data.eval_paths.math500={shared_data / 'math500' / 'test.jsonl'}",
-        "data.max_prompt_tokens=2048", "train.steps=1", "eval.every=0", "eval.max_samples=2", "eval.max_new_tokens=4",
+        "data.max_prompt_tokens=1000", "train.steps=1", "eval.every=0", "eval.max_samples=2", "eval.max_new_tokens=4",
         "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2", "checkpoint.every=0",
     ]
     assert run_cli(*train_args(tmp_path, *overrides)) == 0
