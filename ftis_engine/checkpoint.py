@@ -2,7 +2,8 @@
 
 Layout of step-<N>/: state.json (the step and the member names; a member's policy version is the step, and the
 data position follows from it), and per member members/<name>/ with the model (HF format) or the LoRA adapter
-(peft format), the tokenizer, optimizer.pt and rng.pt. A directory named step-<N> is complete by construction (the
+(peft format), the tokenizer, optimizer.pt (a member on several ranks: optimizer.shard-<i>.pt per rank) and
+rng.pt. A directory named step-<N> is complete by construction (the
 rename is the last act). Nothing is loaded with pickle's code execution (torch.load(weights_only=True)), so a
 checkpoint from someone else can be resumed or evaluated safely; weights that are NaN or inf are never saved.
 """
@@ -18,6 +19,7 @@ import shutil
 
 import torch
 
+from .placement import full_state_dict, local
 from .update import DivergenceError, weights_finite
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -59,17 +61,61 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
-    if not weights_finite(member.trainable_parameters()):
+    """A member's model (HF format) or adapter, tokenizer, optimizer and RNG state. A member on several ranks:
+    every shard calls it; the weights are gathered one tensor at a time and the leader writes them, each shard
+    writes its optimizer shard (optimizer.shard-<i>.pt), and the leader writes rng.pt once all have."""
+    shard = member.shard
+    if not weights_finite(member.trainable_parameters(), shard):
         raise DivergenceError(f"members.{member.index} ({member.name}): its weights are NaN or inf; they are not "
                               "saved (the newest complete checkpoint stays)")
-    directory.mkdir(parents=True, exist_ok=True)
-    member.model.save_pretrained(str(directory / "model"), safe_serialization=True)
-    member.tokenizer.save_pretrained(str(directory / "model"))
-    if save_optimizer:
+    leader = shard is None or shard.leader
+    if leader:
+        directory.mkdir(parents=True, exist_ok=True)
+    if shard is None:
+        member.model.save_pretrained(str(directory / "model"), safe_serialization=True)
+    else:
+        state = full_state_dict(member.model, keep=leader)
+        shard.barrier()  # the leader made the directory
+        if leader:
+            member.model.save_pretrained(str(directory / "model"), state_dict=state, safe_serialization=True)
+    if leader:
+        member.tokenizer.save_pretrained(str(directory / "model"))
+    if save_optimizer and shard is None:
         torch.save(member.optimizer.state_dict(), directory / "optimizer.pt")
-    # rng.pt is written last and atomically: its presence marks the member staged (finalize_when_staged)
-    torch.save(rng_state(), directory / "rng.pt.tmp")
-    os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
+    elif save_optimizer:
+        torch.save(local_optimizer_state(member.optimizer), directory / f"optimizer.shard-{shard.index}.pt")
+    if shard is not None:
+        shard.barrier()  # every shard has written its part
+    if leader:  # rng.pt is written last and atomically: its presence marks the member staged (finalize_when_staged)
+        torch.save(rng_state(), directory / "rng.pt.tmp")
+        os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
+
+
+def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state with every sharded tensor as this rank's plain part (loadable with weights_only)."""
+    state = optimizer.state_dict()
+    state["state"] = {key: {name: local(value) if isinstance(value, torch.Tensor) else value
+                            for name, value in entry.items()} for key, entry in state["state"].items()}
+    return state
+
+
+def restore_optimizer_shard(member, checkpoint: pathlib.Path) -> None:
+    """A sharded member's optimizer from its shard's file (same ranks as when saved: members.N.ranks cannot
+    change on --resume): each plain part becomes a part of its parameter's sharded tensor again."""
+    from torch.distributed.tensor import DTensor
+
+    path = member_dir(checkpoint, member.name) / f"optimizer.shard-{member.shard.index}.pt"
+    if not path.exists():
+        return
+    state = torch.load(path, map_location=member.device, weights_only=True)
+    params = [p for group in member.optimizer.param_groups for p in group["params"]]
+    for key, entry in state["state"].items():
+        param = params[int(key)]
+        for name, value in entry.items():
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
+                entry[name] = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
+                                                 stride=param.stride())
+    member.optimizer.load_state_dict(state)
 
 
 def staging_dir(run_dir: pathlib.Path, step: int) -> pathlib.Path:

@@ -103,6 +103,13 @@ class MemberSettings(_Section):
                              "weight_sync_every steps, generate continuously and stream rollouts tagged with the "
                              "weight version they used to every member; TIS / F-TIS / GEPO correct the lag.")
     weight_sync_every: int = Field(1, ge=1, description="Learner steps between weight pushes to its samplers.")
+    ranks: int = Field(
+        1, ge=1, description="Processes (GPUs) this member trains on: its model is sharded with FSDP2 over them, each "
+                             "generates a share of its prompts and trains on a share of its batch (the gradient "
+                             "equals one rank's). --nproc is the sum of every member's ranks and samplers.")
+    device: str | None = Field(
+        None, description="Place this member (a one-rank member) on this device, e.g. cuda:0, several members "
+                          "sharing one GPU; default: one device per rank (train.device).")
 
     @field_validator("name")
     @classmethod

@@ -17,8 +17,9 @@ import uuid
 
 import torch
 
-from .config import ConfigError, RunConfig, rank_roles, validate_config
+from .config import ConfigError, RunConfig, validate_config
 from .errors import first_line
+from .placement import describe_layout, process_roles
 
 log = logging.getLogger("ftis_engine.launch")
 
@@ -30,18 +31,27 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     """Run the swarm in several processes; returns the exit code for the command line."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
-    if nproc != len(rank_roles(config)):
-        samplers = sum(m.samplers for m in config.members)
-        extra = f" and {samplers} sampler rank(s)" if samplers else ""
-        raise ConfigError(f"--nproc {nproc}: one process per member and sampler, and the config has "
-                          f"{len(config.members)} members{extra}")
+    if nproc != len(process_roles(config)):
+        raise ConfigError(f"--nproc {nproc}: {needed_processes(config)}")
     from .session import RunLock, check_before_launch, check_run_dir
 
     with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
         check_run_dir(run_dir, config, resume)
         check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
         print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
+        if any(m.ranks > 1 or m.samplers for m in config.members):
+            print(f"rank layout:\n{describe_layout(config)}", flush=True)
         return _launch(config, run_dir, resume, nproc)
+
+
+def needed_processes(config: RunConfig) -> str:
+    """What a config's process count is made of, for a message: "3 processes: tiny-s on 2 ranks, ..."."""
+    parts = [f"{m.name} on {m.ranks} rank(s)" if m.ranks > 1 else m.name for m in config.members]
+    samplers = sum(m.samplers for m in config.members)
+    if samplers:
+        parts.append(f"{samplers} sampler rank(s)")
+    return (f"the config needs {len(process_roles(config))} processes (one per member rank and sampler: "
+            f"{', '.join(parts)})")
 
 
 def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
@@ -64,11 +74,14 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) 
             return CONFIG_ERROR_EXIT  # the worker already printed its one-line error
         if any(f.exitcode == DIVERGED_EXIT for f in failures.values()):
             return 1  # likewise
-        names = [m.name for m in config.members]
+        roles = process_roles(config)
         parts = []
         for rank, failure in sorted(failures.items()):
             how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
-            who = names[rank] if rank < len(names) else f"rank {rank}"
+            role = roles[rank] if rank < len(roles) else None
+            who = f"rank {rank}" if role is None else config.members[role.member].name + (
+                f" sampler {role.sampler}" if role.sampler is not None else
+                f" shard {role.shard + 1}" if config.members[role.member].ranks > 1 else "")
             parts.append(f"rank {rank} ({who}) failed with {how}")
         restarts = config.swarm.max_restarts
         tried = f" after {restarts} restart(s)" if restarts else ""
@@ -94,10 +107,12 @@ def _round_store(rank: int, world: int, timeout: datetime.timedelta):
 def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     """One rank: join the process group, open the run (session.open_run), train. Config errors print one line
     (an error all ranks found alike: rank 0 alone) and exit 2."""
+    from .exchange import Shard as ShardExchange
     from .exchange.async_ import DistributedAsync, Latency
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
     from .members import resolve_device
+    from .placement import Shard, check_device, device_slot, make_groups, member_ranks
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
@@ -111,27 +126,44 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     exchange = None
     try:
         config = validate_config(config_data)
-        roles = rank_roles(config)
+        roles = process_roles(config)
         if world != len(roles):
-            raise ConfigError(f"WORLD_SIZE={world}: one rank per member and sampler, and the config has {len(roles)}")
-        device = resolve_device(config.train.device, local_rank)
+            raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
+        role = roles[rank]
+        if world == int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # one node: a member's shards on neighbours
+            local_rank = device_slot(config, rank)
+        placed = config.members[role.member].device
+        device = check_device(f"members.{role.member}.device", placed) if placed else \
+            resolve_device(config.train.device, local_rank)
+        shared = any(m.device for m in config.members)  # ranks may share a GPU: NCCL refuses that
         backend = config.swarm.backend
         if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
+            backend = "nccl" if device.type == "cuda" and not shared else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
         torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
                                              world_size=world, timeout=timeout)
+        groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout)
         collectives = Collectives(rank, world, device, backend)
-        if config.swarm.mode == "async":
-            exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed))
+        endpoints = sum(r.endpoint for r in roles)
+        if not role.endpoint:
+            exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
+        elif config.swarm.mode == "async":
+            exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
+                                        group=groups.links)
         else:
-            exchange = DistributedSync(collectives)
+            exchange = DistributedSync(collectives, group=groups.endpoints, endpoints=endpoints)
+        shard = None
+        if role.sampler is None and role.member in groups.members:
+            fsdp, objects = groups.members[role.member]
+            shard = Shard(role.shard, config.members[role.member].ranks, member_ranks(config, role.member), fsdp,
+                          objects)
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
-                                     first_start=not restarted, exchange=exchange, local_rank=local_rank)
-        if roles[rank][1] is None:
+                                     first_start=not restarted, exchange=exchange, local_rank=local_rank,
+                                     device=device, shard=shard)
+        if role.sampler is None:
             train(swarm, start_step)
         else:
             from .samplers import run_sampler

@@ -23,6 +23,8 @@ class Member:
     generator: Generator
     device: torch.device
     dtype: torch.dtype
+    shard: object | None = None  # placement.Shard: this rank's part of a member on several ranks (None: one rank)
+    policy: torch.nn.Module | None = None  # placement.ShardedPolicy: the FSDP2 root the update runs through
 
     @property
     def name(self) -> str:
@@ -164,6 +166,38 @@ def check_warm_start(index: int, settings: MemberSettings, task) -> None:
         raise ConfigError(f"members.{index}.warm_start.style: {exc}") from None
 
 
+def make_optimizer(settings: MemberSettings, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    opt_cls = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
+    return opt_cls(params, lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+
+
+def member_device(config: RunConfig, index: int, local_rank: int | None) -> torch.device:
+    """members.N.device when set, else this rank's device by train.device (by member index in one process)."""
+    placed = config.members[index].device
+    if placed is not None:
+        from .placement import check_device
+
+        return check_device(f"members.{index}.device", placed)
+    return resolve_device(config.train.device, local_rank if local_rank is not None else index)
+
+
+def shard_member(member: Member, shard, config: RunConfig) -> None:
+    """Spread a built (and restored) member over its ranks: FSDP2 over its model, a fresh optimizer over the
+    shards, and for the HF generator a plain replica to sample from (vLLM engines hold their own weights and
+    take them gathered, one tensor at a time)."""
+    from .placement import replica, shard_model
+
+    settings = config.members[member.index]
+    if settings.generator == "hf":
+        from .generation.hf import HFGenerator
+
+        member.generator = HFGenerator(replica(member.model), member.tokenizer, member.device,
+                                       batch_size=config.rollout.generation_batch_size, replica=True)
+    member.policy = shard_model(member.index, member.model, member.causal_lm, shard, member.device)
+    member.optimizer = make_optimizer(settings, trainable_parameters(member.model))
+    member.shard = shard
+
+
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None) -> Member:
     """Load the model (random init for built-ins), warm-start it on the task's demonstrations if asked, wrap it in
     LoRA if asked, build its optimizer and generator."""
@@ -196,9 +230,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         enable_checkpointing(model)
         if settings.lora is not None:
             model.enable_input_require_grads()
-    params = trainable_parameters(model)
-    opt_cls = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
-    optimizer = opt_cls(params, lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+    optimizer = make_optimizer(settings, trainable_parameters(model))
     if settings.generator == "vllm":
         from .generation.vllm import VLLMGenerator
 

@@ -34,6 +34,8 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
     cfg = swarm.config.eval
     max_new = cfg.max_new_tokens or swarm.config.rollout.max_new_tokens
     records = []
+    if not swarm.reports:  # a member's further shard: its leader evaluates the member
+        return records
     for member in swarm.members:
         with member.generator.awake():
             for name, examples in swarm.task.evals.items():
@@ -75,7 +77,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     swarm.exchange.start(swarm.schedule.parcel_limit, start_step)  # once every rank has opened the run
     # rank 0 writes what every rank reports (async ranks each write their own); TensorBoard forgets what the
     # truncated log dropped
-    writes = swarm.is_main or swarm.independent
+    writes = swarm.is_main or (swarm.independent and swarm.reports)
     logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0, shared=swarm.independent,
                            tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "") \
         if writes else None
@@ -108,7 +110,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
                     final = [r for r in logged if r["kind"] == "eval"]
                 if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                     save_checkpoint(swarm, step)
-            if start_step < steps:
+            if start_step < steps and swarm.reports:
                 warn_if_alone(swarm, peer_sequences, steps - start_step)
             if start_step >= steps:  # nothing left to train: report the finished run's accuracy
                 final = evaluate_all(swarm, steps)
@@ -118,7 +120,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         swarm.close()
         if logger is not None:
             logger.close()
-    if swarm.independent:
+    if swarm.independent and swarm.reports:
         write_final_shared(run_dir, final)
     elif swarm.is_main:
         make_plots(run_dir)

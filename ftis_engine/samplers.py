@@ -24,14 +24,17 @@ from .config import rank_roles
 from .exchange.async_ import DistributedAsync, WeightSlot
 from .generation import sample
 from .members import trainable_parameters
+from .placement import full
 from .metrics import MetricsLogger
 from .rollouts import encode
 from .session import Swarm
 
 
 def flatten_weights(model) -> torch.Tensor:
-    """The trainable parameters as one int32 word buffer (float32 bits; bf16 and fp16 widen exactly)."""
-    return torch.cat([p.detach().float().flatten().cpu() for p in trainable_parameters(model)]).view(torch.int32)
+    """The trainable parameters as one int32 word buffer (float32 bits; bf16 and fp16 widen exactly); a sharded
+    model's gathered one parameter at a time (every shard calls it)."""
+    return torch.cat([full(p.detach()).float().flatten().cpu() for p in trainable_parameters(model)]
+                     ).view(torch.int32)
 
 
 def weights_words(model) -> int:

@@ -97,9 +97,10 @@ class Schedule:
         prompts = prompts_for_step(round_, list(self.train_indices), self.prompts_per_round(member), seed, True)
         return {p: self.config.rollout.group_size for p in prompts}
 
-    def sampling_seed(self, step: int, who: int) -> int:
-        """A learner's (who = its member) or a sampler's (who = its rank, step = its round) sampling seed."""
-        return sampling_seed(self.config.seed, step, who)
+    def sampling_seed(self, step: int, who: int, shard: int = 0) -> int:
+        """A learner's (who = its member; a sharded member's further ranks by shard) or a sampler's (who = its
+        rank, step = its round) sampling seed."""
+        return mix_seed(self.config.seed, step, who, shard)  # shard 0: sampling_seed(seed, step, who)
 
     def step_sequences(self, rank: int) -> int:
         """The sequences one step of a learner rank (or one round of a sampler rank) sends."""

@@ -21,16 +21,17 @@ from dataclasses import dataclass, field
 import torch
 from ftis_kernels import LossConfig, resolve_backend
 
-from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member
+from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member, restore_optimizer_shard
 from .config import ConfigError, RunConfig, config_differences, rank_roles
 from .errors import first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import Admission, RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
 from .exchange.sync import LocalSync
-from .members import (Member, build_member, check_context, check_generator_placement, check_warm_start, preflight,
-                      resolve_device)
+from .members import (Member, build_member, check_context, check_generator_placement, check_warm_start, member_device,
+                      preflight, resolve_device, shard_member)
 from .models import vocabulary_hash
+from .placement import check_placement
 from .progress import Progress
 from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
@@ -63,7 +64,13 @@ class Swarm:
 
     @property
     def is_main(self) -> bool:
-        return self.exchange.rank == 0
+        """Process rank 0 (member 0's leader), which writes the run's shared files."""
+        return self.exchange.collectives.rank == 0
+
+    @property
+    def reports(self) -> bool:
+        """This process reports its members (records, evals): not a further shard of a member (its leader does)."""
+        return all(m.shard is None or m.shard.leader for m in self.members)
 
     @property
     def independent(self) -> bool:
@@ -257,6 +264,7 @@ def check_backend(config: RunConfig, device: torch.device) -> None:
 
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
     """Everything that can be checked before any member is built or any process started; returns the tokenizers."""
+    check_placement(config)
     check_backend(config, resolve_device(config.train.device, 0))
     check_generator_placement(config, distributed=distributed)
     tokenizers = preflight(config)
@@ -266,7 +274,8 @@ def check_before_launch(config: RunConfig, distributed: bool) -> list:
 
 def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, first_start: bool = True,
              checkpoint: pathlib.Path | None = None, exchange: Exchange | None = None,
-             local_rank: int | None = None, progress: Progress | None = None) -> tuple[Swarm, int]:
+             local_rank: int | None = None, progress: Progress | None = None, device: torch.device | None = None,
+             shard=None) -> tuple[Swarm, int]:
     """This process's Swarm and the step to start after (0: a fresh run).
 
     resume: continue from the newest complete checkpoint every rank has (train --resume, or an elastic restart).
@@ -274,6 +283,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     checkpoint: restore exactly this checkpoint, without its optimizer (eval).
     exchange: this process's transport (None: every member lives in this process); the members it holds are
     its rank's (one member per rank) or all of them.
+    device: this rank's device (a multi-process run); shard: this rank's part of a member on several ranks
+    (placement.Shard).
     """
     if exchange is None:
         if config.swarm.mode == "async" and checkpoint is None:
@@ -281,7 +292,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
                                   queue_capacity(config))
         else:
             exchange = LocalSync()
-    distributed = exchange.world_size > 1
+    distributed = exchange.collectives.world_size > 1
     if not distributed and checkpoint is None and any(m.samplers for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.samplers)
         raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
@@ -291,11 +302,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     check_generator_placement(config, distributed=distributed)
+    devices = {i: device or member_device(config, i, local_rank) for i in local}
     for i in local:
-        check_backend(config, resolve_device(config.train.device, local_rank if local_rank is not None else i))
+        check_backend(config, devices[i])
     if checkpoint is None and first_start:
         problem = None
-        if exchange.rank == 0:
+        if exchange.collectives.rank == 0:
             try:
                 check_run_dir(run_dir, config, resume)
             except RunDirError as exc:
@@ -315,23 +327,29 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     members: list[Member] = []
     try:  # a member or checkpoint that fails closes the generators already built (a vLLM engine holds a GPU)
         for i in local:
-            device = resolve_device(config.train.device, local_rank if local_rank is not None else i)
-            member = build_member(i, config, tokenizers[i], device, task)
+            member = build_member(i, config, tokenizers[i], devices[i], task)
             members.append(member)
             check_model(member)
         train_indices, longest_prompt = _usable_prompts(config, task, members[0].tokenizer, exchange)
         for member in members:  # a completion after the longest prompt must fit each model's context
             check_context(config, member.index, getattr(member.causal_lm.config, "max_position_embeddings", None),
                           longest_prompt)
-        start_step = 0
+        start_step, source, what = 0, None, ""
         if checkpoint is not None:
-            start_step = restore(members, config, checkpoint, load_optimizer=False, what="--checkpoint")
+            source, what = checkpoint, "--checkpoint"
         elif resume:
             found = latest_checkpoint(run_dir)
             agreed = exchange.collectives.all_agree(found[0] if found else 0)
             if agreed:
-                start_step = restore(members, config, run_dir / "checkpoints" / f"step-{agreed}",
-                                     load_optimizer=config.checkpoint.save_optimizer, what="--resume: checkpoint")
+                source, what = run_dir / "checkpoints" / f"step-{agreed}", "--resume: checkpoint"
+        optimizer = checkpoint is None and config.checkpoint.save_optimizer
+        if source is not None:  # a sharded member restores its weights whole, then shards them
+            start_step = restore(members, config, source, load_optimizer=optimizer and shard is None, what=what)
+        if shard is not None:
+            for member in members:
+                shard_member(member, shard, config)
+                if source is not None and optimizer:
+                    restore_shard(member, source, what)
     except BaseException:
         close_generators(members)
         raise
@@ -346,7 +364,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     swarm = Swarm(
         config=config, task=task, members=members,
         exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
-        progress=progress or Progress(enabled=exchange.rank == 0), schedule=schedule, receivers=receivers,
+        progress=progress or Progress(enabled=exchange.collectives.rank == 0), schedule=schedule, receivers=receivers,
         loss_config=config.algorithm.loss_config(config.rollout.temperature), start_step=start_step,
     )
     return swarm, start_step
@@ -400,6 +418,16 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
                               f"({type(exc).__name__}: {first_line(exc)})") from None
         member.generator.sync(member.model)
     return step
+
+
+def restore_shard(member: Member, checkpoint: pathlib.Path, what: str) -> None:
+    """A sharded member's optimizer shard (after shard_member), with restore's errors."""
+    try:
+        restore_optimizer_shard(member, checkpoint)
+    except Exception as exc:
+        _replaced(checkpoint, what)
+        raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r}'s optimizer shard "
+                          f"({type(exc).__name__}: {first_line(exc)})") from None
 
 
 def _replaced(checkpoint: pathlib.Path, what: str) -> None:

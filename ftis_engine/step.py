@@ -43,12 +43,15 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         index, watch = member.index, watches[member.index]
         arrivals = swarm.exchange.receive(index, step)
         got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences)
-        trained = own[index] + got.rollouts
+        peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
+        trained = own[index] + peers
         items = training_items(swarm, member, trained)
         with watch("train_seconds"):
             stats = update(swarm, member, items, step)
         member.generator.sync(member.model)
         push_to_samplers(swarm, member, step)
+        if not swarm.reports:  # a further shard: its leader reports the member
+            continue
         watch.seconds["exchange_wait_seconds"] += arrivals.wait_seconds
         watch.seconds["lead_wait_seconds"] += arrivals.lead_wait_seconds
         watch.seconds["exchange_seconds"] += arrivals.seconds
@@ -67,9 +70,16 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]]
     watches = {m.index: Stopwatch() for m in swarm.members}
     own = {}
     for member in swarm.members:
+        shard = member.shard
+        mine = dealt[member.index]
+        if shard is not None:  # each shard its share of the prompts, with a seed of its own
+            prompts = sorted(mine)
+            mine = {prompts[k]: mine[prompts[k]] for k in shard.share(len(prompts))}
+        seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
         with watches[member.index]("gen_seconds"), member.generator.awake():
-            own[member.index] = sample.generate_rollouts(swarm, member, dealt[member.index], step - 1,
-                                                         swarm.schedule.sampling_seed(step, member.index))
+            own[member.index] = sample.generate_rollouts(swarm, member, mine, step - 1, seed)
+        if shard is not None:  # the member's rollouts, on every shard, in shard order
+            own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]
     return own, watches
 
 
@@ -112,4 +122,6 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
     settings = swarm.config.members[member.index]
     if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
-        swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flatten_weights(member.model), step)
+        flat = flatten_weights(member.model)  # a sharded member: gathered by every shard, pushed by its leader
+        if member.shard is None or member.shard.leader:
+            swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flat, step)

@@ -15,6 +15,7 @@ from ftis_kernels import (LossConfig, LossOutput, NonFiniteInputError, combine_s
                           rejection_scale)
 
 from .batch import PackedBatch, TrainItem, micro_batches, pack
+from .placement import full, local
 
 
 def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
@@ -32,32 +33,56 @@ def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
 
 def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num_sequences: int | None = None,
                num_tokens: int | None = None) -> LossOutput:
-    """LossOutput of one packed micro-batch, normalised by the whole batch's counts when given (default: its own)."""
-    _, head = member.body_and_head()
-    hidden = packed_hidden(member, batch)
+    """LossOutput of one packed micro-batch, normalised by the whole batch's counts when given (default: its own).
+    A sharded member runs it through its FSDP2 root (placement.ShardedPolicy), which gathers the head for it."""
     device = member.device
-    return fused_linear_ftis_loss(
-        hidden, head.weight, batch.targets.to(device), batch.gen_logprobs.to(device), batch.advantages.to(device),
-        batch.cu_seqlens.to(device), bias=head.bias, config=cfg, group_ids=batch.group_ids.to(device),
-        backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
-    )
+
+    def loss(hidden, weight, bias):
+        return fused_linear_ftis_loss(
+            hidden, weight, batch.targets.to(device), batch.gen_logprobs.to(device), batch.advantages.to(device),
+            batch.cu_seqlens.to(device), bias=bias, config=cfg, group_ids=batch.group_ids.to(device),
+            backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
+        )
+
+    if member.policy is not None:
+        return member.policy(batch.input_ids[None].to(device), batch.position_ids[None].to(device),
+                             batch.target_rows.to(device), loss)[1]
+    _, head = member.body_and_head()
+    return loss(packed_hidden(member, batch), head.weight, head.bias)
 
 
 def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
                          on_micro_batch=None) -> dict[str, float]:
     """Forward and backward over all micro-batches (gradients accumulate in .grad); returns the whole-batch loss
     and stats. GEPO's group term needs whole groups, so its micro-batches never split one."""
-    batches = micro_batches(items, token_budget, keep_groups=cfg.base_method == "gepo")
     whole = dict(num_sequences=len(items), num_tokens=sum(it.rollout.num_tokens for it in items))
+    shard = member.shard
+    mine = items if shard is None else shard_items(items, shard.index, shard.size)
+    batches = micro_batches(mine, token_budget, keep_groups=cfg.base_method == "gepo")
+    # a sharded member's ranks run as many micro-batches each (FSDP2 gathers every layer for each): a rank with
+    # fewer runs the rest on a stand-in whose loss counts zero. FSDP2 averages the ranks' gradients: x K sums them
+    rounds = len(batches) if shard is None else shard.max(len(batches))
+    factor = 1.0 if shard is None else float(shard.size)
     loss, outputs = 0.0, []
-    for group in batches:
-        batch = pack(group)
+    for k in range(rounds):
+        batch = pack(batches[k] if k < len(batches) else items[:1])
         out = batch_loss(member, batch, cfg, backend, **whole)
-        out.loss.backward()
+        if k >= len(batches):
+            (out.loss * 0.0).backward()
+            continue
+        (out.loss * factor if factor != 1.0 else out.loss).backward()
         loss += float(out.loss.detach())
         outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
+    if shard is not None:  # the whole member's loss and stats: every shard's sums and counts
+        mine_stats = [LossOutput(loss=torch.zeros(()), logprobs=torch.zeros(0),
+                                 stat_sums={k: v.detach().cpu() for k, v in out.stat_sums.items()},
+                                 stat_counts={k: v.detach().cpu() for k, v in out.stat_counts.items()})
+                      for out in outputs]
+        gathered = shard.all_gather((loss, mine_stats))
+        loss = sum(part[0] for part in gathered)
+        outputs = [out for part in gathered for out in part[1]]
     stats = combine_stats(outputs)
     scale = rejection_scale(cfg, stats, **whole)
     if scale != 1.0:  # rejection left fewer tokens or sequences than the normaliser each micro-batch was given
@@ -66,6 +91,23 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
             if p.grad is not None:
                 p.grad.mul_(scale)
     return {"loss": loss, **stats, "micro_batches": len(batches)}
+
+
+def shard_items(items: list[TrainItem], index: int, size: int) -> list[TrainItem]:
+    """Shard `index` of `size`'s part of a member's batch: whole groups (GEPO's group term and horizontal groups
+    stay on one rank), dealt to the rank with the fewest tokens so far, largest first. Every shard computes the
+    same split from the same items."""
+    groups: dict[int, list[TrainItem]] = {}
+    for item in items:
+        groups.setdefault(item.group, []).append(item)
+    load = [0] * size
+    mine: list[TrainItem] = []
+    for group in sorted(groups.values(), key=lambda g: (-sum(it.num_input_tokens for it in g), g[0].group)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        load[rank] += sum(it.num_input_tokens for it in group)
+        if rank == index:
+            mine += group
+    return mine
 
 
 class DivergenceError(RuntimeError):
@@ -85,22 +127,24 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
         member.optimizer.zero_grad(set_to_none=True)
         raise DivergenceError(f"the model's hidden states became NaN or inf ({exc}); no step was taken") from None
     params = member.trainable_parameters()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, member.settings.grad_clip)
-    for what, value in (("loss", stats["loss"]), ("gradient norm", float(grad_norm))):
+    grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, member.settings.grad_clip)))
+    for what, value in (("loss", stats["loss"]), ("gradient norm", grad_norm)):
         if not math.isfinite(value):  # never step on it: the weights stay those of the last good step
             member.optimizer.zero_grad(set_to_none=True)
             raise DivergenceError(f"the {what} is {value}; no step was taken")
     member.optimizer.step()
     member.optimizer.zero_grad(set_to_none=True)
-    if not weights_finite(params):
-        raise DivergenceError(f"the optimizer step made the weights NaN or inf (gradient norm {float(grad_norm):.3g} "
+    if not weights_finite(params, member.shard):
+        raise DivergenceError(f"the optimizer step made the weights NaN or inf (gradient norm {grad_norm:.3g} "
                               f"before clipping to {member.settings.grad_clip:g}); they are not saved")
-    stats["grad_norm"] = float(grad_norm)
+    stats["grad_norm"] = grad_norm
     return stats
 
 
-def weights_finite(params: list[torch.Tensor]) -> bool:
-    return bool(torch.stack([p.detach().isfinite().all() for p in params]).all()) if params else True
+def weights_finite(params: list[torch.Tensor], shard=None) -> bool:
+    """Every weight is finite (a sharded member: on every shard, agreed)."""
+    finite = bool(torch.stack([local(p.detach()).isfinite().all() for p in params]).all()) if params else True
+    return finite if shard is None else shard.all_true(finite)
 
 
 def check_model(member) -> None:

@@ -9,6 +9,7 @@ sent as parcels; admission.py then decides what it trains on (the same checks in
     async_.DistributedAsync   one member (or sampler) per process; nobody waits for anybody, except as far as
                               swarm.max_lead bounds how far a member runs ahead of its slowest live peer
     Alone                     collaboration: alone (wraps any of them: nothing goes on the wire)
+    Shard                     a member's further rank (members.N.ranks > 1): its leader exchanges for it
 
 The collectives of a run's start and checkpoints (barrier, all_agree, gather_records, all_gather_object) are the
 transport's `collectives`: sync.Collectives for both distributed transports, sync.LocalCollectives in one process.
@@ -117,3 +118,26 @@ class Alone:
 
     def finish(self) -> None:
         self.transport.finish()
+
+
+class Shard:
+    """A member's further rank (placement.py): it takes no part in the exchange (its leader sends the member's
+    rollouts and hands it what it admitted); the run's start and checkpoints still gather every rank."""
+
+    def __init__(self, collectives: Collectives, member: int, endpoints: int, independent: bool):
+        self.collectives = collectives
+        self.rank = member  # the member's endpoint: its leader's rank
+        self.world_size = endpoints
+        self.independent = independent
+
+    def start(self, limit: Limit, start_step: int = 0) -> None:
+        """The leader exchanges."""
+
+    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
+        return {m: 0 for m in buffers}
+
+    def receive(self, receiver: int, step: int) -> Arrivals:
+        return Arrivals()
+
+    def finish(self) -> None:
+        """The leader says DONE for the member."""

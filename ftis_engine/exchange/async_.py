@@ -179,11 +179,11 @@ class DistributedAsync:
 
     independent = True
 
-    def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency):
+    def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency, group=None):
         self.collectives = collectives
         self.rank = collectives.rank
-        self.world_size = collectives.world_size
         roles = rank_roles(config)
+        self.world_size = len(roles)  # the endpoints (placement.py): a member's further ranks never exchange
         self.member, self.sampler = roles[self.rank]
         learners = [r for r, (_, k) in enumerate(roles) if k is None]
         self.targets = [r for r in learners if r != self.rank]  # rollouts go to the learners only
@@ -195,7 +195,7 @@ class DistributedAsync:
         self.timeout_s = config.swarm.timeout_s
         self.latency = latency
         capacity = queue_capacity(config)
-        self.links = Links(self.rank, self.world_size, self.timeout_s, outbox_capacity=capacity)
+        self.links = Links(self.rank, self.world_size, self.timeout_s, outbox_capacity=capacity, group=group)
         self.mailbox = Mailbox(capacity)
         self._limit: Limit | None = None
         self.weights: WeightSlot | None = None

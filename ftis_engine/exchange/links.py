@@ -122,9 +122,11 @@ class Outbox:
 class Links:
     """This rank's links to every peer. `start(handler)` starts the threads; `post_*` never block."""
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int):
+    def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int, group=None):
         # a group of its own: its point-to-point traffic never interleaves with the default group's collectives
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        # (group: the endpoints' gloo group, placement.make_groups; ranks 0..world_size-1, global = group rank)
+        self.group = group if group is not None else dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = rank
         self.timeout_s = timeout_s
         self.peers = [p for p in range(world_size) if p != rank]

@@ -20,6 +20,9 @@ from . import Arrivals, Limit, Parcel, wire_bytes_sent
 class LocalCollectives:
     """Every member is in this process: nothing to wait for or gather."""
 
+    rank = 0
+    world_size = 1
+
     def barrier(self) -> None:
         """Nobody to wait for."""
 
@@ -97,14 +100,16 @@ class Collectives:
 
 
 class DistributedSync:
-    """One member per process over torch.distributed (NCCL between GPUs, gloo on CPU)."""
+    """One member per endpoint over torch.distributed (NCCL between GPUs, gloo on CPU). The endpoints are ranks
+    0..E-1 (placement.py); `group` holds just them when members have further ranks (None: every rank is one)."""
 
     independent = False
 
-    def __init__(self, collectives: Collectives):
+    def __init__(self, collectives: Collectives, group=None, endpoints: int | None = None):
         self.collectives = collectives
         self.rank = collectives.rank
-        self.world_size = collectives.world_size
+        self.world_size = endpoints or collectives.world_size
+        self.group = group
         self._limit: Limit | None = None
         self._arrivals = Arrivals()
 
@@ -114,7 +119,12 @@ class DistributedSync:
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         """Wait for every peer (timed apart: waiting for a slower peer is not the exchange's cost), then transfer."""
         start = time.perf_counter()
-        self.collectives.barrier()
+        if self.group is None:
+            self.collectives.barrier()
+        elif self.collectives.backend == "gloo":
+            dist.monitored_barrier(group=self.group, wait_all_ranks=True)
+        else:
+            dist.barrier(group=self.group)
         waited = time.perf_counter() - start
         buffer = buffers[self.rank]
         parcels = self._transfer(buffer, step)
@@ -125,7 +135,7 @@ class DistributedSync:
         device = self.collectives.device
         own = buffer.to(device, torch.int32).contiguous()
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([own.numel()], dtype=torch.int64, device=device))
+        dist.all_gather(sizes, torch.tensor([own.numel()], dtype=torch.int64, device=device), group=self.group)
         parcels = []
         for src, size in enumerate(int(s.item()) for s in sizes):
             limit = self._limit(src, step) if self._limit is not None else size
@@ -135,7 +145,7 @@ class DistributedSync:
                                           refused=f"{size} words announced, an honest parcel holds 1..{limit}"))
                 continue
             tensor = own if src == self.rank else torch.empty(size, dtype=torch.int32, device=device)
-            dist.broadcast(tensor, src=src)
+            dist.broadcast(tensor, src=src, group=self.group)  # endpoint src is global rank src
             if src != self.rank:
                 parcels.append(Parcel(src, step, step - 1, tensor.cpu()))
         return parcels

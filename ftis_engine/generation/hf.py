@@ -1,5 +1,6 @@
 """The transformers generator: `model.generate` on the member's own model (it shares the trainer's weights, so
-`sync` has nothing to do). Serves CPU runs and tests.
+`sync` has nothing to do; a member sharded over ranks samples from a plain replica that `sync` updates). Serves
+CPU runs and tests.
 
 Log-probs are the sampler's scores: generation runs with the model's own defaults disabled and our processor chain
 (temperature, top-k, top-p) followed by a recorder, which reads the final processed scores of each step and,
@@ -38,15 +39,26 @@ class _SampledLogprobRecorder(LogitsProcessor):
 class HFGenerator:
     """Sampling and greedy decoding with transformers, batched over prompts (left padding)."""
 
-    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 256):
+    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 256, replica: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.batch_size = batch_size
+        self.replica = replica  # a sharded member's plain copy (placement.py), synced from the shards
         self.eos_ids = eos_token_ids(model, tokenizer)
 
+    @torch.no_grad()
     def sync(self, model) -> None:
-        """Nothing to push: generation reads the trainer's own parameters."""
+        """Nothing to push when generation reads the trainer's own parameters; a replica takes the trained
+        parameters gathered from the shards, one at a time (every shard of the member calls this)."""
+        if not self.replica:
+            return
+        from ..placement import full
+
+        mine = dict(self.model.named_parameters())
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                mine[name].copy_(full(param.detach()))
 
     def awake(self) -> contextlib.AbstractContextManager[None]:
         """No separate engine: generation reads the trainer's parameters."""

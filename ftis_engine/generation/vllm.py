@@ -29,6 +29,7 @@ import tempfile
 import torch
 
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
+from ..placement import full, full_state_dict, is_sharded
 
 log = logging.getLogger("ftis_engine.vllm")
 
@@ -117,6 +118,7 @@ class VLLMGenerator:
             shutil.rmtree(self._work, ignore_errors=True)
             raise
         self._model = model
+        self._gathered: dict[str, torch.Tensor] | None = None  # a sharded member's weights, gathered at sync
         self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
         self._lora_request = None
         self._lora_version = 0
@@ -159,9 +161,14 @@ class VLLMGenerator:
     # ------------------------------------------------------------------------------------------- lifecycle
 
     def sync(self, model) -> None:
-        """The trainer's weights changed: push them at the next wake_up (the engine may be asleep now)."""
+        """The trainer's weights changed: push them at the next wake_up (the engine may be asleep now). A member
+        sharded over ranks (placement.py) gathers them here, one tensor at a time onto the CPU, with all its
+        shards (each rank's engine generates its share): a later wake-up may be the leader's alone (eval)."""
         self._model = model
         self._stale = True
+        if any(is_sharded(p) for p in model.parameters()):
+            self._gathered = ({n: full(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
+                              if self.lora else full_state_dict(model))
         if not self._asleep:
             self._push()
 
@@ -199,8 +206,8 @@ class VLLMGenerator:
         if self.lora:
             self._push_adapter()
         else:
-            state = checkpoint_names(self._model, self._model.state_dict())
-            weights = [(name, tensor.detach()) for name, tensor in state.items()]
+            state = self._gathered if self._gathered is not None else self._model.state_dict()
+            weights = [(name, tensor.detach()) for name, tensor in checkpoint_names(self._model, state).items()]
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.llm.reset_prefix_cache()
         self._stale = False
@@ -210,7 +217,7 @@ class VLLMGenerator:
 
         self._lora_version += 1
         path = self._work / f"adapter-{self._lora_version}"
-        self._model.save_pretrained(str(path))
+        self._model.save_pretrained(str(path), **({"state_dict": self._gathered} if self._gathered else {}))
         if self._lora_request is not None:
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)

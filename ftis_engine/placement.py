@@ -1,0 +1,255 @@
+"""Where members run: which process rank is which member's shard, and a member spread over several ranks.
+
+Process layout (`members.N.ranks`, `members.N.samplers`), decided here and nowhere else:
+
+    ranks 0 .. E-1      the exchange's endpoints (config.rank_roles): every member's first rank (its leader) in
+                        member order, then the sampler ranks
+    ranks E .. W-1      every member's further ranks (shards 1 .. K-1), in member order
+
+so the exchange, the schedule and the receivers see one endpoint per member (and per sampler) whatever its
+ranks, and a run whose members all have one rank is laid out exactly as before. `--nproc` is W = the sum of all
+members' ranks plus their samplers.
+
+A member on K > 1 ranks (a `Shard`) holds its model sharded with FSDP2 (`fully_shard` per decoder layer and at a
+root that runs the body and the fused loss head, so the head's weight is gathered for the loss), generates its
+share of the member's prompts on each rank, trains on its share of the member's batch on each rank (the op is
+given the member's whole-batch counts, so the K gradients sum to the one-rank gradient), and sends its rollouts
+once, from the leader. The leader alone exchanges with the other members and admits their rollouts; it hands
+what it admitted to its shards.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError, RunConfig, rank_roles
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one process does: learner (sampler None) or sampler of a member, and which shard of it."""
+
+    member: int
+    sampler: int | None
+    shard: int  # 0 for the leader (the endpoint) and for samplers
+
+    @property
+    def endpoint(self) -> bool:
+        return self.shard == 0
+
+
+def process_roles(config: RunConfig) -> list[Role]:
+    """Every process rank's role: the endpoints first (rank_roles), then every member's further shards."""
+    roles = [Role(member, sampler, 0) for member, sampler in rank_roles(config)]
+    for i, member in enumerate(config.members):
+        roles += [Role(i, None, shard) for shard in range(1, member.ranks)]
+    return roles
+
+
+def member_ranks(config: RunConfig, member: int) -> list[int]:
+    """The process ranks of a member's learner, leader first (shard order)."""
+    return [r for r, role in enumerate(process_roles(config)) if role.member == member and role.sampler is None]
+
+
+def device_slot(config: RunConfig, rank: int) -> int:
+    """The position of a rank when every member's ranks sit side by side (member 0's shards, member 1's, ...,
+    then the samplers): the GPU a rank takes on one node, so that a member's shards are neighbours."""
+    order = [r for i in range(len(config.members)) for r in member_ranks(config, i)]
+    order += [r for r, role in enumerate(process_roles(config)) if role.sampler is not None]
+    return order.index(rank)
+
+
+def describe_layout(config: RunConfig) -> str:
+    """One line per rank: what it runs (printed at start)."""
+    lines = []
+    for rank, role in enumerate(process_roles(config)):
+        member = config.members[role.member]
+        if role.sampler is not None:
+            what = f"{member.name}: sampler {role.sampler}"
+        elif member.ranks > 1:
+            what = f"{member.name}: shard {role.shard + 1}/{member.ranks}" + (" (leader)" if role.endpoint else "")
+        else:
+            what = member.name
+        lines.append(f"  rank {rank}: {what}")
+    return "\n".join(lines)
+
+
+def check_placement(config: RunConfig) -> None:
+    """members.N.ranks and members.N.device, before any process starts."""
+    for i, member in enumerate(config.members):
+        if member.ranks > 1 and member.device is not None:
+            raise ConfigError(f"members.{i}.device: a member on {member.ranks} ranks takes one device per rank (by "
+                              "rank); drop device or set ranks: 1")
+        if member.device is not None:
+            check_device(f"members.{i}.device", member.device)
+
+
+def check_device(field: str, spec: str) -> torch.device:
+    """A device string that exists on this machine."""
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ConfigError(f"{field}: unknown device {spec!r}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"{field}: {spec!r} requested but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"{field}: {spec!r} does not exist (this machine has {torch.cuda.device_count()} "
+                              "GPU(s))")
+    return device
+
+
+# ------------------------------------------------------------------------------------------------- process groups
+
+
+@dataclass
+class Groups:
+    """The process groups of a multi-process run beyond the default one, created by every rank in one order."""
+
+    endpoints: object | None  # the exchange's ranks 0..E-1 (None: every rank is one)
+    links: object | None  # async: the point-to-point links' gloo group over the endpoints
+    members: dict[int, tuple[object, object]]  # member with K > 1 ranks -> (FSDP group, gloo group for objects)
+
+
+def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) -> Groups:
+    """Every rank calls this right after init_process_group: torch.distributed needs each group created by all
+    ranks, in the same order."""
+    roles = process_roles(config)
+    endpoints = sum(role.endpoint for role in roles)
+    endpoint_group = dist.new_group(list(range(endpoints)), timeout=timeout) if endpoints < len(roles) else None
+    links = None
+    if config.swarm.mode == "async":
+        links = dist.new_group(list(range(endpoints)), backend="gloo", timeout=timeout)
+    members = {}
+    for i, member in enumerate(config.members):
+        if member.ranks > 1:
+            ranks = member_ranks(config, i)
+            fsdp = dist.new_group(ranks, backend=backend, timeout=timeout)
+            objects = fsdp if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+            members[i] = (fsdp, objects)
+    return Groups(endpoint_group, links, members)
+
+
+# ------------------------------------------------------------------------------------------------- a sharded member
+
+
+@dataclass
+class Shard:
+    """This rank's part of a member on several ranks."""
+
+    index: int  # 0: the leader
+    size: int
+    ranks: list[int]  # the member's process ranks, leader first
+    group: object  # FSDP's group (NCCL between GPUs, gloo on CPU)
+    objects: object  # gloo group of the same ranks, for Python objects
+
+    @property
+    def leader(self) -> bool:
+        return self.index == 0
+
+    def all_gather(self, value) -> list:
+        gathered: list = [None] * self.size
+        dist.all_gather_object(gathered, value, group=self.objects)
+        return gathered
+
+    def from_leader(self, value):
+        """The leader's value on every shard."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self.ranks[0], group=self.objects)
+        return box[0]
+
+    def max(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.objects)
+        return int(tensor.item())
+
+    def all_true(self, value: bool) -> bool:
+        tensor = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.objects)
+        return bool(tensor.item())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.objects)
+
+    def share(self, count: int) -> range:
+        """Which of `count` ordered things (prompts) this shard takes: every size-th from its index."""
+        return range(self.index, count, self.size)
+
+
+class ShardedPolicy(torch.nn.Module):
+    """The FSDP2 root of a sharded member: its forward runs the decoder body and hands the hidden states and the
+    (gathered) lm_head to `loss`, so the head's weight exists in full for the fused loss and its gradient is
+    reduce-scattered like every other."""
+
+    def __init__(self, model: torch.nn.Module, causal_lm: torch.nn.Module):
+        super().__init__()
+        self.model = model  # registered: the root owns the embeddings, final norm and head (and their adapters)
+        self._causal_lm = [causal_lm]  # not a submodule twice
+
+    def forward(self, input_ids, position_ids, rows, loss):
+        lm = self._causal_lm[0]
+        hidden = lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state[0, rows]
+        head = lm.get_output_embeddings()
+        out = loss(hidden, head.weight, head.bias)
+        return out.loss, out
+
+
+def decoder_layers(causal_lm) -> list[torch.nn.Module]:
+    layers = getattr(causal_lm.get_decoder(), "layers", None)
+    return list(layers) if layers is not None else []
+
+
+def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, shard: Shard,
+                device: torch.device) -> ShardedPolicy:
+    """fully_shard every decoder layer, then the root (bf16 parameters with fp32 gradient reduction on GPU)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    layers = decoder_layers(causal_lm)
+    if not layers:
+        raise ConfigError(f"members.{index}.ranks: the model has no decoder `layers` list to shard; use ranks: 1")
+    mesh = DeviceMesh.from_group(shard.group, device.type)
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    root = ShardedPolicy(model, causal_lm)
+    fully_shard(root, mesh=mesh, mp_policy=policy)
+    return root
+
+
+def replica(model: torch.nn.Module) -> torch.nn.Module:
+    """A plain copy a sharded member's HF generator samples from (synced from the shards after every update)."""
+    return copy.deepcopy(model)
+
+
+def is_sharded(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A sharded parameter's whole value (a collective over its member's ranks), or the tensor itself."""
+    return tensor.full_tensor() if is_sharded(tensor) else tensor
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor, or the tensor itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+def full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with every sharded entry gathered, one tensor at a time, onto the CPU (every shard
+    must call it; keep=False gathers without keeping, for the shards that do not write)."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        value = full(tensor).detach()
+        if keep:
+            out[name] = value.cpu()
+    return out
