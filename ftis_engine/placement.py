@@ -79,8 +79,25 @@ def describe_layout(config: RunConfig) -> str:
     return "\n".join(lines)
 
 
+# what the vLLM engines that share one GPU may take of it together; the rest is the members' training memory
+SHARED_ENGINES_LIMIT = 0.9
+
+
 def check_placement(config: RunConfig) -> None:
-    """members.N.ranks and members.N.device, before any process starts."""
+    """members.N.ranks and members.N.device, before any process starts: a device must exist, and the vLLM engines
+    of members placed on one GPU must leave room for training (each takes its gpu_memory_utilization share of
+    the whole GPU while awake; asleep, during the updates, almost nothing)."""
+    engines: dict[str, list[int]] = {}
+    for i, member in enumerate(config.members):
+        if member.device is not None and member.generator == "vllm":
+            engines.setdefault(str(member.device), []).append(i)
+    for device, placed in engines.items():
+        total = sum(config.members[i].vllm.gpu_memory_utilization for i in placed)
+        if len(placed) > 1 and total > SHARED_ENGINES_LIMIT:
+            names = ", ".join(f"members.{i}" for i in placed)
+            raise ConfigError(f"members.{placed[-1]}.vllm.gpu_memory_utilization: the vLLM engines of {names} on "
+                              f"{device} would take {total:.2f} of it together (at most {SHARED_ENGINES_LIMIT}, the "
+                              "rest is for training); lower it")
     for i, member in enumerate(config.members):
         if member.ranks > 1 and member.device is not None:
             raise ConfigError(f"members.{i}.device: a member on {member.ranks} ranks takes one device per rank (by "

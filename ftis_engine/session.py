@@ -31,7 +31,7 @@ from .exchange.sync import LocalSync
 from .members import (Member, build_member, check_context, check_generator_placement, check_warm_start, member_device,
                       preflight, resolve_device, shard_member)
 from .models import vocabulary_hash
-from .placement import check_placement
+from .placement import check_placement, process_roles
 from .progress import Progress
 from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
@@ -297,6 +297,10 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         first = next(i for i, m in enumerate(config.members) if m.samplers)
         raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
                           f"{len(rank_roles(config))} (one per member and sampler) or torchrun")
+    if not distributed and checkpoint is None and any(m.ranks > 1 for m in config.members):
+        first = next(i for i, m in enumerate(config.members) if m.ranks > 1)
+        raise ConfigError(f"members.{first}.ranks: a member on {config.members[first].ranks} ranks runs in "
+                          f"processes of its own: --nproc {len(process_roles(config))} (or torchrun)")
     # a rank holds its member: a learner's, or the one a sampler rank generates for
     local = [rank_roles(config)[exchange.rank][0]] if distributed else list(range(len(config.members)))
     if config.train.threads:

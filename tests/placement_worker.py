@@ -1,0 +1,71 @@
+"""One rank of tests/test_placement.py's equivalence check (gloo, started like torchrun).
+
+Every rank builds the same member and the same batch; rank 0 also steps an unsharded twin on the whole batch.
+Then the member is sharded over all ranks (placement.shard_member) and steps on the same batch; rank 0 writes the
+largest difference between the two updated models (and the two steps' loss and stats) to the JSON file given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from ftis_engine.members import build_member, preflight, shard_member  # noqa: E402
+from ftis_engine.placement import Shard, full, full_state_dict  # noqa: E402
+from ftis_engine.update import accumulate_gradients, update_member  # noqa: E402
+from tests.helpers import random_items, short_config  # noqa: E402
+
+
+def one_case(index: int, method: str, out: dict) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = short_config(f"algorithm.method={method}", "train.micro_batch_tokens=40")
+    tokenizer = preflight(cfg, members=[index])[index]
+    loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
+    member = build_member(index, cfg, tokenizer, torch.device("cpu"))
+    items = random_items(member.vocab_size, n_groups=5, per_group=3, seed=7)  # uneven groups over the ranks
+    budget = cfg.train.micro_batch_tokens
+    twin = None
+    if rank == 0:
+        twin = build_member(index, cfg, tokenizer, torch.device("cpu"))
+        accumulate_gradients(twin, items, loss_config, budget, "torch")
+        twin_grads = {n: p.grad.clone() for n, p in twin.model.named_parameters() if p.requires_grad}
+        before = {n: p.detach().clone() for n, p in twin.model.named_parameters() if p.requires_grad}
+        twin_stats = update_member(twin, items, loss_config, budget, "torch")
+    group = dist.new_group(list(range(world)), backend="gloo")
+    shard_member(member, Shard(rank, world, list(range(world)), group, group), cfg)
+    accumulate_gradients(member, items, loss_config, budget, "torch")
+    grads = {n: full(p.grad).clone() for n, p in member.model.named_parameters() if p.requires_grad}
+    stats = update_member(member, items, loss_config, budget, "torch")
+    state = full_state_dict(member.model, keep=rank == 0)
+    if rank == 0:
+        reference = twin.model.state_dict()
+        scale = max(float(g.abs().max()) for g in twin_grads.values())
+        out[f"{index}-{method}"] = {
+            "grad_rel_diff": max(float((grads[n] - g).abs().max()) for n, g in twin_grads.items()) / scale,
+            "weight_diff": max(float((state[k] - reference[k]).abs().max()) for k in reference),
+            "moved": max(float((reference[n] - before[n]).abs().max()) for n in before),
+            "trained": len(twin_grads), "lr": cfg.members[index].lr,
+            "stats": {k: [stats[k], twin_stats[k]] for k in ("loss", "grad_norm", "is_weight_mean", "filtered_frac")},
+        }
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    out: dict = {}
+    for index, method in [(0, "f-tis"), (1, "f-tis"), (0, "gepo")]:  # full, LoRA, whole groups (GEPO)
+        one_case(index, method, out)
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(out, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

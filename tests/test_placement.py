@@ -1,0 +1,169 @@
+"""Placement: the process layout, a member on several ranks (FSDP2 over gloo) and bad placements."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ftis_engine.config import rank_roles
+from ftis_engine.placement import Role, describe_layout, device_slot, member_ranks, process_roles
+from ftis_engine.update import shard_items
+
+from .helpers import TINY, random_items, short_config
+from .test_swarm import _args, _cli, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------------------------------------- the layout
+
+
+def test_endpoints_come_first_and_a_members_further_ranks_after_them():
+    config = short_config("members.0.ranks=3", "members.1.ranks=2")
+    roles = process_roles(config)
+    assert roles == [Role(0, None, 0), Role(1, None, 0), Role(0, None, 1), Role(0, None, 2), Role(1, None, 1)]
+    assert [(r.member, r.sampler) for r in roles[:2]] == rank_roles(config)  # the exchange sees one per member
+    assert member_ranks(config, 0) == [0, 2, 3] and member_ranks(config, 1) == [1, 4]
+    # on one node a member's shards take neighbouring GPUs: 0, 2, 3 -> 0, 1, 2; 1, 4 -> 3, 4
+    assert [device_slot(config, r) for r in range(5)] == [0, 3, 1, 2, 4]
+    layout = describe_layout(config)
+    assert "rank 0: tiny-s: shard 1/3 (leader)" in layout and "rank 4: tiny-m-lora: shard 2/2" in layout
+
+
+def test_one_rank_members_keep_the_old_layout():
+    config = short_config("swarm.mode=async", "members.1.samplers=2")
+    assert [(r.member, r.sampler) for r in process_roles(config)] == rank_roles(config)
+    assert all(r.shard == 0 for r in process_roles(config))
+
+
+def test_a_batch_is_split_over_shards_in_whole_groups_every_item_once_and_balanced():
+    items = random_items(100, n_groups=7, per_group=3, seed=1)
+    parts = [shard_items(items, k, 3) for k in range(3)]
+    assert sorted(id(it) for part in parts for it in part) == sorted(id(it) for it in items)
+    for part in parts:  # a group never spans two shards
+        for other in parts:
+            if other is not part:
+                assert not {it.group for it in part} & {it.group for it in other}
+    loads = [sum(it.num_input_tokens for it in part) for part in parts]
+    biggest = max(sum(it.num_input_tokens for it in items if it.group == g) for g in range(7))
+    assert max(loads) - min(loads) <= biggest  # greedy: no shard is more than one group ahead
+    assert [shard_items(items, k, 3) for k in range(3)] == parts  # every shard computes the same split
+
+
+# ------------------------------------------------------------------------------------------------- bad placements
+
+
+@pytest.mark.parametrize("override, nproc, message", [
+    ("members.0.ranks=0", "2", "members.0.ranks"),
+    ("members.0.ranks=2", "2", "--nproc 2: the config needs 3 processes"),
+    ("members.0.device=cuda:7", "2", "members.0.device"),
+    ("members.0.device=gpu:0", "2", "members.0.device"),
+])
+def test_bad_placements_exit_2_with_one_line(tmp_path, override, nproc, message):
+    result = _cli(*_args(tmp_path, override), "--nproc", nproc)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not (tmp_path / "swarm").exists()
+
+
+def test_two_vllm_engines_that_would_fill_one_gpu_are_refused_before_anything_starts(tmp_path):
+    result = _cli(*_args(tmp_path, "members.0.generator=vllm", "members.1.generator=vllm",
+                         "members.0.device=cuda:0", "members.1.device=cuda:0",
+                         "members.0.vllm.gpu_memory_utilization=0.5", "members.1.vllm.gpu_memory_utilization=0.5"),
+                  "--nproc", "2")
+    assert result.returncode == 2, result.stderr
+    assert "members.1.vllm.gpu_memory_utilization" in result.stderr and "1.00" in result.stderr
+
+
+def test_a_device_on_a_member_of_several_ranks_is_refused(tmp_path):
+    result = _cli(*_args(tmp_path, "members.0.ranks=2", "members.0.device=cpu"), "--nproc", "3")
+    assert result.returncode == 2 and "members.0.device" in result.stderr and "ranks" in result.stderr
+
+
+def test_a_member_on_several_ranks_without_processes_is_refused(tmp_path):
+    result = _cli(*_args(tmp_path, "members.0.ranks=2"))
+    assert result.returncode == 2 and "members.0.ranks" in result.stderr and "--nproc 3" in result.stderr
+
+
+def test_a_member_placed_on_a_device_trains_there_in_one_process(tmp_path):
+    result = _cli(*_args(tmp_path, "members.1.device=cpu", "train.steps=1", "checkpoint.every=0"))
+    assert result.returncode == 0, result.stderr
+
+
+# ------------------------------------------------------------------------------------------------- FSDP2 members
+
+
+@pytest.mark.slow
+def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
+    """Full, LoRA and GEPO (whole groups): the 2-rank gradient equals the 1-rank gradient to float32 rounding;
+    the stats agree; Adam's first step (lr x sign, about) lands on the same weights to a small fraction of lr."""
+    port, out = _free_port(), tmp_path / "equivalence.json"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "placement_worker.py"), str(out)], env=_env(
+        RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), stderr=subprocess.PIPE,
+        text=True) for r in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+    cases = json.loads(out.read_text())
+    assert set(cases) == {"0-f-tis", "1-f-tis", "0-gepo"}
+    for name, case in cases.items():
+        assert case["grad_rel_diff"] < 1e-5, name
+        assert case["moved"] > 0.5 * case["lr"], name  # the step did move the weights
+        assert case["weight_diff"] < 0.1 * case["lr"], name
+        for stat, (sharded, one) in case["stats"].items():
+            assert sharded == pytest.approx(one, rel=1e-5, abs=1e-7), (name, stat)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, ranks", [("sync", "members.0.ranks=2"), ("async", "members.1.ranks=2")])
+def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoint_loads(tmp_path, mode, ranks):
+    """kill -9 of the sharded member's further rank after the first checkpoint: the elastic agent restarts every
+    rank, the run resumes with no gap; both members trained on each other's rollouts; the sharded member's
+    checkpoint is a plain HF model (or adapter) that eval and transformers load."""
+    args = _args(tmp_path, ranks, f"swarm.mode={mode}", "train.steps=6", "checkpoint.every=2", "eval.every=0")
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "3", "--max-restarts", "1"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _kill_rank_after_first_checkpoint(tmp_path, proc, rank=2)  # rank 2: the further shard
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err
+    assert "rank 2: tiny-" in out and "shard 2/2" in out  # the layout printed at start
+    assert _steps(tmp_path) == {m: list(range(1, 7)) for m in ("tiny-s", "tiny-m-lora")}
+    train = _train(_records(tmp_path))
+    for name in ("tiny-s", "tiny-m-lora"):
+        assert sum(r["peer_sequences"] for r in train if r["member"] == name) > 0, name
+    checkpoint = tmp_path / "swarm" / "checkpoints" / "step-6"
+    sharded = "tiny-s" if mode == "sync" else "tiny-m-lora"
+    files = sorted(p.name for p in (checkpoint / "members" / sharded).iterdir())
+    assert files == ["model", "optimizer.shard-0.pt", "optimizer.shard-1.pt", "rng.pt"]
+    result = _cli("eval", "--checkpoint", str(checkpoint))
+    assert result.returncode == 0, result.stderr
+    accuracies = [json.loads(x) for x in result.stdout.splitlines() if x.startswith("{")]
+    assert {r["member"] for r in accuracies} == {"tiny-s", "tiny-m-lora"}
+    final = {r["member"]: r["accuracy"] for r in json.loads((tmp_path / "swarm" / "final_eval.json").read_text())}
+    assert all(final[r["member"]] == r["accuracy"] for r in accuracies)  # the same weights as the run ended with
+    if sharded == "tiny-s":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(checkpoint / "members" / "tiny-s" / "model")
+        assert sum(p.numel() for p in model.parameters()) > 0
+
+
+@pytest.mark.slow
+def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
+    """`ftis-engine train --config configs/tiny.yaml --set members.0.ranks=2 --nproc 3`, shortened: both members
+    gain over their step-0 accuracy."""
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--set", "members.0.ranks=2",
+            "--set", "train.steps=40", "--set", "eval.every=40", "--set", "checkpoint.every=0",
+            "--set", "members.1.lr=4e-3", "--set", "run_name=swarm"]
+    result = _cli(*args, "--nproc", "3", timeout=600)
+    assert result.returncode == 0, result.stderr
+    evals = [r for r in _records(tmp_path) if r["kind"] == "eval"]
+    for name in ("tiny-s", "tiny-m-lora"):
+        start, end = ([r["accuracy"] for r in evals if r["member"] == name and r["step"] == s][0] for s in (0, 40))
+        assert end > start + 0.05, (name, start, end)
+
