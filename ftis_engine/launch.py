@@ -112,7 +112,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
     from .members import resolve_device
-    from .placement import Shard, check_device, device_slot, make_groups, member_ranks
+    from .placement import Shard, check_device, endpoint_ranks, make_groups, member_ranks
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
@@ -130,8 +130,6 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         if world != len(roles):
             raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
         role = roles[rank]
-        if world == int(os.environ.get("LOCAL_WORLD_SIZE", world)):  # one node: a member's shards on neighbours
-            local_rank = device_slot(config, rank)
         placed = config.members[role.member].device
         device = check_device(f"members.{role.member}.device", placed) if placed else \
             resolve_device(config.train.device, local_rank)
@@ -146,14 +144,15 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
                                              world_size=world, timeout=timeout)
         groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout)
         collectives = Collectives(rank, world, device, backend)
-        endpoints = sum(r.endpoint for r in roles)
-        if not role.endpoint:
+        endpoints = len(endpoint_ranks(config))
+        if role.endpoint is None:
             exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
         elif config.swarm.mode == "async":
             exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
-                                        group=groups.links)
+                                        endpoint=role.endpoint, group=groups.links)
         else:
-            exchange = DistributedSync(collectives, group=groups.endpoints, endpoints=endpoints)
+            exchange = DistributedSync(collectives, endpoint=role.endpoint, group=groups.endpoints,
+                                       endpoints=endpoints)
         shard = None
         if role.sampler is None and role.member in groups.members:
             fsdp, objects = groups.members[role.member]

@@ -1,14 +1,12 @@
 """Where members run: which process rank is which member's shard, and a member spread over several ranks.
 
-Process layout (`members.N.ranks`, `members.N.samplers`), decided here and nowhere else:
-
-    ranks 0 .. E-1      the exchange's endpoints (config.rank_roles): every member's first rank (its leader) in
-                        member order, then the sampler ranks
-    ranks E .. W-1      every member's further ranks (shards 1 .. K-1), in member order
-
-so the exchange, the schedule and the receivers see one endpoint per member (and per sampler) whatever its
-ranks, and a run whose members all have one rank is laid out exactly as before. `--nproc` is W = the sum of all
-members' ranks plus their samplers.
+Process layout (`members.N.ranks`, `members.N.samplers`), decided here and nowhere else: every member's ranks
+side by side in member order (its first rank is its leader), then the sampler ranks. Rank order is node order
+under torchrun, so a member's ranks share a node whenever its K fits one. The exchange, the schedule and the
+receivers number *endpoints* (config.rank_roles: every member's leader, then the samplers) and see one per
+member whatever its ranks; `endpoint_ranks` maps them to process ranks. A run whose members all have one rank is
+laid out exactly as before (process rank = endpoint). `--nproc` is the sum of all members' ranks plus their
+samplers.
 
 A member on K > 1 ranks (a `Shard`) holds its model sharded with FSDP2 (`fully_shard` per decoder layer and at a
 root that runs the body and the fused loss head, so the head's weight is gathered for the loss), generates its
@@ -32,36 +30,33 @@ from .config import ConfigError, RunConfig, rank_roles
 
 @dataclass(frozen=True)
 class Role:
-    """What one process does: learner (sampler None) or sampler of a member, and which shard of it."""
+    """What one process does: learner (sampler None) or sampler of a member, which shard of it, and the
+    exchange endpoint it is (None: a member's further shard, which its leader exchanges for)."""
 
     member: int
     sampler: int | None
-    shard: int  # 0 for the leader (the endpoint) and for samplers
-
-    @property
-    def endpoint(self) -> bool:
-        return self.shard == 0
+    shard: int  # 0 for the leader and for samplers
+    endpoint: int | None
 
 
 def process_roles(config: RunConfig) -> list[Role]:
-    """Every process rank's role: the endpoints first (rank_roles), then every member's further shards."""
-    roles = [Role(member, sampler, 0) for member, sampler in rank_roles(config)]
-    for i, member in enumerate(config.members):
-        roles += [Role(i, None, shard) for shard in range(1, member.ranks)]
+    """Every process rank's role: each member's shards in member order, then the samplers."""
+    endpoints = {role: e for e, role in enumerate(rank_roles(config))}
+    roles = [Role(i, None, shard, endpoints[(i, None)] if shard == 0 else None)
+             for i, member in enumerate(config.members) for shard in range(member.ranks)]
+    roles += [Role(i, k, 0, endpoints[(i, k)]) for i, member in enumerate(config.members) for k in range(member.samplers)]
     return roles
+
+
+def endpoint_ranks(config: RunConfig) -> list[int]:
+    """The process rank of every exchange endpoint (in rank_roles order)."""
+    ranks = {role.endpoint: r for r, role in enumerate(process_roles(config)) if role.endpoint is not None}
+    return [ranks[e] for e in range(len(ranks))]
 
 
 def member_ranks(config: RunConfig, member: int) -> list[int]:
     """The process ranks of a member's learner, leader first (shard order)."""
     return [r for r, role in enumerate(process_roles(config)) if role.member == member and role.sampler is None]
-
-
-def device_slot(config: RunConfig, rank: int) -> int:
-    """The position of a rank when every member's ranks sit side by side (member 0's shards, member 1's, ...,
-    then the samplers): the GPU a rank takes on one node, so that a member's shards are neighbours."""
-    order = [r for i in range(len(config.members)) for r in member_ranks(config, i)]
-    order += [r for r, role in enumerate(process_roles(config)) if role.sampler is not None]
-    return order.index(rank)
 
 
 def describe_layout(config: RunConfig) -> str:
@@ -72,7 +67,7 @@ def describe_layout(config: RunConfig) -> str:
         if role.sampler is not None:
             what = f"{member.name}: sampler {role.sampler}"
         elif member.ranks > 1:
-            what = f"{member.name}: shard {role.shard + 1}/{member.ranks}" + (" (leader)" if role.endpoint else "")
+            what = f"{member.name}: shard {role.shard + 1}/{member.ranks}" + (" (leader)" if role.shard == 0 else "")
         else:
             what = member.name
         lines.append(f"  rank {rank}: {what}")
@@ -128,20 +123,20 @@ def check_device(field: str, spec: str) -> torch.device:
 class Groups:
     """The process groups of a multi-process run beyond the default one, created by every rank in one order."""
 
-    endpoints: object | None  # the exchange's ranks 0..E-1 (None: every rank is one)
-    links: object | None  # async: the point-to-point links' gloo group over the endpoints
+    endpoints: object | None  # the exchange's endpoints, group rank = endpoint (None: every rank is one)
+    links: object | None  # async: the point-to-point links' gloo group over the endpoints (group rank = endpoint)
     members: dict[int, tuple[object, object]]  # member with K > 1 ranks -> (FSDP group, gloo group for objects)
 
 
 def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) -> Groups:
     """Every rank calls this right after init_process_group: torch.distributed needs each group created by all
     ranks, in the same order."""
-    roles = process_roles(config)
-    endpoints = sum(role.endpoint for role in roles)
-    endpoint_group = dist.new_group(list(range(endpoints)), timeout=timeout) if endpoints < len(roles) else None
+    endpoints = endpoint_ranks(config)
+    endpoint_group = dist.new_group(endpoints, timeout=timeout) if len(endpoints) < len(process_roles(config)) \
+        else None
     links = None
     if config.swarm.mode == "async":
-        links = dist.new_group(list(range(endpoints)), backend="gloo", timeout=timeout)
+        links = dist.new_group(endpoints, backend="gloo", timeout=timeout)
     members = {}
     for i, member in enumerate(config.members):
         if member.ranks > 1:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ftis_engine.config import rank_roles
-from ftis_engine.placement import Role, describe_layout, device_slot, member_ranks, process_roles
+from ftis_engine.placement import Role, describe_layout, endpoint_ranks, member_ranks, process_roles
 from ftis_engine.update import shard_items
 
 from .helpers import TINY, random_items, short_config
@@ -22,22 +22,24 @@ HERE = pathlib.Path(__file__).resolve().parent
 # ------------------------------------------------------------------------------------------------- the layout
 
 
-def test_endpoints_come_first_and_a_members_further_ranks_after_them():
-    config = short_config("members.0.ranks=3", "members.1.ranks=2")
+def test_a_members_ranks_sit_side_by_side_and_the_exchange_sees_one_endpoint_per_member():
+    config = short_config("swarm.mode=async", "members.0.ranks=3", "members.1.ranks=2", "members.1.samplers=1")
     roles = process_roles(config)
-    assert roles == [Role(0, None, 0), Role(1, None, 0), Role(0, None, 1), Role(0, None, 2), Role(1, None, 1)]
-    assert [(r.member, r.sampler) for r in roles[:2]] == rank_roles(config)  # the exchange sees one per member
-    assert member_ranks(config, 0) == [0, 2, 3] and member_ranks(config, 1) == [1, 4]
-    # on one node a member's shards take neighbouring GPUs: 0, 2, 3 -> 0, 1, 2; 1, 4 -> 3, 4
-    assert [device_slot(config, r) for r in range(5)] == [0, 3, 1, 2, 4]
+    assert roles == [Role(0, None, 0, 0), Role(0, None, 1, None), Role(0, None, 2, None), Role(1, None, 0, 1),
+                     Role(1, None, 1, None), Role(1, 0, 0, 2)]
+    assert endpoint_ranks(config) == [0, 3, 5]  # rank_roles' endpoints: member 0, member 1, member 1's sampler
+    assert rank_roles(config) == [(0, None), (1, None), (1, 0)]
+    assert member_ranks(config, 0) == [0, 1, 2] and member_ranks(config, 1) == [3, 4]
     layout = describe_layout(config)
     assert "rank 0: tiny-s: shard 1/3 (leader)" in layout and "rank 4: tiny-m-lora: shard 2/2" in layout
+    assert "rank 5: tiny-m-lora: sampler 0" in layout
 
 
 def test_one_rank_members_keep_the_old_layout():
     config = short_config("swarm.mode=async", "members.1.samplers=2")
-    assert [(r.member, r.sampler) for r in process_roles(config)] == rank_roles(config)
-    assert all(r.shard == 0 for r in process_roles(config))
+    roles = process_roles(config)
+    assert [(r.member, r.sampler) for r in roles] == rank_roles(config)
+    assert [r.endpoint for r in roles] == list(range(len(roles))) == endpoint_ranks(config)
 
 
 def test_a_batch_is_split_over_shards_in_whole_groups_every_item_once_and_balanced():
@@ -120,18 +122,19 @@ def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, ranks", [("sync", "members.0.ranks=2"), ("async", "members.1.ranks=2")])
-def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoint_loads(tmp_path, mode, ranks):
+@pytest.mark.parametrize("mode, ranks, further", [("sync", "members.0.ranks=2", 1), ("async", "members.1.ranks=2", 2)])
+def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoint_loads(tmp_path, mode, ranks,
+                                                                                         further):
     """kill -9 of the sharded member's further rank after the first checkpoint: the elastic agent restarts every
     rank, the run resumes with no gap; both members trained on each other's rollouts; the sharded member's
     checkpoint is a plain HF model (or adapter) that eval and transformers load."""
     args = _args(tmp_path, ranks, f"swarm.mode={mode}", "train.steps=6", "checkpoint.every=2", "eval.every=0")
     proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "3", "--max-restarts", "1"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _kill_rank_after_first_checkpoint(tmp_path, proc, rank=2)  # rank 2: the further shard
+    _kill_rank_after_first_checkpoint(tmp_path, proc, rank=further)  # the sharded member's further rank
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err
-    assert "rank 2: tiny-" in out and "shard 2/2" in out  # the layout printed at start
+    assert f"rank {further}: {'tiny-s' if mode == 'sync' else 'tiny-m-lora'}: shard 2/2" in out  # the layout
     assert _steps(tmp_path) == {m: list(range(1, 7)) for m in ("tiny-s", "tiny-m-lora")}
     train = _train(_records(tmp_path))
     for name in ("tiny-s", "tiny-m-lora"):

@@ -179,9 +179,10 @@ class DistributedAsync:
 
     independent = True
 
-    def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency, group=None):
+    def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency, endpoint: int | None = None,
+                 group=None):
         self.collectives = collectives
-        self.rank = collectives.rank
+        self.rank = collectives.rank if endpoint is None else endpoint  # its endpoint: rank in the links' group
         roles = rank_roles(config)
         self.world_size = len(roles)  # the endpoints (placement.py): a member's further ranks never exchange
         self.member, self.sampler = roles[self.rank]

@@ -124,7 +124,7 @@ class Links:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int, group=None):
         # a group of its own: its point-to-point traffic never interleaves with the default group's collectives
-        # (group: the endpoints' gloo group, placement.make_groups; ranks 0..world_size-1, global = group rank)
+        # (group: the endpoints' gloo group, placement.make_groups; a peer is its rank in the group: its endpoint)
         self.group = group if group is not None else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = rank
@@ -236,7 +236,7 @@ class Links:
     def _send(self, peer: int, tensor: torch.Tensor, tag: int) -> bool:
         """Send `tensor`; False when the connection closed (the peer is lost unless it said DONE)."""
         try:
-            dist.send(tensor, dst=peer, group=self.group, tag=tag)
+            dist.send(tensor, group=self.group, tag=tag, group_dst=peer)
             return True
         except Exception as exc:
             if not self._done_received[peer].is_set():
@@ -290,7 +290,7 @@ class Links:
     def _recv(self, peer: int, tensor: torch.Tensor, tag: int) -> bool:
         """Receive into `tensor`; False when the connection closed (the peer is lost unless it said DONE)."""
         try:
-            dist.recv(tensor, src=peer, group=self.group, tag=tag)
+            dist.recv(tensor, group=self.group, tag=tag, group_src=peer)
             return True
         except Exception as exc:
             if not self._done_received[peer].is_set():

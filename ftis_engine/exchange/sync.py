@@ -100,14 +100,16 @@ class Collectives:
 
 
 class DistributedSync:
-    """One member per endpoint over torch.distributed (NCCL between GPUs, gloo on CPU). The endpoints are ranks
-    0..E-1 (placement.py); `group` holds just them when members have further ranks (None: every rank is one)."""
+    """One member per endpoint over torch.distributed (NCCL between GPUs, gloo on CPU). `group` holds just the
+    endpoints, its ranks numbered as they are (placement.py), when members have further ranks (None: every process
+    is an endpoint and its rank is its endpoint)."""
 
     independent = False
 
-    def __init__(self, collectives: Collectives, group=None, endpoints: int | None = None):
+    def __init__(self, collectives: Collectives, endpoint: int | None = None, group=None,
+                 endpoints: int | None = None):
         self.collectives = collectives
-        self.rank = collectives.rank
+        self.rank = collectives.rank if endpoint is None else endpoint
         self.world_size = endpoints or collectives.world_size
         self.group = group
         self._limit: Limit | None = None
@@ -145,7 +147,7 @@ class DistributedSync:
                                           refused=f"{size} words announced, an honest parcel holds 1..{limit}"))
                 continue
             tensor = own if src == self.rank else torch.empty(size, dtype=torch.int32, device=device)
-            dist.broadcast(tensor, src=src, group=self.group)  # endpoint src is global rank src
+            dist.broadcast(tensor, group=self.group, group_src=src)  # src: the endpoint, its rank in the group
             if src != self.rank:
                 parcels.append(Parcel(src, step, step - 1, tensor.cpu()))
         return parcels
