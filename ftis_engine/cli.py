@@ -49,7 +49,7 @@ def train(
     config: pathlib.Path = typer.Option(..., "--config", help="YAML run config."),
     set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value (list indices allowed)."),
     output_dir: pathlib.Path | None = typer.Option(None, "--output-dir", help="Parent of the run directory."),
-    nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this machine, one member each."),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this machine: one per member rank (members.N.ranks) and sampler."),
     resume: bool = typer.Option(False, "--resume", metavar="", help="Continue from the newest complete checkpoint."),
     dry_run: bool = typer.Option(False, "--dry-run", metavar="", help="Print the resolved config and exit."),
     max_restarts: int | None = typer.Option(None, "--max-restarts", min=0,

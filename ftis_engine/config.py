@@ -284,7 +284,10 @@ class SwarmSettings(_Section):
                     "max_lead steps ahead, and a sampler for its learner), so it must exceed the slowest "
                     "member's eval.",
     )
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="auto: nccl when members are on GPUs, else gloo.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="The default group's backend. auto: nccl when members are on GPUs, else gloo; gloo when "
+                            "any member sets members.N.device (ranks may share a GPU, which NCCL refuses). A member "
+                            "on several GPUs shards over NCCL either way.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")
 
 

@@ -1,4 +1,4 @@
-"""Multi-process runs: one member per rank over torch.distributed.
+"""Multi-process runs over torch.distributed: one process per member rank and sampler (placement.py).
 
 `ftis-engine train --nproc N` starts N local workers through torch.distributed's elastic agent (what torchrun
 uses); the same config runs under `torchrun` too (single- or multi-node), the ranks coming from the environment.

@@ -24,8 +24,8 @@ from .config import rank_roles
 from .exchange.async_ import DistributedAsync, WeightSlot
 from .generation import sample
 from .members import trainable_parameters
-from .placement import full
 from .metrics import MetricsLogger
+from .placement import full
 from .rollouts import encode
 from .session import Swarm
 

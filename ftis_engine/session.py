@@ -28,8 +28,17 @@ from .exchange import Alone, Exchange
 from .exchange.admission import Admission, RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
 from .exchange.sync import LocalSync
-from .members import (Member, build_member, check_context, check_generator_placement, check_warm_start, member_device,
-                      preflight, resolve_device, shard_member)
+from .members import (
+    Member,
+    build_member,
+    check_context,
+    check_generator_placement,
+    check_warm_start,
+    member_device,
+    preflight,
+    resolve_device,
+    shard_member,
+)
 from .models import vocabulary_hash
 from .placement import check_placement, process_roles
 from .progress import Progress
@@ -282,7 +291,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     first_start: False for an elastic restart (which resumes by design, so the fresh-run check is skipped).
     checkpoint: restore exactly this checkpoint, without its optimizer (eval).
     exchange: this process's transport (None: every member lives in this process); the members it holds are
-    its rank's (one member per rank) or all of them.
+    its rank's (a member's rank, or a sampler's) or all of them.
     device: this rank's device (a multi-process run); shard: this rank's part of a member on several ranks
     (placement.Shard).
     """
@@ -296,7 +305,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if not distributed and checkpoint is None and any(m.samplers for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.samplers)
         raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
-                          f"{len(rank_roles(config))} (one per member and sampler) or torchrun")
+                          f"{len(process_roles(config))} (one per member rank and sampler) or torchrun")
     if not distributed and checkpoint is None and any(m.ranks > 1 for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.ranks > 1)
         raise ConfigError(f"members.{first}.ranks: a member on {config.members[first].ranks} ranks runs in "
@@ -362,7 +371,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
                                                                      config.rollout.max_new_tokens),
                                     m.index, start_step) for m in members}
     if exchange.independent and config.swarm.max_lead is not None \
-            and config.swarm.max_lead > config.swarm.max_staleness and exchange.rank == 0:
+            and config.swarm.max_lead > config.swarm.max_staleness and exchange.collectives.rank == 0:
         log.warning("swarm.max_lead=%d > swarm.max_staleness=%d: a member that far ahead drops its slowest peer's "
                     "newest rollouts as stale", config.swarm.max_lead, config.swarm.max_staleness)
     swarm = Swarm(

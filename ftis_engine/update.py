@@ -11,8 +11,14 @@ from __future__ import annotations
 import math
 
 import torch
-from ftis_kernels import (LossConfig, LossOutput, NonFiniteInputError, combine_stats, fused_linear_ftis_loss,
-                          rejection_scale)
+from ftis_kernels import (
+    LossConfig,
+    LossOutput,
+    NonFiniteInputError,
+    combine_stats,
+    fused_linear_ftis_loss,
+    rejection_scale,
+)
 
 from .batch import PackedBatch, TrainItem, micro_batches, pack
 from .placement import full, local

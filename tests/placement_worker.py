@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ftis_engine.members import build_member, preflight, shard_member  # noqa: E402
-from ftis_engine.placement import Shard, full, full_state_dict  # noqa: E402
-from ftis_engine.update import accumulate_gradients, update_member  # noqa: E402
-from tests.helpers import random_items, short_config  # noqa: E402
+from ftis_engine.members import build_member, preflight, shard_member
+from ftis_engine.placement import Shard, full, full_state_dict
+from ftis_engine.update import accumulate_gradients, update_member
+from tests.helpers import random_items, short_config
 
 
 def one_case(index: int, method: str, out: dict) -> None:

@@ -222,7 +222,7 @@ def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path):
     assert result.returncode == 2 and result.stderr.strip().startswith("error: members.0.samplers: sampler ranks need")
     result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(tmp_path, "members.0.samplers=1", *ASYNC),
                              "--nproc", "2"], env=_env(), capture_output=True, text=True, timeout=120)
-    assert result.returncode == 2 and "--nproc 2: one process per member and sampler" in result.stderr
+    assert result.returncode == 2 and "--nproc 2: the config needs 3 processes" in result.stderr
 
 
 def test_with_restarts_a_killed_async_rank_comes_back_and_the_run_finishes_every_step(tmp_path):

@@ -13,11 +13,13 @@ from .helpers import short_config
 
 def test_nproc_must_be_one_process_per_member_and_sampler(tmp_path, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    with pytest.raises(ConfigError, match=r"^--nproc 3: one process per member and sampler, and the config has 2 "
-                                          r"members$"):
+    with pytest.raises(ConfigError, match=r"^--nproc 3: the config needs 2 processes \(one per member rank and "
+                                          r"sampler: tiny-s, tiny-m-lora\)$"):
         launch_distributed(short_config(), tmp_path / "run", resume=False, nproc=3)
-    with pytest.raises(ConfigError, match=r"and 1 sampler rank\(s\)"):
+    with pytest.raises(ConfigError, match=r"needs 3 processes .*, 1 sampler rank\(s\)\)$"):
         launch_distributed(short_config("swarm.mode=async", "members.0.samplers=1"), tmp_path / "run", False, 2)
+    with pytest.raises(ConfigError, match=r"needs 4 processes .*: tiny-s on 3 rank\(s\), tiny-m-lora\)$"):
+        launch_distributed(short_config("members.0.ranks=3"), tmp_path / "run", False, 2)
     assert not (tmp_path / "run").exists()
 
 

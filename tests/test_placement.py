@@ -167,6 +167,6 @@ def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
     assert result.returncode == 0, result.stderr
     evals = [r for r in _records(tmp_path) if r["kind"] == "eval"]
     for name in ("tiny-s", "tiny-m-lora"):
-        start, end = ([r["accuracy"] for r in evals if r["member"] == name and r["step"] == s][0] for s in (0, 40))
+        start, end = (next(r["accuracy"] for r in evals if r["member"] == name and r["step"] == s) for s in (0, 40))
         assert end > start + 0.05, (name, start, end)
 

@@ -4,7 +4,7 @@ Every step a member `send`s its scored rollouts (one wire buffer, rollouts.encod
 sent as parcels; admission.py then decides what it trains on (the same checks in both modes). The transports:
 
     sync.LocalSync            every member in this process
-    sync.DistributedSync      one member per process; every member waits for every member each step
+    sync.DistributedSync      one endpoint (member) per process; every member waits for every member each step
     async_.LocalAsync         every member in this process, deliveries delayed by swarm.latency only
     async_.DistributedAsync   one member (or sampler) per process; nobody waits for anybody, except as far as
                               swarm.max_lead bounds how far a member runs ahead of its slowest live peer

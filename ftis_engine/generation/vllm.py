@@ -28,8 +28,8 @@ import tempfile
 
 import torch
 
-from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 from ..placement import full, full_state_dict, is_sharded
+from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
 log = logging.getLogger("ftis_engine.vllm")
 
