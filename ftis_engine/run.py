@@ -34,18 +34,18 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
     cfg = swarm.config.eval
     max_new = cfg.max_new_tokens or swarm.config.rollout.max_new_tokens
     records = []
-    if not swarm.reports:  # a member's further shard: its leader evaluates the member
-        return records
-    for member in swarm.members:
+    for member in swarm.members:  # a member on several ranks: every shard evaluates a share, the leader reports
         with member.generator.awake():
             for name, examples in swarm.task.evals.items():
                 examples = examples[: cfg.max_samples] if cfg.max_samples else examples
-                bar = swarm.progress.start(f"{member.name}: eval {name}", len(examples))
+                share = len(examples) if member.shard is None else len(range(member.shard.index, len(examples),
+                                                                                 member.shard.size))
+                bar = swarm.progress.start(f"{member.name}: eval {name}", share)
                 accuracy = evaluate_member(member, swarm.task, examples, max_new,
                                            on_batch=lambda k: swarm.progress.advance(bar, k))
                 swarm.progress.finish(bar)
                 records.append(eval_record(step, member.name, name, accuracy, len(examples)))
-    return records
+    return records if swarm.reports else []
 
 
 def save_checkpoint(swarm: Swarm, step: int) -> None:
