@@ -89,7 +89,7 @@ def _check_logprobs(name: str, t: torch.Tensor) -> None:
 
 def _check_inputs(
     x: torch.Tensor, x_name: str, vocab: int, targets, gen_logprobs, advantages, cu_seqlens,
-    old_logprobs, group_ids, cfg: LossConfig, backend: str,
+    old_logprobs, group_ids, cfg: LossConfig, backend: str, gen_seq_logprobs=None,
 ) -> torch.Tensor:
     """Validate the per-token and per-sequence inputs; returns the [N] bool mask of counted tokens."""
     n = x.shape[0]
@@ -100,6 +100,8 @@ def _check_inputs(
         tensors["old_logprobs"] = old_logprobs
     if group_ids is not None:
         tensors["group_ids"] = group_ids
+    if gen_seq_logprobs is not None:
+        tensors["gen_seq_logprobs"] = gen_seq_logprobs
     for name, t in tensors.items():
         _require_tensor(name, t)
         if t.device != device:
@@ -108,7 +110,8 @@ def _check_inputs(
         t = tensors[name]
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got {t.dtype}")
-    for name in ("gen_logprobs", "advantages") + (("old_logprobs",) if old_logprobs is not None else ()):
+    for name in ("gen_logprobs", "advantages") + (("old_logprobs",) if old_logprobs is not None else ()) + (
+            ("gen_seq_logprobs",) if gen_seq_logprobs is not None else ()):
         _check_float(name, tensors[name], backend)
 
     _check_shape("gen_logprobs", gen_logprobs, (n,), f"one per row of {x_name}")
@@ -120,6 +123,12 @@ def _check_inputs(
     _check_shape("advantages", advantages, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
     if group_ids is not None:
         _check_shape("group_ids", group_ids, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
+    if gen_seq_logprobs is not None:
+        _check_shape("gen_seq_logprobs", gen_seq_logprobs, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
+        given = gen_seq_logprobs[~torch.isnan(gen_seq_logprobs)]
+        if not bool(torch.isfinite(given).all()) or bool((given > 0).any()):
+            raise ValueError("gen_seq_logprobs: a sequence's log-probability must be finite and <= 0 (NaN: the "
+                             "sequence has per-token gen_logprobs)")
 
     cu = cu_seqlens.long()
     if int(cu[0]) != 0:
@@ -181,7 +190,7 @@ def _check_finite_logprobs(x: torch.Tensor, x_name: str, counted: torch.Tensor, 
 
 
 def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
-          group_ids, backend, num_sequences, num_tokens) -> LossOutput:
+          group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs=None) -> LossOutput:
     num_sequences = _check_count("num_sequences", num_sequences, advantages.numel(), "sequences")
     if num_tokens is not None:
         num_tokens = _check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
@@ -189,7 +198,7 @@ def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens
     _check_finite_logprobs(x, x_name, counted, logprobs)
     loss, (sums, counts) = ftis_objective(
         logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
-        num_sequences=num_sequences, num_tokens=num_tokens,
+        num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs,
     )
     stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
     return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts)
@@ -211,6 +220,7 @@ def ftis_loss(
     backend: str = "auto",
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    gen_seq_logprobs: torch.Tensor | None = None,
     **overrides,
 ) -> LossOutput:
     """F-TIS loss of packed completions from logits.
@@ -226,6 +236,12 @@ def ftis_loss(
     whole batch's sequences and counted tokens: the loss is then divided as the whole batch's is, so the
     micro-batches' gradients add up to the whole batch's. Split gepo batches at group boundaries (E_k is taken
     over the groups within the call). None: this call's own counts.
+    gen_seq_logprobs: [S] fp32 or None. A finite value is the generator's log-probability of the whole sequence,
+    for a sequence whose per-token generation log-probs are unknown (another tokenizer made it, and the targets are
+    its text re-encoded): its gen_logprobs entries are ignored and every term that uses them sees the sequence's
+    log-ratio spread evenly over its tokens, log(pi/pi_gen)_t = (sum_t l_t - gen_seq) / |y|: its IS weight is the
+    geometric-mean ratio (is_level token or geometric) or the sequence ratio (sequence), its KL and rejection
+    terms are built from that same log-ratio. NaN: the sequence's own per-token gen_logprobs (the default).
     Returns LossOutput(loss, logprobs, stats, stat_sums, stat_counts); `combine_stats` merges micro-batches'
     stats. NaN or inf in the logits raises ValueError. The gradient w.r.t. logits is the only N x V allocation.
     """
@@ -234,9 +250,9 @@ def ftis_loss(
     backend = resolve_backend(backend, logits.device)
     _check_matrix("logits", logits, backend)
     counted = _check_inputs(logits, "logits", logits.shape[1], targets, gen_logprobs, advantages, cu_seqlens,
-                            old_logprobs, group_ids, cfg, backend)
+                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs)
     return _loss(logits, "logits", None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                 old_logprobs, group_ids, backend, num_sequences, num_tokens)
+                 old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
 
 
 def fused_linear_ftis_loss(
@@ -254,6 +270,7 @@ def fused_linear_ftis_loss(
     backend: str = "auto",
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    gen_seq_logprobs: torch.Tensor | None = None,
     **overrides,
 ) -> LossOutput:
     """F-TIS loss of packed completions from hidden states and the lm_head, without any N x V tensor.
@@ -268,9 +285,9 @@ def fused_linear_ftis_loss(
     backend = resolve_backend(backend, hidden.device)
     _check_linear(hidden, weight, bias, backend)
     counted = _check_inputs(hidden, "hidden", weight.shape[0], targets, gen_logprobs, advantages, cu_seqlens,
-                            old_logprobs, group_ids, cfg, backend)
+                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs)
     return _loss(hidden, "hidden", weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                 old_logprobs, group_ids, backend, num_sequences, num_tokens)
+                 old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
 
 
 def _check_linear(hidden, weight, bias, backend: str) -> None:
@@ -336,17 +353,18 @@ class FTISLoss(torch.nn.Module):
         self.backend = backend
 
     def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, old_logprobs=None, group_ids=None,
-                num_sequences=None, num_tokens=None):
+                num_sequences=None, num_tokens=None, gen_seq_logprobs=None):
         return ftis_loss(logits, targets, gen_logprobs, advantages, cu_seqlens, config=self.config,
                          old_logprobs=old_logprobs, group_ids=group_ids, backend=self.backend,
-                         num_sequences=num_sequences, num_tokens=num_tokens)
+                         num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs)
 
 
 class FusedLinearFTISLoss(FTISLoss):
     """nn.Module form of `fused_linear_ftis_loss`: forward(hidden, weight, targets, ..., bias=None)."""
 
     def forward(self, hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=None, old_logprobs=None,
-                group_ids=None, num_sequences=None, num_tokens=None):
+                group_ids=None, num_sequences=None, num_tokens=None, gen_seq_logprobs=None):
         return fused_linear_ftis_loss(hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=bias,
                                       config=self.config, old_logprobs=old_logprobs, group_ids=group_ids,
-                                      backend=self.backend, num_sequences=num_sequences, num_tokens=num_tokens)
+                                      backend=self.backend, num_sequences=num_sequences, num_tokens=num_tokens,
+                                      gen_seq_logprobs=gen_seq_logprobs)

@@ -151,6 +151,19 @@ def rejection(numerator: torch.Tensor, gen_logprobs: torch.Tensor, seq: torch.Te
     return kept, emptied
 
 
+def spread_sequence_logprobs(gen_logprobs: torch.Tensor, gen_seq: torch.Tensor, numerator: torch.Tensor,
+                             seq: torch.Tensor, given: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """Per-token generation log-probs for the sequences that have only a sequence log-probability G_i (finite
+    entries of gen_seq): n_t + (G_i - sum of n over its given tokens) / their count, so that the log-ratio
+    n_t - g_t is the sequence's mean log-ratio on every token (and sums to the sequence's log-ratio)."""
+    zero = numerator.new_zeros(())
+    n = torch.where(given, numerator.detach(), zero)
+    count = segment_sum(given.to(n.dtype), seq, num_seqs)
+    shift = _mean(torch.nan_to_num(gen_seq, nan=0.0) - segment_sum(n, seq, num_seqs), count)
+    foreign = ~torch.isnan(gen_seq)
+    return torch.where(foreign[seq] & given, n + shift[seq], gen_logprobs)
+
+
 def _mean(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return total / torch.clamp(count, min=1)
 
@@ -167,6 +180,7 @@ def ftis_objective(
     group_ids: torch.Tensor | None = None,
     num_sequences: int | None = None,
     num_tokens: int | None = None,
+    gen_seq_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     """Loss and stats of one update (or one micro-batch of it) from per-token log-probs.
 
@@ -175,6 +189,9 @@ def ftis_objective(
     counted: [N] bool, False where the target is ignore_index; group_ids: [S] (gepo only).
     num_sequences / num_tokens: the whole batch's sequences / counted tokens when this call is one micro-batch
     of it (the normaliser of sequence, constant and gepo / of token normalisation); None: this call's own.
+    gen_seq_logprobs: [S], NaN or a sequence's generation log-probability G_i (per-token ones unknown): its tokens'
+    gen_logprobs become n_t + (G_i - sum_t n_t) / |y_i| over its given tokens (n: the IS numerator), so every
+    term below sees the sequence-level log-ratio spread evenly over its tokens.
     Returns the scalar loss and (sums, counts): per stat key, the detached sum and the int64 count it is over.
     """
     dtype = logprobs.dtype
@@ -187,6 +204,9 @@ def ftis_objective(
     # The IS weight's numerator: l_t (the paper), or the given old policy o_t (decoupled PPO).
     old = lb if old_logprobs is None else torch.where(given, old_logprobs.to(dtype), zero)
     numerator = old if cfg.is_source == "old" else lb
+    if gen_seq_logprobs is not None:
+        gen_logprobs = spread_sequence_logprobs(gen_logprobs.to(dtype), gen_seq_logprobs.to(dtype), numerator, seq,
+                                                given, num_seqs)
     emptied = torch.zeros(num_seqs, dtype=torch.bool, device=adv.device)
     if cfg.reject != "none":  # a rejected token counts nowhere from here on, as if its target were ignored
         counted, emptied = rejection(numerator, gen_logprobs.to(dtype), seq, given, num_seqs, cfg)

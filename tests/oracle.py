@@ -55,8 +55,10 @@ def _kl_term(x: float, estimator: str) -> float:
     return {"k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1, "k1-gen": x, "k3-gen": math.exp(-x) - 1 + x}[estimator]
 
 
-def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
-    """Returns (loss, logprobs [N], stats dict of floats). `logits` is a float64 [N, V] tensor (may require grad)."""
+def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq=None):
+    """Returns (loss, logprobs [N], stats dict of floats). `logits` is a float64 [N, V] tensor (may require grad).
+    gen_seq: [S] or None; a finite entry is sequence i's generation log-probability G_i, its per-token gen entries
+    unknown: the sequence's log-ratio (sum of the IS numerator - G_i) is spread evenly over its tokens."""
     n = logits.shape[0]
     logp_all = torch.log_softmax(logits.double() / cfg.temperature, dim=-1)
     p_all = logp_all.detach().exp()
@@ -77,6 +79,10 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None):
             logprobs[t] = l[k].detach()
         g = gen[toks]
         o = old[toks] if old is not None else l.detach()
+        if gen_seq is not None and not math.isnan(float(gen_seq[i])) and toks:
+            ref = o if cfg.is_source == "old" else l.detach()
+            mean_ratio = (float(ref.sum()) - float(gen_seq[i])) / len(toks)  # log(pi/pi_gen) of the sequence / |y|
+            g = torch.tensor([float(r) - mean_ratio for r in ref], dtype=torch.float64)
         seq_terms.append((toks, l, g, o))
 
     # Rejection (SPEC 2b, verl rollout_rs): blind to A; a rejected token is dropped from everything below.

@@ -57,6 +57,13 @@ CASES = {
                                           is_level="geometric", is_tokens="all", is_cap=1.5),
     "cispo-cap-below-one": dict(method="nois", _old=True, policy_loss="cispo", eps_low=1.0, eps_high=-0.8,
                                 normalization="token"),
+    # sequences whose generator gave only a sequence log-probability (another tokenizer): gen_seq_logprobs
+    "foreign-f-tis": dict(method="f-tis", _foreign=True),
+    "foreign-sequence-tis": dict(method="tis", is_level="sequence", is_cap=3.0, _foreign=True),
+    "foreign-gepo": dict(method="gepo", _groups=True, _foreign=True),
+    "foreign-reject-old": dict(method="f-tis", _old=True, is_source="old", reject="mean", reject_estimator="k1-gen",
+                               _foreign=True),
+    "foreign-f-vis-k1-mean": dict(method="f-vis", kl_estimator="k1", kl_reduction="mean", _foreign=True),
 }
 # each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
 OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta", "gspo", "cispo",
@@ -89,7 +96,20 @@ def configure(case: dict, problem) -> tuple[LossConfig, dict]:
         "old_logprobs": problem.old if case.get("_old") else None,
         "group_ids": problem.group_ids if case.get("_groups") else None,
     }
+    if case.get("_foreign"):
+        extra["gen_seq_logprobs"] = foreign_logprobs(problem)
     return LossConfig(**options), extra
+
+
+def foreign_logprobs(problem) -> torch.Tensor:
+    """gen_seq_logprobs for every other sequence: its tokens' gen log-probs summed, moved by up to 1 nat (a
+    generator that tokenised the text otherwise); NaN (per-token gen log-probs known) for the rest."""
+    g = torch.Generator().manual_seed(int(problem.cu[-1]))
+    out = torch.full((problem.adv.numel(),), float("nan"))
+    for i in range(1, problem.adv.numel(), 2):
+        total = float(problem.gen[int(problem.cu[i]) : int(problem.cu[i + 1])].sum())
+        out[i] = min(total + float(torch.rand((), generator=g)) * 2 - 1, 0.0)
+    return out
 
 
 def _sequence_kls(problem, cfg) -> list[float]:
@@ -128,7 +148,8 @@ def run_oracle(problem, cfg, extra, dtype=torch.float64):
     logits = (hidden @ weight.T + bias)
     logits.retain_grad()
     loss, logprobs, stats = oracle(logits, problem.targets, problem.gen, problem.adv, problem.cu, cfg,
-                                   old=extra["old_logprobs"], group_ids=extra["group_ids"])
+                                   old=extra["old_logprobs"], group_ids=extra["group_ids"],
+                                   gen_seq=extra.get("gen_seq_logprobs"))
     loss.backward()
     grads = {"hidden": hidden.grad, "weight": weight.grad, "bias": bias.grad, "logits": logits.grad}
     return loss.detach(), logprobs, stats, grads
@@ -192,6 +213,54 @@ def _oracle_from_logits(logits_half, problem, cfg, extra):
                                    old=extra["old_logprobs"], group_ids=extra["group_ids"])
     loss.backward()
     return loss.detach(), logprobs, stats, {"logits": logits.grad}
+
+
+@pytest.mark.parametrize("case", [name for name in CASES if name.startswith("foreign-")])
+def test_a_sequence_log_probability_changes_the_loss_its_case_tests(case):
+    """Guards the foreign cases above: the sequences given only a sequence log-probability matter."""
+    problem = make_problem(seed=sum(map(ord, case)))
+    cfg, extra = configure(CASES[case], problem)
+    with_seq, *_ = run_oracle(problem, cfg, extra)
+    without, *_ = run_oracle(problem, cfg, {**extra, "gen_seq_logprobs": None})
+    assert abs(float(with_seq) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sequence_weight_from_the_sequence_log_probability_equals_the_one_from_its_tokens(backend):
+    """is_level sequence, no filter: a sequence's weight depends on its generation log-probs only through their
+    sum, so giving that sum (and garbage per-token values) leaves the loss and gradients unchanged."""
+    problem = make_problem(seed=21, ignore_frac=0.0)
+    cfg = LossConfig(method="tis", is_level="sequence", is_cap=3.0)
+    sums = torch.stack([problem.gen[int(problem.cu[i]) : int(problem.cu[i + 1])].sum()
+                        for i in range(problem.adv.numel())])
+    common = dict(bias=problem.bias.float(), config=cfg, backend=backend)
+    hidden = problem.hidden.float().requires_grad_()
+    a = ftis_kernels.fused_linear_ftis_loss(hidden, problem.weight.float(), problem.targets, problem.gen,
+                                            problem.adv, problem.cu, **common)
+    a.loss.backward()
+    grad_a, hidden.grad = hidden.grad.clone(), None
+    b = ftis_kernels.fused_linear_ftis_loss(hidden, problem.weight.float(), problem.targets,
+                                            torch.full_like(problem.gen, -7.0), problem.adv, problem.cu,
+                                            gen_seq_logprobs=sums, **common)
+    b.loss.backward()
+    assert float(b.loss.detach()) == pytest.approx(float(a.loss.detach()), rel=1e-5)
+    assert float(b.stats["is_weight_mean"]) == pytest.approx(float(a.stats["is_weight_mean"]), rel=1e-5)
+    assert rel_err(hidden.grad, grad_a) <= 1e-5
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda s: s[:-1], "one per sequence"),
+    (lambda s: torch.where(torch.arange(s.numel()) == 0, torch.tensor(0.5), s), "finite and <= 0"),
+    (lambda s: torch.where(torch.arange(s.numel()) == 0, torch.tensor(-float("inf")), s), "finite and <= 0"),
+    (lambda s: s.long(), "gen_seq_logprobs"),
+])
+def test_bad_sequence_log_probabilities_are_refused_naming_the_argument(bad, message):
+    problem = make_problem(seed=4)
+    good = torch.full((problem.adv.numel(),), -3.0)
+    with pytest.raises((ValueError, TypeError), match=message):
+        ftis_kernels.fused_linear_ftis_loss(problem.hidden.float(), problem.weight.float(), problem.targets,
+                                            problem.gen, problem.adv, problem.cu, backend="torch",
+                                            gen_seq_logprobs=bad(good))
 
 
 def test_filter_zeroes_the_gradient_of_filtered_sequences():
