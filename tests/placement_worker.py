@@ -42,6 +42,11 @@ def one_case(index: int, method: str, out: dict) -> None:
     accumulate_gradients(member, items, loss_config, budget, "torch")
     grads = {n: full(p.grad).clone() for n, p in member.model.named_parameters() if p.requires_grad}
     stats = update_member(member, items, loss_config, budget, "torch")
+    for seed in (8, 9):  # two more steps on other batches: the optimizer's state must carry over alike
+        more = random_items(member.vocab_size, n_groups=4, per_group=3, seed=seed)
+        update_member(member, more, loss_config, budget, "torch")
+        if rank == 0:
+            update_member(twin, more, loss_config, budget, "torch")
     state = full_state_dict(member.model, keep=rank == 0)
     if rank == 0:
         reference = twin.model.state_dict()
