@@ -2,9 +2,12 @@
 
 Built-in models (`builtin:tiny-s`, `builtin:tiny-m`, `builtin:tiny-l`) are Qwen2 architectures of three sizes,
 randomly initialised from a seed, with the character-level tokenizer shipped in ftis_engine/assets/tiny-tokenizer
-(101 tokens: printable ASCII, newline, tab, <|endoftext|>, <|im_start|>, <|im_end|>, <unk>). Two more,
-`builtin:shape-0.5b` and `builtin:shape-1.5b`, have the layer shapes of Qwen2.5-0.5B and -1.5B (the same
-tokenizer, so a far smaller embedding): random stand-ins for GPU measurements where nothing can be downloaded.
+(101 tokens: printable ASCII, newline, tab, <|endoftext|>, <|im_start|>, <|im_end|>, <unk>). `builtin:tiny-s-bpe`
+and `builtin:tiny-m-bpe` are the same shapes with a second tokenizer, a small BPE trained on the built-in tasks'
+text (ftis_engine/assets/tiny-bpe-tokenizer: the same 101 symbols plus merges, so every ASCII text round-trips):
+two "families" that tokenise the same text differently. Three more, `builtin:shape-0.5b`, `builtin:shape-1.5b`
+and `builtin:shape-3b`, have the layer shapes of Qwen2.5-0.5B, -1.5B and -3B (the character tokenizer, so a far
+smaller embedding): random stand-ins for GPU measurements where nothing can be downloaded.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from .errors import first_line
 
 BUILTIN_PREFIX = "builtin:"
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
+BPE_TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-bpe-tokenizer"
+BPE_VOCAB_SIZE = 256  # the character tokenizer's 101 symbols (specials included) and 155 merges
 
 # Qwen2 shapes of the built-in models: hidden size, layers, attention heads, kv heads, MLP size, tied embeddings.
 # Weights are drawn with std 0.1 (not transformers' 0.02): a frozen random lm_head of std 0.02 bounds the logit
@@ -42,9 +47,19 @@ TINY_MODELS = {
                        intermediate_size=4864, tie_word_embeddings=True, initializer_range=0.02),
     "shape-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
                        intermediate_size=8960, tie_word_embeddings=True, initializer_range=0.02),
+    "shape-3b": dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,
+                     intermediate_size=11008, tie_word_embeddings=True, initializer_range=0.02),
 }
+TINY_MODELS["tiny-s-bpe"] = TINY_MODELS["tiny-s"]  # the same shapes, the BPE tokenizer
+TINY_MODELS["tiny-m-bpe"] = TINY_MODELS["tiny-m"]
 # context length (max_position_embeddings): the tiny models' 1024, the shapes' that of the Qwen2.5 models they mimic
-CONTEXT = {"tiny-s": 1024, "tiny-m": 1024, "tiny-l": 1024, "shape-0.5b": 32768, "shape-1.5b": 32768}
+CONTEXT = {"tiny-s": 1024, "tiny-m": 1024, "tiny-l": 1024, "tiny-s-bpe": 1024, "tiny-m-bpe": 1024,
+           "shape-0.5b": 32768, "shape-1.5b": 32768, "shape-3b": 32768}
+
+
+def builtin_tokenizer_dir(spec: str) -> pathlib.Path:
+    """The shipped tokenizer of a built-in model."""
+    return BPE_TOKENIZER_DIR if builtin_name(spec).endswith("-bpe") else TOKENIZER_DIR
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -92,14 +107,54 @@ def write_tiny_tokenizer(directory: pathlib.Path = TOKENIZER_DIR) -> None:
     build_tiny_tokenizer().save_pretrained(str(directory))
 
 
+def bpe_corpus() -> list[str]:
+    """The text the BPE tokenizer is trained on: every built-in task's questions and the arith demonstrations in
+    both styles, as the prompts and completions the models see."""
+    from .tasks import arith, tiny
+    from .tasks.base import SYSTEM_PROMPT
+
+    texts = [SYSTEM_PROMPT, "system\n", "user\n", "assistant\n"]
+    for name in tiny.TINY_TASKS:
+        task = tiny.make_task(name, 0)
+        texts += [ex.question + ex.answer for ex in task.train[:1024]]
+    task = arith.make_task(0)
+    for example in task.train[:2048]:
+        texts += [example.question + arith.solution(example.question, style) for style in arith.STYLES]
+    return texts
+
+
+def build_bpe_tokenizer():
+    """The second built-in tokenizer: BPE over the character tokenizer's symbols (no pre-tokenizer, tokens
+    decode by concatenation, so a text of those symbols round-trips exactly), merges learnt from bpe_corpus()."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = [t for t in build_tiny_tokenizer().get_vocab() if t not in SPECIAL_TOKENS]
+    core = Tokenizer(models.BPE(unk_token="<unk>"))
+    core.decoder = decoders.Fuse()
+    trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=symbols, limit_alphabet=len(symbols), show_progress=False)
+    core.train_from_iterator(bpe_corpus(), trainer=trainer)
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[:3]])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"], padding_side="left",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def write_bpe_tokenizer(directory: pathlib.Path = BPE_TOKENIZER_DIR) -> None:
+    """Rebuild the shipped BPE asset: python -c "from ftis_engine.models import write_bpe_tokenizer as w; w()"."""
+    build_bpe_tokenizer().save_pretrained(str(directory))
+
+
 def load_tokenizer(spec: str):
     """Tokenizer for a model spec (HF id, local path or built-in), left-padded, with a pad token."""
     from transformers import AutoTokenizer
 
-    source = str(TOKENIZER_DIR) if is_builtin(spec) else spec
-    if is_builtin(spec):
-        builtin_name(spec)
-    elif _from_hub(spec):
+    source = str(builtin_tokenizer_dir(spec)) if is_builtin(spec) else spec
+    if not is_builtin(spec) and _from_hub(spec):
         hub_reachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
