@@ -30,7 +30,8 @@ class PackedBatch:
 
     input_ids / position_ids: [T] (positions restart at 0 for each sequence); target_rows: [N] indices into T of
     the positions that predict each completion token; targets, gen_logprobs: [N]; advantages, group_ids: [S];
-    cu_seqlens: [S+1] int32 over the N completion tokens.
+    cu_seqlens: [S+1] int32 over the N completion tokens; gen_seq_logprobs: [S] when a sequence came from a peer
+    with another tokenizer (its sequence generation log-prob; NaN for the others), else None.
     """
 
     input_ids: torch.Tensor
@@ -41,6 +42,7 @@ class PackedBatch:
     advantages: torch.Tensor
     group_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    gen_seq_logprobs: torch.Tensor | None = None  # [S]: NaN, or a foreign sequence's generation log-prob (None: none)
 
     @property
     def num_sequences(self) -> int:
@@ -73,6 +75,9 @@ def pack(items: list[TrainItem]) -> PackedBatch:
         advantages=torch.tensor([it.advantage for it in items], dtype=torch.float32),
         group_ids=torch.tensor([it.group for it in items], dtype=torch.long),
         cu_seqlens=torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0, dtype=torch.int32),
+        gen_seq_logprobs=torch.tensor([float("nan") if it.rollout.seq_logprob is None else it.rollout.seq_logprob
+                                       for it in items], dtype=torch.float32)
+        if any(it.rollout.seq_logprob is not None for it in items) else None,
     )
 
 

@@ -103,6 +103,9 @@ class MemberSettings(_Section):
                              "weight_sync_every steps, generate continuously and stream rollouts tagged with the "
                              "weight version they used to every member; TIS / F-TIS / GEPO correct the lag.")
     weight_sync_every: int = Field(1, ge=1, description="Learner steps between weight pushes to its samplers.")
+    accept_foreign: bool = Field(
+        True, description="Train on rollouts of peers whose tokenizer differs from this member's (their text "
+                          "re-encoded, corrected at sequence level); false: refuse them (counted in foreign_refused).")
     ranks: int = Field(
         1, ge=1, description="Processes (GPUs) this member trains on: its model is sharded with FSDP2 over them, each "
                              "generates a share of its prompts and trains on a share of its batch (the gradient "

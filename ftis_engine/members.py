@@ -129,13 +129,18 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
         except ModelSpecError as exc:
             raise ConfigError(f"members.{i}.model: {exc}") from None
         check_context(config, i, context)
-        try:
-            tokenizer = load_tokenizer(member.tokenizer or member.model)
-        except ModelSpecError as exc:
-            field_name = "tokenizer" if member.tokenizer else "model"
-            raise ConfigError(f"members.{i}.{field_name}: {exc}") from None
-        tokenizers.append(tokenizer)
+        tokenizers.append(load_member_tokenizer(config, i))
     return tokenizers
+
+
+def load_member_tokenizer(config: RunConfig, index: int):
+    """members.N's tokenizer (its own, or members.N.tokenizer); a ConfigError naming the field."""
+    member = config.members[index]
+    try:
+        return load_tokenizer(member.tokenizer or member.model)
+    except ModelSpecError as exc:
+        field_name = "tokenizer" if member.tokenizer else "model"
+        raise ConfigError(f"members.{index}.{field_name}: {exc}") from None
 
 
 def check_context(config: RunConfig, index: int, context: int | None, longest_prompt: int = 0) -> None:

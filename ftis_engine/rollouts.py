@@ -35,6 +35,8 @@ class Rollout:
     finish_reason: str
     policy_version: int
     made_at: float = 0.0
+    seq_logprob: float | None = None  # a foreign peer's (another tokenizer): the sequence's generation log-prob,
+    # its per-token ones unknown (completion_ids are the receiver's re-encoding); never on the wire
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@
     swarm, start_step = open_run(config, run_dir, resume=...)          # then run.train(swarm, start_step)
 
 checks the run directory (a new run never writes into another's), loads and checks every local member's model and
-tokenizer (members exchange token ids: one vocabulary across the swarm), builds the task and the members, agrees
+tokenizer (and every peer's tokenizer: a peer whose tokenizer differs sends text to re-encode), builds the task and the members, agrees
 with the other ranks on the training prompts, and restores the newest complete checkpoint (or the one given).
 Every problem is a ConfigError whose one-line message names the field or path.
 """
@@ -34,6 +34,7 @@ from .members import (
     check_context,
     check_generator_placement,
     check_warm_start,
+    load_member_tokenizer,
     member_device,
     preflight,
     resolve_device,
@@ -254,13 +255,18 @@ class RunLock:
         self._fd = None
 
 
-def check_shared_vocabulary(hashes: dict[int, str]) -> None:
-    """members.N.model: every member's tokenizer must hash alike (vocabulary_hash); hashes: member -> hash."""
-    if len(set(hashes.values())) > 1:
-        first = min(hashes)
-        other = min(i for i in hashes if hashes[i] != hashes[first])
-        raise AgreedError(f"members.{other}.model: its tokenizer vocabulary differs from members.{first}'s; members "
-                          "exchange token ids and must share one vocabulary")
+def foreign_tokenizers(config: RunConfig, tokenizers: dict[int, object], hashes: dict[int, str]
+                       ) -> dict[int, dict[int, object]]:
+    """For every member, the other members whose tokenizer differs from its own (vocabulary_hash), with their
+    tokenizers: their rollouts reach it as text, re-encoded and corrected at sequence level. hashes: what every
+    member's own rank loaded; a rank whose copy of a member's tokenizer hashes otherwise stops (another version of
+    the tokenizer on another node would re-encode differently)."""
+    for i, tokenizer in tokenizers.items():
+        if vocabulary_hash(tokenizer) != hashes[i]:
+            field_name = "tokenizer" if config.members[i].tokenizer else "model"
+            raise ConfigError(f"members.{i}.{field_name}: this rank's copy of its tokenizer differs from the one its "
+                              "own rank loaded (another version on another node?)")
+    return {m: {i: t for i, t in tokenizers.items() if i != m and hashes[i] != hashes[m]} for m in tokenizers}
 
 
 def check_backend(config: RunConfig, device: torch.device) -> None:
@@ -276,9 +282,7 @@ def check_before_launch(config: RunConfig, distributed: bool) -> list:
     check_placement(config)
     check_backend(config, resolve_device(config.train.device, 0))
     check_generator_placement(config, distributed=distributed)
-    tokenizers = preflight(config)
-    check_shared_vocabulary({i: vocabulary_hash(t) for i, t in enumerate(tokenizers)})
-    return tokenizers
+    return preflight(config)
 
 
 def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, first_start: bool = True,
@@ -332,7 +336,9 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     hashes: dict[int, str] = {}
     for part in exchange.collectives.all_gather_object({i: vocabulary_hash(tokenizers[i]) for i in local}):
         hashes.update(part)
-    check_shared_vocabulary(hashes)
+    # every member's tokenizer, here too: a peer whose tokenizer differs sends text this rank decodes with it
+    everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i) for i in range(len(config.members))}
+    foreign = foreign_tokenizers(config, everyone, hashes)
 
     task = load_task(config.data, config.seed, config.eval.datasets)
     for i in local:
@@ -368,7 +374,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         raise
     schedule = Schedule(config, tuple(train_indices))
     receivers = {m.index: Admission(config, schedule, RolloutChecker(task, m.tokenizer, m.vocab_size,
-                                                                     config.rollout.max_new_tokens),
+                                                                     config.rollout.max_new_tokens, foreign[m.index]),
                                     m.index, start_step) for m in members}
     if exchange.independent and config.swarm.max_lead is not None \
             and config.swarm.max_lead > config.swarm.max_staleness and exchange.collectives.rank == 0:

@@ -48,6 +48,7 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
             hidden, weight, batch.targets.to(device), batch.gen_logprobs.to(device), batch.advantages.to(device),
             batch.cu_seqlens.to(device), bias=bias, config=cfg, group_ids=batch.group_ids.to(device),
             backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
+            gen_seq_logprobs=None if batch.gen_seq_logprobs is None else batch.gen_seq_logprobs.to(device),
         )
 
     if member.policy is not None:

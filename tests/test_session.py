@@ -9,13 +9,14 @@ import shutil
 import pytest
 
 from ftis_engine import run
+from ftis_engine.config import ConfigError
 from ftis_engine.session import (
     AgreedError,
     RunDirError,
     RunLock,
     check_fresh_run,
     check_resume_config,
-    check_shared_vocabulary,
+    foreign_tokenizers,
     eval_config,
     open_run,
 )
@@ -23,10 +24,17 @@ from ftis_engine.session import (
 from .helpers import short_config
 
 
-def test_members_must_share_one_vocabulary_and_the_first_other_is_named():
-    check_shared_vocabulary({0: "a", 1: "a", 2: "a"})
-    with pytest.raises(AgreedError, match="members.2.model: its tokenizer vocabulary differs from members.0's"):
-        check_shared_vocabulary({0: "a", 1: "a", 2: "b", 3: "b"})
+def test_each_member_knows_which_peers_tokenise_otherwise_and_a_differing_copy_stops():
+    from ftis_engine.models import load_tokenizer, vocabulary_hash
+
+    config = short_config("members.1.model=builtin:tiny-m-bpe")
+    char, bpe = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-m-bpe")
+    hashes = {0: vocabulary_hash(char), 1: vocabulary_hash(bpe)}
+    foreign = foreign_tokenizers(config, {0: char, 1: bpe}, hashes)
+    assert foreign[0] == {1: bpe} and foreign[1] == {0: char}
+    assert foreign_tokenizers(config, {0: char, 1: char}, {0: hashes[0], 1: hashes[0]}) == {0: {}, 1: {}}
+    with pytest.raises(ConfigError, match="members.1.model: this rank's copy of its tokenizer differs"):
+        foreign_tokenizers(config, {0: char, 1: char}, hashes)
 
 
 def test_a_new_run_never_writes_into_a_directory_that_holds_one(tmp_path):

@@ -44,6 +44,24 @@ def test_the_paper_study_has_every_method_with_at_least_three_seeds():
     assert all(len(g.runs) >= 3 for g in groups)
 
 
+@pytest.mark.parametrize("path", sorted((ROOT / "configs" / "study").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_shipped_study_plans_in_full_and_quick(path):
+    spec = load_study(path)
+    full = plan(spec, pathlib.Path("/nonexistent"), quick=False)
+    quick = plan(spec, pathlib.Path("/nonexistent"), quick=True)
+    assert full and quick and all(len(g.runs) >= 3 for g in full)
+    assert {g.name for g in quick} <= {g.name for g in full}
+
+
+def test_the_families_study_pairs_a_character_and_a_bpe_member_against_alone_and_nois():
+    groups = {g.name: g for g in plan(load_study(ROOT / "configs" / "study" / "families.yaml"),
+                                      pathlib.Path("/nonexistent"), quick=False)}
+    assert set(groups) == {"families-alone", "families-nois", "families-tis", "families-f-tis"}
+    models = [m.model for m in groups["families-f-tis"].config.members]
+    assert models == ["builtin:tiny-m", "builtin:tiny-m-bpe"]
+    assert groups["families-f-tis"].baseline == groups["families-tis"].baseline == "families-nois"
+
+
 def test_grid_groups_are_named_from_their_values_and_carry_them():
     spec = study_module.StudyConfig.model_validate(MINIMAL)
     groups = plan(spec, pathlib.Path("/out"), quick=False)

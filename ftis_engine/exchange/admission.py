@@ -17,6 +17,10 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
                  the vocabulary, lengths, finite non-positive log-probs, finite rewards (validate)
     9. re-score  every reward re-computed from the text here equals the sender's claim; a re-score that times
                  out (math-verify) is no verdict: that prompt's group is left out (rescore_timeouts), the rest kept
+   10. foreign   a peer whose tokenizer differs: a receiver with members.N.accept_foreign false refuses its parcels
+                 (foreign_refused, before anything is decoded); else its text is re-encoded with the receiver's
+                 tokenizer and trained on at sequence level (RolloutChecker.adopt; a group whose text does not
+                 survive the round trip is left out, foreign_dropped)
 
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
 all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
@@ -90,11 +94,16 @@ def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_t
 class RolloutChecker:
     """Steps 8 and 9 for one receiving member: the values of a peer's rollouts, and their rewards re-scored."""
 
-    def __init__(self, task: Task, tokenizer, vocab_size: int, max_new_tokens: int):
+    def __init__(self, task: Task, tokenizer, vocab_size: int, max_new_tokens: int,
+                 foreign: dict[int, object] | None = None):
         self.task = task
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
+        self.foreign = foreign or {}  # member -> its tokenizer, for members whose tokenizer differs from this one
+
+    def is_foreign(self, member: int) -> bool:
+        return member in self.foreign
 
     def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> tuple[list[Rollout], int]:
         """Decode, validate and re-score a peer's buffer; raise RolloutError on any problem. Returns the rollouts
@@ -106,10 +115,12 @@ class RolloutChecker:
         """`accept` for rollouts already decoded. A reward whose re-score times out (math-verify's 5 s) is no
         mismatch and no proof: the prompt group it belongs to is left out whole (its claim cannot be checked, and
         a group trains only whole), the rest of the batch is kept, and the count comes back."""
-        validate(rollouts, sender=sender, vocab_size=self.vocab_size, max_new_tokens=self.max_new_tokens,
+        tokenizer = self.foreign.get(sender, self.tokenizer)  # a foreign peer's ids are its tokenizer's
+        vocab_size = self.vocab_size if sender not in self.foreign else tokenizer_size(tokenizer)
+        validate(rollouts, sender=sender, vocab_size=vocab_size, max_new_tokens=self.max_new_tokens,
                  expected=dealt, num_prompts=len(self.task.train))
         try:
-            local = self.task.score(self.tokenizer, [r.completion_ids for r in rollouts],
+            local = self.task.score(tokenizer, [r.completion_ids for r in rollouts],
                                     [self.task.train[r.prompt_index] for r in rollouts], undecided=None)
         except Exception as exc:  # ids the tokenizer cannot decode, or a reward that fails on this text
             raise RolloutError(f"cannot score the completions: {exc}") from None
@@ -121,6 +132,40 @@ class RolloutChecker:
                 raise RolloutError(f"sequence {i}: claims reward {rollout.reward:g}, re-scored {reward:g}")
         kept = [r for r in rollouts if r.prompt_index not in unverified]
         return kept, len(rollouts) - len(kept)
+
+    def adopt(self, rollouts: list[Rollout], sender: int) -> tuple[list[Rollout], int]:
+        """A foreign peer's checked rollouts in this member's tokens: each completion's text (the sender's tokens
+        decoded, special tokens kept, its final EOS left off when it stopped) re-encoded here, this member's EOS
+        appended when it stopped, and the sequence's generation log-prob (the sum of the sender's per-token ones)
+        in seq_logprob; per-token log-probs are unknown (zeros, unused: the op's gen_seq_logprobs path). A text
+        that does not decode back to itself here (a symbol this tokenizer lacks) leaves its prompt group out.
+        Returns them and how many were left out. Rollouts of a same-tokenizer peer come back unchanged."""
+        peer = self.foreign.get(sender)
+        if peer is None:
+            return rollouts, 0
+        own, eos = self.tokenizer, self.tokenizer.eos_token_id
+        converted, lost = [], set()
+        for r in rollouts:
+            ids = r.completion_ids.tolist()
+            stopped = r.finish_reason == "stop"
+            text = peer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+            mine = own(text, add_special_tokens=False)["input_ids"] if text else []
+            if own.decode(mine, skip_special_tokens=False) != text or not (mine or stopped):
+                lost.add(r.prompt_index)
+                continue
+            mine = mine + ([eos] if stopped else [])
+            converted.append(Rollout(member=r.member, prompt_index=r.prompt_index,
+                                     completion_ids=torch.tensor(mine, dtype=torch.int32),
+                                     gen_logprobs=torch.zeros(len(mine)), reward=r.reward,
+                                     finish_reason=r.finish_reason, policy_version=r.policy_version,
+                                     made_at=r.made_at, seq_logprob=float(r.gen_logprobs.double().sum())))
+        kept = [r for r in converted if r.prompt_index not in lost]
+        return kept, len(rollouts) - len(kept)
+
+
+def tokenizer_size(tokenizer) -> int:
+    """The ids a tokenizer can decode: its length, or one past its largest id (added tokens may leave gaps)."""
+    return max(len(tokenizer), max(tokenizer.get_vocab().values(), default=-1) + 1)
 
 
 @dataclass
@@ -152,6 +197,8 @@ class Received:
     stale_dropped: int = 0  # sequences that arrived older than max_staleness steps or max_delay_s seconds
     surplus_dropped: int = 0  # admitted (or queued) sequences that never fitted an update's budget
     rescore_timeouts: int = 0  # sequences left out (whole groups) because their re-score timed out
+    foreign_refused: int = 0  # sequences of peers with another tokenizer, refused (members.N.accept_foreign false)
+    foreign_dropped: int = 0  # sequences of such peers left out (whole groups): their text did not round-trip here
     staleness: list[int] = field(default_factory=list)  # per peer rollout trained on, in the receiver's steps
     age_seconds: list[float] = field(default_factory=list)  # per peer rollout trained on, made -> taken
     digests: dict[str, str] = field(default_factory=dict)  # "sender@step" -> buffer digest, per parcel trained on
@@ -166,6 +213,8 @@ class Received:
         return {**spread("staleness", self.staleness), **spread("staleness_seconds", self.age_seconds),
                 "stale_dropped": self.stale_dropped, "surplus_dropped": self.surplus_dropped,
                 "rescore_timeouts": self.rescore_timeouts,
+                "foreign_sequences": sum(r.seq_logprob is not None for r in self.rollouts),
+                "foreign_refused": self.foreign_refused, "foreign_dropped": self.foreign_dropped,
                 "peer_sequences": len(self.rollouts), "intake_waiting": self.waiting,
                 "rejected_batches": len(self.rejected), "received_sha256": self.digests}
 
@@ -220,6 +269,9 @@ class Admission:
         if parcel.step < 1 or (sampler is None and parcel.step > cfg.train.steps):
             raise RolloutError(f"parcel of step {parcel.step}, outside 1..train.steps={cfg.train.steps}")
         rollouts = decode(parcel.buffer)
+        if self.checker.is_foreign(member) and not cfg.members[self.receiver].accept_foreign:
+            out.foreign_refused += len(rollouts)  # no fault: this member trains on its own tokenizer's text only
+            return
         version = parcel.version
         if sampler is None and version != parcel.step - 1:
             raise RolloutError(f"policy version {version} declared for step {parcel.step} (a learner's rollouts of "
@@ -248,6 +300,8 @@ class Admission:
                  else self.schedule.round_deal(parcel.sender, parcel.step))
         rollouts, unverified = self.checker.check(rollouts, member, dealt)
         out.rescore_timeouts += unverified
+        rollouts, lost = self.checker.adopt(rollouts, member)
+        out.foreign_dropped += lost
         name, digest = f"{self.sender_name(parcel.sender)}@{parcel.step}", buffer_digest(parcel.buffer)
         by_prompt: dict[int, list[Rollout]] = {}
         for r in rollouts:
