@@ -85,8 +85,7 @@ def builtin_name(spec: str) -> str:
 
 def build_tiny_tokenizer():
     """The character-level tokenizer of the built-in models (the shipped asset is this, saved)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab: dict[str, int] = {}
     for token in SPECIAL_TOKENS + tuple(string.printable[:95]) + ("\n", "\t"):
@@ -94,6 +93,14 @@ def build_tiny_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     core.decoder = decoders.Fuse()
+    return _builtin_tokenizer(core)
+
+
+def _builtin_tokenizer(core):
+    """A `tokenizers` core as a built-in's transformers tokenizer: the special tokens, left padding, chat template."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[:3]])
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
@@ -126,8 +133,7 @@ def bpe_corpus() -> list[str]:
 def build_bpe_tokenizer():
     """The second built-in tokenizer: BPE over the character tokenizer's symbols (no pre-tokenizer, tokens
     decode by concatenation, so a text of those symbols round-trips exactly), merges learnt from bpe_corpus()."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, trainers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, trainers
 
     symbols = [t for t in build_tiny_tokenizer().get_vocab() if t not in SPECIAL_TOKENS]
     core = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -135,13 +141,7 @@ def build_bpe_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=BPE_VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=symbols, limit_alphabet=len(symbols), show_progress=False)
     core.train_from_iterator(bpe_corpus(), trainer=trainer)
-    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS[:3]])
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>", unk_token="<unk>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"], padding_side="left",
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return _builtin_tokenizer(core)
 
 
 def write_bpe_tokenizer(directory: pathlib.Path = BPE_TOKENIZER_DIR) -> None:
