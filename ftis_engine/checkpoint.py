@@ -105,8 +105,6 @@ def restore_optimizer_shard(member, checkpoint: pathlib.Path) -> None:
     from torch.distributed.tensor import DTensor
 
     path = member_dir(checkpoint, member.name) / f"optimizer.shard-{member.shard.index}.pt"
-    if not path.exists():
-        return
     state = torch.load(path, map_location=member.device, weights_only=True)
     params = [p for group in member.optimizer.param_groups for p in group["params"]]
     for key, entry in state["state"].items():

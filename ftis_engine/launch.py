@@ -112,7 +112,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
     from .members import resolve_device
-    from .placement import Shard, check_device, endpoint_ranks, make_groups, member_ranks
+    from .placement import Shard, check_device, check_placement, endpoint_ranks, make_groups, member_ranks
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
@@ -130,6 +130,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         if world != len(roles):
             raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
         role = roles[rank]
+        check_placement(config)  # under torchrun nothing checked it before the processes started
         placed = config.members[role.member].device
         device = check_device(f"members.{role.member}.device", placed) if placed else \
             resolve_device(config.train.device, local_rank)

@@ -190,9 +190,10 @@ def shard_member(member: Member, shard, config: RunConfig) -> None:
     """Spread a built (and restored) member over its ranks: FSDP2 over its model, a fresh optimizer over the
     shards, and for the HF generator a plain replica to sample from (vLLM engines hold their own weights and
     take them gathered, one tensor at a time)."""
-    from .placement import replica, shard_model
+    from .placement import broadcast_weights, replica, shard_model
 
     settings = config.members[member.index]
+    broadcast_weights(member.model, shard)  # every shard starts from the leader's bits (a GPU warm start may differ)
     if settings.generator == "hf":
         from .generation.hf import HFGenerator
 
@@ -201,6 +202,7 @@ def shard_member(member: Member, shard, config: RunConfig) -> None:
     member.policy = shard_model(member.index, member.model, member.causal_lm, shard, member.device)
     member.optimizer = make_optimizer(settings, trainable_parameters(member.model))
     member.shard = shard
+    member.generator.sync(member.model)  # a vLLM engine's weights from now on come gathered from the shards
 
 
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None) -> Member:

@@ -167,7 +167,7 @@ def load_tokenizer(spec: str):
 
 
 def vocabulary_hash(tokenizer) -> str:
-    """sha256 of the token -> id mapping: members must share it to exchange token ids."""
+    """sha256 of the token -> id mapping: members that share it exchange token ids; others exchange text."""
     items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 

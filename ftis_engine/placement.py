@@ -85,7 +85,8 @@ def check_placement(config: RunConfig) -> None:
     engines: dict[str, list[int]] = {}
     for i, member in enumerate(config.members):
         if member.device is not None and member.generator == "vllm":
-            engines.setdefault(str(member.device), []).append(i)
+            key = member.device if ":" in member.device or member.device != "cuda" else "cuda:0"
+            engines.setdefault(key, []).append(i)
     for device, placed in engines.items():
         total = sum(config.members[i].vllm.gpu_memory_utilization for i in placed)
         if len(placed) > 1 and total > SHARED_ENGINES_LIMIT:
@@ -110,7 +111,8 @@ def check_device(field: str, spec: str) -> torch.device:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"{field}: {spec!r} requested but CUDA is not available")
-        if device.index is not None and device.index >= torch.cuda.device_count():
+        device = torch.device("cuda", device.index or 0)
+        if device.index >= torch.cuda.device_count():
             raise ConfigError(f"{field}: {spec!r} does not exist (this machine has {torch.cuda.device_count()} "
                               "GPU(s))")
     return device
@@ -138,11 +140,14 @@ def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) ->
     if config.swarm.mode == "async":
         links = dist.new_group(endpoints, backend="gloo", timeout=timeout)
     members = {}
+    # a further shard waits in its member's group while the leader exchanges: up to swarm.timeout_s at the
+    # barrier or lead wait, then admission; its group waits longer than any one of those
+    patience = 2 * timeout + datetime.timedelta(seconds=60)
     for i, member in enumerate(config.members):
         if member.ranks > 1:
             ranks = member_ranks(config, i)
-            fsdp = dist.new_group(ranks, backend=backend, timeout=timeout)
-            objects = fsdp if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+            fsdp = dist.new_group(ranks, backend=backend, timeout=patience)
+            objects = fsdp if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=patience)
             members[i] = (fsdp, objects)
     return Groups(endpoint_group, links, members)
 
@@ -233,6 +238,13 @@ def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, 
     root = ShardedPolicy(model, causal_lm)
     fully_shard(root, mesh=mesh, mp_policy=policy)
     return root
+
+
+@torch.no_grad()
+def broadcast_weights(model: torch.nn.Module, shard: Shard) -> None:
+    """The leader's weights (and buffers) on every shard, before sharding."""
+    for tensor in model.state_dict().values():
+        dist.broadcast(tensor, src=shard.ranks[0], group=shard.group)
 
 
 def replica(model: torch.nn.Module) -> torch.nn.Module:

@@ -373,9 +373,9 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         close_generators(members)
         raise
     schedule = Schedule(config, tuple(train_indices))
-    receivers = {m.index: Admission(config, schedule, RolloutChecker(task, m.tokenizer, m.vocab_size,
-                                                                     config.rollout.max_new_tokens, foreign[m.index]),
-                                    m.index, start_step) for m in members}
+    receivers = {m.index: Admission(config, schedule, RolloutChecker(
+        task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens, foreign[m.index],
+        foreign_limit(config, m, longest_prompt)), m.index, start_step) for m in members}
     if exchange.independent and config.swarm.max_lead is not None \
             and config.swarm.max_lead > config.swarm.max_staleness and exchange.collectives.rank == 0:
         log.warning("swarm.max_lead=%d > swarm.max_staleness=%d: a member that far ahead drops its slowest peer's "
@@ -387,6 +387,18 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         loss_config=config.algorithm.loss_config(config.rollout.temperature), start_step=start_step,
     )
     return swarm, start_step
+
+
+FOREIGN_EXPANSION = 16
+
+
+def foreign_limit(config: RunConfig, member: Member, longest_prompt: int) -> int:
+    """The most tokens a foreign peer's completion may re-encode into here: what fits the member's context after
+    the longest prompt, and at most FOREIGN_EXPANSION x max_new_tokens (a character tokenizer spells out a merge
+    of up to a dozen characters; tokenizers of real model families differ by far less)."""
+    limit = FOREIGN_EXPANSION * config.rollout.max_new_tokens
+    context = getattr(member.causal_lm.config, "max_position_embeddings", None)
+    return min(limit, context - longest_prompt) if context else limit
 
 
 def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> tuple[list[int], int]:

@@ -9,6 +9,7 @@ rejection_scale corrects the normaliser by the counts rejection left, which no m
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 from ftis_kernels import (
@@ -70,18 +71,27 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     # fewer runs the rest on a stand-in whose loss counts zero. FSDP2 averages the ranks' gradients: x K sums them
     rounds = len(batches) if shard is None else shard.max(len(batches))
     factor = 1.0 if shard is None else float(shard.size)
-    loss, outputs = 0.0, []
+    loss, outputs, failed = 0.0, [], None
     for k in range(rounds):
-        batch = pack(batches[k] if k < len(batches) else items[:1])
-        out = batch_loss(member, batch, cfg, backend, **whole)
-        if k >= len(batches):
-            (out.loss * 0.0).backward()
+        if k >= len(batches) or failed is not None:
+            stand_in(member)
+            continue
+        batch = pack(batches[k])
+        try:
+            out = batch_loss(member, batch, cfg, backend, **whole)
+        except NonFiniteInputError as exc:
+            if shard is None:
+                raise
+            failed = exc  # the other shards are in this round's collectives: finish the rounds, then agree
+            stand_in(member)
             continue
         (out.loss * factor if factor != 1.0 else out.loss).backward()
         loss += float(out.loss.detach())
         outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
+    if shard is not None and not shard.all_true(failed is None):
+        raise NonFiniteInputError(str(failed) if failed is not None else "on another rank of this member")
     if shard is not None:  # the whole member's loss and stats: every shard's sums and counts
         mine_stats = [LossOutput(loss=torch.zeros(()), logprobs=torch.zeros(0),
                                  stat_sums={k: v.detach().cpu() for k, v in out.stat_sums.items()},
@@ -98,6 +108,20 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
             if p.grad is not None:
                 p.grad.mul_(scale)
     return {"loss": loss, **stats, "micro_batches": len(batches)}
+
+
+def stand_in(member) -> None:
+    """A sharded member's round without a micro-batch of its own: one token through the FSDP2 root, its loss zero
+    times everything it touched, so that every layer is gathered and every gradient reduced as on the other ranks
+    (each parameter's gradient gets a zero, or a NaN if the model has diverged, which the caller then reports)."""
+    device = member.device
+
+    def zero(hidden, weight, bias):
+        total = hidden.sum() + weight.sum() + (bias.sum() if bias is not None else 0.0)
+        return SimpleNamespace(loss=total * 0.0)
+
+    token = torch.zeros((1, 1), dtype=torch.long, device=device)
+    member.policy(token, token, torch.zeros(1, dtype=torch.long, device=device), zero)[0].backward()
 
 
 def shard_items(items: list[TrainItem], index: int, size: int) -> list[TrainItem]:

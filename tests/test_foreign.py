@@ -76,6 +76,24 @@ def test_text_that_does_not_survive_the_round_trip_leaves_its_whole_group_out():
     assert lost == 3 and [r.prompt_index for r in adopted] == [6]
 
 
+def test_what_an_honest_foreign_peer_never_sends_rejects_its_parcel():
+    fake_stop = _sender_rollouts(["12"], prompt=0, stop=False)
+    fake_stop[0].finish_reason = "stop"  # its last token, "2", is no special token: scored "12", trained "1"
+    with pytest.raises(ValueError, match="claims it stopped"):
+        _checker().adopt(fake_stop, 1)
+    huge = _sender_rollouts(["12"], prompt=0, stop=False)
+    huge[0].gen_logprobs = torch.full((huge[0].num_tokens,), -3e38)  # each finite; their sum is not in float32
+    with pytest.raises(ValueError, match="float32"):
+        _checker().adopt(huge, 1)
+
+
+def test_a_completion_that_re_encodes_longer_than_the_limit_leaves_its_group_out():
+    rollouts = _sender_rollouts(["7+5=12,", "1"], prompt=2, stop=False)
+    checker = RolloutChecker(TASK, CHAR, len(CHAR), 8, foreign={1: BPE}, foreign_limit=6)
+    adopted, lost = checker.adopt(rollouts + _sender_rollouts(["3"], prompt=4, stop=False), 1)
+    assert lost == 2 and [r.prompt_index for r in adopted] == [4]  # "7+5=12," is 2 BPE tokens, 7 characters
+
+
 def test_same_tokenizer_rollouts_are_untouched():
     rollouts = _sender_rollouts(["1"], prompt=0)
     adopted, lost = RolloutChecker(TASK, CHAR, len(CHAR), 8, foreign={}).adopt(rollouts, 1)

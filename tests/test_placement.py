@@ -92,7 +92,17 @@ def test_a_member_on_several_ranks_without_processes_is_refused(tmp_path):
     assert result.returncode == 2 and "members.0.ranks" in result.stderr and "--nproc 3" in result.stderr
 
 
+def test_a_members_device_wins_over_train_device():
+    from ftis_engine.members import member_device
+
+    config = short_config("train.device=cuda", "members.1.device=cpu")  # CUDA is not there: only member 0 fails
+    assert member_device(config, 1, None).type == "cpu"
+    with pytest.raises(Exception, match="CUDA is not available"):
+        member_device(config, 0, None)
+
+
 def test_a_member_placed_on_a_device_trains_there_in_one_process(tmp_path):
+    """A smoke test of the path (on a CPU machine the only device is the CPU)."""
     result = _cli(*_args(tmp_path, "members.1.device=cpu", "train.steps=1", "checkpoint.every=0"))
     assert result.returncode == 0, result.stderr
 

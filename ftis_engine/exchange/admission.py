@@ -95,12 +95,14 @@ class RolloutChecker:
     """Steps 8 and 9 for one receiving member: the values of a peer's rollouts, and their rewards re-scored."""
 
     def __init__(self, task: Task, tokenizer, vocab_size: int, max_new_tokens: int,
-                 foreign: dict[int, object] | None = None):
+                 foreign: dict[int, object] | None = None, foreign_limit: int | None = None):
         self.task = task
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
         self.foreign = foreign or {}  # member -> its tokenizer, for members whose tokenizer differs from this one
+        # the most tokens a re-encoded foreign completion may have here (what fits after the longest prompt)
+        self.foreign_limit = foreign_limit if foreign_limit is not None else 16 * max_new_tokens
 
     def is_foreign(self, member: int) -> bool:
         return member in self.foreign
@@ -138,19 +140,28 @@ class RolloutChecker:
         decoded, special tokens kept, its final EOS left off when it stopped) re-encoded here, this member's EOS
         appended when it stopped, and the sequence's generation log-prob (the sum of the sender's per-token ones)
         in seq_logprob; per-token log-probs are unknown (zeros, unused: the op's gen_seq_logprobs path). A text
-        that does not decode back to itself here (a symbol this tokenizer lacks) leaves its prompt group out.
+        that does not decode back to itself here (a symbol this tokenizer lacks), or re-encodes longer than
+        foreign_limit, leaves its prompt group out. Raises RolloutError for what an honest peer never sends: a
+        "stop" that does not end in one of its special tokens, a sequence log-prob that is not finite in float32.
         Returns them and how many were left out. Rollouts of a same-tokenizer peer come back unchanged."""
         peer = self.foreign.get(sender)
         if peer is None:
             return rollouts, 0
         own, eos = self.tokenizer, self.tokenizer.eos_token_id
+        specials = set(peer.all_special_ids)
         converted, lost = [], set()
-        for r in rollouts:
+        for i, r in enumerate(rollouts):
             ids = r.completion_ids.tolist()
             stopped = r.finish_reason == "stop"
+            if stopped and ids[-1] not in specials:  # else the trained text would differ from the scored one
+                raise RolloutError(f"sequence {i}: claims it stopped, but its last token {ids[-1]} is none of its "
+                                   "tokenizer's special tokens")
+            if not math.isfinite(float(r.gen_logprobs.double().sum().float())):
+                raise RolloutError(f"sequence {i}: its log-probs sum to a value float32 cannot hold")
             text = peer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
             mine = own(text, add_special_tokens=False)["input_ids"] if text else []
-            if own.decode(mine, skip_special_tokens=False) != text or not (mine or stopped):
+            if own.decode(mine, skip_special_tokens=False) != text or not (mine or stopped) \
+                    or (stopped and eos is None) or len(mine) + stopped > self.foreign_limit:
                 lost.add(r.prompt_index)
                 continue
             mine = mine + ([eos] if stopped else [])

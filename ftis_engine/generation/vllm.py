@@ -163,7 +163,7 @@ class VLLMGenerator:
     def sync(self, model) -> None:
         """The trainer's weights changed: push them at the next wake_up (the engine may be asleep now). A member
         sharded over ranks (placement.py) gathers them here, one tensor at a time onto the CPU, with all its
-        shards (each rank's engine generates its share): a later wake-up may be the leader's alone (eval)."""
+        shards (each rank's engine generates its share), so that every wake-up finds them gathered."""
         self._model = model
         self._stale = True
         if any(is_sharded(p) for p in model.parameters()):
