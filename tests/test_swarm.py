@@ -138,16 +138,20 @@ def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_
     assert _steps(tmp_path) == {m: [1, 2, 3] for m in ("tiny-s", "tiny-m-lora")}
 
 
-def test_mismatched_tokenizers_stop_at_start_with_exit_2(tmp_path):
+def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_refuses(tmp_path):
     from ftis_engine.models import build_tiny_tokenizer
 
     other = build_tiny_tokenizer()
-    other.add_tokens(["<extra>"])
+    other.add_tokens(["<extra>"])  # another vocabulary: members exchange text, not ids
     other.save_pretrained(str(tmp_path / "other-tokenizer"))
-    results = _hand_launch(2, _args(tmp_path / "out", f"members.1.tokenizer={tmp_path / 'other-tokenizer'}"))
-    assert [code for code, _ in results] == [2, 2]
-    assert "tokenizer vocabulary differs" in results[0][1] and len(results[0][1].strip().splitlines()) == 1
-    assert not (tmp_path / "out" / "swarm" / "metrics.jsonl").exists()
+    results = _hand_launch(2, _args(tmp_path / "out", f"members.1.tokenizer={tmp_path / 'other-tokenizer'}",
+                                    "members.0.accept_foreign=false", "train.steps=2", "checkpoint.every=0"))
+    assert [code for code, _ in results] == [0, 0], results
+    train = _train(_records(tmp_path / "out"))
+    refused = [r for r in train if r["member"] == "tiny-s"]
+    taken = [r for r in train if r["member"] == "tiny-m-lora"]
+    assert all(r["peer_sequences"] == 0 and r["foreign_refused"] > 0 for r in refused)
+    assert all(r["foreign_sequences"] == r["peer_sequences"] > 0 for r in taken)
 
 
 def _worker_pid(parent: psutil.Process, rank: int) -> int | None:
