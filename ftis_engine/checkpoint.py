@@ -68,7 +68,7 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
     if not weights_finite(member.trainable_parameters(), shard):
         raise DivergenceError(f"members.{member.index} ({member.name}): its weights are NaN or inf; they are not "
                               "saved (the newest complete checkpoint stays)")
-    leader = shard is None or shard.leader
+    leader = member.leads
     if leader:
         directory.mkdir(parents=True, exist_ok=True)
     if shard is None:

@@ -11,7 +11,7 @@ def evaluate_member(member, task: Task, examples: list[Example], max_new_tokens:
     if not examples:
         return float("nan")
     shard = getattr(member, "shard", None)
-    mine = examples if shard is None else examples[shard.index::shard.size]
+    mine = examples if shard is None else [examples[k] for k in shard.share(len(examples))]
     passed = count_passes(member, task, mine, max_new_tokens, on_batch)
     if shard is not None:
         passed = sum(shard.all_gather(passed))

@@ -111,8 +111,8 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     from .exchange.async_ import DistributedAsync, Latency
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
-    from .members import resolve_device
-    from .placement import Shard, check_device, check_placement, endpoint_ranks, make_groups, member_ranks
+    from .members import member_device
+    from .placement import Shard, check_placement, endpoint_ranks, make_groups, member_ranks
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
@@ -131,9 +131,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
             raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
         role = roles[rank]
         check_placement(config)  # under torchrun nothing checked it before the processes started
-        placed = config.members[role.member].device
-        device = check_device(f"members.{role.member}.device", placed) if placed else \
-            resolve_device(config.train.device, local_rank)
+        device = member_device(config, role.member, local_rank)
         shared = any(m.device for m in config.members)  # ranks may share a GPU: NCCL refuses that
         backend = config.swarm.backend
         if backend == "auto":
@@ -162,7 +160,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank,
-                                     device=device, shard=shard)
+                                     shard=shard)
         if role.sampler is None:
             train(swarm, start_step)
         else:

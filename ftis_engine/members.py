@@ -31,6 +31,11 @@ class Member:
         return self.settings.name
 
     @property
+    def leads(self) -> bool:
+        """This rank reports the member (and writes its checkpoint): a one-rank member, or a sharded one's leader."""
+        return self.shard is None or self.shard.leader
+
+    @property
     def causal_lm(self):
         """The transformers model underneath a possible peft wrapper (LoRA layers injected in place)."""
         return self.model.get_base_model() if self.settings.lora is not None else self.model

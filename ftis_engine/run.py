@@ -38,8 +38,7 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
         with member.generator.awake():
             for name, examples in swarm.task.evals.items():
                 examples = examples[: cfg.max_samples] if cfg.max_samples else examples
-                share = len(examples) if member.shard is None else len(range(member.shard.index, len(examples),
-                                                                                 member.shard.size))
+                share = len(examples) if member.shard is None else len(member.shard.share(len(examples)))
                 bar = swarm.progress.start(f"{member.name}: eval {name}", share)
                 accuracy = evaluate_member(member, swarm.task, examples, max_new,
                                            on_batch=lambda k: swarm.progress.advance(bar, k))

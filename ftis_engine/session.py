@@ -25,7 +25,7 @@ from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, res
 from .config import ConfigError, RunConfig, config_differences, rank_roles
 from .errors import first_line
 from .exchange import Alone, Exchange
-from .exchange.admission import Admission, RolloutChecker
+from .exchange.admission import FOREIGN_EXPANSION, Admission, RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
 from .exchange.sync import LocalSync
 from .members import (
@@ -80,7 +80,7 @@ class Swarm:
     @property
     def reports(self) -> bool:
         """This process reports its members (records, evals): not a further shard of a member (its leader does)."""
-        return all(m.shard is None or m.shard.leader for m in self.members)
+        return all(m.leads for m in self.members)
 
     @property
     def independent(self) -> bool:
@@ -287,8 +287,7 @@ def check_before_launch(config: RunConfig, distributed: bool) -> list:
 
 def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, first_start: bool = True,
              checkpoint: pathlib.Path | None = None, exchange: Exchange | None = None,
-             local_rank: int | None = None, progress: Progress | None = None, device: torch.device | None = None,
-             shard=None) -> tuple[Swarm, int]:
+             local_rank: int | None = None, progress: Progress | None = None, shard=None) -> tuple[Swarm, int]:
     """This process's Swarm and the step to start after (0: a fresh run).
 
     resume: continue from the newest complete checkpoint every rank has (train --resume, or an elastic restart).
@@ -296,8 +295,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     checkpoint: restore exactly this checkpoint, without its optimizer (eval).
     exchange: this process's transport (None: every member lives in this process); the members it holds are
     its rank's (a member's rank, or a sampler's) or all of them.
-    device: this rank's device (a multi-process run); shard: this rank's part of a member on several ranks
-    (placement.Shard).
+    shard: this rank's part of a member on several ranks (placement.Shard).
     """
     if exchange is None:
         if config.swarm.mode == "async" and checkpoint is None:
@@ -319,7 +317,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if config.train.threads:
         torch.set_num_threads(config.train.threads)
     check_generator_placement(config, distributed=distributed)
-    devices = {i: device or member_device(config, i, local_rank) for i in local}
+    devices = {i: member_device(config, i, local_rank) for i in local}
     for i in local:
         check_backend(config, devices[i])
     if checkpoint is None and first_start:
@@ -389,13 +387,9 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     return swarm, start_step
 
 
-FOREIGN_EXPANSION = 16
-
-
 def foreign_limit(config: RunConfig, member: Member, longest_prompt: int) -> int:
     """The most tokens a foreign peer's completion may re-encode into here: what fits the member's context after
-    the longest prompt, and at most FOREIGN_EXPANSION x max_new_tokens (a character tokenizer spells out a merge
-    of up to a dozen characters; tokenizers of real model families differ by far less)."""
+    the longest prompt, and at most FOREIGN_EXPANSION x max_new_tokens (exchange/admission.py)."""
     limit = FOREIGN_EXPANSION * config.rollout.max_new_tokens
     context = getattr(member.causal_lm.config, "max_position_embeddings", None)
     return min(limit, context - longest_prompt) if context else limit

@@ -123,5 +123,5 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     settings = swarm.config.members[member.index]
     if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
         flat = flatten_weights(member.model)  # a sharded member: gathered by every shard, pushed by its leader
-        if member.shard is None or member.shard.leader:
+        if member.leads:
             swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flat, step)

@@ -48,6 +48,9 @@ from . import Parcel
 log = logging.getLogger("ftis_engine.exchange")
 
 FUTURE_TOLERANCE_S = 600.0  # clocks of different nodes may differ by this much
+# a foreign completion may re-encode into at most this many times max_new_tokens here (a character tokenizer
+# spells out a merge of up to a dozen characters; tokenizers of real model families differ by far less)
+FOREIGN_EXPANSION = 16
 
 
 def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
@@ -102,7 +105,7 @@ class RolloutChecker:
         self.max_new_tokens = max_new_tokens
         self.foreign = foreign or {}  # member -> its tokenizer, for members whose tokenizer differs from this one
         # the most tokens a re-encoded foreign completion may have here (what fits after the longest prompt)
-        self.foreign_limit = foreign_limit if foreign_limit is not None else 16 * max_new_tokens
+        self.foreign_limit = foreign_limit if foreign_limit is not None else FOREIGN_EXPANSION * max_new_tokens
 
     def is_foreign(self, member: int) -> bool:
         return member in self.foreign
@@ -156,7 +159,8 @@ class RolloutChecker:
             if stopped and ids[-1] not in specials:  # else the trained text would differ from the scored one
                 raise RolloutError(f"sequence {i}: claims it stopped, but its last token {ids[-1]} is none of its "
                                    "tokenizer's special tokens")
-            if not math.isfinite(float(r.gen_logprobs.double().sum().float())):
+            seq_logprob = float(r.gen_logprobs.double().sum())
+            if not math.isfinite(float(torch.tensor(seq_logprob, dtype=torch.float32))):
                 raise RolloutError(f"sequence {i}: its log-probs sum to a value float32 cannot hold")
             text = peer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
             mine = own(text, add_special_tokens=False)["input_ids"] if text else []
@@ -169,7 +173,7 @@ class RolloutChecker:
                                      completion_ids=torch.tensor(mine, dtype=torch.int32),
                                      gen_logprobs=torch.zeros(len(mine)), reward=r.reward,
                                      finish_reason=r.finish_reason, policy_version=r.policy_version,
-                                     made_at=r.made_at, seq_logprob=float(r.gen_logprobs.double().sum())))
+                                     made_at=r.made_at, seq_logprob=seq_logprob))
         kept = [r for r in converted if r.prompt_index not in lost]
         return kept, len(rollouts) - len(kept)
 
