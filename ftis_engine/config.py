@@ -92,7 +92,11 @@ class MemberSettings(_Section):
     grad_clip: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="Clip the global gradient norm to this value.")
     generator: Literal["hf", "vllm"] = Field("hf", description="Who generates rollouts: transformers (CPU/GPU) or vLLM (GPU).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU.")
-    seed: Seed | None = Field(None, description="Seed for a built-in model's random init; default: run seed + member index.")
+    seed: Seed | None = Field(None, description="Seed for a built-in model's random init (and its warm start); default: "
+                              "run seed + seed_offset.")
+    seed_offset: int | None = Field(
+        None, ge=0, description="Init seed = run seed + this (default: the member's index). Two members with the same "
+                                "model, offset and warm start start as the same weights (twins) at every run seed.")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
     warm_start: WarmStartSettings | None = Field(
         None, description="A supervised phase on the task's demonstrations before RL (built-in tasks with "

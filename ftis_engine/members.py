@@ -210,13 +210,22 @@ def shard_member(member: Member, shard, config: RunConfig) -> None:
     member.generator.sync(member.model)  # a vLLM engine's weights from now on come gathered from the shards
 
 
+def member_init_seed(config: RunConfig, index: int) -> int:
+    """The seed of member `index`'s random init and warm start: its `seed`, else run seed + its `seed_offset`
+    (default: its index)."""
+    settings = config.members[index]
+    if settings.seed is not None:
+        return settings.seed
+    return config.seed + (settings.seed_offset if settings.seed_offset is not None else index)
+
+
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None) -> Member:
     """Load the model (random init for built-ins), warm-start it on the task's demonstrations if asked, wrap it in
     LoRA if asked, build its optimizer and generator."""
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
     attn = attention_implementation(config.train.attn_implementation, device)
-    seed = settings.seed if settings.seed is not None else config.seed + index
+    seed = member_init_seed(config, index)
     try:
         model = load_model(settings.model, len(tokenizer), dtype, seed, attn)
     except ModelSpecError as exc:

@@ -58,6 +58,7 @@ def test_the_scratchpad_reward_needs_the_format_and_the_answer(completion, gold,
 @pytest.mark.parametrize("style, expected", [
     ("columns", "7+5=12,3+4+1=8;82"),
     ("carry-first", "5+7=12,1+4+3=8;82"),
+    ("msd-first", "3+4=7,7+5=12;82"),
 ])
 def test_a_worked_solution_adds_column_by_column_with_carries(style, expected):
     assert arith.solution("37+45=", style) == expected
@@ -65,6 +66,8 @@ def test_a_worked_solution_adds_column_by_column_with_carries(style, expected):
 
 def test_three_digit_solutions_carry_into_the_extra_column():
     assert arith.solution("995+17=", "columns") == "5+7=12,9+1+1=11,9+0+1=10;1012"
+    # the shifted task: most significant column first, no carry written, the same answer
+    assert arith.solution("995+17=", "msd-first") == "9+0=9,9+1=10,5+7=12;1012"
 
 
 @pytest.mark.parametrize("style", arith.STYLES)

@@ -82,6 +82,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "kl_estimator": config.algorithm.kl_estimator, "kl_reduction": config.algorithm.kl_reduction,
             "steps": config.train.steps, "seeds": [run.seed for run in finished],
             "runs": [str(run.run_dir) for run in finished], "by_member": {}, "baseline": group.baseline,
+            "alone": group.alone,
             "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
         per_run = {run.seed: read_run(run.run_dir) for run in finished}
@@ -131,13 +132,14 @@ def paired_difference(a: dict, b: dict) -> dict[str, Any] | None:
 
 def add_paired_differences(groups: list[dict]) -> None:
     """Each collaborating group's members get `vs_alone`: per metric and dataset, the paired difference with the
-    same member in its member set's alone group (the first one)."""
+    same member in its alone group (its `alone`, else its member set's first alone group)."""
     alone, by_name = {}, {g["group"]: g for g in groups}
     for g in groups:
         if g["collaboration"] == "alone":
             alone.setdefault(g["member_set"], g)
     for g in groups:
-        for key, base in (("vs_alone", alone.get(g["member_set"])), ("vs_baseline", by_name.get(g.get("baseline")))):
+        own_alone = by_name.get(g["alone"]) if g.get("alone") else alone.get(g["member_set"])
+        for key, base in (("vs_alone", own_alone), ("vs_baseline", by_name.get(g.get("baseline")))):
             if base is None or base is g:
                 continue
             for member, result in g["by_member"].items():

@@ -30,6 +30,18 @@ class GroupSettings(_Section):
                                  "(a name template filled like `name`, e.g. '{method}-lat0'): `vs_baseline` in "
                                  "summary.json and a table in report.md. The member set's alone group is always "
                                  "paired (`vs_alone`).")
+    alone: str | None = Field(None, description="The alone group whose members this group's members are paired with "
+                              "(`vs_alone`), by member name; default: the member set's first alone group. Lets groups "
+                              "of several member sets share one baseline (configs/study/distance.yaml).")
+    seeds: list[int] | None = Field(None, min_length=1, description="This group's seeds (default: the study's "
+                                    "`seeds`); --quick uses quick.seeds for every group.")
+
+    @field_validator("seeds")
+    @classmethod
+    def _distinct_seeds(cls, seeds: list[int] | None) -> list[int] | None:
+        if seeds is not None and len(set(seeds)) != len(seeds):
+            raise ValueError("seeds must be distinct")
+        return seeds
 
     @field_validator("grid")
     @classmethod

@@ -40,6 +40,7 @@ class Group:
     config: RunConfig  # the first seed's: what the group's runs share
     runs: list[Run]
     baseline: str | None = None  # the group it is paired with (GroupSettings.baseline, filled)
+    alone: str | None = None  # its alone baseline when not its member set's (GroupSettings.alone)
 
 
 def _label(key: str) -> str:
@@ -91,11 +92,10 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
     --quick validates the whole study first: a quick run passes only when the full one would start."""
     if quick:
         plan(study, output_dir, quick=False)
-    seeds = study.quick.seeds if quick else study.seeds
     groups = []
     for i, name, group, overrides in expand_groups(study, quick):
         runs = []
-        for seed in seeds:
+        for seed in study.quick.seeds if quick else group.seeds or study.seeds:
             raw = copy.deepcopy(study.base)
             if "members" in raw:
                 raise StudyError("base.members: members come from member_sets")
@@ -119,11 +119,21 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
                             log_path=output_dir / "logs" / f"{name}-seed-{seed}.log"))
         combo = {k: overrides[k] for k in group.grid}
         groups.append(Group(name=name, member_set=group.members, config=runs[0].config, runs=runs,
-                            baseline=baseline_name(group, combo)))
-    names = {name for _, name, _, _ in expand_groups(study, quick=False)}
+                            baseline=baseline_name(group, combo), alone=group.alone))
+    expanded = {name: group for _, name, group, _ in expand_groups(study, quick=False)}
     for group in groups:
-        if group.baseline is not None and group.baseline not in names:
+        if group.baseline is not None and group.baseline not in expanded:
             raise StudyError(f"groups ({group.name}).baseline: unknown group {group.baseline!r}")
+        if group.alone is not None:
+            if group.alone not in expanded:
+                raise StudyError(f"groups ({group.name}).alone: unknown group {group.alone!r}")
+            if expanded[group.alone].collaboration != "alone":
+                raise StudyError(f"groups ({group.name}).alone: {group.alone!r} is a {expanded[group.alone].collaboration}"
+                                 " group, not an alone one")
+            if quick and group.alone not in {g.name for g in groups}:
+                raise StudyError(f"quick.groups: {group.name!r} is paired with {group.alone!r}, which the quick "
+                                 "variant leaves out")
+    names = set(expanded)
     members = {name: [m["name"] for m in study.member_sets[group.members]]
                for _, name, group, _ in expand_groups(study, quick=False)}
     for f, figure in enumerate(study.figures):

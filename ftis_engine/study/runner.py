@@ -77,7 +77,9 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     runs = [run for group in groups for run in group.runs]
     for run in runs:
         check_reuse(run)
-    todo = [run for run in runs if not run.finished]
+    # seed by seed: a study stopped half way has every group at the same number of seeds
+    todo = sorted((run for run in runs if not run.finished),
+                  key=lambda run: next(i for group in groups for i, r in enumerate(group.runs) if r is run))
     check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
     with RunLock(output_dir, kind="study"):

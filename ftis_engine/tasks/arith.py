@@ -13,6 +13,9 @@ Warm-start demonstrations come in two solution styles (the expertise heterogenei
 - `columns`: right to left, each column as "digit+digit(+carry)=sum": "7+5=12,3+4+1=8;82"
 - `carry-first`: the same columns written carry first, the lower operand's digit before the upper's:
   "5+7=12,1+4+3=8;82". Both earn the reward; a member that learnt one finds the other improbable.
+- `msd-first`: a shifted task (the distance study's far peer): the columns left to right, most significant
+  first, each a plain digit sum with no carry written, the carries resolved only in the answer:
+  "3+4=7,7+5=12;82". It earns the same reward, but its scratchpad is another algorithm in another digit order.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import re
 
 from .base import Example, Task
 
-STYLES = ("columns", "carry-first")
+STYLES = ("columns", "carry-first", "msd-first")
 TRAIN_SIZE = 4096
 EVAL_SIZE = 200
 OOD_SHARE = 0.3  # of training prompts and demonstrations that are out-of-distribution shaped
@@ -56,8 +59,12 @@ def solution(question: str, style: str) -> str:
         terms = [str(x), str(y)] + (["1"] if carry else [])
         if style == "carry-first":
             terms = terms[::-1]
+        if style == "msd-first":
+            terms, total = [str(x), str(y)], x + y
         steps.append("+".join(terms) + f"={total}")
-        carry = total // 10
+        carry = total // 10 if style != "msd-first" else 0
+    if style == "msd-first":
+        steps.reverse()
     return ",".join(steps) + f";{a + b}"
 
 
