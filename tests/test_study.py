@@ -98,6 +98,15 @@ BAD = [
     ({"groups": [{"name": "x", "members": "pair", "grid": {"algorithm.method": []}}]}, "groups.0.grid"),
     ({"figures": [{"name": "f", "groups": ["pair-nois"], "members": ["zed"]}]},
      "figures.0.members: 'zed' is a member of none of its groups"),
+    ({"groups": [{"name": "x", "members": "pair", "alone": "nope"}]}, r"groups \(x\).alone: unknown group 'nope'"),
+    ({"groups": [{"name": "x", "members": "pair", "alone": "y"}, {"name": "y", "members": "pair"}]},
+     r"groups \(x\).alone: 'y' is a vertical group, not an alone one"),
+    ({"groups": [{"name": "x", "members": "pair", "seeds": [1, 1]}]}, "groups.0.seeds: seeds must be distinct"),
+    ({"figures": [{"name": "f", "kind": "distance", "groups": ["pair-nois"]}]},
+     "figures.0.members: a distance figure draws one member"),
+    ({"groups": [{"name": "solo", "members": "pair", "collaboration": "alone"},
+                 {"name": "x", "members": "pair", "alone": "solo"}], "quick": {"groups": ["x"]}},
+     "quick.groups: 'x' is paired with 'solo', which the quick variant leaves out"),
     # --quick validates the whole study: a group it leaves out is checked all the same
     ({"groups": [{"name": "ok", "members": "pair"}, {"name": "bad", "members": "pair", "set": {"train.steps": -1}}],
       "quick": {"groups": ["ok"]}}, r"groups.1 \(bad\): train.steps"),
@@ -315,3 +324,64 @@ def test_a_group_is_paired_with_its_baseline_filled_from_the_grid():
     assert vs["values"] == pytest.approx([-0.3, -0.1])
     report = report_markdown({"study": "t", "quick": False, "seeds": [0, 1], "groups": summary}, [])
     assert "| tis-lat2 | m | tis-lat0 | -0.200" in report and "staleness" in report
+
+
+def test_a_group_runs_its_own_seeds_and_quick_runs_quick_seeds():
+    raw = {**MINIMAL, "groups": [{"name": "more", "members": "pair", "seeds": [0, 1, 2, 3]},
+                                 {"name": "std", "members": "pair"}]}
+    spec = study_module.StudyConfig.model_validate(raw)
+    assert [[r.seed for r in g.runs] for g in plan(spec, pathlib.Path("/out"), quick=False)] == [[0, 1, 2, 3], [0, 1]]
+    assert [[r.seed for r in g.runs] for g in plan(spec, pathlib.Path("/out"), quick=True)] == [[0], [0]]
+
+
+def test_groups_of_several_member_sets_share_one_alone_group_and_make_the_distance_points(tmp_path):
+    """The distance study's shape: one receiver alone, paired seed by seed with each dial point's groups; the
+    points of the distance figure are each group's measured peer KL and its paired difference, by method."""
+    from ftis_engine.study.report import distance_points, report_markdown
+
+    raw = {**MINIMAL, "member_sets": {"solo": [{"name": "a", "model": "builtin:tiny-s"}],
+                                      "near": [{"name": "a", "model": "builtin:tiny-s"},
+                                               {"name": "n", "model": "builtin:tiny-s"}],
+                                      "far": [{"name": "a", "model": "builtin:tiny-s"},
+                                              {"name": "f", "model": "builtin:tiny-m"}]},
+           "groups": [{"name": "alone", "members": "solo", "collaboration": "alone"},
+                      {"name": "near-{method}", "members": "near", "alone": "alone",
+                       "grid": {"algorithm.method": ["nois", "tis"]}},
+                      {"name": "far-{method}", "members": "far", "alone": "alone",
+                       "grid": {"algorithm.method": ["nois", "tis"]}}]}
+    spec = study_module.StudyConfig.model_validate(raw)
+    groups = {g.name: g for g in plan(spec, tmp_path, quick=False)}
+    finals = {"alone": (0.5, 0.6), "near-nois": (0.5, 0.7), "near-tis": (0.6, 0.6), "far-nois": (0.1, 0.3),
+              "far-tis": (0.5, 0.7)}
+    kls = {"near-nois": 1.0, "near-tis": 2.0, "far-nois": 300.0, "far-tis": 200.0, "alone": 0.0}
+    for name, group in groups.items():
+        for run, final in zip(group.runs, finals[name]):
+            _fake_run(run, [(0, 0.2), (2, final)], [kls[name]])
+    summary = aggregate(spec, list(groups.values()), quick=False, command="c")
+    by = {g["group"]: g for g in summary["groups"]}
+    vs = by["far-nois"]["by_member"]["a"]["vs_alone"]["final"]["tiny-add"]
+    assert vs["values"] == pytest.approx([0.1 - 0.5, 0.3 - 0.6]) and by["far-nois"]["alone"] == "alone"
+    assert "vs_alone" not in by["far-nois"]["by_member"]["f"]  # the peer was never trained alone
+    points = distance_points(summary["groups"], "a", "final", "tiny-add")
+    # a member's own rollouts are half of each step's: the peer KL is twice the step's mean
+    assert [(x, round(d["mean"], 6), where) for x, d, where in points["nois"]] == [
+        (2.0, 0.05, "near"), (600.0, -0.35, "far")]
+    assert [(x, where) for x, _, where in points["tis"]] == [(4.0, "near"), (400.0, "far")]
+    report = report_markdown(summary, [])
+    assert "Paired with the alone group `alone`" in report
+    assert "| far-nois | a | 600 | -0.350 [" in report
+
+
+def test_the_quick_distance_study_pairs_the_receiver_with_its_one_alone_group_and_draws_the_dial(tmp_path):
+    out = tmp_path / "distance"
+    result = cli("study", "--config", ROOT / "configs" / "study" / "distance.yaml", "--quick", "--output-dir", out,
+                 timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert [g["group"] for g in summary["groups"]] == ["alone", "random-nois", "random-f-tis"]
+    for group in summary["groups"][1:]:
+        receiver = group["by_member"]["receiver"]
+        assert group["alone"] == "alone" and receiver["train"]["peer_kl_mean"]["mean"] > 0
+        assert set(receiver["vs_alone"]["final"]) == {"arith", "arith-ood"}
+    assert "figures/distance.png" in summary["figures"] and (out / "figures" / "distance.png").stat().st_size > 0
+    assert "| random-f-tis | receiver | " in (out / "report.md").read_text()

@@ -113,3 +113,23 @@ def test_a_task_without_demonstrations_refuses_a_warm_start():
     config = short_config("members.0.warm_start.style=columns")  # the tiny default's tiny-last has none
     with pytest.raises(ConfigError, match=r"members\.0\.warm_start: task 'tiny-last' has no demonstrations"):
         check_warm_start(0, config.members[0], load_task(config.data, 0))
+
+
+def test_members_with_the_same_seed_offset_start_as_twins_at_every_run_seed(cache):
+    from ftis_engine.members import build_member, member_init_seed
+
+    twins = ["data.task=arith", "rollout.max_new_tokens=32", "members.1.model=builtin:tiny-s", "members.1.lora=null",
+             "members.0.warm_start.style=columns", "members.0.warm_start.steps=3",
+             "members.1.warm_start.style=columns", "members.1.warm_start.steps=3"]
+    tokenizer = load_tokenizer("builtin:tiny-s")
+    for seed in (0, 5):
+        config = short_config(*twins, "members.1.seed_offset=0", f"seed={seed}")
+        task = load_task(config.data, seed)
+        assert member_init_seed(config, 0) == member_init_seed(config, 1) == seed
+        a, b = (build_member(i, config, tokenizer, torch.device("cpu"), task).causal_lm.state_dict() for i in (0, 1))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # the default offset is the member's index, and a fixed seed wins over any offset
+    config = short_config(*twins, "seed=5")
+    a, b = (build_member(i, config, tokenizer, torch.device("cpu"), task).causal_lm.state_dict() for i in (0, 1))
+    assert member_init_seed(config, 1) == 6 and not all(torch.equal(a[k], b[k]) for k in a)
+    assert member_init_seed(short_config(*twins, "members.1.seed_offset=0", "members.1.seed=9"), 1) == 9

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -55,6 +55,10 @@ class GroupSettings(_Section):
 class FigureSettings(_Section):
     name: str = Field(..., pattern=r"^[\w.-]+$", description="File name (figures/<name>.png).")
     title: str = Field("", description="Figure title.")
+    kind: Literal["curves", "distance"] = Field(
+        "curves", description="curves: eval accuracy over steps, a line per group (mean, 95% band). distance: each "
+        "collaborating group's paired difference from its alone baseline (final and AUC, mean and 95% interval) "
+        "against the peer KL measured in it, a line per method; one member (`members`, the receiver).")
     groups: list[str] = Field(..., min_length=1, description="Groups drawn, one line each (mean, 95% band).")
     members: list[str] | None = Field(None, description="Members drawn, one column each (default: all of theirs).")
     datasets: list[str] | None = Field(None, description="Eval sets drawn, one row each (default: all).")

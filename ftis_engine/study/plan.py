@@ -141,6 +141,8 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
         if unknown:
             raise StudyError(f"figures.{f}.groups: unknown group {unknown[0]!r}")
         drawn = {m for g in figure.groups for m in members[g]}
+        if figure.kind == "distance" and len(figure.members or []) != 1:
+            raise StudyError(f"figures.{f}.members: a distance figure draws one member (the receiver); name it")
         unknown = [m for m in figure.members or [] if m not in drawn]
         if unknown:
             raise StudyError(f"figures.{f}.members: {unknown[0]!r} is a member of none of its groups "

@@ -26,7 +26,10 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
     lines = [f"# Study `{summary['study']}`{' (--quick)' if summary['quick'] else ''}", ""]
     if summary.get("command"):
         lines += ["Made by:", "", f"    {summary['command']}", ""]
-    lines += [f"Seeds {summary['seeds']}; every number is a mean over seeds with its 95% t-interval in brackets. "
+    more = any(g["seeds"] != summary["seeds"] for g in summary["groups"] if g["seeds"])
+    seeds = f"Seeds {summary['seeds']}" + (" (a group with other seeds says how many in its seeds column; a paired "
+                                             "difference uses the seeds both groups have)" if more else "")
+    lines += [f"{seeds}; every number is a mean over seeds with its 95% t-interval in brackets. "
               "final: greedy pass@1 at the last step; AUC: mean accuracy over the run (area under the eval curve / "
               "steps); early: mean over the eval points of the run's first half (step 0 excluded). Training stats "
               "are means over steps, then seeds: peer KL is the mean KL_i of the peers' rollouts under the receiver (the "
@@ -57,9 +60,11 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
                 row += [_fmt_g(t.get("staleness_mean"))] if asynchronous else []
                 lines.append("| " + " | ".join(row) + " |")
         lines.append("")
-        lines += _paired_table(groups, datasets, "vs_alone", f"Paired with `{member_set}`'s alone baseline: per seed, "
-                               "this group's number minus the alone run's (same seed: same warm start, same data "
-                               "order), mean and 95% t-interval over seeds.")
+        own = sorted({g["alone"] for g in groups if g.get("alone")})
+        whose = f"the alone group `{'`, `'.join(own)}`" if own else f"`{member_set}`'s alone baseline"
+        lines += _paired_table(groups, datasets, "vs_alone", f"Paired with {whose}: per seed, this group's number "
+                               "minus the alone run's (same seed: same warm start, same data order), mean and 95% "
+                               "t-interval over seeds; peer KL as above.")
         lines += _paired_table(groups, datasets, "vs_baseline", "Paired with each group's baseline (Δ = group - "
                                "baseline, per seed, mean and 95% t-interval over seeds):")
     if figures:
@@ -72,11 +77,13 @@ def _paired_table(groups: list[dict], datasets: list[str], key: str, intro: str)
     paired = [(g, member, r[key]) for g in groups for member, r in g["by_member"].items() if key in r]
     if not paired:
         return []
-    head = ["group", "member"] + (["baseline"] if key == "vs_baseline" else [])
+    head = ["group", "member"] + (["baseline"] if key == "vs_baseline" else ["peer KL"])
     head += [f"Δ final {d}" for d in datasets] + [f"Δ AUC {d}" for d in datasets] + [f"Δ early {d}" for d in datasets[:1]]
     lines = [intro, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for g, member, vs in paired:
-        row = [g["group"], member] + ([g["baseline"]] if key == "vs_baseline" else [])
+        row = [g["group"], member]
+        row += [g["baseline"]] if key == "vs_baseline" else [
+            _fmt_g(g["by_member"][member].get("train", {}).get("peer_kl_mean"))]
         row += [_fmt(vs["final"].get(d)) for d in datasets] + [_fmt(vs["auc"].get(d)) for d in datasets]
         row += [_fmt(vs["early"].get(d)) for d in datasets[:1]]
         lines.append("| " + " | ".join(row) + " |")
@@ -106,6 +113,9 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
         datasets = figure.datasets or sorted({d for g in chosen for m in g["by_member"].values() for d in m["curve"]})
         if not members or not datasets:
             continue
+        if figure.kind == "distance":
+            written.append(_distance_figure(plt, figure, chosen, members[0], datasets, out_dir))
+            continue
         fig, axes = plt.subplots(len(datasets), len(members), figsize=(5.2 * len(members), 3.6 * len(datasets)),
                                  squeeze=False)
         for row, dataset in enumerate(datasets):
@@ -128,6 +138,54 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
         plt.close(fig)
         written.append(path)
     return written
+
+
+def distance_points(groups: list[dict], member: str, metric: str, dataset: str) -> dict[str, list[tuple]]:
+    """Method -> [(peer KL, paired difference from alone, member set)] of `member` in the collaborating groups,
+    by increasing peer KL: the points of a distance figure. A group without both numbers is left out."""
+    lines: dict[str, list[tuple]] = {}
+    for g in groups:
+        result = g["by_member"].get(member, {})
+        kl = result.get("train", {}).get("peer_kl_mean")
+        diff = result.get("vs_alone", {}).get(metric, {}).get(dataset)
+        if g["collaboration"] != "alone" and kl and diff:
+            lines.setdefault(g["method"], []).append((kl["mean"], diff, g["member_set"]))
+    return {method: sorted(points, key=lambda p: p[0]) for method, points in lines.items()}
+
+
+def _distance_figure(plt, figure: FigureSettings, groups: list[dict], member: str, datasets: list[str],
+                     out_dir: pathlib.Path) -> pathlib.Path:
+    """A row per eval set, a column per metric (final, AUC): each method's paired difference from alone (mean and
+    95% interval over seeds) at the peer KL measured in its runs, a line per method, each point named by its
+    member set (the dial point)."""
+    metrics = (("final", "final accuracy"), ("auc", "AUC (mean accuracy over the run)"))
+    fig, axes = plt.subplots(len(datasets), len(metrics), figsize=(6.4 * len(metrics), 4.2 * len(datasets)),
+                             squeeze=False)
+    for row, dataset in enumerate(datasets):
+        for col, (metric, label) in enumerate(metrics):
+            ax = axes[row][col]
+            for k, (method, points) in enumerate(distance_points(groups, member, metric, dataset).items()):
+                xs = [p[0] for p in points]
+                ys = [p[1]["mean"] for p in points]
+                err = [[p[1]["mean"] - p[1]["low"] for p in points], [p[1]["high"] - p[1]["mean"] for p in points]]
+                n = min(p[1]["n"] for p in points)
+                ax.errorbar(xs, ys, yerr=err, marker="o", markersize=4, capsize=3, color=f"C{k % 10}",
+                            label=f"{method} (n>={n})")
+                if k == 0:
+                    for x, y, where in zip(xs, ys, (p[2] for p in points)):
+                        ax.annotate(where, (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
+            ax.axhline(0.0, color="black", linewidth=0.8, linestyle="--")
+            ax.set_xscale("symlog", linthresh=1.0)
+            ax.set(title=f"{member}: {dataset}, {label}", xlabel="peer KL measured in the run (k3, summed; symlog)",
+                   ylabel="paired difference from alone")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"{figure.title or figure.name} (mean over seeds, 95% interval; 0 = alone)")
+    fig.tight_layout()
+    path = out_dir / f"{figure.name}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def write_outputs(study: StudyConfig, groups: list[Group], summary: dict, output_dir: pathlib.Path) -> None:
