@@ -94,12 +94,106 @@ def check_placement(config: RunConfig) -> None:
             raise ConfigError(f"members.{placed[-1]}.vllm.gpu_memory_utilization: the vLLM engines of {names} on "
                               f"{device} would take {total:.2f} of it together (at most {SHARED_ENGINES_LIMIT}, the "
                               "rest is for training); lower it")
+    placed_on: dict[torch.device, list[int]] = {}
     for i, member in enumerate(config.members):
         if member.ranks > 1 and member.device is not None:
             raise ConfigError(f"members.{i}.device: a member on {member.ranks} ranks takes one device per rank (by "
                               "rank); drop device or set ranks: 1")
         if member.device is not None:
-            check_device(f"members.{i}.device", member.device)
+            placed_on.setdefault(check_device(f"members.{i}.device", member.device), []).append(i)
+    for device, placed in placed_on.items():
+        if device.type == "cuda":
+            check_memory_plan(config, placed, device, torch.cuda.get_device_properties(device).total_memory)
+
+
+# what a process's CUDA context, the allocator's slack and the fused head's chunks take beyond the estimate below
+PROCESS_OVERHEAD_BYTES = 1 << 30
+
+
+def model_shape(spec: str) -> dict | None:
+    """hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size and
+    tie_word_embeddings of a built-in or a local/cached HF model (its config only, no weights); None when unknown."""
+    from .models import BPE_VOCAB_SIZE, TINY_MODELS, builtin_name, is_builtin
+
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    if is_builtin(spec):
+        name = builtin_name(spec)
+        shape = {k: TINY_MODELS[name][k] for k in keys}
+        return {**shape, "vocab_size": BPE_VOCAB_SIZE if name.endswith("-bpe") else 101,
+                "tie_word_embeddings": TINY_MODELS[name]["tie_word_embeddings"]}
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(spec, local_files_only=True)  # no network: a check, not a download
+        shape = {k: int(getattr(hf, k)) for k in (*keys, "vocab_size")}
+    except Exception:  # an unknown architecture or no config: nothing to estimate with
+        return None
+    shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
+    return {**shape, "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False))}
+
+
+def _projections(shape: dict) -> dict[str, tuple[int, int]]:
+    d, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (d // shape["num_attention_heads"])
+    return {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d), "gate_proj": (d, i),
+            "up_proj": (d, i), "down_proj": (i, d)}
+
+
+def parameter_counts(shape: dict, lora) -> tuple[int, int]:
+    """(all parameters, trainable ones) of a Qwen2-shaped decoder: the projections (q, k, v with biases), two norms
+    a layer, the embedding (and an untied head); trainable: all, or a LoRA adapter's r x (in + out) per target."""
+    projections = _projections(shape)
+    d, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    per_layer = sum(a * b for a, b in projections.values()) + d + 2 * projections["k_proj"][1] + 2 * d
+    total = layers * per_layer + d + shape["vocab_size"] * d * (1 if shape["tie_word_embeddings"] else 2)
+    if lora is None:
+        return total, total
+    adapter = sum(lora.r * (a + b) for name, (a, b) in projections.items() if name in lora.target_modules)
+    return total, layers * adapter
+
+
+def training_bytes(config: RunConfig, index: int, shape: dict) -> int:
+    """An estimate of one rank's training memory for member `index` on a GPU: weights, gradients and the two Adam
+    states in the parameters' dtype (bf16, or float32 when asked), split over its ranks, and the activations of one
+    micro-batch (train.micro_batch_tokens): every layer's input kept for recompute plus one layer's working set, or
+    every layer's working set without recompute. The fused head never holds the logits."""
+    member = config.members[index]
+    width = 4 if member.dtype == "float32" else 2
+    total, trainable = parameter_counts(shape, member.lora)
+    states = (total + 3 * trainable) * width // member.ranks
+    d, inner, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    tokens = config.train.micro_batch_tokens
+    working = tokens * (8 * d + 3 * inner) * width
+    saved = tokens * d * width * layers + working if config.train.gradient_checkpointing else working * layers
+    return states + saved
+
+
+def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device, capacity: int) -> None:
+    """The members placed on one GPU must fit it: each vLLM engine takes its gpu_memory_utilization share of the
+    whole GPU (awake during generation, asleep in the update but not freed at level 1), each member's training
+    takes `training_bytes` plus a process's overhead. A plan that does not fit stops, naming the field to lower."""
+    gib = 1 << 30
+    engines = sum(config.members[i].vllm.gpu_memory_utilization * capacity for i in placed
+                  if config.members[i].generator == "vllm")
+    needs = {}
+    for i in placed:
+        shape = model_shape(config.members[i].model)
+        if shape is not None:
+            needs[i] = training_bytes(config, i, shape) + PROCESS_OVERHEAD_BYTES
+    if engines + sum(needs.values()) <= capacity:
+        return
+    largest = max(needs, key=needs.get)
+    parts = ", ".join(f"members.{i} {needs[i] / gib:.1f}" for i in needs)
+    where = f"{device} ({capacity / gib:.1f} GiB)"
+    vllm = [i for i in placed if config.members[i].generator == "vllm"]
+    if vllm and sum(needs.values()) <= capacity * (1 - 0.05 * len(vllm)):
+        raise ConfigError(f"members.{vllm[-1]}.vllm.gpu_memory_utilization: the vLLM engines on {where} take "
+                          f"{engines / gib:.1f} GiB and training needs about {sum(needs.values()) / gib:.1f} GiB "
+                          f"({parts}); lower it")
+    raise ConfigError(f"members.{largest}.device: training the members on {where} needs about "
+                      f"{sum(needs.values()) / gib:.1f} GiB ({parts}) besides {engines / gib:.1f} GiB of vLLM "
+                      "engines; move a member to another device, or lower train.micro_batch_tokens, or give the "
+                      "largest a LoRA adapter or more ranks")
 
 
 def check_device(field: str, spec: str) -> torch.device:

@@ -82,6 +82,60 @@ def test_two_vllm_engines_that_would_fill_one_gpu_are_refused_before_anything_st
     assert "members.1.vllm.gpu_memory_utilization" in result.stderr and "1.00" in result.stderr
 
 
+PAIR_ON_ONE_GPU = ["members.0.model=builtin:shape-1.5b", "members.1.model=builtin:shape-3b", "members.1.lora=null",
+                   "members.0.generator=vllm", "members.1.generator=vllm", "members.0.dtype=bfloat16",
+                   "members.1.dtype=bfloat16", "members.0.device=cuda:0", "members.1.device=cuda:0"]
+H100 = 85_520_809_984  # torch.cuda.get_device_properties(0).total_memory of an H100 80GB (79.6 GiB)
+
+
+def test_the_parameter_count_behind_the_memory_plan_is_exact():
+    import torch
+
+    from ftis_engine.config import LoraSettings
+    from ftis_engine.models import load_model
+    from ftis_engine.placement import model_shape, parameter_counts
+
+    for spec in ("builtin:tiny-s", "builtin:tiny-m", "builtin:tiny-l"):
+        model = load_model(spec, 101, torch.float32, 0, "sdpa")
+        assert parameter_counts(model_shape(spec), None) == (sum(p.numel() for p in model.parameters()),) * 2
+    lora = LoraSettings(r=4, alpha=8, target_modules=["q_proj", "down_proj"])
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model("builtin:tiny-m", 101, torch.float32, 0, "sdpa"),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert parameter_counts(model_shape("builtin:tiny-m"), lora)[1] == trainable
+    # the Qwen2.5-1.5B shape with its real vocabulary is Qwen2.5-1.5B's 1.54B parameters
+    assert parameter_counts({**model_shape("builtin:shape-1.5b"), "vocab_size": 151936}, None)[0] == 1_543_714_304
+
+
+def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_lower():
+    from ftis_engine.config import ConfigError
+    from ftis_engine.placement import check_memory_plan
+
+    # the paper's pair, full fine-tunes with 16k-token micro-batches and no recompute: the activations alone
+    # (about 36 and 58 GiB) do not fit beside the weights and Adam states: no vLLM share could make room
+    config = short_config(*PAIR_ON_ONE_GPU, "train.micro_batch_tokens=16384")
+    with pytest.raises(ConfigError, match=r"^members.1.device: training the members on cuda:0 \(79.6 GiB\) needs"):
+        check_memory_plan(config, [0, 1], "cuda:0", H100)
+    # with recompute and 8k tokens training takes about 40 GiB: the engines' 0.3 + 0.3 of the GPU are too much...
+    fits = [*PAIR_ON_ONE_GPU, "train.gradient_checkpointing=true", "train.micro_batch_tokens=8192"]
+    with pytest.raises(ConfigError, match=r"^members.1.vllm.gpu_memory_utilization: .* lower it$"):
+        check_memory_plan(short_config(*fits, "members.0.vllm.gpu_memory_utilization=0.3",
+                                       "members.1.vllm.gpu_memory_utilization=0.3"), [0, 1], "cuda:0", H100)
+    # ... 0.2 + 0.2 fit (the README's one-GPU recipe), and so does the same plan on an H200
+    check_memory_plan(short_config(*fits, "members.0.vllm.gpu_memory_utilization=0.2",
+                                   "members.1.vllm.gpu_memory_utilization=0.2"), [0, 1], "cuda:0", H100)
+    check_memory_plan(short_config(*fits, "members.0.vllm.gpu_memory_utilization=0.3",
+                                   "members.1.vllm.gpu_memory_utilization=0.3"), [0, 1], "cuda:0", 150_754_820_096)
+    # a LoRA adapter or a second rank shrinks a member's share of the plan
+    from ftis_engine.placement import model_shape, training_bytes
+
+    full, lora = (short_config(*fits, *extra) for extra in ([], ["members.1.lora.r=16"]))
+    shape = model_shape("builtin:shape-3b")
+    assert training_bytes(lora, 1, shape) < 0.5 * training_bytes(full, 1, shape)
+
+
 def test_a_device_on_a_member_of_several_ranks_is_refused(tmp_path):
     result = _cli(*_args(tmp_path, "members.0.ranks=2", "members.0.device=cpu"), "--nproc", "3")
     assert result.returncode == 2 and "members.0.device" in result.stderr and "ranks" in result.stderr
