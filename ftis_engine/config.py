@@ -295,6 +295,11 @@ class SwarmSettings(_Section):
         "auto", description="The default group's backend. auto: nccl when members are on GPUs, else gloo; gloo when "
                             "any member sets members.N.device (ranks may share a GPU, which NCCL refuses). A member "
                             "on several GPUs shards over NCCL either way.")
+    weights_transport: Literal["auto", "links", "broadcast"] = Field(
+        "auto", description="How a learner's weights reach its samplers (members.N.samplers). links: float32 over the "
+                            "gloo point-to-point links, through host memory. broadcast: one bf16 broadcast in the "
+                            "member's own group, NCCL GPU to GPU (gloo on CPU or when members set a device). auto: "
+                            "broadcast when the ranks are on distinct GPUs (NCCL), else links.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")
 
 

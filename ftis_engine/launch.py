@@ -112,7 +112,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
     from .members import member_device
-    from .placement import Shard, check_placement, endpoint_ranks, make_groups, member_ranks
+    from .placement import Shard, check_placement, endpoint_ranks, make_groups, member_ranks, weights_group_ranks
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
@@ -147,8 +147,15 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         if role.endpoint is None:
             exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
         elif config.swarm.mode == "async":
+            broadcast = None
+            if role.member in groups.weights:  # this member's leader or one of its samplers
+                from .exchange.weights import WeightBroadcast
+
+                weights_group = groups.weights[role.member]
+                broadcast = WeightBroadcast(weights_group, weights_group_ranks(config, role.member)[0],
+                                            device if dist_backend(weights_group) == "nccl" else torch.device("cpu"))
             exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
-                                        endpoint=role.endpoint, group=groups.links)
+                                        endpoint=role.endpoint, group=groups.links, broadcast=broadcast)
         else:
             exchange = DistributedSync(collectives, endpoint=role.endpoint, group=groups.endpoints,
                                        endpoints=endpoints)
@@ -193,6 +200,10 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         os._exit(1)  # no teardown: the process group may be waiting on a peer that is gone
     exchange.collectives.close()
     return 0
+
+
+def dist_backend(group) -> str:
+    return str(torch.distributed.get_backend(group)).lower()
 
 
 def _collective_failure(exc: RuntimeError) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -222,6 +222,25 @@ class Groups:
     endpoints: object | None  # the exchange's endpoints, group rank = endpoint (None: every rank is one)
     links: object | None  # async: the point-to-point links' gloo group over the endpoints (group rank = endpoint)
     members: dict[int, tuple[object, object]]  # member with K > 1 ranks -> (FSDP group, gloo group for objects)
+    weights: dict[int, object] = field(default_factory=dict)  # member with samplers -> its weight broadcast group
+
+
+def weights_backend(config: RunConfig, device_type: str) -> str | None:
+    """The backend of the members' weight broadcast groups (swarm.weights_transport), or None: the links carry the
+    weights. NCCL only between distinct GPUs: ranks that share one (a member's `device`) broadcast over gloo."""
+    transport = config.swarm.weights_transport
+    if config.swarm.mode != "async" or not any(m.samplers for m in config.members) or transport == "links":
+        return None
+    distinct_gpus = device_type == "cuda" and not any(m.device for m in config.members)
+    if transport == "auto":
+        return "nccl" if distinct_gpus else None
+    return "nccl" if distinct_gpus else "gloo"
+
+
+def weights_group_ranks(config: RunConfig, member: int) -> list[int]:
+    """A member's weight broadcast group: its leader's rank, then its samplers' ranks."""
+    samplers = [r for r, role in enumerate(process_roles(config)) if role.member == member and role.sampler is not None]
+    return [member_ranks(config, member)[0], *samplers]
 
 
 def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) -> Groups:
@@ -243,7 +262,13 @@ def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) ->
             fsdp = dist.new_group(ranks, backend=backend, timeout=patience)
             objects = fsdp if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=patience)
             members[i] = (fsdp, objects)
-    return Groups(endpoint_group, links, members)
+    weights = {}
+    broadcast = weights_backend(config, "cuda" if backend == "nccl" else "cpu")
+    if broadcast is not None:
+        for i, member in enumerate(config.members):
+            if member.samplers:
+                weights[i] = dist.new_group(weights_group_ranks(config, i), backend=broadcast, timeout=patience)
+    return Groups(endpoint_group, links, members, weights)
 
 
 # ------------------------------------------------------------------------------------------------- a sharded member

@@ -30,11 +30,17 @@ from .rollouts import encode
 from .session import Swarm
 
 
-def flatten_weights(model) -> torch.Tensor:
-    """The trainable parameters as one int32 word buffer (float32 bits; bf16 and fp16 widen exactly); a sharded
-    model's gathered one parameter at a time (every shard calls it)."""
-    return torch.cat([full(p.detach()).float().flatten().cpu() for p in trainable_parameters(model)]
-                     ).view(torch.int32)
+def flatten_weights(model, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The trainable parameters as one flat buffer: float32 as int32 words for the links (bf16 and fp16 widen
+    exactly), or `dtype` on `device` for a weight broadcast; a sharded model's gathered one parameter at a time
+    (every shard calls it)."""
+    flat = torch.cat([full(p.detach()).to(device=device, dtype=dtype).flatten() for p in trainable_parameters(model)])
+    return flat.view(torch.int32) if dtype == torch.float32 else flat
+
+
+def weight_values(flat: torch.Tensor) -> torch.Tensor:
+    """The values of a pushed buffer: int32 words are float32 bits, any other dtype is itself."""
+    return flat.view(torch.float32) if flat.dtype == torch.int32 else flat
 
 
 def weights_words(model) -> int:
@@ -43,7 +49,7 @@ def weights_words(model) -> int:
 
 @torch.no_grad()
 def load_weights(model, words: torch.Tensor) -> None:
-    values = words.view(torch.float32)
+    values = weight_values(words)
     offset = 0
     for p in trainable_parameters(model):
         p.copy_(values[offset : offset + p.numel()].view_as(p).to(p.dtype))
@@ -75,7 +81,7 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
             if exchange.peer_done(learner):
                 break
             newest = slot.take()
-            if newest is not None and bool(torch.isfinite(newest[1].view(torch.float32)).all()):
+            if newest is not None and bool(torch.isfinite(weight_values(newest[1])).all()):
                 version = newest[0]
                 load_weights(member.model, newest[1])
                 member.generator.sync(member.model)
@@ -87,6 +93,7 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
             logger.log({"step": round_, "member": member.name, "kind": "sample", "sampler": index, "rank": rank,
                         "policy_version": version, "started_at": started, "seconds": time.time() - started,
                         "waited_seconds": waited, "sequences": len(rollouts),
+                        "weights_transport": "links" if exchange.broadcast is None else "broadcast",
                         "tokens": sum(r.num_tokens for r in rollouts),
                         "reward_mean": sum(r.reward for r in rollouts) / max(1, len(rollouts))})
         exchange.check()  # the learner finished (DONE), or its link was lost or failed: say which

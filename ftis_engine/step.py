@@ -122,6 +122,9 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
     settings = swarm.config.members[member.index]
     if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
-        flat = flatten_weights(member.model)  # a sharded member: gathered by every shard, pushed by its leader
+        # a sharded member: gathered by every shard, pushed by its leader; a broadcast takes its dtype and device
+        channel = getattr(swarm.exchange, "broadcast", None)
+        flat = flatten_weights(member.model) if channel is None else flatten_weights(member.model, channel.dtype,
+                                                                                     channel.device)
         if member.leads:
             swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flat, step)

@@ -181,17 +181,20 @@ def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_
     assert {r["member"] for r in lost} == {"tiny-s", "tiny-m-lora"} and all(r["step"] == done[-1] for r in lost)
 
 
-def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync_every_behind(tmp_path):
+@pytest.mark.parametrize("transport", ["links", "broadcast"])
+def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync_every_behind(tmp_path, transport):
     # swarm.timeout_s=4 against a run of 8+ s: the directions that carry nothing (tiny-m-lora -> the sampler) stay
-    # open only through the exchange's pings (gloo closes a group whose receive waits past its timeout)
+    # open only through the exchange's pings (gloo closes a group whose receive waits past its timeout).
+    # broadcast: the weights go as bf16 in the member's own group (gloo here, NCCL between GPUs)
     args = _args(tmp_path, "train.steps=6", *ASYNC, "members.0.samplers=1", "members.0.weight_sync_every=2",
-                 "swarm.timeout_s=4")
+                 "swarm.timeout_s=4", f"swarm.weights_transport={transport}")
     results = _launch_timed(3, args, modes={0: "slow:1.5"})  # the learner is slower than its sampler
     assert [code for code, _, _ in results] == [0, 0, 0], results
     records = _records(tmp_path)
     rounds = [r for r in records if r["kind"] == "sample"]
     learner = [r for r in _train(records) if r["member"] == "tiny-s"]
     assert rounds and all(r["member"] == "tiny-s" and r["rank"] == 2 for r in rounds)
+    assert {r["weights_transport"] for r in rounds} == {transport}
     for r in rounds:  # the learner's version when the round began, minus the weights the round used
         version_then = sum(1 for t in learner if t["ended_at"] <= r["started_at"])
         assert 0 <= version_then - r["policy_version"] <= 2, (version_then, r)

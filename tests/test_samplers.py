@@ -31,3 +31,31 @@ def test_a_push_carries_exactly_the_trainable_weights_and_loads_bit_exact():
             assert torch.equal(a, b)
     lora, _ = member(1)
     assert weights_words(lora.model) < sum(p.numel() for p in lora.model.parameters()) / 2  # not the base
+
+
+def test_weights_go_by_broadcast_between_distinct_gpus_and_by_the_links_otherwise():
+    from ftis_engine.placement import weights_backend, weights_group_ranks
+
+    samplers = ["swarm.mode=async", "members.0.samplers=2", "members.1.samplers=1"]
+    config = short_config(*samplers)
+    assert weights_backend(config, "cuda") == "nccl" and weights_backend(config, "cpu") is None
+    assert weights_group_ranks(config, 0) == [0, 2, 3] and weights_group_ranks(config, 1) == [1, 4]
+    shared = short_config(*samplers, "members.1.device=cuda:0")  # ranks may share a GPU: NCCL refuses that
+    assert weights_backend(shared, "cuda") is None
+    forced = short_config(*samplers, "swarm.weights_transport=broadcast")
+    assert weights_backend(forced, "cpu") == "gloo" and weights_backend(forced, "cuda") == "nccl"
+    assert weights_backend(short_config(*samplers, "swarm.weights_transport=links"), "cuda") is None
+    assert weights_backend(short_config("swarm.mode=async"), "cuda") is None  # no samplers, no groups
+    sharded = short_config(*samplers, "members.0.ranks=2")  # the leader pushes for a sharded member
+    assert weights_group_ranks(sharded, 0) == [0, 3, 4]
+
+
+def test_a_bf16_push_loads_as_the_learners_weights_rounded_to_bf16():
+    learner, _ = member(0)
+    sampler, _ = member(0)
+    flat = flatten_weights(learner.model, torch.bfloat16)
+    assert flat.dtype == torch.bfloat16 and flat.numel() == weights_words(learner.model)
+    load_weights(sampler.model, flat)
+    pairs = list(zip(trainable_parameters(learner.model), trainable_parameters(sampler.model)))
+    assert all(torch.equal(a.to(torch.bfloat16).float(), b) for a, b in pairs)
+    assert not all(torch.equal(a, b) for a, b in pairs)  # rounded, not copied

@@ -180,7 +180,7 @@ class DistributedAsync:
     independent = True
 
     def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency, endpoint: int | None = None,
-                 group=None):
+                 group=None, broadcast=None):
         self.collectives = collectives
         self.rank = collectives.rank if endpoint is None else endpoint  # its endpoint: rank in the links' group
         roles = rank_roles(config)
@@ -204,6 +204,8 @@ class DistributedAsync:
         self._taken: dict[int, int] = {}  # own sampler -> the newest of its rounds this learner has taken
         self.taken = 0  # a sampler: the newest of its rounds its learner has taken
         self._outbox_dropped = 0
+        # weights.WeightBroadcast: a learner's weights to its samplers in a group of their own (None: the links)
+        self.broadcast = broadcast
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         """Start the links. A restarted run counts every peer as having published the restored step (and a
@@ -214,6 +216,8 @@ class DistributedAsync:
         self._taken = {s: start_step for s in self.own_samplers}
         self.taken = start_step
         self.links.start(self)
+        if self.broadcast is not None and weights is not None:
+            self.broadcast.start(weights)
 
     # -- the training loop's side
 
@@ -257,7 +261,11 @@ class DistributedAsync:
         return arrivals
 
     def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
-        """Queue a learner's weights (flat int32 words) of `version` to its samplers; an unsent copy is replaced."""
+        """Queue a learner's weights (flat int32 words) of `version` to its samplers; an unsent copy is replaced.
+        With a weight broadcast: send them now, in its dtype (flat in any dtype)."""
+        if self.broadcast is not None:
+            self.broadcast.push(flat, version)
+            return
         for peer in samplers:
             self.links.post_slot(peer, WEIGHTS, 0, version, flat)
 
@@ -276,9 +284,15 @@ class DistributedAsync:
 
     def check(self) -> None:
         self.links.check()
+        if self.broadcast is not None:
+            self.broadcast.check()
 
     def finish(self) -> None:
+        if self.broadcast is not None and self.sampler is None:
+            self.broadcast.close()  # its samplers' receiving threads end
         self.links.finish()
+        if self.broadcast is not None and self.sampler is not None:
+            self.broadcast.join(self.timeout_s)
 
     # -- the receiving threads' side (links.Handler)
 
