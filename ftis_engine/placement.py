@@ -44,7 +44,8 @@ def process_roles(config: RunConfig) -> list[Role]:
     endpoints = {role: e for e, role in enumerate(rank_roles(config))}
     roles = [Role(i, None, shard, endpoints[(i, None)] if shard == 0 else None)
              for i, member in enumerate(config.members) for shard in range(member.ranks)]
-    roles += [Role(i, k, 0, endpoints[(i, k)]) for i, member in enumerate(config.members) for k in range(member.samplers)]
+    roles += [Role(i, k, 0, endpoints[(i, k)])
+              for i, member in enumerate(config.members) for k in range(member.samplers)]
     return roles
 
 

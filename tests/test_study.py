@@ -370,6 +370,10 @@ def test_groups_of_several_member_sets_share_one_alone_group_and_make_the_distan
     report = report_markdown(summary, [])
     assert "Paired with the alone group `alone`" in report
     assert "| far-nois | a | 600 | -0.350 [" in report
+    # the distance tables: a row per member set by increasing peer KL, a column per method
+    table = report.split("`a`, Δ final tiny-add:")[1].split("\n\n")[1].splitlines()
+    assert table[0] == "| member set | peer KL | nois | tis |"
+    assert table[2].startswith("| near | 3 | 0.050 [") and table[3].startswith("| far | 500 | -0.350 [")
 
 
 def test_the_quick_distance_study_pairs_the_receiver_with_its_one_alone_group_and_draws_the_dial(tmp_path):

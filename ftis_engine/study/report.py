@@ -67,9 +67,47 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
                                "t-interval over seeds; peer KL as above.")
         lines += _paired_table(groups, datasets, "vs_baseline", "Paired with each group's baseline (Δ = group - "
                                "baseline, per seed, mean and 95% t-interval over seeds):")
+    lines += _distance_tables(summary["groups"])
     if figures:
         lines += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]
     return "\n".join(lines)
+
+
+def _distance_tables(groups: list[dict]) -> list[str]:
+    """Where groups of several member sets share one alone group (a distance study): for each member of that alone
+    group, per metric and eval set, a row per member set (by increasing mean peer KL) and a column per method."""
+    shared = [g for g in groups if g.get("alone")]
+    if len({g["member_set"] for g in shared}) < 2:
+        return []
+    by_name = {g["group"]: g for g in groups}
+    lines = ["## By peer distance", "",
+             "Each member set's groups against the shared alone group: Δ = group - alone, per seed, mean and 95% "
+             "t-interval; rows by the mean peer KL measured in the member set's runs.", ""]
+    for alone in dict.fromkeys(g["alone"] for g in shared):
+        for member in by_name[alone]["by_member"] if alone in by_name else []:
+            rows: dict[str, dict[str, dict]] = {}
+            for g in shared:
+                if g["alone"] == alone and member in g["by_member"]:
+                    rows.setdefault(g["member_set"], {})[g["method"]] = g["by_member"][member]
+            methods = list(dict.fromkeys(m for row in rows.values() for m in row))
+
+            def distance(row: dict[str, dict]) -> float:
+                kls = [r["train"]["peer_kl_mean"]["mean"] for r in row.values() if "peer_kl_mean" in r["train"]]
+                return sum(kls) / len(kls) if kls else float("inf")
+
+            order = sorted(rows, key=lambda s: distance(rows[s]))
+            datasets = sorted({d for row in rows.values() for r in row.values() for d in r.get("vs_alone", {}).get(
+                "final", {})})
+            for metric, label in (("final", "final"), ("auc", "AUC")):
+                for dataset in datasets:
+                    lines += [f"`{member}`, Δ {label} {dataset}:", "",
+                              "| member set | peer KL | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
+                    for name in order:
+                        cells = [_fmt(rows[name][m].get("vs_alone", {}).get(metric, {}).get(dataset))
+                                 if m in rows[name] else "–" for m in methods]
+                        lines.append(f"| {name} | {distance(rows[name]):.3g} | " + " | ".join(cells) + " |")
+                    lines.append("")
+    return lines
 
 
 def _paired_table(groups: list[dict], datasets: list[str], key: str, intro: str) -> list[str]:
