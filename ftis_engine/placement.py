@@ -176,18 +176,20 @@ def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device
     gib = 1 << 30
     engines = sum(config.members[i].vllm.gpu_memory_utilization * capacity for i in placed
                   if config.members[i].generator == "vllm")
-    needs = {}
+    needs, least = {}, 0  # least: what the engines need at the very least (bf16 weights and 1 GiB of KV cache)
     for i in placed:
         shape = model_shape(config.members[i].model)
         if shape is not None:
             needs[i] = training_bytes(config, i, shape) + PROCESS_OVERHEAD_BYTES
+            if config.members[i].generator == "vllm":
+                least += 2 * parameter_counts(shape, None)[0] + gib
     if engines + sum(needs.values()) <= capacity:
         return
     largest = max(needs, key=needs.get)
     parts = ", ".join(f"members.{i} {needs[i] / gib:.1f}" for i in needs)
     where = f"{device} ({capacity / gib:.1f} GiB)"
     vllm = [i for i in placed if config.members[i].generator == "vllm"]
-    if vllm and sum(needs.values()) <= capacity * (1 - 0.05 * len(vllm)):
+    if vllm and sum(needs.values()) + least <= capacity:
         raise ConfigError(f"members.{vllm[-1]}.vllm.gpu_memory_utilization: the vLLM engines on {where} take "
                           f"{engines / gib:.1f} GiB and training needs about {sum(needs.values()) / gib:.1f} GiB "
                           f"({parts}); lower it")

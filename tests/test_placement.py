@@ -234,3 +234,15 @@ def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
         start, end = (next(r["accuracy"] for r in evals if r["member"] == name and r["step"] == s) for s in (0, 40))
         assert end > start + 0.05, (name, start, end)
 
+
+
+def test_the_shipped_one_gpu_pair_fits_an_80_gb_gpu_by_the_memory_plan():
+    from ftis_engine.config import load_config
+    from ftis_engine.placement import check_memory_plan
+
+    config = load_config(pathlib.Path(TINY).parents[0] / "gpu" / "pair-shapes.yaml", [])
+    assert [m.device for m in config.members] == ["cuda:0", "cuda:0"]
+    check_memory_plan(config, [0, 1], "cuda:0", H100)
+    # on half of it training alone (about 36 GiB) leaves too little for even the engines' weights: no share would do
+    with pytest.raises(Exception, match=r"^members.1.device: training the members on cuda:0 \(39.8 GiB\)"):
+        check_memory_plan(config, [0, 1], "cuda:0", H100 // 2)
