@@ -206,11 +206,13 @@ class TrainSettings(_Section):
     )
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N (under --nproc: each rank takes its local GPU).")
     backend: Literal["auto", "triton", "torch"] = Field("auto", description="Fused-loss backend.")
-    attn_implementation: Literal["auto", "flash_attention_2", "flex_attention", "sdpa", "eager"] = Field(
+    attn_implementation: Literal["auto", "flash_attention_2", "flex_attention", "varlen", "sdpa", "eager"] = Field(
         "auto",
         description="auto: flash_attention_2 when installed on GPU, else sdpa. flex_attention (GPU) skips the "
         "empty blocks of the packed row's block-diagonal mask that sdpa computes: 2.4x faster updates on an H100 "
-        "(benchmarks/results/gpu_h100.md). Every member checks at start that packed sequences stay isolated.",
+        "(benchmarks/results/gpu_h100.md). varlen (GPU, torch >= 2.10): torch's own FlashAttention-2 kernel "
+        "(torch.nn.attention.varlen) on the packed row, no flash-attn package. Every member checks at start that "
+        "packed sequences stay isolated.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")

@@ -83,6 +83,14 @@ def resolve_dtype(settings: MemberSettings, device: torch.device) -> torch.dtype
 
 
 def attention_implementation(choice: str, device: torch.device) -> str:
+    if choice == "varlen":
+        from . import attention
+
+        if device.type != "cuda" or not attention.available():
+            raise ConfigError("train.attn_implementation: varlen runs torch's FlashAttention kernel "
+                              "(torch.nn.attention.varlen, torch >= 2.10) on a CUDA GPU; "
+                              f"{'this torch has none' if not attention.available() else f'this member is on {device}'}")
+        attention.register()
     if choice != "auto":
         return choice
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
