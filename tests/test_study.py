@@ -102,6 +102,10 @@ BAD = [
     ({"groups": [{"name": "x", "members": "pair", "alone": "y"}, {"name": "y", "members": "pair"}]},
      r"groups \(x\).alone: 'y' is a vertical group, not an alone one"),
     ({"groups": [{"name": "x", "members": "pair", "seeds": [1, 1]}]}, "groups.0.seeds: seeds must be distinct"),
+    ({"groups": [{"name": "x", "members": "pair", "also_alone": ["x"]}]},
+     r"groups \(x\).also_alone: 'x' is a vertical group, not an alone one"),
+    ({"figures": [{"name": "f", "kind": "distance", "groups": ["pair-nois"], "members": ["a"], "alone": "zz"}]},
+     "figures.0.alone: unknown group 'zz'"),
     ({"figures": [{"name": "f", "kind": "distance", "groups": ["pair-nois"]}]},
      "figures.0.members: a distance figure draws one member"),
     ({"groups": [{"name": "solo", "members": "pair", "collaboration": "alone"},
@@ -345,15 +349,17 @@ def test_groups_of_several_member_sets_share_one_alone_group_and_make_the_distan
                                       "far": [{"name": "a", "model": "builtin:tiny-s"},
                                               {"name": "f", "model": "builtin:tiny-m"}]},
            "groups": [{"name": "alone", "members": "solo", "collaboration": "alone"},
-                      {"name": "near-{method}", "members": "near", "alone": "alone",
+                      {"name": "alone-half", "members": "solo", "collaboration": "alone",
+                       "set": {"rollout.prompts_per_step": 1}},
+                      {"name": "near-{method}", "members": "near", "alone": "alone", "also_alone": ["alone-half"],
                        "grid": {"algorithm.method": ["nois", "tis"]}},
-                      {"name": "far-{method}", "members": "far", "alone": "alone",
+                      {"name": "far-{method}", "members": "far", "alone": "alone", "also_alone": ["alone-half"],
                        "grid": {"algorithm.method": ["nois", "tis"]}}]}
     spec = study_module.StudyConfig.model_validate(raw)
     groups = {g.name: g for g in plan(spec, tmp_path, quick=False)}
-    finals = {"alone": (0.5, 0.6), "near-nois": (0.5, 0.7), "near-tis": (0.6, 0.6), "far-nois": (0.1, 0.3),
+    finals = {"alone": (0.5, 0.6), "alone-half": (0.4, 0.4), "near-nois": (0.5, 0.7), "near-tis": (0.6, 0.6), "far-nois": (0.1, 0.3),
               "far-tis": (0.5, 0.7)}
-    kls = {"near-nois": 1.0, "near-tis": 2.0, "far-nois": 300.0, "far-tis": 200.0, "alone": 0.0}
+    kls = {"near-nois": 1.0, "near-tis": 2.0, "far-nois": 300.0, "far-tis": 200.0, "alone": 0.0, "alone-half": 0.0}
     for name, group in groups.items():
         for run, final in zip(group.runs, finals[name]):
             _fake_run(run, [(0, 0.2), (2, final)], [kls[name]])
@@ -363,15 +369,22 @@ def test_groups_of_several_member_sets_share_one_alone_group_and_make_the_distan
     assert vs["values"] == pytest.approx([0.1 - 0.5, 0.3 - 0.6]) and by["far-nois"]["alone"] == "alone"
     assert "vs_alone" not in by["far-nois"]["by_member"]["f"]  # the peer was never trained alone
     points = distance_points(summary["groups"], "a", "final", "tiny-add")
-    # a member's own rollouts are half of each step's: the peer KL is twice the step's mean
+    # a member's own rollouts are half of each step's: the peer KL is twice the step's mean; a member set's distance
+    # is the mean over its groups (near: 2 and 4, far: 600 and 400)
     assert [(x, round(d["mean"], 6), where) for x, d, where in points["nois"]] == [
-        (2.0, 0.05, "near"), (600.0, -0.35, "far")]
-    assert [(x, where) for x, _, where in points["tis"]] == [(4.0, "near"), (400.0, "far")]
+        (3.0, 0.05, "near"), (500.0, -0.35, "far")]
+    assert [(x, where) for x, _, where in points["tis"]] == [(3.0, "near"), (500.0, "far")]
+    # the further alone group: its own paired differences, its own distance points
+    half = by["far-nois"]["by_member"]["a"]["vs_alones"]
+    assert set(half) == {"alone", "alone-half"} and half["alone"] == by["far-nois"]["by_member"]["a"]["vs_alone"]
+    assert half["alone-half"]["final"]["tiny-add"]["values"] == pytest.approx([0.1 - 0.4, 0.3 - 0.4])
+    points = distance_points(summary["groups"], "a", "final", "tiny-add", alone="alone-half")
+    assert [round(d["mean"], 6) for _, d, _ in points["nois"]] == [0.2, -0.2]
     report = report_markdown(summary, [])
     assert "Paired with the alone group `alone`" in report
     assert "| far-nois | a | 600 | -0.350 [" in report
     # the distance tables: a row per member set by increasing peer KL, a column per method
-    table = report.split("`a`, Δ final tiny-add:")[1].split("\n\n")[1].splitlines()
+    table = report.split("`a` against `alone`, Δ final tiny-add:")[1].split("\n\n")[1].splitlines()
     assert table[0] == "| member set | peer KL | nois | tis |"
     assert table[2].startswith("| near | 3 | 0.050 [") and table[3].startswith("| far | 500 | -0.350 [")
 
@@ -382,10 +395,12 @@ def test_the_quick_distance_study_pairs_the_receiver_with_its_one_alone_group_an
                  timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert [g["group"] for g in summary["groups"]] == ["alone", "random-nois", "random-f-tis"]
-    for group in summary["groups"][1:]:
+    assert [g["group"] for g in summary["groups"]] == ["alone", "alone-own-budget", "random-nois", "random-f-tis"]
+    for group in summary["groups"][2:]:
         receiver = group["by_member"]["receiver"]
         assert group["alone"] == "alone" and receiver["train"]["peer_kl_mean"]["mean"] > 0
         assert set(receiver["vs_alone"]["final"]) == {"arith", "arith-ood"}
-    assert "figures/distance.png" in summary["figures"] and (out / "figures" / "distance.png").stat().st_size > 0
+        assert set(receiver["vs_alones"]) == {"alone", "alone-own-budget"}
+    for name in ("distance", "distance-own-budget"):
+        assert f"figures/{name}.png" in summary["figures"] and (out / "figures" / f"{name}.png").stat().st_size > 0
     assert "| random-f-tis | receiver | " in (out / "report.md").read_text()

@@ -82,7 +82,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "kl_estimator": config.algorithm.kl_estimator, "kl_reduction": config.algorithm.kl_reduction,
             "steps": config.train.steps, "seeds": [run.seed for run in finished],
             "runs": [str(run.run_dir) for run in finished], "by_member": {}, "baseline": group.baseline,
-            "alone": group.alone,
+            "alone": group.alone, "also_alone": group.also_alone,
             "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
         per_run = {run.seed: read_run(run.run_dir) for run in finished}
@@ -139,14 +139,20 @@ def add_paired_differences(groups: list[dict]) -> None:
             alone.setdefault(g["member_set"], g)
     for g in groups:
         own_alone = by_name.get(g["alone"]) if g.get("alone") else alone.get(g["member_set"])
-        for key, base in (("vs_alone", own_alone), ("vs_baseline", by_name.get(g.get("baseline")))):
+        pairs = [("vs_alone", own_alone), ("vs_baseline", by_name.get(g.get("baseline")))]
+        if g.get("also_alone") and own_alone is not None:  # every alone group by name: vs_alones
+            pairs += [(("vs_alones", a["group"]), a) for a in (own_alone, *map(by_name.get, g["also_alone"])) if a]
+        for key, base in pairs:
             if base is None or base is g:
                 continue
             for member, result in g["by_member"].items():
                 ref = base["by_member"].get(member)
                 if ref is None:
                     continue
-                result[key] = {
-                    metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
-                             if (diff := paired_difference(v, ref[metric][d])) is not None}
-                    for metric in METRICS}
+                diffs = {metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
+                                  if (diff := paired_difference(v, ref[metric][d])) is not None}
+                         for metric in METRICS}
+                if isinstance(key, tuple):
+                    result.setdefault(key[0], {})[key[1]] = diffs
+                else:
+                    result[key] = diffs

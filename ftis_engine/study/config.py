@@ -33,6 +33,9 @@ class GroupSettings(_Section):
     alone: str | None = Field(None, description="The alone group whose members this group's members are paired with "
                               "(`vs_alone`), by member name; default: the member set's first alone group. Lets groups "
                               "of several member sets share one baseline (configs/study/distance.yaml).")
+    also_alone: list[str] = Field(default_factory=list, description="Further alone groups this group's members "
+                                  "are paired with (`vs_alones` in summary.json, one distance table each), e.g. one "
+                                  "trained with another budget.")
     seeds: list[int] | None = Field(None, min_length=1, description="This group's seeds (default: the study's "
                                     "`seeds`); --quick uses quick.seeds for every group.")
 
@@ -60,6 +63,8 @@ class FigureSettings(_Section):
         "collaborating group's paired difference from its alone baseline (final and AUC, mean and 95% interval) "
         "against the peer KL measured in it, a line per method; one member (`members`, the receiver).")
     groups: list[str] = Field(..., min_length=1, description="Groups drawn, one line each (mean, 95% band).")
+    alone: str | None = Field(None, description="distance: the alone group the differences are taken from (one of "
+                              "the groups' `alone` or `also_alone`; default: each group's `alone`).")
     members: list[str] | None = Field(None, description="Members drawn, one column each (default: all of theirs).")
     datasets: list[str] | None = Field(None, description="Eval sets drawn, one row each (default: all).")
 

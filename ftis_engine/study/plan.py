@@ -7,7 +7,7 @@ import copy
 import itertools
 import json
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
@@ -41,6 +41,7 @@ class Group:
     runs: list[Run]
     baseline: str | None = None  # the group it is paired with (GroupSettings.baseline, filled)
     alone: str | None = None  # its alone baseline when not its member set's (GroupSettings.alone)
+    also_alone: list[str] = field(default_factory=list)  # further alone groups it is paired with
 
 
 def _label(key: str) -> str:
@@ -119,19 +120,21 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
                             log_path=output_dir / "logs" / f"{name}-seed-{seed}.log"))
         combo = {k: overrides[k] for k in group.grid}
         groups.append(Group(name=name, member_set=group.members, config=runs[0].config, runs=runs,
-                            baseline=baseline_name(group, combo), alone=group.alone))
+                            baseline=baseline_name(group, combo), alone=group.alone,
+                            also_alone=list(group.also_alone)))
     expanded = {name: group for _, name, group, _ in expand_groups(study, quick=False)}
     for group in groups:
         if group.baseline is not None and group.baseline not in expanded:
             raise StudyError(f"groups ({group.name}).baseline: unknown group {group.baseline!r}")
-        if group.alone is not None:
-            if group.alone not in expanded:
-                raise StudyError(f"groups ({group.name}).alone: unknown group {group.alone!r}")
-            if expanded[group.alone].collaboration != "alone":
-                raise StudyError(f"groups ({group.name}).alone: {group.alone!r} is a {expanded[group.alone].collaboration}"
+        for field_name, name in [("alone", group.alone)] * (group.alone is not None) + [
+                ("also_alone", n) for n in group.also_alone]:
+            if name not in expanded:
+                raise StudyError(f"groups ({group.name}).{field_name}: unknown group {name!r}")
+            if expanded[name].collaboration != "alone":
+                raise StudyError(f"groups ({group.name}).{field_name}: {name!r} is a {expanded[name].collaboration}"
                                  " group, not an alone one")
-            if quick and group.alone not in {g.name for g in groups}:
-                raise StudyError(f"quick.groups: {group.name!r} is paired with {group.alone!r}, which the quick "
+            if quick and name not in {g.name for g in groups}:
+                raise StudyError(f"quick.groups: {group.name!r} is paired with {name!r}, which the quick "
                                  "variant leaves out")
     names = set(expanded)
     members = {name: [m["name"] for m in study.member_sets[group.members]]
@@ -143,6 +146,8 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
         drawn = {m for g in figure.groups for m in members[g]}
         if figure.kind == "distance" and len(figure.members or []) != 1:
             raise StudyError(f"figures.{f}.members: a distance figure draws one member (the receiver); name it")
+        if figure.alone is not None and figure.alone not in names:
+            raise StudyError(f"figures.{f}.alone: unknown group {figure.alone!r}")
         unknown = [m for m in figure.members or [] if m not in drawn]
         if unknown:
             raise StudyError(f"figures.{f}.members: {unknown[0]!r} is a member of none of its groups "

@@ -73,39 +73,44 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
     return "\n".join(lines)
 
 
+def against(group: dict, member: str, alone: str | None) -> dict:
+    """`member`'s paired differences in `group` from the alone group `alone` (None: the group's own alone)."""
+    result = group["by_member"].get(member, {})
+    if alone is None or alone == group.get("alone"):
+        return result.get("vs_alone", {})
+    return result.get("vs_alones", {}).get(alone, {})
+
+
 def _distance_tables(groups: list[dict]) -> list[str]:
-    """Where groups of several member sets share one alone group (a distance study): for each member of that alone
-    group, per metric and eval set, a row per member set (by increasing mean peer KL) and a column per method."""
+    """Where groups of several member sets share one alone group (a distance study): for each alone group they are
+    paired with and each of its members, per metric and eval set, a row per member set (by increasing mean peer
+    KL) and a column per method."""
     shared = [g for g in groups if g.get("alone")]
     if len({g["member_set"] for g in shared}) < 2:
         return []
     by_name = {g["group"]: g for g in groups}
     lines = ["## By peer distance", "",
-             "Each member set's groups against the shared alone group: Δ = group - alone, per seed, mean and 95% "
+             "Each member set's groups against an alone group they share: Δ = group - alone, per seed, mean and 95% "
              "t-interval; rows by the mean peer KL measured in the member set's runs.", ""]
-    for alone in dict.fromkeys(g["alone"] for g in shared):
+    for alone in dict.fromkeys(a for g in shared for a in (g["alone"], *g.get("also_alone", []))):
+        paired = [g for g in shared if alone in (g["alone"], *g.get("also_alone", []))]
         for member in by_name[alone]["by_member"] if alone in by_name else []:
             rows: dict[str, dict[str, dict]] = {}
-            for g in shared:
-                if g["alone"] == alone and member in g["by_member"]:
-                    rows.setdefault(g["member_set"], {})[g["method"]] = g["by_member"][member]
+            for g in paired:
+                if member in g["by_member"]:
+                    rows.setdefault(g["member_set"], {})[g["method"]] = against(g, member, alone)
             methods = list(dict.fromkeys(m for row in rows.values() for m in row))
-
-            def distance(row: dict[str, dict]) -> float:
-                kls = [r["train"]["peer_kl_mean"]["mean"] for r in row.values() if "peer_kl_mean" in r["train"]]
-                return sum(kls) / len(kls) if kls else float("inf")
-
-            order = sorted(rows, key=lambda s: distance(rows[s]))
-            datasets = sorted({d for row in rows.values() for r in row.values() for d in r.get("vs_alone", {}).get(
-                "final", {})})
+            distances = set_distances(paired, member)
+            order = sorted(rows, key=lambda s: distances.get(s, float("inf")))
+            datasets = sorted({d for row in rows.values() for r in row.values() for d in r.get("final", {})})
             for metric, label in (("final", "final"), ("auc", "AUC")):
                 for dataset in datasets:
-                    lines += [f"`{member}`, Δ {label} {dataset}:", "",
+                    lines += [f"`{member}` against `{alone}`, Δ {label} {dataset}:", "",
                               "| member set | peer KL | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
                     for name in order:
-                        cells = [_fmt(rows[name][m].get("vs_alone", {}).get(metric, {}).get(dataset))
-                                 if m in rows[name] else "–" for m in methods]
-                        lines.append(f"| {name} | {distance(rows[name]):.3g} | " + " | ".join(cells) + " |")
+                        cells = [_fmt(rows[name][m].get(metric, {}).get(dataset)) if m in rows[name] else "–"
+                                 for m in methods]
+                        lines.append(f"| {name} | {distances.get(name, float('nan')):.3g} | " + " | ".join(cells) + " |")
                     lines.append("")
     return lines
 
@@ -178,47 +183,62 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
     return written
 
 
-def distance_points(groups: list[dict], member: str, metric: str, dataset: str) -> dict[str, list[tuple]]:
-    """Method -> [(peer KL, paired difference from alone, member set)] of `member` in the collaborating groups,
-    by increasing peer KL: the points of a distance figure. A group without both numbers is left out."""
+def set_distances(groups: list[dict], member: str) -> dict[str, float]:
+    """Member set -> how far `member`'s peer is there: the peer KL measured in its collaborating groups (mean over
+    them; an estimate a rounding below 0 counts as 0)."""
+    kls: dict[str, list[float]] = {}
+    for g in groups:
+        kl = g["by_member"].get(member, {}).get("train", {}).get("peer_kl_mean")
+        if g["collaboration"] != "alone" and kl:
+            kls.setdefault(g["member_set"], []).append(kl["mean"])
+    return {s: max(0.0, sum(v) / len(v)) for s, v in kls.items()}
+
+
+def distance_points(groups: list[dict], member: str, metric: str, dataset: str,
+                    alone: str | None = None) -> dict[str, list[tuple]]:
+    """Method -> [(peer KL of the member set, paired difference from alone, member set)] of `member` in the
+    collaborating groups, by increasing peer KL: the points of a distance figure. A group without both numbers is
+    left out."""
+    distances = set_distances(groups, member)
     lines: dict[str, list[tuple]] = {}
     for g in groups:
-        result = g["by_member"].get(member, {})
-        kl = result.get("train", {}).get("peer_kl_mean")
-        diff = result.get("vs_alone", {}).get(metric, {}).get(dataset)
-        if g["collaboration"] != "alone" and kl and diff:
-            lines.setdefault(g["method"], []).append((kl["mean"], diff, g["member_set"]))
+        diff = against(g, member, alone).get(metric, {}).get(dataset)
+        if g["collaboration"] != "alone" and g["member_set"] in distances and diff:
+            lines.setdefault(g["method"], []).append((distances[g["member_set"]], diff, g["member_set"]))
     return {method: sorted(points, key=lambda p: p[0]) for method, points in lines.items()}
 
 
 def _distance_figure(plt, figure: FigureSettings, groups: list[dict], member: str, datasets: list[str],
                      out_dir: pathlib.Path) -> pathlib.Path:
     """A row per eval set, a column per metric (final, AUC): each method's paired difference from alone (mean and
-    95% interval over seeds) at the peer KL measured in its runs, a line per method, each point named by its
-    member set (the dial point)."""
+    95% interval over seeds) at each member set (dial point), the member sets in order of their measured peer KL
+    (its value under each name), a line per method, set a little apart so that the intervals do not hide each
+    other."""
     metrics = (("final", "final accuracy"), ("auc", "AUC (mean accuracy over the run)"))
+    distances = set_distances(groups, member)
+    order = sorted(distances, key=distances.get)
     fig, axes = plt.subplots(len(datasets), len(metrics), figsize=(6.4 * len(metrics), 4.2 * len(datasets)),
                              squeeze=False)
     for row, dataset in enumerate(datasets):
         for col, (metric, label) in enumerate(metrics):
             ax = axes[row][col]
-            for k, (method, points) in enumerate(distance_points(groups, member, metric, dataset).items()):
-                xs = [p[0] for p in points]
+            lines = distance_points(groups, member, metric, dataset, figure.alone)
+            for k, (method, points) in enumerate(lines.items()):
+                shift = (k - (len(lines) - 1) / 2) * 0.08
+                xs = [order.index(p[2]) + shift for p in points]
                 ys = [p[1]["mean"] for p in points]
                 err = [[p[1]["mean"] - p[1]["low"] for p in points], [p[1]["high"] - p[1]["mean"] for p in points]]
                 n = min(p[1]["n"] for p in points)
                 ax.errorbar(xs, ys, yerr=err, marker="o", markersize=4, capsize=3, color=f"C{k % 10}",
-                            label=f"{method} (n>={n})")
-                if k == 0:
-                    for x, y, where in zip(xs, ys, (p[2] for p in points)):
-                        ax.annotate(where, (x, y), textcoords="offset points", xytext=(4, 6), fontsize=7)
+                            label=f"{method} (n={n})")
             ax.axhline(0.0, color="black", linewidth=0.8, linestyle="--")
-            ax.set_xscale("symlog", linthresh=1.0)
-            ax.set(title=f"{member}: {dataset}, {label}", xlabel="peer KL measured in the run (k3, summed; symlog)",
-                   ylabel="paired difference from alone")
+            ax.set_xticks(range(len(order)), [f"{s}\nKL {distances[s]:.2g}" for s in order], fontsize=8)
+            ax.set(title=f"{member}: {dataset}, {label}", xlabel="peer, by the peer KL measured in its runs (k3, "
+                   "summed over a completion)", ylabel="paired difference from alone")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(f"{figure.title or figure.name} (mean over seeds, 95% interval; 0 = alone)")
+    zero = f"`{figure.alone}`" if figure.alone else "alone"
+    fig.suptitle(f"{figure.title or figure.name} (mean over seeds, 95% interval; 0 = {zero})")
     fig.tight_layout()
     path = out_dir / f"{figure.name}.png"
     fig.savefig(path, dpi=100)
