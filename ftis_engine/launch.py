@@ -112,7 +112,8 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
     from .members import member_device
-    from .placement import Shard, check_placement, endpoint_ranks, make_groups, member_ranks, weights_group_ranks
+    from .placement import (Shard, check_placement, endpoint_ranks, make_groups, member_ranks, weights_backend,
+                            weights_group_ranks)
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
@@ -152,8 +153,9 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
                 from .exchange.weights import WeightBroadcast
 
                 weights_group = groups.weights[role.member]
+                nccl = weights_backend(config, device.type) == "nccl"  # the backend make_groups gave the group
                 broadcast = WeightBroadcast(weights_group, weights_group_ranks(config, role.member)[0],
-                                            device if dist_backend(weights_group) == "nccl" else torch.device("cpu"))
+                                            device if nccl else torch.device("cpu"))
             exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
                                         endpoint=role.endpoint, group=groups.links, broadcast=broadcast)
         else:
@@ -200,10 +202,6 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         os._exit(1)  # no teardown: the process group may be waiting on a peer that is gone
     exchange.collectives.close()
     return 0
-
-
-def dist_backend(group) -> str:
-    return str(torch.distributed.get_backend(group)).lower()
 
 
 def _collective_failure(exc: RuntimeError) -> bool:

@@ -86,10 +86,11 @@ def attention_implementation(choice: str, device: torch.device) -> str:
     if choice == "varlen":
         from . import attention
 
-        if device.type != "cuda" or not attention.available():
+        available = attention.available()
+        if device.type != "cuda" or not available:
             raise ConfigError("train.attn_implementation: varlen runs torch's FlashAttention kernel "
                               "(torch.nn.attention.varlen, torch >= 2.10) on a CUDA GPU; "
-                              f"{'this torch has none' if not attention.available() else f'this member is on {device}'}")
+                              f"{'this torch has none' if not available else f'this member is on {device}'}")
         attention.register()
     if choice != "auto":
         return choice

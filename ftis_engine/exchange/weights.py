@@ -29,7 +29,6 @@ class WeightBroadcast:
         self.group, self.source, self.device, self.dtype = group, source, device, dtype
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.received = 0  # pushes a sampler received
 
     # -- the learner's side
 
@@ -65,7 +64,6 @@ class WeightBroadcast:
                 flat = torch.empty(slot.words, dtype=self.dtype, device=self.device)
                 dist.broadcast(flat, src=self.source, group=self.group)
                 slot.put(version, flat)
-                self.received += 1
         except BaseException as exc:  # surfaces in the sampler's loop through check()
             self._error = exc
 

@@ -139,20 +139,26 @@ def add_paired_differences(groups: list[dict]) -> None:
             alone.setdefault(g["member_set"], g)
     for g in groups:
         own_alone = by_name.get(g["alone"]) if g.get("alone") else alone.get(g["member_set"])
-        pairs = [("vs_alone", own_alone), ("vs_baseline", by_name.get(g.get("baseline")))]
-        if g.get("also_alone") and own_alone is not None:  # every alone group by name: vs_alones
-            pairs += [(("vs_alones", a["group"]), a) for a in (own_alone, *map(by_name.get, g["also_alone"])) if a]
-        for key, base in pairs:
-            if base is None or base is g:
-                continue
-            for member, result in g["by_member"].items():
-                ref = base["by_member"].get(member)
-                if ref is None:
-                    continue
-                diffs = {metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
-                                  if (diff := paired_difference(v, ref[metric][d])) is not None}
-                         for metric in METRICS}
-                if isinstance(key, tuple):
-                    result.setdefault(key[0], {})[key[1]] = diffs
-                else:
-                    result[key] = diffs
+        for key, base in (("vs_alone", own_alone), ("vs_baseline", by_name.get(g.get("baseline")))):
+            for member, diffs in _member_differences(g, base).items():
+                g["by_member"][member][key] = diffs
+        if g.get("also_alone") and own_alone is not None:  # every alone group by name (its own too): vs_alones
+            for base in (by_name.get(name) for name in g["also_alone"]):
+                for member, diffs in _member_differences(g, base).items():
+                    result = g["by_member"][member]
+                    result.setdefault("vs_alones", {own_alone["group"]: result["vs_alone"]})[base["group"]] = diffs
+
+
+def _member_differences(group: dict, base: dict | None) -> dict[str, dict]:
+    """Member -> per metric and dataset, the paired difference of `group`'s member with the same member in `base`
+    (none where base is missing, is the group itself, or lacks the member)."""
+    if base is None or base is group:
+        return {}
+    out = {}
+    for member, result in group["by_member"].items():
+        ref = base["by_member"].get(member)
+        if ref is not None:
+            out[member] = {metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
+                                    if (diff := paired_difference(v, ref[metric][d])) is not None}
+                           for metric in METRICS}
+    return out

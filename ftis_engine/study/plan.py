@@ -123,30 +123,30 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
                             baseline=baseline_name(group, combo), alone=group.alone,
                             also_alone=list(group.also_alone)))
     expanded = {name: group for _, name, group, _ in expand_groups(study, quick=False)}
+    planned = {g.name for g in groups}
     for group in groups:
         if group.baseline is not None and group.baseline not in expanded:
             raise StudyError(f"groups ({group.name}).baseline: unknown group {group.baseline!r}")
-        for field_name, name in [("alone", group.alone)] * (group.alone is not None) + [
-                ("also_alone", n) for n in group.also_alone]:
+        references = [("alone", group.alone)] if group.alone is not None else []
+        references += [("also_alone", name) for name in group.also_alone]
+        for field_name, name in references:
             if name not in expanded:
                 raise StudyError(f"groups ({group.name}).{field_name}: unknown group {name!r}")
             if expanded[name].collaboration != "alone":
                 raise StudyError(f"groups ({group.name}).{field_name}: {name!r} is a {expanded[name].collaboration}"
                                  " group, not an alone one")
-            if quick and name not in {g.name for g in groups}:
+            if quick and name not in planned:
                 raise StudyError(f"quick.groups: {group.name!r} is paired with {name!r}, which the quick "
                                  "variant leaves out")
-    names = set(expanded)
-    members = {name: [m["name"] for m in study.member_sets[group.members]]
-               for _, name, group, _ in expand_groups(study, quick=False)}
+    members = {name: [m["name"] for m in study.member_sets[group.members]] for name, group in expanded.items()}
     for f, figure in enumerate(study.figures):
-        unknown = [g for g in figure.groups if g not in names]
+        unknown = [g for g in figure.groups if g not in expanded]
         if unknown:
             raise StudyError(f"figures.{f}.groups: unknown group {unknown[0]!r}")
         drawn = {m for g in figure.groups for m in members[g]}
         if figure.kind == "distance" and len(figure.members or []) != 1:
             raise StudyError(f"figures.{f}.members: a distance figure draws one member (the receiver); name it")
-        if figure.alone is not None and figure.alone not in names:
+        if figure.alone is not None and figure.alone not in expanded:
             raise StudyError(f"figures.{f}.alone: unknown group {figure.alone!r}")
         unknown = [m for m in figure.members or [] if m not in drawn]
         if unknown:

@@ -81,6 +81,11 @@ def against(group: dict, member: str, alone: str | None) -> dict:
     return result.get("vs_alones", {}).get(alone, {})
 
 
+def _alones(group: dict) -> tuple[str, ...]:
+    """The alone groups a group is paired with by name: its `alone`, then its `also_alone`."""
+    return (group["alone"], *group.get("also_alone", []))
+
+
 def _distance_tables(groups: list[dict]) -> list[str]:
     """Where groups of several member sets share one alone group (a distance study): for each alone group they are
     paired with and each of its members, per metric and eval set, a row per member set (by increasing mean peer
@@ -92,8 +97,8 @@ def _distance_tables(groups: list[dict]) -> list[str]:
     lines = ["## By peer distance", "",
              "Each member set's groups against an alone group they share: Δ = group - alone, per seed, mean and 95% "
              "t-interval; rows by the mean peer KL measured in the member set's runs.", ""]
-    for alone in dict.fromkeys(a for g in shared for a in (g["alone"], *g.get("also_alone", []))):
-        paired = [g for g in shared if alone in (g["alone"], *g.get("also_alone", []))]
+    for alone in dict.fromkeys(a for g in shared for a in _alones(g)):
+        paired = [g for g in shared if alone in _alones(g)]
         for member in by_name[alone]["by_member"] if alone in by_name else []:
             rows: dict[str, dict[str, dict]] = {}
             for g in paired:
@@ -106,11 +111,13 @@ def _distance_tables(groups: list[dict]) -> list[str]:
             for metric, label in (("final", "final"), ("auc", "AUC")):
                 for dataset in datasets:
                     lines += [f"`{member}` against `{alone}`, Δ {label} {dataset}:", "",
-                              "| member set | peer KL | " + " | ".join(methods) + " |", "|" + "---|" * (2 + len(methods))]
+                              "| member set | peer KL | " + " | ".join(methods) + " |",
+                              "|" + "---|" * (2 + len(methods))]
                     for name in order:
                         cells = [_fmt(rows[name][m].get(metric, {}).get(dataset)) if m in rows[name] else "–"
                                  for m in methods]
-                        lines.append(f"| {name} | {distances.get(name, float('nan')):.3g} | " + " | ".join(cells) + " |")
+                        kl = distances.get(name, float("nan"))
+                        lines.append(f"| {name} | {kl:.3g} | " + " | ".join(cells) + " |")
                     lines.append("")
     return lines
 

@@ -3,6 +3,7 @@ aggregate and the outputs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -78,8 +79,8 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     for run in runs:
         check_reuse(run)
     # seed by seed: a study stopped half way has every group at the same number of seeds
-    todo = sorted((run for run in runs if not run.finished),
-                  key=lambda run: next(i for group in groups for i, r in enumerate(group.runs) if r is run))
+    todo = [run for nth in itertools.zip_longest(*(group.runs for group in groups)) for run in nth
+            if run is not None and not run.finished]
     check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
     with RunLock(output_dir, kind="study"):

@@ -52,19 +52,18 @@ def solution(question: str, style: str) -> str:
     """The worked completion of "a+b=" in a style (without end of text)."""
     a, b = (int(x) for x in question.rstrip("=").split("+"))
     da, db = str(a)[::-1], str(b)[::-1]
+    columns = [(int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0)
+               for i in range(max(len(da), len(db)))]  # least significant first
+    if style == "msd-first":  # plain digit sums, most significant first, the carries left to the answer
+        return ",".join(f"{x}+{y}={x + y}" for x, y in reversed(columns)) + f";{a + b}"
     steps, carry = [], 0
-    for i in range(max(len(da), len(db))):
-        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+    for x, y in columns:
         total = x + y + carry
         terms = [str(x), str(y)] + (["1"] if carry else [])
         if style == "carry-first":
             terms = terms[::-1]
-        if style == "msd-first":
-            terms, total = [str(x), str(y)], x + y
         steps.append("+".join(terms) + f"={total}")
-        carry = total // 10 if style != "msd-first" else 0
-    if style == "msd-first":
-        steps.reverse()
+        carry = total // 10
     return ",".join(steps) + f";{a + b}"
 
 
