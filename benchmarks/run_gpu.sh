@@ -4,6 +4,8 @@
 # where $OUT is set (a folder that a remote runner copies back), they are also packed as $OUT/gpu-results.tar.gz.
 #
 #   bash benchmarks/run_gpu.sh [check] [tune] [kernels] [kernels-16k] [update] [exchange]    (default: all but tune)
+#   bash benchmarks/run_gpu.sh grid-1.5b grid-3b    # issue 27: attention x train.layers, one model per call
+#                                                   # (each well inside a call's 10 minutes; needs .whl/ with Liger)
 set -uo pipefail
 out="${RESULTS:-benchmarks/results/gpu}"
 mkdir -p "$out"
@@ -30,6 +32,10 @@ for stage in "${stages[@]}"; do
     kernels) python3 benchmarks/kernels.py --dims 1536 --tokens 4096 16384 65536 --output "$out/kernels" ;;
     kernels-16k) python3 benchmarks/kernels.py --dims 1536 --tokens 16384 --output "$out/kernels" ;;
     update) python3 benchmarks/update.py --output "$out/update" ;;
+    grid-1.5b|grid-3b)  # every attention with every way of running the layers, the fused path; merged into
+      python3 benchmarks/update.py --models "${stage#grid-}" --paths fused --repeats 3 \
+        --attn sdpa flex_attention varlen --layers eager liger compile liger+compile \
+        --output "$out/update-$stage" --update-step "$out/update_step.json" ;;
     exchange) python3 benchmarks/exchange.py --processes 2 --output "$out/exchange-gpu.json" ;;
     *) echo "unknown stage $stage"; false ;;
   esac 2>&1 | tee "$out/$stage.log"

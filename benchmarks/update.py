@@ -5,6 +5,13 @@ logits + log_softmax + the same loss). Reports tokens/s, MFU and peak memory.
     python benchmarks/update.py                    # GPU: Qwen2.5-1.5B and -3B shapes, 16 x 1024-token sequences
     python benchmarks/update.py --models 1.5b --sequences 32
     python benchmarks/update.py --quick            # CPU, a tiny model (CI keeps this from rotting)
+    python benchmarks/update.py --models 1.5b 3b --paths fused --attn flex_attention varlen \
+        --layers eager liger compile liger+compile   # the grid of issue 27: every attention x layers pair
+
+Each measured run is also merged into benchmarks/results/update_step.json (--update-step; one object per run,
+keyed by device, model, attention, layers, path and batch shape), the file the README quotes. MFU counts model
+FLOPs only: 6 x parameters x tokens (the tied head's matmul counted, the embedding lookup not) plus causal
+attention (12 x layers x d x mean context per token); the recompute of gradient checkpointing is not counted.
 """
 
 from __future__ import annotations
@@ -24,7 +31,9 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from ftis_engine import layers  # noqa: E402
 from ftis_engine.config import MemberSettings, TrainSettings  # noqa: E402
+from ftis_engine.errors import first_line  # noqa: E402
 from ftis_engine.members import Member, enable_checkpointing  # noqa: E402
 from ftis_engine.batch import TrainItem, pack  # noqa: E402
 from ftis_engine.rollouts import Rollout  # noqa: E402
@@ -47,17 +56,25 @@ SHAPES = {
 }
 CONFIG = LossConfig(method="f-tis")
 ATTENTION = typing.get_args(TrainSettings.model_fields["attn_implementation"].annotation)  # the trainer's choices
+LAYERS = [mode for mode in layers.CHOICES if mode != "auto"]
 
 
-def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, checkpointing: bool = False):
+def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, checkpointing: bool = False,
+          layer_mode: str = "eager"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    from ftis_engine.members import attention_implementation
+
+    attn = attention_implementation(attn, device)  # registers varlen with transformers
+    layer_mode = layers.resolve(layer_mode, device)
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, attn_implementation=attn)
     with torch.device(device):
         model = Qwen2ForCausalLM(config).to(dtype)
     model.train()
+    layers.fuse(model, layer_mode)  # as the trainer does: Liger first, then recompute, then compilation
     if checkpointing:  # activations of one layer at a time: what RL trainers run 1.5B+ models with
         enable_checkpointing(model)
+    layers.compile_layers(model, layer_mode)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     settings = MemberSettings(name=f"qwen2.5-{shape}", model="benchmark")
     return Member(0, settings, model, None, optimizer, None, device, dtype)
@@ -108,14 +125,19 @@ def model_flops_per_token(member: Member, context: int) -> float:
     return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
 
 
-def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | None) -> dict:
-    row = {"model": shape, "path": path, "sequences": args.sequences, "prompt_len": args.prompt_len,
-           "completion_len": args.completion_len, "checkpointing": args.checkpointing}
+def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dtype, peak_tflops: float | None) -> dict:
+    row = {"model": shape, "attention": attn, "layers": layer_mode, "path": path, "sequences": args.sequences,
+           "prompt_len": args.prompt_len, "completion_len": args.completion_len, "checkpointing": args.checkpointing}
+    member = packed = None
     try:
-        member = build(shape, device, dtype, args.attn, args.checkpointing)
+        member = build(shape, device, dtype, attn, args.checkpointing, layer_mode)
         packed = pack(batch(member.model.config.vocab_size, args.sequences, args.prompt_len, args.completion_len))
         tokens = packed.input_ids.numel()
-        update(member, packed, path)  # warm-up (and optimizer state)
+        start = time.perf_counter()
+        update(member, packed, path)  # warm-up (optimizer state; torch.compile compiles here)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        row["first_update_s"] = time.perf_counter() - start
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -145,6 +167,10 @@ def measure(shape: str, path: str, args, device, dtype, peak_tflops: float | Non
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     except torch.OutOfMemoryError:
         row["skipped"] = "out of memory"
+    except Exception as exc:  # one configuration that cannot run (a missing package, a compile error) is reported
+        if args.strict:
+            raise
+        row["skipped"] = f"{type(exc).__name__}: {first_line(exc)}"
     finally:
         member = packed = None  # free this model before the next one is built
         gc.collect()
@@ -161,7 +187,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--completion-len", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--attn", default="sdpa", choices=[a for a in ATTENTION if a != "auto"])
+    parser.add_argument("--attn", nargs="+", default=["sdpa"], choices=[a for a in ATTENTION if a != "auto"])
+    parser.add_argument("--layers", nargs="+", default=["eager"], choices=LAYERS,
+                        help="how the decoder layers run (train.layers): each one is measured")
+    parser.add_argument("--paths", nargs="+", default=["fused", "logits"], choices=["fused", "logits"])
+    parser.add_argument("--strict", action="store_true", help="stop at the first configuration that fails")
+    parser.add_argument("--update-step", type=pathlib.Path, default=None,
+                        help="merge the runs into this JSON list (default on a GPU: results/update_step.json)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile one update and print its K most expensive GPU kernels")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
@@ -177,22 +209,27 @@ def main(argv=None) -> list[dict]:
     peak = args.peak_tflops if device.type == "cuda" else None
     rows = []
     for shape in args.models:
-        for path in ("fused", "logits"):
-            rows.append(measure(shape, path, args, device, dtype, peak))
-            print(json.dumps(rows[-1]), flush=True)
-    lines = ["| model | path | tokens | tokens/s | achieved TFLOP/s | MFU | peak GiB | speed vs logits | memory vs logits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+        for attn in args.attn:
+            for layer_mode in args.layers:
+                for path in args.paths:
+                    rows.append(measure(shape, path, attn, layer_mode, args, device, dtype, peak))
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+    lines = [("| model | attention | layers | path | tokens | tokens/s | achieved TFLOP/s | MFU | peak GiB | "
+              "first update s | speed vs logits | memory vs logits |"), "|---" * 12 + "|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['path']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['attention']} | {r['layers']} | {r['path']} | skipped: {r['skipped']} "
+                         "| | | | | | | |")
             continue
-        other = next((o for o in rows if o["model"] == r["model"] and o["path"] == "logits" and "seconds" in o), None)
+        other = next((o for o in rows if o["model"] == r["model"] and o["attention"] == r["attention"]
+                      and o["layers"] == r["layers"] and o["path"] == "logits" and "seconds" in o), None)
         speed = f"{other['seconds'] / r['seconds']:.2f}x" if other else "n/a"
         mem = f"{r['peak_gib'] / other['peak_gib']:.2f}" if other and "peak_gib" in r else "n/a"
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
         peak_gib = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "n/a"
-        lines.append(f"| {r['model']} | {r['path']} | {r['tokens']} | {r['tokens_per_s']:,.0f} | "
-                     f"{r['achieved_tflops']:.2f} | {mfu} | {peak_gib} | {speed} | {mem} |")
+        lines.append(f"| {r['model']} | {r['attention']} | {r['layers']} | {r['path']} | {r['tokens']} | "
+                     f"{r['tokens_per_s']:,.0f} | {r['achieved_tflops']:.2f} | {mfu} | {peak_gib} | "
+                     f"{r['first_update_s']:.1f} | {speed} | {mem} |")
     table = "\n".join(lines)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -201,7 +238,27 @@ def main(argv=None) -> list[dict]:
             "torch": torch.__version__, "cpus": os.cpu_count(), "peak_tflops": peak}
     args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     args.output.with_suffix(".md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}\n")
+    target = args.update_step or (RESULTS / "update_step.json" if device.type == "cuda" else None)
+    if target is not None:
+        merge_update_step(target, rows, meta)
     return rows
+
+
+KEY = ("device", "model", "attention", "layers", "path", "sequences", "prompt_len", "completion_len", "checkpointing")
+
+
+def merge_update_step(path: pathlib.Path, rows: list[dict], meta: dict) -> list[dict]:
+    """Merge measured runs into the JSON list at `path`: one object per run with the device, torch version, peak
+    TFLOP/s and command beside the row (profiles left out); a run with the same key replaces the older one."""
+    records = json.loads(path.read_text()) if path.is_file() else []
+    new = [{"device": meta["device"], "torch": meta["torch"], "peak_tflops": meta["peak_tflops"],
+            "command": meta["command"], **{k: v for k, v in r.items() if k != "profile"}}
+           for r in rows if "skipped" not in r]
+    keys = {tuple(r.get(k) for k in KEY) for r in new}
+    records = [r for r in records if tuple(r.get(k) for k in KEY) not in keys] + new
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=2) + "\n")
+    return records
 
 
 if __name__ == "__main__":

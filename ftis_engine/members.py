@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import layers
 from .config import ConfigError, MemberSettings, RunConfig
 from .errors import first_line
 from .generation import Generator
@@ -234,6 +235,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
     attn = attention_implementation(config.train.attn_implementation, device)
+    layer_mode = layers.resolve(config.train.layers, device)
     seed = member_init_seed(config, index)
     try:
         model = load_model(settings.model, len(tokenizer), dtype, seed, attn)
@@ -245,6 +247,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
 
         check_warm_start(index, settings, task)
         warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device)
+    layers.fuse(model, layer_mode)
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -260,6 +263,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         enable_checkpointing(model)
         if settings.lora is not None:
             model.enable_input_require_grads()
+    layers.compile_layers(model, layer_mode)
     optimizer = make_optimizer(settings, trainable_parameters(model))
     if settings.generator == "vllm":
         from .generation.vllm import VLLMGenerator

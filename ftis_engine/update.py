@@ -8,6 +8,7 @@ rejection_scale corrects the normaliser by the counts rejection left, which no m
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from ftis_kernels import (
     rejection_scale,
 )
 
+from . import layers
 from .batch import PackedBatch, TrainItem, micro_batches, pack
 from .placement import full, local
 
@@ -193,10 +195,13 @@ def check_model(member) -> None:
     device = member.device
     tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
     with torch.no_grad():
-        alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0] for x in (a, b)])
-        packed = body(input_ids=torch.cat([a, b])[None].to(device),
-                      position_ids=torch.cat([torch.arange(5), torch.arange(3)])[None].to(device),
-                      use_cache=False).last_hidden_state[0]
+        # compiled layers run while autograd is on (layers.py): the check runs them as the update does
+        with torch.enable_grad() if layers.compiled(member.model) else contextlib.nullcontext():
+            alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0].detach()
+                               for x in (a, b)])
+            packed = body(input_ids=torch.cat([a, b])[None].to(device),
+                          position_ids=torch.cat([torch.arange(5), torch.arange(3)])[None].to(device),
+                          use_cache=False).last_hidden_state[0].detach()
         error = float((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp(min=1e-6))
         if error > tolerance:
             import transformers

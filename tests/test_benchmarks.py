@@ -32,10 +32,33 @@ def test_kernel_benchmark_peers_compute_the_same_loss():
 
 
 def test_update_benchmark_quick(tmp_path):
-    rows = update.main(["--quick", "--output", str(tmp_path / "update")])
-    assert {r["path"] for r in rows} == {"fused", "logits"}
-    assert all(r["tokens_per_s"] > 0 for r in rows)
+    target = tmp_path / "update_step.json"
+    rows = update.main(["--quick", "--output", str(tmp_path / "update"), "--attn", "sdpa", "varlen",
+                        "--update-step", str(target)])
+    assert [(r["attention"], r["path"]) for r in rows] == [("sdpa", "fused"), ("sdpa", "logits"),
+                                                           ("varlen", "fused"), ("varlen", "logits")]
+    assert all(r["tokens_per_s"] > 0 and r["layers"] == "eager" for r in rows[:2])
+    # varlen needs a CUDA GPU: its rows say why they were skipped, and the other runs still happen
+    assert all(r["skipped"].startswith("ConfigError: train.attn_implementation: varlen") for r in rows[2:])
     assert (tmp_path / "update.md").is_file()
+    records = json.loads(target.read_text())
+    assert [(r["attention"], r["path"]) for r in records] == [("sdpa", "fused"), ("sdpa", "logits")]
+    assert {"model", "attention", "layers", "tokens_per_s", "peak_gib", "device"} - records[0].keys() <= {"peak_gib"}
+
+
+def test_update_step_records_replace_the_same_run_and_keep_the_others(tmp_path):
+    target = tmp_path / "update_step.json"
+    meta = {"device": "H100", "torch": "2.11", "peak_tflops": 989.0, "command": "c"}
+    run = {"model": "1.5b", "attention": "sdpa", "layers": "eager", "path": "fused", "sequences": 16,
+           "prompt_len": 256, "completion_len": 768, "checkpointing": True, "tokens_per_s": 1.0, "mfu": 0.1}
+    update.merge_update_step(target, [run, {**run, "layers": "compile", "mfu": 0.2}], meta)
+    update.merge_update_step(target, [{**run, "mfu": 0.3, "profile": "table"}, {**run, "skipped": "oom"}],
+                             {**meta, "command": "d"})
+    update.merge_update_step(target, [{**run, "mfu": 0.4}], {**meta, "device": "H200"})
+    records = json.loads(target.read_text())
+    assert [(r["device"], r["layers"], r["mfu"], r["command"]) for r in records] == [
+        ("H100", "compile", 0.2, "c"), ("H100", "eager", 0.3, "d"), ("H200", "eager", 0.4, "c")]
+    assert all("profile" not in r for r in records)
 
 
 @pytest.mark.slow
