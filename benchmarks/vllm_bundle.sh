@@ -2,7 +2,7 @@
 # Builds what vLLM needs on a GPU machine that has torch 2.11 (cu130) and no network, as pieces small enough to
 # carry one per call (benchmarks/README.md, "vLLM on the lent GPU"). Run here, where pip reaches the registries:
 #
-#   bash benchmarks/vllm_bundle.sh [HAVE.txt]     -> .vb/0/p00 .vb/1/p01 .vb/2/p02 (git-ignored through .git/info/exclude)
+#   bash benchmarks/vllm_bundle.sh [HAVE.txt]     -> .vb/0/p00 .vb/1/p01 ... (git-ignored through .git/info/exclude)
 #
 # HAVE.txt lists the distribution names the GPU machine already holds, one a line (default: the package list of
 # the workplace's 'cuda' image, read from /work/.library/device/KINDS.md). Then, on the GPU machine, one call per
@@ -15,9 +15,13 @@
 # Blackwell attention sources and the Rust frontend binary; and the server-only sentry, supervisor, rignore, fastar.
 set -euo pipefail
 VLLM=0.24.0
-PIECE=66060288   # 63 MiB: a piece plus the working tree stays under a call's 64 MiB
 work="${WORK:-/tmp/vllm-bundle}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
+# a piece and the working tree that travels with it (tracked and not-ignored files) must stay under a call's 64 MiB:
+# pieces of 62 MiB less today's tree, leaving 2 MiB for it to grow ($PIECE, in bytes, overrides)
+tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-standard; } |
+       xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s + 0}')
+PIECE="${PIECE:-$(( 62 * 1048576 - tree ))}"
 have="${1:-}"
 rm -rf "$work" && mkdir -p "$work/bund/whl" "$work/deps" "$work/vllm"
 if [ -z "$have" ]; then

@@ -42,8 +42,9 @@ def train_record(step: int, name: str, own: list[Rollout], trained: list[Rollout
                  watch: Stopwatch, lr: float, sent_bytes: int, own_digest: str) -> dict:
     """The `kind: train` record of one member's step (the exchange's own keys are added by the step: see
     exchange.admission.Received.metrics). own: the rollouts it generated; trained: what it trained on (its own
-    and the peers' it took); watch: its seconds per phase (gen_seconds, train_seconds, exchange_wait_seconds,
-    lead_wait_seconds, exchange_seconds); sent_bytes: what its rollouts cost on the wire (0: nobody got them)."""
+    and the peers' it took); watch: its seconds per phase (gen_seconds, train_seconds, sync_seconds,
+    exchange_wait_seconds, lead_wait_seconds, exchange_seconds); sent_bytes: what its rollouts cost on the wire
+    (0: nobody got them)."""
     seconds = watch.seconds
     sent = sent_bytes > 0
     return {
@@ -58,19 +59,51 @@ def train_record(step: int, name: str, own: list[Rollout], trained: list[Rollout
         "truncated_frac": _mean(r.finish_reason == "length" for r in own),
         "gen_seconds": seconds["gen_seconds"],
         "train_seconds": seconds["train_seconds"],
+        "sync_seconds": seconds["sync_seconds"],
         "exchange_bytes": sent_bytes,
         "exchange_tokens": sum(r.num_tokens for r in own) if sent else 0,
         "exchange_sequences": len(own) if sent else 0,
         "exchange_seconds": seconds["exchange_seconds"],
         "exchange_wait_seconds": seconds["exchange_wait_seconds"],
         "lead_wait_seconds": seconds["lead_wait_seconds"],
-        # the member's own step: generating, exchanging (waiting included) and updating; eval excluded
+        # the member's own step: generating, exchanging (waiting included), updating and moving the new weights
+        # into its generator and samplers; eval excluded
         "step_seconds": seconds["gen_seconds"] + seconds["train_seconds"] + seconds["exchange_wait_seconds"]
-        + seconds["exchange_seconds"],
+        + seconds["exchange_seconds"] + seconds["sync_seconds"],
         "rollouts_sha256": own_digest,
         "lr": lr,
         "ended_at": time.time(),  # seconds since the epoch: orders async members' steps (and sampler rounds)
     }
+
+
+class GpuMemory:
+    """A CUDA member's memory over one step: torch's peak allocation in this process (`gpu_peak_gib`; a vLLM
+    engine's pool may sit outside it) and the most the whole device had in use at the moments noted (`gpu_used_gib`:
+    every process on the GPU, engines included; noted after generation, while the engine is awake, and after the
+    update). Nothing on another device."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.device = device if getattr(device, "type", None) == "cuda" else None
+        self.used = 0
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def note(self) -> None:
+        if self.device is not None:
+            import torch
+
+            free, total = torch.cuda.mem_get_info(self.device)
+            self.used = max(self.used, total - free)
+
+    def record(self) -> dict:
+        if self.device is None:
+            return {}
+        import torch
+
+        self.note()
+        return {"gpu_peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30, "gpu_used_gib": self.used / 2**30}
 
 
 def resident_mib() -> float | None:

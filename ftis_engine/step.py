@@ -23,7 +23,7 @@ from .batch import TrainItem
 from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
-from .metrics import Stopwatch, resident_mib, train_record
+from .metrics import GpuMemory, Stopwatch, resident_mib, train_record
 from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .session import Swarm
@@ -35,7 +35,8 @@ log = logging.getLogger("ftis_engine")
 def run_step(swarm: Swarm, step: int) -> list[dict]:
     """One step of every member this process holds; returns their `kind: train` records."""
     dealt = swarm.schedule.deal(step)
-    own, watches = generate_all(swarm, step, dealt)
+    memory = {m.index: GpuMemory(m.device) for m in swarm.members}
+    own, watches = generate_all(swarm, step, dealt, memory)
     buffers = {m: encode(rollouts) for m, rollouts in own.items()}
     sent = swarm.exchange.send(buffers, step)
     records = []
@@ -48,8 +49,10 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         items = training_items(swarm, member, trained)
         with watch("train_seconds"):
             stats = update(swarm, member, items, step)
-        member.generator.sync(member.model)
-        push_to_samplers(swarm, member, step)
+        memory[index].note()
+        with watch("sync_seconds"):  # an engine loads the weights at its next wake-up: counted there (generate_all)
+            member.generator.sync(member.model)
+            push_to_samplers(swarm, member, step)
         if not swarm.reports:  # a further shard: its leader reports the member
             continue
         watch.seconds["exchange_wait_seconds"] += arrivals.wait_seconds
@@ -58,15 +61,16 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         record = train_record(step, member.name, own[index], trained, stats, watch,
                               member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
         record.update(got.metrics(), in_flight=arrivals.waiting, outbox_dropped=arrivals.outbox_dropped,
-                      lead_steps=arrivals.lead_steps, rss_mib=resident_mib())
+                      lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), **memory[index].record())
         records.append(record)
     return records
 
 
-def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]]
+def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memory: dict[int, GpuMemory]
                  ) -> tuple[dict[int, list[Rollout]], dict[int, Stopwatch]]:
     """Every local member generates and scores its dealt completions (policy version step - 1); returns them and
-    each member's stopwatch."""
+    each member's stopwatch. The time an engine spends loading new weights as it wakes counts as sync_seconds,
+    not gen_seconds."""
     watches = {m.index: Stopwatch() for m in swarm.members}
     own = {}
     for member in swarm.members:
@@ -76,11 +80,21 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]]
             prompts = sorted(mine)
             mine = {prompts[k]: mine[prompts[k]] for k in shard.share(len(prompts))}
         seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
-        with watches[member.index]("gen_seconds"), member.generator.awake():
+        watch, pushed = watches[member.index], push_seconds(member.generator)
+        with watch("gen_seconds"), member.generator.awake():
             own[member.index] = sample.generate_rollouts(swarm, member, mine, step - 1, seed)
+            memory[member.index].note()  # the engine is awake: its weights and KV cache are on the GPU
+        pushed = push_seconds(member.generator) - pushed
+        watch.seconds["gen_seconds"] -= pushed
+        watch.seconds["sync_seconds"] += pushed
         if shard is not None:  # the member's rollouts, on every shard, in shard order
             own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]
     return own, watches
+
+
+def push_seconds(generator) -> float:
+    """Seconds a generator has spent loading weights into its engine so far (0 for one that shares the trainer's)."""
+    return getattr(generator, "push_seconds", 0.0)
 
 
 def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:

@@ -74,6 +74,7 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     rounds = len(batches) if shard is None else shard.max(len(batches))
     factor = 1.0 if shard is None else float(shard.size)
     loss, outputs, failed = 0.0, [], None
+    own = [0.0, 0]  # the member's own tokens: sum of exp(l - g), count
     for k in range(rounds):
         if k >= len(batches) or failed is not None:
             stand_in(member)
@@ -90,6 +91,7 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         (out.loss * factor if factor != 1.0 else out.loss).backward()
         loss += float(out.loss.detach())
         outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
+        add_own_ratios(own, out.logprobs, batch, batches[k], member.index)
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
     if shard is not None and not shard.all_true(failed is None):
@@ -99,9 +101,10 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
                                  stat_sums={k: v.detach().cpu() for k, v in out.stat_sums.items()},
                                  stat_counts={k: v.detach().cpu() for k, v in out.stat_counts.items()})
                       for out in outputs]
-        gathered = shard.all_gather((loss, mine_stats))
+        gathered = shard.all_gather((loss, mine_stats, own))
         loss = sum(part[0] for part in gathered)
         outputs = [out for part in gathered for out in part[1]]
+        own = [sum(part[2][0] for part in gathered), sum(part[2][1] for part in gathered)]
     stats = combine_stats(outputs)
     scale = rejection_scale(cfg, stats, **whole)
     if scale != 1.0:  # rejection left fewer tokens or sequences than the normaliser each micro-batch was given
@@ -109,7 +112,23 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         for p in member.trainable_parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-    return {"loss": loss, **stats, "micro_batches": len(batches)}
+    own_ratio = own[0] / own[1] if own[1] else float("nan")
+    return {"loss": loss, **stats, "own_ratio_mean": own_ratio, "micro_batches": len(batches)}
+
+
+def add_own_ratios(own: list, logprobs: torch.Tensor, batch: PackedBatch, items: list[TrainItem], index: int) -> None:
+    """Add the micro-batch's own tokens (those of rollouts member `index` made, its samplers' included) to
+    own = [sum of exp(l - g), count]: the trainer's probability of each own token over its generator's. Near 1 when
+    generator and trainer agree (a vLLM engine in sync); peers' tokens are left out, so it stays that check in a
+    collaborating run, where is_weight_mean mixes in the peers' weights."""
+    mine = torch.tensor([it.rollout.member == index for it in items])
+    if not bool(mine.any()):
+        return
+    tokens = torch.repeat_interleave(mine, (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long())
+    ratio = (logprobs.detach().float().cpu() - batch.gen_logprobs.float()).clamp(max=20.0).exp()[tokens]
+    ratio = ratio[ratio.isfinite()]
+    own[0] += float(ratio.sum())
+    own[1] += int(ratio.numel())
 
 
 def stand_in(member) -> None:

@@ -18,7 +18,7 @@ from ftis_kernels import STAT_KEYS
 from .helpers import SHORT, TINY
 
 TRAIN_KEYS = {"step", "member", "kind", "reward_mean", "loss", "tokens", "gen_seconds", "train_seconds",
-              "exchange_bytes", "exchange_tokens", "exchange_sequences", *STAT_KEYS}
+              "sync_seconds", "own_ratio_mean", "exchange_bytes", "exchange_tokens", "exchange_sequences", *STAT_KEYS}
 EVAL_KEYS = {"step", "member", "kind", "accuracy", "dataset"}
 
 

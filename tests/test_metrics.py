@@ -32,14 +32,15 @@ def test_a_train_record_counts_what_was_made_sent_and_trained_on():
     own = [_rollout(3, 1.0), _rollout(5, 0.0, "length")]
     trained = own + [_rollout(4, 1.0)]
     watch = Stopwatch()
-    watch.seconds.update(gen_seconds=1.0, train_seconds=2.0, exchange_wait_seconds=0.5, exchange_seconds=0.25)
+    watch.seconds.update(gen_seconds=1.0, train_seconds=2.0, exchange_wait_seconds=0.5, exchange_seconds=0.25,
+                         sync_seconds=0.125)
     record = train_record(3, "tiny-s", own, trained, {"loss": 0.1}, watch, 1e-3, sent_bytes=100, own_digest="ab")
     assert (record["step"], record["member"], record["kind"], record["loss"]) == (3, "tiny-s", "train", 0.1)
     assert (record["reward_mean"], record["swarm_reward_mean"]) == (0.5, 2 / 3)
     assert (record["tokens"], record["sequences"], record["own_sequences"]) == (12, 3, 2)
     assert (record["completion_len_mean"], record["truncated_frac"]) == (4.0, 0.5)
     assert (record["exchange_bytes"], record["exchange_tokens"], record["exchange_sequences"]) == (100, 8, 2)
-    assert record["step_seconds"] == 3.75 and record["rollouts_sha256"] == "ab"
+    assert record["step_seconds"] == 3.875 and record["sync_seconds"] == 0.125 and record["rollouts_sha256"] == "ab"
     alone = train_record(3, "tiny-s", own, own, {}, Stopwatch(), 1e-3, sent_bytes=0, own_digest="ab")
     assert (alone["exchange_bytes"], alone["exchange_tokens"], alone["exchange_sequences"]) == (0, 0, 0)
 
@@ -84,3 +85,16 @@ def test_a_torn_last_line_is_left_out_silently_and_a_broken_middle_line_with_a_w
 def test_resident_memory_is_reported_in_mib():
     mib = resident_mib()
     assert mib is None or 10 < mib < 100_000
+
+
+def test_gpu_memory_is_reported_only_for_a_cuda_member():
+    cpu = metrics_module.GpuMemory(torch.device("cpu"))
+    cpu.note()
+    assert cpu.record() == {}
+    if torch.cuda.is_available():
+        gpu = metrics_module.GpuMemory(torch.device("cuda", 0))
+        block = torch.empty(2**28, dtype=torch.uint8, device="cuda")  # 0.25 GiB
+        gpu.note()
+        del block
+        record = gpu.record()
+        assert record["gpu_peak_gib"] >= 0.25 and record["gpu_used_gib"] >= 0.25

@@ -58,3 +58,35 @@ def test_a_step_that_makes_the_weights_non_finite_says_so_and_they_are_never_sav
     with pytest.raises(DivergenceError, match="not saved"):
         stage_members(tmp_path, 1, [m], save_optimizer=True)
     assert not list(tmp_path.rglob("rng.pt"))
+
+
+def test_own_ratio_mean_is_the_trainers_probability_over_the_generators_on_own_tokens_only():
+    """Own rollouts whose generation log-probs sit `shift` below the trainer's (per token) give own_ratio_mean =
+    mean(exp(shift)) over their tokens, across micro-batches; a peer's tokens, however far off, are left out."""
+    import dataclasses
+
+    from ftis_engine.batch import pack
+    from ftis_engine.update import batch_loss
+
+    m, _ = member(0)
+    cfg = LossConfig()
+    items = random_items(len(m.tokenizer), n_groups=3, per_group=4)
+    with torch.no_grad():
+        trainer = batch_loss(m, pack(items), cfg, "torch").logprobs
+    bounds = pack(items).cu_seqlens.tolist()
+    g = torch.Generator().manual_seed(1)
+    shifted, expected = [], []
+    for i, item in enumerate(items):
+        mine = i % 3 != 0
+        l = trainer[bounds[i]:bounds[i + 1]]
+        shift = torch.rand(l.shape, generator=g) * 0.5 if mine else torch.full(l.shape, 5.0)
+        gen = (l - shift).clamp(max=0.0) if mine else (l - shift)
+        if mine:
+            expected.append((l - gen).exp())
+        rollout = dataclasses.replace(item.rollout, member=0 if mine else 1, gen_logprobs=gen)
+        shifted.append(dataclasses.replace(item, rollout=rollout))
+    stats = update_member(m, shifted, cfg, 12, backend="torch")  # a few tokens a micro-batch: several of them
+    assert stats["micro_batches"] > 2
+    assert stats["own_ratio_mean"] == pytest.approx(float(torch.cat(expected).mean()), rel=1e-5)
+    alone = update_member(m, [s for s in shifted if s.rollout.member == 1], cfg, 12, backend="torch")
+    assert alone["own_ratio_mean"] != alone["own_ratio_mean"]  # no own tokens: NaN, not 0 or 1

@@ -19,12 +19,14 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import logging
 import os
 import pathlib
 import shutil
 import tempfile
+import time
 
 import torch
 
@@ -36,6 +38,9 @@ log = logging.getLogger("ftis_engine.vllm")
 INSTALL_HINT = "pip install ftis-engine[gpu]"
 SUPPORTED = ">=0.10.2,<0.34"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# vLLM >= 0.11 turns on inductor's combo kernels under torch >= 2.9; with torch 2.11 their benchmarking fails an
+# assertion (len(launchers) == 1) while compiling a Qwen2 (vLLM 0.24, H100): keep them off
+COMPILATION_CONFIG = {"inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
 
 
 def check_available() -> str | None:
@@ -92,6 +97,14 @@ def checkpoint_names(model, state: dict) -> dict:
     return revert_weight_conversion(model, state)
 
 
+def save_for_engine(model, tokenizer, directory: pathlib.Path) -> str:
+    """Write a model's weights (in its dtype) and its tokenizer where an engine that loads from disk can read them
+    (vLLM; also TRL's GRPOTrainer, benchmarks/trl_grpo.py); returns the directory as a string."""
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return str(directory)
+
+
 def _lora_rank(r: int) -> int:
     return next(x for x in LORA_RANKS if x >= r)
 
@@ -120,6 +133,7 @@ class VLLMGenerator:
         self._model = model
         self._gathered: dict[str, torch.Tensor] | None = None  # a sharded member's weights, gathered at sync
         self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
+        self.push_seconds = 0.0  # seconds spent loading weights into the engine, all pushes together
         self._lora_request = None
         self._lora_version = 0
         self._asleep = False
@@ -128,10 +142,7 @@ class VLLMGenerator:
         """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
         source = settings.model
         if source.startswith("builtin:"):  # vLLM loads from disk: write the built-in model's initial weights
-            base = model.get_base_model() if self.lora else model
-            base.save_pretrained(str(self._work / "base"))
-            tokenizer.save_pretrained(str(self._work / "base"))
-            source = str(self._work / "base")
+            source = save_for_engine(model.get_base_model() if self.lora else model, tokenizer, self._work / "base")
         # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left
         # initialised by an earlier engine of this process: a new engine runs on its own then too
         distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -147,10 +158,7 @@ class VLLMGenerator:
             enable_prefix_caching=True, tensor_parallel_size=1,
         )
         if not settings.vllm.enforce_eager:
-            # vLLM >= 0.11 turns on inductor's combo kernels under torch >= 2.9; with torch 2.11 their benchmarking
-            # fails an assertion (len(launchers) == 1) while compiling a Qwen2 (vLLM 0.24, H100): keep them off
-            kwargs["compilation_config"] = {"inductor_compile_config": {"combo_kernels": False,
-                                                                        "benchmark_combo_kernel": False}}
+            kwargs["compilation_config"] = copy.deepcopy(COMPILATION_CONFIG)
         if distributed:
             kwargs["distributed_executor_backend"] = "external_launcher"
         if self.lora:
@@ -203,6 +211,7 @@ class VLLMGenerator:
             self.sleep()
 
     def _push(self) -> None:
+        start = time.perf_counter()
         if self.lora:
             self._push_adapter()
         else:
@@ -211,6 +220,7 @@ class VLLMGenerator:
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.llm.reset_prefix_cache()
         self._stale = False
+        self.push_seconds += time.perf_counter() - start  # the step reports it as sync_seconds
 
     def _push_adapter(self) -> None:
         from vllm.lora.request import LoRARequest

@@ -1,0 +1,357 @@
+"""TRL's GRPOTrainer on one member's shape: the other side of the per-step comparison with ftis-engine alone
+(issue 28; ours is configs/gpu/alone-shape-1.5b.yaml, run by benchmarks/run_pair_gpu.sh in the same sitting).
+
+What it runs, matched to that config:
+
+- model: ftis-engine's built-in loader (random weights, Qwen2.5-1.5B's layer shapes by default, seed 0 as the
+  config's member 0), saved with the shipped tokenizer by the vLLM generator's own `save_for_engine`, loaded
+  back by TRL in bf16 with the same attention (sdpa);
+- prompts: the built-in task's training questions (tiny-last), prompted as the engine prompts them; the reward
+  wraps the task's own reward;
+- batch: 12 prompts x 12 completions = 144 a step (one member's half of the paper's 24 x 12), one optimizer
+  step per generation: 16 completions a forward/backward x 9 accumulation steps (ours packs 8,192 tokens a
+  micro-batch: about 15 completions of ~530 tokens);
+- generation: vLLM colocate, 0.3 of the GPU, sleep mode on (TRL sleeps at level 2 and pushes every weight each
+  step; ours sleeps at level 1 and pushes them at wake-up), temperature 1, top_p 1, up to 512 new tokens, a
+  context of 512 prompt tokens + 512 (ours: data.max_prompt_tokens + max_new_tokens), and ours' compilation
+  setting (inductor's combo kernels off; TRL's engine is otherwise TRL's own: compiled, CUDA graphs);
+- loss: `loss_type="grpo"` (the mean over sequences of each sequence's token mean: our `normalization:
+  sequence`), epsilon 0.2, beta 0 (no reference model), group-scaled advantages, and TRL's vLLM importance
+  correction `token_truncate` capped at 2: our TIS weight min(exp(l - g), C = 2). TRL takes l from an extra
+  no-grad forward over the whole batch before the update; ours reuses the update's own forward. TRL has no
+  F-TIS filter, which on a member's own rollouts (KL ~ 0) filters nothing anyway;
+- optimizer: AdamW at a constant 1e-6, no weight decay, gradient clip 1.0 (ours: Adam, same numbers);
+  activation checkpointing (non-reentrant) on both sides.
+
+Seconds per step: a TrainerCallback between on_step_begin and on_step_end (generation, scoring, every
+micro-batch and the optimizer step), CUDA synchronised at both ends; inside it, generation (TRL's
+`_generate_single_turn`: wake, generate, sleep), weight sync (`sync_weights`) and scoring (the rest of
+`_generate_and_score_completions`: decoding, reward, the old-log-prob forward) are timed by wrapping those
+methods, and the remainder is the update. Tokens generated are counted in the reward function (it sees every
+completion's ids). Peak memory: torch's max_memory_allocated and the device's used memory at each step's end
+(the runner also samples nvidia-smi, which sees vLLM's pool as well).
+
+    python benchmarks/trl_grpo.py --output /tmp/pair-results/trl.json                # GPU, vLLM colocate
+    python benchmarks/trl_grpo.py --quick --output /tmp/trl-quick.json               # CPU, no vLLM: a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import defaultdict
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+GIB = 2**30
+PROMPT_TOKENS = 512  # the engine's data.max_prompt_tokens default: its vLLM context is this + max_new_tokens
+
+
+# the GRPOConfig fields the JSON records (after TRL's own defaults and derivations)
+GRPO_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
+               "steps_per_generation", "num_generations", "max_completion_length", "loss_type", "beta", "epsilon",
+               "scale_rewards", "bf16", "gradient_checkpointing", "optim", "lr_scheduler_type", "learning_rate")
+VLLM_FIELDS = ("vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_max_model_length",
+               "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+               "vllm_importance_sampling_clip_max")
+
+
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class PhaseClock:
+    """Seconds per phase since the last reset, each phase timed by wrapping a method; a phase timed inside
+    another is taken out of the outer one (a weight sync inside generation counts as weight sync only)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # seconds of nested phases, per open phase
+
+    def reset(self) -> None:
+        self.seconds = defaultdict(float)
+
+    def wrap(self, owner, attribute: str, phase: str) -> bool:
+        """Time `owner.attribute` as `phase` (an instance attribute shadows the method); False if it has none."""
+        method = getattr(owner, attribute, None)
+        if not callable(method):
+            return False
+
+        def timed(*args, **kwargs):
+            synchronize()
+            start = time.perf_counter()
+            self._inner.append(0.0)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                synchronize()
+                elapsed = time.perf_counter() - start
+                self.seconds[phase] += elapsed - self._inner.pop()
+                if self._inner:
+                    self._inner[-1] += elapsed
+
+        setattr(owner, attribute, timed)
+        return True
+
+
+def step_callback(clock: PhaseClock, tally: dict, steps: list[dict], logged: list[dict]):
+    """A TrainerCallback that appends one record per optimizer step to `steps` and TRL's logged numbers to
+    `logged`."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            synchronize()
+            self.last_end = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            clock.reset()
+            tally.update(tokens=0, completions=0)
+            synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize()
+            end = time.perf_counter()
+            seconds = end - self.start
+            phases = {k: clock.seconds.get(k, 0.0) for k in ("gen_seconds", "weight_sync_seconds", "score_seconds")}
+            record = {"step": state.global_step, "seconds": seconds, **phases,
+                      "update_seconds": seconds - sum(phases.values()),
+                      "since_last_step_seconds": end - self.last_end,  # the loop between steps (logging) as well
+                      "tokens": tally["tokens"], "completions": tally["completions"]}
+            if torch.cuda.is_available():
+                free, total = torch.cuda.mem_get_info()
+                record.update(peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
+                              device_used_gib=(total - free) / GIB)
+            steps.append(record)
+            self.last_end = end
+            print(f"step {record['step']}: {seconds:.2f} s (generation {phases['gen_seconds']:.2f}, weight sync "
+                  f"{phases['weight_sync_seconds']:.2f}, scoring {phases['score_seconds']:.2f}, update "
+                  f"{record['update_seconds']:.2f}), {record['tokens']} tokens", flush=True)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs:
+                logged.append({"step": state.global_step,
+                               **{k: v for k, v in logs.items() if isinstance(v, (int, float))}})
+
+    return StepTimer()
+
+
+def task_reward(task, tally: dict):
+    """The task's reward as a TRL reward function (plain callable: completions in, one float each out); also
+    counts the completions' tokens into `tally`."""
+
+    def reward(completions, completion_ids, answer, **_):
+        tally["tokens"] += sum(len(ids) for ids in completion_ids)
+        tally["completions"] += len(completion_ids)
+        return [float(task.reward(text, gold)) for text, gold in zip(completions, answer, strict=True)]
+
+    reward.__name__ = f"{task.name.replace('-', '_')}_reward"
+    return reward
+
+
+def task_dataset(task, tokenizer):
+    """The task's training questions as TRL prompts (the engine's own prompt text), with their gold answers."""
+    from datasets import Dataset
+
+    from ftis_engine.tasks import prompt_text
+
+    return Dataset.from_dict({"prompt": [prompt_text(tokenizer, task, ex.question) for ex in task.train],
+                              "answer": [ex.answer for ex in task.train]})
+
+
+def export_model(spec: str, seed: int, dtype: torch.dtype, attn: str, directory: pathlib.Path):
+    """Build the built-in model as ftis-engine builds member 0 (same seed) and save it with its tokenizer where
+    TRL and vLLM load from; returns the tokenizer."""
+    from ftis_engine.generation.vllm import save_for_engine
+    from ftis_engine.models import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(spec)
+    model = load_model(spec, len(tokenizer), dtype, seed, attn)
+    save_for_engine(model, tokenizer, directory)
+    return tokenizer
+
+
+def compile_engine_as_ours() -> None:
+    """TRL builds its vLLM engine with arguments of its own: give it ours' compilation setting as well (inductor's
+    combo kernels off, which with torch 2.11 fail an assertion compiling a Qwen2: ftis_engine/generation/vllm.py),
+    so that both engines compile the same kernels. Everything else of TRL's engine stays TRL's."""
+    import trl.generation.vllm_generation as trl_vllm
+
+    from ftis_engine.generation.vllm import COMPILATION_CONFIG
+
+    engine = trl_vllm.LLM
+
+    def llm(*args, **kwargs):
+        kwargs.setdefault("compilation_config", copy.deepcopy(COMPILATION_CONFIG))
+        return engine(*args, **kwargs)
+
+    trl_vllm.LLM = llm
+
+
+def grpo_config(args, work: pathlib.Path):
+    from trl import GRPOConfig
+
+    batch = args.prompts * args.group
+    options = {
+        "output_dir": str(work / "trainer"), "max_steps": args.steps, "seed": args.seed,
+        "per_device_train_batch_size": args.micro_batch, "gradient_accumulation_steps": batch // args.micro_batch,
+        "num_generations": args.group, "max_completion_length": args.max_new_tokens,
+        "temperature": args.temperature, "top_p": 1.0,
+        "learning_rate": args.lr, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
+        "max_grad_norm": 1.0, "beta": 0.0, "epsilon": 0.2, "loss_type": "grpo", "scale_rewards": "group",
+        "num_iterations": 1, "bf16": not args.quick,
+        "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
+        "model_init_kwargs": {"dtype": "float32" if args.quick else "bfloat16", "attn_implementation": args.attn},
+        "use_vllm": args.vllm, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+        "dataloader_num_workers": 0, "use_cpu": args.quick or not torch.cuda.is_available(),
+    }
+    if args.vllm:
+        options.update({
+            "vllm_mode": "colocate", "vllm_gpu_memory_utilization": args.gpu_memory_utilization,
+            "vllm_enable_sleep_mode": not args.no_sleep,
+            "vllm_max_model_length": PROMPT_TOKENS + args.max_new_tokens,
+            "vllm_importance_sampling_correction": not args.no_is_correction,
+            "vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0,
+        })
+    return GRPOConfig(**options)
+
+
+def summarize(steps: list[dict], logs: list[dict]) -> dict:
+    """Medians over the steps (the first, with its warm-up, included: the runner's summary can leave it out),
+    tokens/s over all of them, the peaks, and TRL's own mean importance ratio and completion length."""
+    seconds = [s["seconds"] for s in steps]
+    out = {"steps": len(steps), "median_step_seconds": statistics.median(seconds) if seconds else None,
+           "tokens_per_s": sum(s["tokens"] for s in steps) / sum(seconds) if seconds else None}
+    for key in ("gen_seconds", "weight_sync_seconds", "score_seconds", "update_seconds"):
+        out[f"median_{key}"] = statistics.median(s[key] for s in steps) if steps else None
+    for key in ("peak_allocated_gib", "device_used_gib"):
+        values = [s[key] for s in steps if key in s]
+        out[f"{key}_max"] = max(values) if values else None
+    for key, name in (("sampling/importance_sampling_ratio/mean", "is_weight_mean"), ("step_time", "trl_step_time"),
+                      ("completions/mean_length", "completion_len_mean"),
+                      ("completions/clipped_ratio", "truncated_frac")):
+        values = [log[key] for log in logs if key in log]
+        out[name] = statistics.fmean(values) if values else None
+    return out
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="builtin:shape-1.5b")
+    parser.add_argument("--task", default="tiny-last")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    parser.add_argument("--prompts", type=int, default=12, help="prompts per step")
+    parser.add_argument("--group", type=int, default=12, help="completions per prompt (num_generations)")
+    parser.add_argument("--micro-batch", type=int, default=16, help="completions per forward/backward")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--attn", default="sdpa", help="attn_implementation of the trained model")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--no-sleep", action="store_true", help="keep the vLLM engine awake during updates")
+    parser.add_argument("--no-is-correction", action="store_true",
+                        help="no vLLM importance correction (and no old-log-prob forward)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true",
+                        help="CPU smoke test: builtin:tiny-s, 2 steps of 2 x 4 completions of 8 tokens, no vLLM")
+    parser.add_argument("--output", required=True, help="the JSON written")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.model, args.steps, args.prompts, args.group, args.micro_batch, args.max_new_tokens = (
+            "builtin:tiny-s", 2, 2, 4, 4, 8)
+    args.vllm = not args.quick
+    if (args.prompts * args.group) % args.micro_batch:
+        parser.error(f"--micro-batch {args.micro_batch} must divide the step's {args.prompts} x {args.group} "
+                     "completions")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; the GPU machine has no network
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from trl import GRPOTrainer
+
+    from ftis_engine.config import DataSettings
+    from ftis_engine.tasks import load_task
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    steps: list[dict] = []
+    logs: list[dict] = []
+    tally = {"tokens": 0, "completions": 0}
+    clock = PhaseClock()
+    with tempfile.TemporaryDirectory(prefix="trl-grpo-") as tmp:
+        work = pathlib.Path(tmp)
+        dtype = torch.float32 if args.quick else torch.bfloat16
+        tokenizer = export_model(args.model, args.seed, dtype, args.attn, work / "model")
+        task = load_task(DataSettings(task=args.task), args.seed)
+        config = grpo_config(args, work)
+        if args.vllm:
+            compile_engine_as_ours()
+        start = time.perf_counter()
+        trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=task_reward(task, tally), args=config,
+                              train_dataset=task_dataset(task, tokenizer), processing_class=tokenizer,
+                              callbacks=[step_callback(clock, tally, steps, logs)])
+        init_seconds = time.perf_counter() - start
+        timed = {"gen_seconds": clock.wrap(trainer, "_generate_single_turn", "gen_seconds"),
+                 "score_seconds": clock.wrap(trainer, "_generate_and_score_completions", "score_seconds"),
+                 "weight_sync_seconds": args.vllm and clock.wrap(getattr(trainer, "vllm_generation", None),
+                                                                 "sync_weights", "weight_sync_seconds")}
+        error = None
+        try:
+            trainer.train()
+        except Exception as exc:  # noqa: BLE001 (keep the steps done so far: the JSON says what stopped the run)
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+    result = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()})",
+        "versions": {name: package_version(name) for name in ("torch", "transformers", "trl", "vllm", "accelerate",
+                                                                "datasets")},
+        "python": platform.python_version(), "command": " ".join([sys.executable, *sys.argv]),
+        "config": {"model": args.model, "task": args.task, "steps": args.steps, "prompts": args.prompts,
+                   "group": args.group, "micro_batch": args.micro_batch, "max_new_tokens": args.max_new_tokens,
+                   "temperature": args.temperature, "lr": args.lr, "attn": args.attn, "seed": args.seed,
+                   "use_vllm": args.vllm, "quick": args.quick,
+                   "grpo": {k: getattr(config, k, None) for k in GRPO_FIELDS + (VLLM_FIELDS if args.vllm else ())}},
+        "phases_timed": timed, "init_seconds": init_seconds, "error": error,
+        "steps": steps, "summary": summarize(steps, logs), "logs": logs,
+    }
+    result["config"]["grpo"] = {k: str(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
+                                for k, v in result["config"]["grpo"].items()}
+    out = pathlib.Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    s = result["summary"]
+    if error is not None:
+        print(f"TRL stopped after {s['steps']} steps ({error}); wrote {out}")
+        return 1
+    print(f"TRL {result['versions']['trl']} on {result['device']}: median {s['median_step_seconds']:.2f} s/step "
+          f"over {s['steps']} steps, {s['tokens_per_s']:.0f} generated tokens/s; wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
