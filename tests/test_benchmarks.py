@@ -90,3 +90,14 @@ def test_async_throughput_benchmark_sync_waits_max_lead_bounds_and_null_never_wa
     assert lead["peer_sequences_per_step"] > 0 and -2 <= lead["staleness_min"] <= lead["staleness_max"] <= 8
     assert sync["steps"] == lead["steps"] == free["steps"] == 3
     assert (tmp_path / "async.md").is_file() and (tmp_path / "async.png").is_file()
+
+
+def test_the_floor_of_a_recomputing_head_is_8nvd_at_the_measured_matmul_rate():
+    rows = [{"peer": "ours-fused-linear-tis", "tokens": 1000, "vocab": 500, "dim": 100, "ms": 10.0},
+            {"peer": "naive-torch", "tokens": 1000, "vocab": 500, "dim": 100, "ms": 1.0},
+            {"peer": "ours-fused-linear", "tokens": 1000, "vocab": 500, "dim": 200, "ms": 1.0}]
+    kernels.add_floor(rows, {"100x1000": 0.004})  # 4 GFLOP/s: 8 N V d = 0.4 GFLOP takes 100 ms
+    assert rows[0]["floor_frac"] == pytest.approx(10.0)  # 100 ms of floor done in 10 ms
+    assert "floor_frac" not in rows[1] and "floor_frac" not in rows[2]  # not a recomputing head; no rate measured
+    rows[0]["tflops"] = 6 * 1000 * 500 * 100 / 10e-3 / 1e12  # what measure() adds: 6 N V d over the time
+    assert "| 750% | 1000% |" in kernels.markdown(rows[:1], {"100x1000": 0.004})  # 6NVd of the rate; 8NVd floor
