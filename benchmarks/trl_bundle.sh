@@ -17,17 +17,8 @@ work="${WORK:-/tmp/trl-bundle}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 have="${1:-}"
 rm -rf "$work" && mkdir -p "$work"
-if [ -z "$have" ]; then
-  have="$work/have.txt"
-  sed -n '/^## Python packages already there/,$p' /work/.library/device/KINDS.md | tail -1 | sed 's/^Packages: //' |
-    tr ',' '\n' | sed 's/^ *//;s/\.$//' > "$have"
-fi
-tr 'A-Z_' 'a-z-' < "$have" | sort -u > "$work/have.norm"
-plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
-      --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_26_x86_64
-      --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
-      --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux2014_x86_64
-      --platform manylinux1_x86_64 --platform any)
+source "$repo/benchmarks/gpu_machine.sh"  # plat, machine_packages
+machine_packages "$have" "$work"
 python3 -m pip install -q uv
 compile() {  # requirements in -> pinned closure out, for the GPU machine's Python and platform, names normalised
   uv pip compile "$1" --python-version 3.12 --python-platform x86_64-manylinux_2_28 --no-header --no-annotate -q \

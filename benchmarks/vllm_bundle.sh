@@ -24,17 +24,8 @@ tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-stand
 PIECE="${PIECE:-$(( 62 * 1048576 - tree ))}"
 have="${1:-}"
 rm -rf "$work" && mkdir -p "$work/bund/whl" "$work/deps" "$work/vllm"
-if [ -z "$have" ]; then
-  have="$work/have.txt"
-  sed -n '/^## Python packages already there/,$p' /work/.library/device/KINDS.md | tail -1 | sed 's/^Packages: //' |
-    tr ',' '\n' | sed 's/^ *//;s/\.$//' > "$have"
-fi
-tr 'A-Z_' 'a-z-' < "$have" | sort -u > "$work/have.norm"
-plat=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
-      --platform manylinux_2_17_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_26_x86_64
-      --platform manylinux_2_27_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64
-      --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform manylinux2014_x86_64
-      --platform manylinux1_x86_64 --platform any)
+source "$repo/benchmarks/gpu_machine.sh"  # plat, machine_packages
+machine_packages "$have" "$work"
 python3 -m pip install -q uv
 # the dependency closure of vLLM and ftis-engine for the GPU machine, minus what it has and what is never loaded
 printf 'vllm==%s\ndatasets>=2.19\nmath-verify[antlr4-13-2]>=0.7\npydantic>=2.6\n' "$VLLM" > "$work/req.in"
