@@ -17,8 +17,8 @@ Medians are over the steps after the first `--skip` (default 1: the first step c
 Phases: ours `gen_seconds` (generation), `sync_seconds` (weight sync: the engine's load of the new weights as it
 wakes, and pushes to samplers), exchange (sending and waiting for peers, async's lead wait included, which is also
 reported apart) and `train_seconds` (the update); TRL's generation, weight sync, scoring (decoding, reward, the
-old-log-prob forward) and update. A member's step is the sum of its phases (step_seconds); a pair's step is the slower member's, and
-`wall_step_seconds` the time between the ends of consecutive steps (ended_at), which also holds what the phases
+old-log-prob forward) and update. A member's step is the sum of its phases (step_seconds); a pair's step is the
+slower member's, and `wall_step_seconds` the time between the ends of consecutive steps (ended_at), which also holds what the phases
 leave out (logging, the loop).
 `is_weight_mean` is over the tokens a member trained on: alone, its own rollouts only; in the pair, its own and
 its peer's (off-policy), so there it is not the own-rollout parity check: `own_ratio_mean` is (exp(l - g) over
@@ -111,7 +111,7 @@ def run_summary(records: list[dict], skip: int) -> dict:
         "steps": len(kept),
         "step_seconds": median(slowest[s] for s in kept),
         "wall_step_seconds": median(ended[s] - ended[s - 1] for s in kept if s in ended and s - 1 in ended),
-        "gen_tokens_per_s": ratio(gen_tokens, sum(slowest[s] for s in kept)),
+        "step_tokens_per_s": ratio(gen_tokens, sum(slowest[s] for s in kept)),
     }
 
 
@@ -203,7 +203,7 @@ def markdown(summary: dict) -> str:
                              f"{_f(m.get('gpu_peak_gib'), 1)} |")
             if len(run["members"]) > 1:
                 lines.append(f"| {name} | (pair: slower member; wall {_f(run['wall_step_seconds'])} s) | "
-                             f"{_f(run['step_seconds'])} | | | | | | {_f(run['gen_tokens_per_s'], 0)} | | | | "
+                             f"{_f(run['step_seconds'])} | | | | | | {_f(run['step_tokens_per_s'], 0)} | | | | "
                              f"{_f(run['gpu_memory_peak_gib'], 1)} | |")
         if trl is not None:  # generation with its weight sync, update with its scoring: ours' phases
             model = (trl["config"] or {}).get("model", "")
@@ -211,12 +211,12 @@ def markdown(summary: dict) -> str:
             lines.append(f"| trl | {model} | {_f(trl['step_seconds'])} | {_f(trl['gen_seconds'])} | "
                          f"{_f(trl['weight_sync_seconds'])} | - | {_f(update)} | "
                          f"{_f(trl['gen_tokens_per_s'], 0)} | {_f(trl['step_tokens_per_s'], 0)} | "
-                         f"{_f(trl['is_weight_mean'], 4)} | {_f(trl['is_weight_mean'], 4)} | "
+                         f"{_f(trl['is_weight_mean'], 4)} | - | "
                          f"{_f(trl['completion_len_mean'], 0)} | {_f(trl['gpu_memory_peak_gib'], 1)} | "
                          f"{_f(trl['peak_allocated_gib'], 1)} |")
         lines += ["", ("is_weight_mean: over the tokens a member trained on (alone: its own rollouts; in the pair "
                        "also its peer's); own ratio: exp(l - g) over its own tokens only (~1: trainer and engine "
-                       "agree); TRL's: its mean vLLM importance ratio (own tokens: it trains on nothing else). "
+                       "agree); TRL's is_weight_mean: its logged mean vLLM importance ratio, after its cap at 2. "
                        "TRL's update holds its scoring (the old-log-prob forward)."), ""]
     if trl is not None:
         versions = ", ".join(f"{k} {v}" for k, v in (trl["versions"] or {}).items() if v)

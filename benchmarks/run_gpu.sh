@@ -4,8 +4,10 @@
 # where $OUT is set (a folder that a remote runner copies back), they are also packed as $OUT/gpu-results.tar.gz.
 #
 #   bash benchmarks/run_gpu.sh [check] [tune] [kernels] [kernels-16k] [update] [exchange]    (default: all but tune)
-#   bash benchmarks/run_gpu.sh grid-1.5b grid-3b    # issue 27: attention x train.layers, one model per call
-#                                                   # (each well inside a call's 10 minutes; needs .whl/ with Liger)
+#   bash benchmarks/run_gpu.sh grid-1.5b            # issue 27: attention x train.layers for one model; the next
+#   bash benchmarks/run_gpu.sh grid-3b              # call the other (needs .whl/ with Liger). Each run is merged
+#                                                   # into $RESULTS/update_step.json; copy it to benchmarks/results/
+# The results are packed after every stage, so a call cut off at its limit still brings back the stages it finished.
 set -uo pipefail
 out="${RESULTS:-benchmarks/results/gpu}"
 mkdir -p "$out"
@@ -42,8 +44,8 @@ for stage in "${stages[@]}"; do
   rc=${PIPESTATUS[0]}
   echo "== stage $stage: exit $rc after $(( $(date +%s) - start )) s" | tee -a "$out/stages.txt"
   [ "$rc" -ne 0 ] && status=1
+  if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/gpu-results.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
+  fi
 done
-if [ -n "${OUT:-}" ]; then
-  tar -czf "$OUT/gpu-results.tar.gz" -C "$(dirname "$out")" "$(basename "$out")"
-fi
 exit $status

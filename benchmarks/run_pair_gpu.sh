@@ -15,12 +15,14 @@
 # Every stage also leaves <stage>.log and <stage>.gpumem (nvidia-smi's memory.used every 0.5 s while it ran) in
 # $RESULTS (default /tmp/pair-results, which outlives a call while the machine stays warm), appends its exit
 # status to stages.txt, and packs the folder into $OUT/pair-results.tar.gz where $OUT is set. A device call may
-# run 10 minutes: give each one the stages that fit (README), each stage at most $STAGE_LIMIT seconds (560).
+# run 10 minutes: give each one the stages that fit (README). The stages of one call share $CALL_LIMIT seconds
+# (570, counted from the script's start): each stage is stopped when they are spent, and one that would start with
+# less than a minute left is skipped, so the call ends in time to pack what it has.
 set -uo pipefail
 out="${RESULTS:-/tmp/pair-results}"
 runs=/tmp/pair-runs
 site=/tmp/vsite  # where run_vllm_gpu.sh installs vLLM
-limit="${STAGE_LIMIT:-560}"
+deadline=$(( $(date +%s) + ${CALL_LIMIT:-570} ))
 mkdir -p "$out" "$runs"
 mkdir -p /tmp/ftis-src && ln -sfn "$PWD/kernels" /tmp/ftis-src/ftis_kernels && ln -sfn "$PWD/ftis_engine" /tmp/ftis-src/ftis_engine
 export PYTHONPATH="$PWD:/tmp/ftis-src:$site" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -29,7 +31,7 @@ train() {  # run name, then arguments of ftis-engine train; its metrics.jsonl is
   local name=$1 rc
   shift
   rm -rf "${runs:?}/$name"
-  timeout -k 30 "$limit" python3 -m ftis_engine train --output-dir "$runs" --set run_name="$name" "$@"
+  timeout -k 10 "$limit" python3 -m ftis_engine train --output-dir "$runs" --set run_name="$name" "$@"
   rc=$?
   cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
   return $rc
@@ -40,6 +42,12 @@ stages=("$@")
 status=0
 for stage in "${stages[@]}"; do
   start=$(date +%s)
+  limit=$(( deadline - start - 15 ))  # what is left of the call, less the time to pack the results
+  if [ "$limit" -lt 60 ]; then
+    echo "== stage $stage: skipped, ${limit} s left in this call" | tee -a "$out/stages.txt"
+    status=1
+    continue
+  fi
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 500 > "$out/$stage.gpumem" 2>/dev/null &
   sampler=$!
   case "$stage" in
@@ -52,7 +60,7 @@ for stage in "${stages[@]}"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-trl/*.whl &&
         touch "$site/.trl-done"
       fi &&
-      timeout -k 30 "$limit" python3 benchmarks/trl_grpo.py --output "$out/trl.json" ;;
+      timeout -k 10 "$limit" python3 benchmarks/trl_grpo.py --output "$out/trl.json" ;;
     pair-sync) train pair-sync --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false ;;
     pair-async) train pair-async --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false \
                   --set swarm.mode=async ;;

@@ -19,7 +19,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     install)
       if [ ! -f "$site/.done" ]; then
-        cat /root/vb/p0* > /root/bundle.tar && md5sum /root/bundle.tar && tar -xf /root/bundle.tar -C /root &&
+        cat /root/vb/p[0-9][0-9] > /root/bundle.tar && md5sum /root/bundle.tar && tar -xf /root/bundle.tar -C /root &&
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" /root/bund/whl/*.whl &&
         python3 -c "import tarfile; tarfile.open('/root/bund/vllm-trim.tar.xz').extractall('$site')" &&
         touch "$site/.done"

@@ -311,16 +311,16 @@ def main(argv=None) -> int:
         if args.vllm:
             compile_engine_as_ours()
         start = time.perf_counter()
-        trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=task_reward(task, tally), args=config,
-                              train_dataset=task_dataset(task, tokenizer), processing_class=tokenizer,
-                              callbacks=[step_callback(clock, tally, steps, logs)])
-        init_seconds = time.perf_counter() - start
-        timed = {"gen_seconds": clock.wrap(trainer, "_generate_single_turn", "gen_seconds"),
-                 "score_seconds": clock.wrap(trainer, "_generate_and_score_completions", "score_seconds"),
-                 "weight_sync_seconds": args.vllm and clock.wrap(getattr(trainer, "vllm_generation", None),
-                                                                 "sync_weights", "weight_sync_seconds")}
-        error = None
-        try:
+        init_seconds, timed, error = None, {}, None
+        try:  # the trainer's start (its vLLM engine) may fail too: the JSON still says what stopped the run
+            trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=task_reward(task, tally), args=config,
+                                  train_dataset=task_dataset(task, tokenizer), processing_class=tokenizer,
+                                  callbacks=[step_callback(clock, tally, steps, logs)])
+            init_seconds = time.perf_counter() - start
+            timed = {"gen_seconds": clock.wrap(trainer, "_generate_single_turn", "gen_seconds"),
+                     "score_seconds": clock.wrap(trainer, "_generate_and_score_completions", "score_seconds"),
+                     "weight_sync_seconds": args.vllm and clock.wrap(getattr(trainer, "vllm_generation", None),
+                                                                     "sync_weights", "weight_sync_seconds")}
             trainer.train()
         except Exception as exc:  # noqa: BLE001 (keep the steps done so far: the JSON says what stopped the run)
             traceback.print_exc()

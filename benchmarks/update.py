@@ -8,10 +8,13 @@ logits + log_softmax + the same loss). Reports tokens/s, MFU and peak memory.
     python benchmarks/update.py --models 1.5b 3b --paths fused --attn flex_attention varlen \
         --layers eager liger compile liger+compile   # the grid of issue 27: every attention x layers pair
 
-Each measured run is also merged into benchmarks/results/update_step.json (--update-step; one object per run,
-keyed by device, model, attention, layers, path and batch shape), the file the README quotes. MFU counts model
-FLOPs only: 6 x parameters x tokens (the tied head's matmul counted, the embedding lookup not) plus causal
-attention (12 x layers x d x mean context per token); the recompute of gradient checkpointing is not counted.
+On a GPU each measured run is also merged into update_step.json beside --output (--update-step names another file;
+one object per run, keyed by device, model, attention, layers, path and batch shape). run_gpu.sh's stages leave it
+in their results folder; benchmarks/results/update_step.json, the file the README quotes, is that file brought back.
+MFU counts model FLOPs only: 6 x parameters x input tokens (the tied head's matmul counted, the embedding lookup
+not) plus causal attention (12 x layers x d x mean context per token); the recompute of gradient checkpointing is
+not counted, and the fused path, which runs the head over the completion tokens only, is credited with the head over
+every input token as the logits path runs it (about 4% of its MFU at 256 + 768 tokens).
 """
 
 from __future__ import annotations
@@ -193,7 +196,7 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--paths", nargs="+", default=["fused", "logits"], choices=["fused", "logits"])
     parser.add_argument("--strict", action="store_true", help="stop at the first configuration that fails")
     parser.add_argument("--update-step", type=pathlib.Path, default=None,
-                        help="merge the runs into this JSON list (default on a GPU: results/update_step.json)")
+                        help="merge the runs into this JSON list (default on a GPU: update_step.json beside --output)")
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="also profile one update and print its K most expensive GPU kernels")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
@@ -238,7 +241,7 @@ def main(argv=None) -> list[dict]:
             "torch": torch.__version__, "cpus": os.cpu_count(), "peak_tflops": peak}
     args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     args.output.with_suffix(".md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}\n")
-    target = args.update_step or (RESULTS / "update_step.json" if device.type == "cuda" else None)
+    target = args.update_step or (args.output.parent / "update_step.json" if device.type == "cuda" else None)
     if target is not None:
         merge_update_step(target, rows, meta)
     return rows

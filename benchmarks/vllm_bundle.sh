@@ -6,7 +6,7 @@
 #
 # HAVE.txt lists the distribution names the GPU machine already holds, one a line (default: the package list of
 # the workplace's 'cuda' image, read from /work/.library/device/KINDS.md). Then, on the GPU machine, one call per
-# piece (`mkdir -p /root/vb && cp .vb/N/p0N /root/vb/`, carrying .vb/N) back to back, the last one followed by
+# piece (`mkdir -p /root/vb && cp .vb/N/p* /root/vb/`, carrying .vb/N) back to back, the last one followed by
 # `bash benchmarks/run_vllm_gpu.sh`, which joins and installs them.
 #
 # What is left out, because an offline engine on a Hopper GPU never loads it (vLLM imports these only when asked
@@ -22,6 +22,7 @@ repo="$(cd "$(dirname "$0")/.." && pwd)"
 tree=$(cd "$repo" && { git ls-files -z; git ls-files -z --others --exclude-standard; } |
        xargs -0 du -cb 2>/dev/null | awk '$2 == "total" {s += $1} END {print s + 0}')
 PIECE="${PIECE:-$(( 62 * 1048576 - tree ))}"
+if [ "$PIECE" -lt 16777216 ]; then echo "the working tree ($tree bytes) leaves pieces of under 16 MiB" >&2; exit 1; fi
 have="${1:-}"
 rm -rf "$work" && mkdir -p "$work/bund/whl" "$work/deps" "$work/vllm"
 source "$repo/benchmarks/gpu_machine.sh"  # plat, machine_packages
@@ -45,5 +46,5 @@ python3 -m pip download -q --no-deps "${plat[@]}" -d "$work/deps" "vllm==$VLLM"
 (cd "$work" && tar -cf bundle.tar bund && md5sum bundle.tar)
 mkdir -p "$repo/.git/info" && (grep -qx '/.vb/' "$repo/.git/info/exclude" 2>/dev/null || echo '/.vb/' >> "$repo/.git/info/exclude")
 rm -rf "$repo/.vb" && split -b "$PIECE" -d "$work/bundle.tar" "$work/p"
-for piece in "$work"/p0*; do n="${piece##*p0}"; mkdir -p "$repo/.vb/$n" && mv "$piece" "$repo/.vb/$n/"; done
+for piece in "$work"/p[0-9][0-9]; do n=$((10#${piece##*/p})); mkdir -p "$repo/.vb/$n" && mv "$piece" "$repo/.vb/$n/"; done
 ls -l "$repo"/.vb/*/

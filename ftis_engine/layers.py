@@ -2,9 +2,11 @@
 fused Triton RMSNorm, SwiGLU and RoPE (`liger`), compiled one layer at a time with torch.compile (`compile`,
 regional compilation), or both (`liger+compile`). The fused loss head is ours in every case.
 
-- Liger patches the model instance (its norms and MLPs) and, as Liger does, the model family's module-level RoPE
-  function, so every model of that family in the process uses its RoPE afterwards (the same arithmetic). The
-  parameters and their names do not change: checkpoints stay plain HF models.
+- Liger patches this model instance's norms and MLPs, nothing else: Liger's own patch functions also replace the
+  model family's classes and RoPE function module-wide (every model of the family built or run later in the process
+  would change, an eager member or benchmark row too), so fuse() puts the module back as it found it, and Liger's
+  RoPE, which exists only as such a module-wide swap, is not used. The parameters and their names do not change:
+  checkpoints stay plain HF models.
 - Compilation covers what the update runs: a decoder layer's forward is compiled and used while autograd is on (the
   update's forward, and its recompute in backward); without grad (generation with a KV cache, the log-prob passes)
   the layer runs eagerly, so `model.generate` never traces cache objects. One compiled function serves every layer
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import sys
 import types
 import typing
 
@@ -44,18 +47,27 @@ def resolve(choice: str, device: torch.device) -> str:
     return choice
 
 
+def _causal_lm(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _layers(model) -> list[torch.nn.Module] | None:
+    causal_lm = _causal_lm(model)
+    layers = getattr(getattr(causal_lm, causal_lm.base_model_prefix, causal_lm), "layers", None)
+    return None if layers is None else list(layers)
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers of a causal LM (or of the model a LoRA wrapper holds)."""
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    body = getattr(causal_lm, causal_lm.base_model_prefix, causal_lm)
-    layers = getattr(body, "layers", None)
+    """The decoder layers of a causal LM (or of the model a LoRA wrapper holds), where `<base model>.layers` holds
+    them (Llama, Qwen, Mistral and their kin)."""
+    layers = _layers(model)
     if layers is None:
-        raise ConfigError(f"{FIELD}: cannot find the decoder layers of {type(causal_lm).__name__}")
-    return list(layers)
+        raise ConfigError(f"{FIELD}: cannot find the decoder layers of {type(_causal_lm(model)).__name__}")
+    return layers
 
 
 def fuse(model, choice: str) -> None:
-    """Liger's RMSNorm, SwiGLU and RoPE on `model` (before LoRA wraps it) when `choice` asks for them."""
+    """Liger's RMSNorm and SwiGLU on `model` alone (before LoRA wraps it) when `choice` asks for them."""
     if "liger" not in choice:
         return
     from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
@@ -64,10 +76,19 @@ def fuse(model, choice: str) -> None:
     apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
     if apply is None:
         raise ConfigError(f"{FIELD}: Liger-Kernel has no kernels for model type {model_type!r}")
-    wanted = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False,
+    wanted = {"rope": False, "rms_norm": True, "swiglu": True, "cross_entropy": False,
               "fused_linear_cross_entropy": False}
     accepted = inspect.signature(apply).parameters
-    apply(model=model, **{k: v for k, v in wanted.items() if k in accepted})
+    family = sys.modules[type(_causal_lm(model)).__module__]
+    before = dict(vars(family))
+    try:
+        apply(model=model, **{k: v for k, v in wanted.items() if k in accepted})
+    finally:  # the instance keeps its patched norms and MLPs; the family's module is as it was
+        for name, value in list(vars(family).items()):
+            if name not in before:
+                delattr(family, name)
+            elif value is not before[name]:
+                setattr(family, name, before[name])
 
 
 # Variants a process may need of the one compiled layer function: members of different shapes, full and LoRA (whose
@@ -101,4 +122,5 @@ def compile_layers(model, choice: str) -> None:
 
 
 def compiled(model) -> bool:
-    return any(getattr(layer.forward, "__func__", None) is _grad_compiled_forward for layer in decoder_layers(model))
+    """Whether compile_layers() compiled `model`'s layers (False for a model whose layers it cannot find)."""
+    return any(getattr(layer.forward, "__func__", None) is _grad_compiled_forward for layer in _layers(model) or [])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from ftis_kernels import LossConfig, resolve_backend
 
+from . import layers
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member, restore_optimizer_shard
 from .config import ConfigError, RunConfig, config_differences, rank_roles
 from .errors import first_line
@@ -280,7 +281,10 @@ def check_backend(config: RunConfig, device: torch.device) -> None:
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
     """Everything that can be checked before any member is built or any process started; returns the tokenizers."""
     check_placement(config)
-    check_backend(config, resolve_device(config.train.device, 0))
+    device = resolve_device(config.train.device, 0)
+    check_backend(config, device)
+    for placed in [device] + [torch.device(m.device) for m in config.members if m.device is not None]:
+        layers.resolve(config.train.layers, placed)  # Liger's kernels need a GPU: said before any process starts
     check_generator_placement(config, distributed=distributed)
     return preflight(config)
 

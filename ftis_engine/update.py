@@ -74,7 +74,8 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     rounds = len(batches) if shard is None else shard.max(len(batches))
     factor = 1.0 if shard is None else float(shard.size)
     loss, outputs, failed = 0.0, [], None
-    own = [0.0, 0]  # the member's own tokens: sum of exp(l - g), count
+    own = [0.0, 0]  # the member's own tokens of its newest policy version: sum of exp(l - g), count
+    newest = max((it.rollout.policy_version for it in items if it.rollout.member == member.index), default=None)
     for k in range(rounds):
         if k >= len(batches) or failed is not None:
             stand_in(member)
@@ -91,7 +92,7 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         (out.loss * factor if factor != 1.0 else out.loss).backward()
         loss += float(out.loss.detach())
         outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
-        add_own_ratios(own, out.logprobs, batch, batches[k], member.index)
+        add_own_ratios(own, out.logprobs, batch, batches[k], member.index, newest)
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
     if shard is not None and not shard.all_true(failed is None):
@@ -116,12 +117,14 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     return {"loss": loss, **stats, "own_ratio_mean": own_ratio, "micro_batches": len(batches)}
 
 
-def add_own_ratios(own: list, logprobs: torch.Tensor, batch: PackedBatch, items: list[TrainItem], index: int) -> None:
-    """Add the micro-batch's own tokens (those of rollouts member `index` made, its samplers' included) to
-    own = [sum of exp(l - g), count]: the trainer's probability of each own token over its generator's. Near 1 when
-    generator and trainer agree (a vLLM engine in sync); peers' tokens are left out, so it stays that check in a
-    collaborating run, where is_weight_mean mixes in the peers' weights."""
-    mine = torch.tensor([it.rollout.member == index for it in items])
+def add_own_ratios(own: list, logprobs: torch.Tensor, batch: PackedBatch, items: list[TrainItem], index: int,
+                   version: int | None) -> None:
+    """Add the micro-batch's own tokens (those of rollouts member `index` made at policy `version`, the newest of its
+    own in the batch) to own = [sum of exp(l - g), count]: the trainer's probability of each own token over its
+    generator's. Near 1 when generator and trainer agree (a vLLM engine in sync); peers' tokens, and its samplers'
+    rollouts of older versions, are left out, so it stays that check in a collaborating or decoupled run, where
+    is_weight_mean mixes in off-policy weights."""
+    mine = torch.tensor([it.rollout.member == index and it.rollout.policy_version == version for it in items])
     if not bool(mine.any()):
         return
     tokens = torch.repeat_interleave(mine, (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -104,6 +105,15 @@ def test_a_deep_copy_calls_its_own_layers(compile_calls):
     assert compile_calls  # with autograd on, both ran their compiled layers
 
 
+def test_a_model_without_a_layers_list_is_not_compiled_and_needs_no_layers():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))  # its layers are transformer.h
+    assert not layers.compiled(gpt2)  # the start-up check asks every member, whatever train.layers is
+    with pytest.raises(ConfigError, match="^train.layers: cannot find the decoder layers of GPT2LMHeadModel"):
+        layers.compile_layers(gpt2, "compile")
+
+
 def test_auto_is_eager_and_bad_choices_name_the_field(monkeypatch):
     cpu = torch.device("cpu")
     assert layers.resolve("auto", cpu) == "eager"
@@ -132,6 +142,21 @@ def test_the_command_line_rejects_an_unknown_mode(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_liger_on_a_cpu_run_stops_before_any_process_starts(tmp_path):
+    import subprocess
+    import sys
+
+    from .helpers import TINY
+
+    proc = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set",
+                           "train.layers=liger", "--nproc", "2", "--output-dir", str(tmp_path)],
+                          check=False, capture_output=True, text=True, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    # without liger-kernel it says so; with it, that its kernels need a GPU
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: train.layers: liger ")
+    assert not any(tmp_path.iterdir())
+
+
 liger = pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None,
                            reason="liger-kernel is not installed (pip install liger-kernel)")
 
@@ -143,6 +168,8 @@ def test_liger_patches_the_norms_and_mlps_and_keeps_the_parameter_names():
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     fused = load_model("builtin:tiny-s", 256, torch.float32, 0, "sdpa")
+    family = sys.modules[type(fused).__module__]
+    before = dict(vars(family))
     names = set(fused.state_dict())
     layers.fuse(fused, "liger")
     first = layers.decoder_layers(fused)[0]
@@ -150,6 +177,11 @@ def test_liger_patches_the_norms_and_mlps_and_keeps_the_parameter_names():
     assert first.input_layernorm.forward.__func__ is LigerRMSNorm.forward
     assert fused.model.norm.forward.__func__ is LigerRMSNorm.forward
     assert set(fused.state_dict()) == names  # checkpoints stay plain HF models
+    # only this instance: the family's classes and RoPE stay transformers' own, for models built later too
+    assert dict(vars(family)) == before
+    later = layers.decoder_layers(load_model("builtin:tiny-s", 256, torch.float32, 0, "sdpa"))[0]
+    assert not isinstance(later.mlp, LigerSwiGLUMLP) and getattr(later.mlp.forward, "__func__", None) is not \
+        LigerSwiGLUMLP.forward
 
 
 @liger

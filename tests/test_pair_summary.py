@@ -67,7 +67,7 @@ def test_a_pairs_step_is_its_slower_members():
     run = pair_summary.run_summary(PAIR, skip=1)
     assert set(run["members"]) == {"a", "b"}
     assert run["step_seconds"] == pytest.approx(23.5)  # median(max(20, 25), max(22, 21))
-    assert run["gen_tokens_per_s"] == pytest.approx(4 * 144 * 512 / (25.0 + 22.0))
+    assert run["step_tokens_per_s"] == pytest.approx(4 * 144 * 512 / (25.0 + 22.0))
 
 
 def test_wall_step_is_the_time_between_the_ends_of_consecutive_steps():

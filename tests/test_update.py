@@ -62,7 +62,8 @@ def test_a_step_that_makes_the_weights_non_finite_says_so_and_they_are_never_sav
 
 def test_own_ratio_mean_is_the_trainers_probability_over_the_generators_on_own_tokens_only():
     """Own rollouts whose generation log-probs sit `shift` below the trainer's (per token) give own_ratio_mean =
-    mean(exp(shift)) over their tokens, across micro-batches; a peer's tokens, however far off, are left out."""
+    mean(exp(shift)) over their tokens, across micro-batches; a peer's tokens, and own ones of an older policy
+    version (a decoupled sampler's), however far off, are left out."""
     import dataclasses
 
     from ftis_engine.batch import pack
@@ -77,14 +78,16 @@ def test_own_ratio_mean_is_the_trainers_probability_over_the_generators_on_own_t
     g = torch.Generator().manual_seed(1)
     shifted, expected = [], []
     for i, item in enumerate(items):
-        mine = i % 3 != 0
+        mine, stale = i % 3 != 0, i % 5 == 1  # own (current or older version) or a peer's
         l = trainer[bounds[i]:bounds[i + 1]]
-        shift = torch.rand(l.shape, generator=g) * 0.5 if mine else torch.full(l.shape, 5.0)
-        gen = (l - shift).clamp(max=0.0) if mine else (l - shift)
-        if mine:
+        shift = torch.rand(l.shape, generator=g) * 0.5 if mine and not stale else torch.full(l.shape, 5.0)
+        gen = (l - shift).clamp(max=0.0) if mine and not stale else (l - shift)
+        if mine and not stale:
             expected.append((l - gen).exp())
-        rollout = dataclasses.replace(item.rollout, member=0 if mine else 1, gen_logprobs=gen)
+        rollout = dataclasses.replace(item.rollout, member=0 if mine else 1, gen_logprobs=gen,
+                                      policy_version=3 if mine and stale else 4)
         shifted.append(dataclasses.replace(item, rollout=rollout))
+    assert any(s.rollout.member == 0 and s.rollout.policy_version == 3 for s in shifted)
     stats = update_member(m, shifted, cfg, 12, backend="torch")  # a few tokens a micro-batch: several of them
     assert stats["micro_batches"] > 2
     assert stats["own_ratio_mean"] == pytest.approx(float(torch.cat(expected).mean()), rel=1e-5)
