@@ -7,6 +7,7 @@ largest difference between the two updated models (and the two steps' loss and s
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -16,18 +17,21 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from ftis_engine import layers
 from ftis_engine.members import build_member, preflight, shard_member
 from ftis_engine.placement import Shard, full, full_state_dict
 from ftis_engine.update import accumulate_gradients, update_member
 from tests.helpers import random_items, short_config
 
 
-def one_case(index: int, method: str, out: dict) -> None:
+def one_case(index: int, method: str, out: dict, layer_mode: str = "eager") -> None:
+    """The sharded member runs its layers as `layer_mode` says (train.layers); the unsharded twin runs them eagerly."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = short_config(f"algorithm.method={method}", "train.micro_batch_tokens=40")
     tokenizer = preflight(cfg, members=[index])[index]
     loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
-    member = build_member(index, cfg, tokenizer, torch.device("cpu"))
+    member = build_member(index, cfg.model_copy(update={"train": cfg.train.model_copy(update={"layers": layer_mode})}),
+                          tokenizer, torch.device("cpu"))
     items = random_items(member.vocab_size, n_groups=5, per_group=3, seed=7)  # uneven groups over the ranks
     budget = cfg.train.micro_batch_tokens
     twin = None
@@ -51,7 +55,8 @@ def one_case(index: int, method: str, out: dict) -> None:
     if rank == 0:
         reference = twin.model.state_dict()
         scale = max(float(g.abs().max()) for g in twin_grads.values())
-        out[f"{index}-{method}"] = {
+        out[f"{index}-{method}" + ("" if layer_mode == "eager" else f"-{layer_mode}")] = {
+            "compiled": layers.compiled(member.model),
             "grad_rel_diff": max(float((grads[n] - g).abs().max()) for n, g in twin_grads.items()) / scale,
             "weight_diff": max(float((state[k] - reference[k]).abs().max()) for k in reference),
             "moved": max(float((reference[n] - before[n]).abs().max()) for n in before),
@@ -65,6 +70,9 @@ def main() -> None:
     out: dict = {}
     for index, method in [(0, "f-tis"), (1, "f-tis"), (0, "gepo")]:  # full, LoRA, whole groups (GEPO)
         one_case(index, method, out)
+    # compiled layers under FSDP2 (torch.compile's aot_eager backend: the same graph capture, no inductor codegen)
+    layers._compiled = functools.cache(lambda forward: torch.compile(forward, backend="aot_eager"))
+    one_case(0, "f-tis", out, "compile")
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(out, f)

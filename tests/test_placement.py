@@ -166,8 +166,9 @@ def test_a_member_placed_on_a_device_trains_there_in_one_process(tmp_path):
 
 @pytest.mark.slow
 def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
-    """Full, LoRA and GEPO (whole groups): the 2-rank gradient equals the 1-rank gradient to float32 rounding;
-    the stats agree; after three Adam steps (each about lr x sign) the weights agree to a small fraction of lr."""
+    """Full, LoRA, GEPO (whole groups) and a member whose layers are compiled (train.layers: compile): the 2-rank
+    gradient equals the 1-rank (eager) gradient to float32 rounding; the stats agree; after three Adam steps (each
+    about lr x sign) the weights agree to a small fraction of lr."""
     port, out = _free_port(), tmp_path / "equivalence.json"
     procs = [subprocess.Popen([sys.executable, str(HERE / "placement_worker.py"), str(out)], env=_env(
         RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), stderr=subprocess.PIPE,
@@ -176,7 +177,8 @@ def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err
     cases = json.loads(out.read_text())
-    assert set(cases) == {"0-f-tis", "1-f-tis", "0-gepo"}
+    assert set(cases) == {"0-f-tis", "1-f-tis", "0-gepo", "0-f-tis-compile"}
+    assert [name for name, case in cases.items() if case["compiled"]] == ["0-f-tis-compile"]
     for name, case in cases.items():
         assert case["grad_rel_diff"] < 1e-5, name
         assert case["moved"] > 2 * case["lr"], name  # the steps did move the weights
