@@ -218,7 +218,7 @@ class TrainSettings(_Section):
     layers: Literal["auto", "eager", "liger", "compile", "liger+compile"] = Field(
         "auto",
         description="How the decoder layers run in the update: eager (transformers' code); liger (Liger-Kernel's "
-        "fused RMSNorm, SwiGLU and RoPE; CUDA, pip install liger-kernel); compile (torch.compile of each decoder "
+        "fused RMSNorm and SwiGLU; CUDA, pip install liger-kernel); compile (torch.compile of each decoder "
         "layer while autograd is on; generation stays eager); liger+compile. auto: eager until measured on a GPU.",
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")

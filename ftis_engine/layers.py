@@ -1,5 +1,5 @@
 """How a member's decoder layers run (`train.layers`): as transformers writes them (`eager`), with Liger-Kernel's
-fused Triton RMSNorm, SwiGLU and RoPE (`liger`), compiled one layer at a time with torch.compile (`compile`,
+fused Triton RMSNorm and SwiGLU (`liger`), compiled one layer at a time with torch.compile (`compile`,
 regional compilation), or both (`liger+compile`). The fused loss head is ours in every case.
 
 - Liger patches this model instance's norms and MLPs, nothing else: Liger's own patch functions also replace the
