@@ -37,7 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from ftis_engine import layers  # noqa: E402
 from ftis_engine.config import MemberSettings, TrainSettings  # noqa: E402
 from ftis_engine.errors import first_line  # noqa: E402
-from ftis_engine.members import Member, enable_checkpointing  # noqa: E402
+from ftis_engine.members import Member, attention_implementation, enable_checkpointing  # noqa: E402
 from ftis_engine.batch import TrainItem, pack  # noqa: E402
 from ftis_engine.rollouts import Rollout  # noqa: E402
 from ftis_engine.update import batch_loss  # noqa: E402
@@ -65,8 +65,6 @@ LAYERS = [mode for mode in layers.CHOICES if mode != "auto"]
 def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, checkpointing: bool = False,
           layer_mode: str = "eager"):
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from ftis_engine.members import attention_implementation
 
     attn = attention_implementation(attn, device)  # registers varlen with transformers
     layer_mode = layers.resolve(layer_mode, device)
@@ -131,7 +129,6 @@ def model_flops_per_token(member: Member, context: int) -> float:
 def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dtype, peak_tflops: float | None) -> dict:
     row = {"model": shape, "attention": attn, "layers": layer_mode, "path": path, "sequences": args.sequences,
            "prompt_len": args.prompt_len, "completion_len": args.completion_len, "checkpointing": args.checkpointing}
-    member = packed = None
     try:
         member = build(shape, device, dtype, attn, args.checkpointing, layer_mode)
         packed = pack(batch(member.model.config.vocab_size, args.sequences, args.prompt_len, args.completion_len))
@@ -142,7 +139,6 @@ def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dty
             torch.cuda.synchronize()
         row["first_update_s"] = time.perf_counter() - start
         if device.type == "cuda":
-            torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.repeats):

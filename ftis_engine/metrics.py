@@ -13,6 +13,8 @@ import pathlib
 import time
 from collections import defaultdict
 
+import torch
+
 from .rollouts import Rollout
 
 log = logging.getLogger("ftis_engine.metrics")
@@ -82,26 +84,20 @@ class GpuMemory:
     every process on the GPU, engines included; noted after generation, while the engine is awake, and after the
     update). Nothing on another device."""
 
-    def __init__(self, device) -> None:
-        import torch
-
-        self.device = device if getattr(device, "type", None) == "cuda" else None
+    def __init__(self, device: torch.device) -> None:
+        self.device = device if device.type == "cuda" else None
         self.used = 0
         if self.device is not None:
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def note(self) -> None:
         if self.device is not None:
-            import torch
-
             free, total = torch.cuda.mem_get_info(self.device)
             self.used = max(self.used, total - free)
 
     def record(self) -> dict:
         if self.device is None:
             return {}
-        import torch
-
         self.note()
         return {"gpu_peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30, "gpu_used_gib": self.used / 2**30}
 

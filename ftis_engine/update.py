@@ -8,7 +8,6 @@ rejection_scale corrects the normaliser by the counts rejection left, which no m
 
 from __future__ import annotations
 
-import contextlib
 import math
 from types import SimpleNamespace
 
@@ -74,7 +73,7 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     rounds = len(batches) if shard is None else shard.max(len(batches))
     factor = 1.0 if shard is None else float(shard.size)
     loss, outputs, failed = 0.0, [], None
-    own = [0.0, 0]  # the member's own tokens of its newest policy version: sum of exp(l - g), count
+    own_sum, own_count = 0.0, 0  # the member's own tokens of its newest policy version: exp(l - g)
     newest = max((it.rollout.policy_version for it in items if it.rollout.member == member.index), default=None)
     for k in range(rounds):
         if k >= len(batches) or failed is not None:
@@ -92,7 +91,8 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         (out.loss * factor if factor != 1.0 else out.loss).backward()
         loss += float(out.loss.detach())
         outputs.append(out)  # its graph is freed by backward; the stats it keeps are scalars
-        add_own_ratios(own, out.logprobs, batch, batches[k], member.index, newest)
+        ratios = own_ratios(out.logprobs, batch, batches[k], member.index, newest)
+        own_sum, own_count = own_sum + float(ratios.sum()), own_count + ratios.numel()
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
     if shard is not None and not shard.all_true(failed is None):
@@ -102,10 +102,10 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
                                  stat_sums={k: v.detach().cpu() for k, v in out.stat_sums.items()},
                                  stat_counts={k: v.detach().cpu() for k, v in out.stat_counts.items()})
                       for out in outputs]
-        gathered = shard.all_gather((loss, mine_stats, own))
+        gathered = shard.all_gather((loss, mine_stats, own_sum, own_count))
         loss = sum(part[0] for part in gathered)
         outputs = [out for part in gathered for out in part[1]]
-        own = [sum(part[2][0] for part in gathered), sum(part[2][1] for part in gathered)]
+        own_sum, own_count = sum(part[2] for part in gathered), sum(part[3] for part in gathered)
     stats = combine_stats(outputs)
     scale = rejection_scale(cfg, stats, **whole)
     if scale != 1.0:  # rejection left fewer tokens or sequences than the normaliser each micro-batch was given
@@ -113,25 +113,23 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         for p in member.trainable_parameters():
             if p.grad is not None:
                 p.grad.mul_(scale)
-    own_ratio = own[0] / own[1] if own[1] else float("nan")
+    own_ratio = own_sum / own_count if own_count else float("nan")
     return {"loss": loss, **stats, "own_ratio_mean": own_ratio, "micro_batches": len(batches)}
 
 
-def add_own_ratios(own: list, logprobs: torch.Tensor, batch: PackedBatch, items: list[TrainItem], index: int,
-                   version: int | None) -> None:
-    """Add the micro-batch's own tokens (those of rollouts member `index` made at policy `version`, the newest of its
-    own in the batch) to own = [sum of exp(l - g), count]: the trainer's probability of each own token over its
-    generator's. Near 1 when generator and trainer agree (a vLLM engine in sync); peers' tokens, and its samplers'
-    rollouts of older versions, are left out, so it stays that check in a collaborating or decoupled run, where
+def own_ratios(logprobs: torch.Tensor, batch: PackedBatch, items: list[TrainItem], index: int,
+               version: int | None) -> torch.Tensor:
+    """exp(l - g) of the micro-batch's own tokens (those of rollouts member `index` made at policy `version`, the
+    newest of its own in the batch): the trainer's probability of each own token over its generator's. Near 1 when
+    generator and trainer agree (a vLLM engine in sync); peers' tokens, and its samplers' rollouts of older
+    versions, are left out, so their mean stays that check in a collaborating or decoupled run, where
     is_weight_mean mixes in off-policy weights."""
     mine = torch.tensor([it.rollout.member == index and it.rollout.policy_version == version for it in items])
-    if not bool(mine.any()):
-        return
+    if not bool(mine.any()):  # a peers' micro-batch: no copy of its log-probs off the device
+        return torch.zeros(0)
     tokens = torch.repeat_interleave(mine, (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long())
     ratio = (logprobs.detach().float().cpu() - batch.gen_logprobs.float()).clamp(max=20.0).exp()[tokens]
-    ratio = ratio[ratio.isfinite()]
-    own[0] += float(ratio.sum())
-    own[1] += int(ratio.numel())
+    return ratio[ratio.isfinite()]
 
 
 def stand_in(member) -> None:
@@ -218,7 +216,7 @@ def check_model(member) -> None:
     tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
     with torch.no_grad():
         # compiled layers run while autograd is on (layers.py): the check runs them as the update does
-        with torch.enable_grad() if layers.compiled(member.model) else contextlib.nullcontext():
+        with torch.set_grad_enabled(layers.compiled(member.model)):
             alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0].detach()
                                for x in (a, b)])
             packed = body(input_ids=torch.cat([a, b])[None].to(device),

@@ -1,5 +1,5 @@
-"""train.layers (layers.py): regional torch.compile of the decoder layers and Liger-Kernel's fused RMSNorm, SwiGLU and
-RoPE. Each mode is checked against the eager model built from the same seed: the update's loss and every gradient,
+"""train.layers (layers.py): regional torch.compile of the decoder layers and Liger-Kernel's fused RMSNorm and SwiGLU.
+Each mode is checked against the eager model built from the same seed: the update's loss and every gradient,
 with and without recompute, a LoRA member, generation (which stays eager), a deep-copied replica, and the errors
 that name the field."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
+import subprocess
 import sys
 
 import pytest
@@ -20,7 +21,7 @@ from ftis_engine.config import ConfigError
 from ftis_engine.models import load_model
 from ftis_engine.update import batch_loss
 
-from .helpers import member, random_items
+from .helpers import TINY, member, random_items
 
 CFG = LossConfig(method="f-tis")
 
@@ -50,7 +51,7 @@ def compile_calls(request, monkeypatch):
     backend (the same graph capture and autograd, without inductor's minutes of code generation on a CPU)."""
     calls = []
     inductor = request.node.get_closest_marker("inductor") is not None
-    real = layers._compiled if inductor else functools.cache(lambda forward: torch.compile(forward, backend="aot_eager"))
+    real = layers._compiled if inductor else functools.cache(lambda fn: torch.compile(fn, backend="aot_eager"))
 
     def counting(forward):
         compiled = real(forward)
@@ -124,17 +125,13 @@ def test_auto_is_eager_and_bad_choices_name_the_field(monkeypatch):
         with pytest.raises(ConfigError, match="^train.layers: liger runs Liger-Kernel's Triton kernels on a CUDA GPU"):
             layers.resolve("liger", cpu)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "liger_kernel" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^train.layers: liger\+compile needs the liger-kernel package"):
         layers.resolve("liger+compile", torch.device("cuda"))
 
 
 def test_the_command_line_rejects_an_unknown_mode(tmp_path):
-    import subprocess
-    import sys
-
-    from .helpers import TINY
-
     proc = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set",
                            "train.layers=fast", "--output-dir", str(tmp_path), "--dry-run"],
                           check=False, capture_output=True, text=True)
@@ -143,11 +140,6 @@ def test_the_command_line_rejects_an_unknown_mode(tmp_path):
 
 
 def test_liger_on_a_cpu_run_stops_before_any_process_starts(tmp_path):
-    import subprocess
-    import sys
-
-    from .helpers import TINY
-
     proc = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set",
                            "train.layers=liger", "--nproc", "2", "--output-dir", str(tmp_path)],
                           check=False, capture_output=True, text=True, timeout=300)
