@@ -350,7 +350,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         for i in local:
             member = build_member(i, config, tokenizers[i], devices[i], task)
             members.append(member)
-            check_model(member)
+            if checkpoint is None:  # eval (--checkpoint) only generates: the update's checks (and compiles) are moot
+                check_model(member)
         train_indices, longest_prompt = _usable_prompts(config, task, members[0].tokenizer, exchange)
         for member in members:  # a completion after the longest prompt must fit each model's context
             check_context(config, member.index, getattr(member.causal_lm.config, "max_position_embeddings", None),

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 from ftis_kernels import group_advantages
@@ -49,6 +50,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         items = training_items(swarm, member, trained)
         with watch("train_seconds"):
             stats = update(swarm, member, items, step)
+        updated_at = time.time()  # version `step` exists from here on; ended_at comes after its sync and push
         memory[index].note()
         with watch("sync_seconds"):  # an engine loads the weights at its next wake-up: counted there (generate_all)
             member.generator.sync(member.model)
@@ -61,7 +63,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         record = train_record(step, member.name, own[index], trained, stats, watch,
                               member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
         record.update(got.metrics(), in_flight=arrivals.waiting, outbox_dropped=arrivals.outbox_dropped,
-                      lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), **memory[index].record())
+                      lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
+                      **memory[index].record())
         records.append(record)
     return records
 

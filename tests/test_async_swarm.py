@@ -195,9 +195,12 @@ def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync
     learner = [r for r in _train(records) if r["member"] == "tiny-s"]
     assert rounds and all(r["member"] == "tiny-s" and r["rank"] == 2 for r in rounds)
     assert {r["weights_transport"] for r in rounds} == {transport}
-    for r in rounds:  # the learner's version when the round began, minus the weights the round used
+    for r in rounds:  # the weights a round used existed when it began (their update had ended: updated_at)...
+        made = sum(1 for t in learner if t["updated_at"] <= r["started_at"])
+        assert r["policy_version"] <= made, (made, r)
+        # ... and lag the learner's version then (steps fully ended: pushed too) by at most weight_sync_every
         version_then = sum(1 for t in learner if t["ended_at"] <= r["started_at"])
-        assert 0 <= version_then - r["policy_version"] <= 2, (version_then, r)
+        assert version_then - r["policy_version"] <= 2, (version_then, r)
         assert r["policy_version"] % 2 == 0  # weights come every 2 steps: versions 0, 2, 4
     assert {r["policy_version"] for r in rounds} >= {0, 2}
     # backpressure: a round r starts only when the learner has taken round r - 3 (max_lead 2), so between two of

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from ftis_engine import run
+from ftis_engine import run, session
 from ftis_engine.config import ConfigError
 from ftis_engine.session import (
     AgreedError,
@@ -63,14 +63,17 @@ def trained(tmp_path_factory):
     return config, run_dir
 
 
-def test_resume_restores_the_newest_checkpoint_and_eval_the_given_one(trained, tmp_path):
+def test_resume_restores_the_newest_checkpoint_and_eval_the_given_one(trained, tmp_path, monkeypatch):
     config, run_dir = trained
+    checked = []
+    monkeypatch.setattr(session, "check_model", lambda member: checked.append(member.index))
     swarm, step = open_run(config, run_dir, resume=True)
     swarm.close()
-    assert step == 2
+    assert step == 2 and checked == [0, 1]  # training checks the update's packing once per member
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
     swarm, step = open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+    assert checked == [0, 1]  # eval only generates: no check (with train.layers=compile it would compile)
     swarm.close()
     assert step == 2
 
