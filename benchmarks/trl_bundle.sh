@@ -11,13 +11,12 @@
 # 5.23 here). On the GPU machine, benchmarks/run_pair_gpu.sh's trl stage installs .whl-trl/*.whl beside vLLM.
 set -euo pipefail
 TRL=1.16.0
-VLLM=0.24.0
 LIMIT=62914560  # 60 MiB: the wheels plus the working tree stay under a call's 64 MiB
 work="${WORK:-/tmp/trl-bundle}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 have="${1:-}"
 rm -rf "$work" && mkdir -p "$work"
-source "$repo/benchmarks/gpu_machine.sh"  # plat, machine_packages
+source "$repo/benchmarks/gpu_machine.sh"  # VLLM, vllm_requirements, plat, machine_packages
 machine_packages "$have" "$work"
 python3 -m pip install -q uv
 compile() {  # requirements in -> pinned closure out, for the GPU machine's Python and platform, names normalised
@@ -25,7 +24,7 @@ compile() {  # requirements in -> pinned closure out, for the GPU machine's Pyth
     -o "$2.raw"
   tr 'A-Z_' 'a-z-' < "$2.raw" | grep -v '^ *#' | sed 's/ *;.*//' | sort -u > "$2"
 }
-printf 'vllm==%s\ndatasets>=2.19\nmath-verify[antlr4-13-2]>=0.7\npydantic>=2.6\n' "$VLLM" > "$work/vllm.in"
+vllm_requirements "$work/vllm.in"
 { cat "$work/vllm.in"; echo "trl==$TRL"; } > "$work/trl.in"
 compile "$work/vllm.in" "$work/vllm.txt"
 compile "$work/trl.in" "$work/trl.txt"

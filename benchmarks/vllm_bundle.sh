@@ -14,7 +14,6 @@
 # tokenspeed, humming-kernels, fastsafetensors, the FlashAttention-2 and MoE libraries inside vLLM's wheel, the
 # Blackwell attention sources and the Rust frontend binary; and the server-only sentry, supervisor, rignore, fastar.
 set -euo pipefail
-VLLM=0.24.0
 work="${WORK:-/tmp/vllm-bundle}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 # a piece and the working tree that travels with it (tracked and not-ignored files) must stay under a call's 64 MiB:
@@ -25,11 +24,11 @@ PIECE="${PIECE:-$(( 62 * 1048576 - tree ))}"
 if [ "$PIECE" -lt 16777216 ]; then echo "the working tree ($tree bytes) leaves pieces of under 16 MiB" >&2; exit 1; fi
 have="${1:-}"
 rm -rf "$work" && mkdir -p "$work/bund/whl" "$work/deps" "$work/vllm"
-source "$repo/benchmarks/gpu_machine.sh"  # plat, machine_packages
+source "$repo/benchmarks/gpu_machine.sh"  # VLLM, vllm_requirements, plat, machine_packages
 machine_packages "$have" "$work"
 python3 -m pip install -q uv
 # the dependency closure of vLLM and ftis-engine for the GPU machine, minus what it has and what is never loaded
-printf 'vllm==%s\ndatasets>=2.19\nmath-verify[antlr4-13-2]>=0.7\npydantic>=2.6\n' "$VLLM" > "$work/req.in"
+vllm_requirements "$work/req.in"
 uv pip compile "$work/req.in" --python-version 3.12 --python-platform x86_64-manylinux_2_28 --no-header \
   --no-annotate -q -o "$work/req.txt"
 skip='^(vllm|flashinfer-.*|tilelang|z3-solver|nvidia-.*|cuda-tile|humming-kernels|quack-kernels|tokenspeed-.*|fastsafetensors|sentry-sdk|supervisor|rignore|fastar)=='
