@@ -18,8 +18,8 @@ Phases: ours `gen_seconds` (generation), `sync_seconds` (weight sync: the engine
 wakes, and pushes to samplers), exchange (sending and waiting for peers, async's lead wait included, which is also
 reported apart) and `train_seconds` (the update); TRL's generation, weight sync, scoring (decoding, reward, the
 old-log-prob forward) and update. A member's step is the sum of its phases (step_seconds); a pair's step is the
-slower member's, and `wall_step_seconds` the time between the ends of consecutive steps (ended_at), which also holds what the phases
-leave out (logging, the loop).
+slower member's, and `wall_step_seconds` the time between the ends of consecutive steps (ended_at), which also
+holds what the phases leave out (logging, the loop).
 `is_weight_mean` is over the tokens a member trained on: alone, its own rollouts only; in the pair, its own and
 its peer's (off-policy), so there it is not the own-rollout parity check: `own_ratio_mean` is (exp(l - g) over
 the member's own tokens). Peak memory: nvidia-smi's samples of the whole device during the stage, and the train

@@ -281,10 +281,9 @@ def check_backend(config: RunConfig, device: torch.device) -> None:
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
     """Everything that can be checked before any member is built or any process started; returns the tokenizers."""
     check_placement(config)
-    device = resolve_device(config.train.device, 0)
-    check_backend(config, device)
-    for placed in [device] + [torch.device(m.device) for m in config.members if m.device is not None]:
-        layers.resolve(config.train.layers, placed)  # Liger's kernels need a GPU: said before any process starts
+    check_backend(config, resolve_device(config.train.device, 0))
+    for i in range(len(config.members)):  # Liger's kernels need a GPU: said before any process starts
+        layers.resolve(config.train.layers, member_device(config, i, 0))
     check_generator_placement(config, distributed=distributed)
     return preflight(config)
 

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+import types
+
 import pytest
 import torch
 
+from ftis_engine import metrics
+from ftis_engine import step as step_module
 from ftis_engine.rollouts import Rollout
 from ftis_engine.session import open_run
 from ftis_engine.step import group_ids, training_items
@@ -48,13 +54,6 @@ def test_an_engines_weight_load_at_wake_up_counts_as_sync_not_generation(tmp_pat
     push_seconds) and 0.5 s generating: the step's record moves the load from gen_seconds to sync_seconds, and its
     phases still add up to step_seconds. The phases are timed by a clock of our own (the stopwatch's), which moves
     only where the fake load and generation move it: the test asserts the accounting, not this machine's speed."""
-    import contextlib
-    import time
-    import types
-
-    from ftis_engine import metrics
-    from ftis_engine import step as step_module
-
     clock = [0.0]
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
     swarm, _ = open_run(short_config(), tmp_path / "run")
