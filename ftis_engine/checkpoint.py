@@ -1,8 +1,8 @@
 """Checkpoints: run_dir/checkpoints/step-<N>/, written to a temporary directory and renamed when complete.
 
 Layout of step-<N>/: state.json (the step and the member names; a member's policy version is the step, and the
-data position follows from it), and per member members/<name>/ with the model (HF format) or the LoRA adapter
-(peft format), the tokenizer, optimizer.pt (a member on several ranks: optimizer.shard-<i>.pt per rank) and
+data position follows from it), and per member members/<name>/ with the model (HF format: the master weights,
+float32 whatever the compute dtype, so a resume is exact) or the LoRA adapter (peft format), the tokenizer, optimizer.pt (a member on several ranks: optimizer.shard-<i>.pt per rank) and
 rng.pt. A directory named step-<N> is complete by construction (the
 rename is the last act). Nothing is loaded with pickle's code execution (torch.load(weights_only=True)), so a
 checkpoint from someone else can be resumed or evaluated safely; weights that are NaN or inf are never saved.
@@ -20,6 +20,7 @@ import shutil
 import torch
 
 from .placement import full_state_dict, local
+from .precision import master_dtype
 from .update import DivergenceError, weights_finite
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -206,7 +207,7 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
     else:
         # through transformers' own loader: it maps the saved (original-format) names back to the module's
         # names, which differ for families whose weights transformers converts on load (e.g. MoE experts)
-        saved = type(member.model).from_pretrained(str(model_dir), dtype=member.dtype)
+        saved = type(member.model).from_pretrained(str(model_dir), dtype=master_dtype(member.settings.master_dtype))
         member.model.load_state_dict(saved.state_dict(), strict=True)
         del saved
     optimizer_file = directory / "optimizer.pt"

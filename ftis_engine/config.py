@@ -91,7 +91,19 @@ class MemberSettings(_Section):
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
     grad_clip: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="Clip the global gradient norm to this value.")
     generator: Literal["hf", "vllm"] = Field("hf", description="Who generates rollouts: transformers (CPU/GPU) or vLLM (GPU).")
-    dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="auto: bfloat16 on GPU, float32 on CPU.")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Compute dtype of the forward and backward passes (autocast; FSDP2's param_dtype on "
+                            "several ranks): auto is bfloat16 on GPU, float32 on CPU; bfloat16 on CPU computes in "
+                            "bf16 under CPU autocast. Trainable parameters and optimizer states are float32 master "
+                            "weights (unless master_dtype says otherwise; checkpoints hold them); a LoRA member's "
+                            "frozen base is held in this dtype.")
+    master_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="What the trainable parameters and Adam states are held in. float32 (16 bytes a "
+                               "trainable parameter with its gradient and two states): every update lands. bfloat16: "
+                               "the memory-saving mode, torchao's AdamW with bf16 stochastic rounding (8 bytes a "
+                               "parameter; updates below bf16's spacing land in expectation instead of rounding "
+                               "away); needs torchao (pip install torchao) and optimizer adamw, or adam without "
+                               "weight decay.")
     seed: Seed | None = Field(None, description="Seed for a built-in model's random init (and its warm start); default: "
                               "run seed + seed_offset.")
     seed_offset: int | None = Field(

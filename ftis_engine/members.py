@@ -1,4 +1,8 @@
-"""A Member = model (+ LoRA) + tokenizer + optimizer + generator, on one device."""
+"""A Member = model (+ LoRA) + tokenizer + optimizer + generator, on one device.
+
+Precision (precision.py): trainable parameters and the optimizer's states are float32 master weights; the forward
+and backward passes run in the member's compute dtype (members.N.dtype) under autocast; a LoRA member's frozen
+base is held in the compute dtype."""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import layers
+from . import layers, precision
 from .config import ConfigError, MemberSettings, RunConfig
 from .errors import first_line
 from .generation import Generator
@@ -23,7 +27,7 @@ class Member:
     optimizer: torch.optim.Optimizer
     generator: Generator
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # the compute dtype (members.N.dtype); trainable parameters are float32 whatever it is
     shard: object | None = None  # placement.Shard: this rank's part of a member on several ranks (None: one rank)
     policy: torch.nn.Module | None = None  # placement.ShardedPolicy: the FSDP2 root the update runs through
 
@@ -54,6 +58,10 @@ class Member:
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return trainable_parameters(self.model)
 
+    def autocast(self):
+        """The context every forward pass of the member runs in: autocast to its compute dtype (none for float32)."""
+        return precision.autocast(self.device, self.dtype)
+
 
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """What a member trains (and pushes to its samplers): every parameter, or a LoRA member's adapter."""
@@ -78,9 +86,8 @@ def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
 
 
 def resolve_dtype(settings: MemberSettings, device: torch.device) -> torch.dtype:
-    if settings.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, settings.dtype)
+    """The member's compute dtype (its parameters stay float32 masters)."""
+    return precision.compute_dtype(settings.dtype, device)
 
 
 def attention_implementation(choice: str, device: torch.device) -> str:
@@ -134,6 +141,12 @@ def preflight(config: RunConfig, members: list[int] | None = None) -> list[objec
             problem = check_available()
             if problem:
                 raise ConfigError(f"members.{i}.generator: {problem}")
+    for i in chosen:
+        settings = config.members[i]
+        if settings.master_dtype != "float32":
+            problem = precision.check_low_memory_optimizer(i, settings.optimizer, settings.weight_decay)
+            if problem:
+                raise ConfigError(problem)
     tokenizers = []
     for i, member in enumerate(config.members):
         if i not in chosen:
@@ -187,8 +200,9 @@ def check_warm_start(index: int, settings: MemberSettings, task) -> None:
 
 
 def make_optimizer(settings: MemberSettings, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    opt_cls = torch.optim.AdamW if settings.optimizer == "adamw" else torch.optim.Adam
-    return opt_cls(params, lr=settings.lr, betas=tuple(settings.betas), weight_decay=settings.weight_decay)
+    """Adam(W) over the member's trainable parameters, its states in their master dtype (precision.py)."""
+    return precision.make_optimizer(params, settings.optimizer, settings.lr, tuple(settings.betas),
+                                    settings.weight_decay, precision.master_dtype(settings.master_dtype))
 
 
 def member_device(config: RunConfig, index: int, local_rank: int | None) -> torch.device:
@@ -213,8 +227,9 @@ def shard_member(member: Member, shard, config: RunConfig) -> None:
         from .generation.hf import HFGenerator
 
         member.generator = HFGenerator(replica(member.model), member.tokenizer, member.device,
-                                       batch_size=config.rollout.generation_batch_size, replica=True)
-    member.policy = shard_model(member.index, member.model, member.causal_lm, shard, member.device)
+                                       batch_size=config.rollout.generation_batch_size, replica=True,
+                                       dtype=member.dtype)
+    member.policy = shard_model(member.index, member.model, member.causal_lm, shard, member.device, member.dtype)
     member.optimizer = make_optimizer(settings, trainable_parameters(member.model))
     member.shard = shard
     member.generator.sync(member.model)  # a vLLM engine's weights from now on come gathered from the shards
@@ -230,15 +245,21 @@ def member_init_seed(config: RunConfig, index: int) -> int:
 
 
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None) -> Member:
-    """Load the model (random init for built-ins), warm-start it on the task's demonstrations if asked, wrap it in
-    LoRA if asked, build its optimizer and generator."""
+    """Load the model in float32 (random init for built-ins), warm-start it on the task's demonstrations if asked,
+    wrap it in LoRA if asked (the frozen base then in the compute dtype, the adapter float32), build its optimizer
+    (over float32 master weights) and generator."""
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
+    master = precision.master_dtype(settings.master_dtype)
+    if master != torch.float32 and dtype != master:
+        raise ConfigError(f"members.{index}.master_dtype: {settings.master_dtype} masters compute in "
+                          f"{settings.master_dtype}; set members.{index}.dtype={settings.master_dtype} (this member "
+                          f"computes in {str(dtype).removeprefix('torch.')} on {device})")
     attn = attention_implementation(config.train.attn_implementation, device)
     layer_mode = layers.resolve(config.train.layers, device)
     seed = member_init_seed(config, index)
     try:
-        model = load_model(settings.model, len(tokenizer), dtype, seed, attn)
+        model = load_model(settings.model, len(tokenizer), master, seed, attn)
     except ModelSpecError as exc:
         raise ConfigError(f"members.{index}.model: {exc}") from None
     model.to(device)
@@ -246,17 +267,19 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         from .warmstart import warm_start
 
         check_warm_start(index, settings, task)
-        warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device)
+        warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device, dtype)
     layers.fuse(model, layer_mode)
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model
 
         lora = LoraConfig(r=settings.lora.r, lora_alpha=settings.lora.alpha, lora_dropout=settings.lora.dropout,
                           target_modules=list(settings.lora.target_modules), task_type="CAUSAL_LM")
+        model.to(dtype)  # the frozen base is never stepped: it may be held in the compute dtype
         try:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed)  # the adapter's random init (lora_A) is part of the run's seed
-                model = get_peft_model(model, lora)
+                # peft widens bf16 adapters to float32 (autocast_adapter_dtype): they are the master weights
+                model = get_peft_model(model, lora, autocast_adapter_dtype=master == torch.float32)
         except ValueError as exc:
             raise ConfigError(f"members.{index}.lora.target_modules: {first_line(exc)}") from None
     if config.train.gradient_checkpointing:
@@ -272,6 +295,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     else:
         from .generation.hf import HFGenerator
 
-        generator = HFGenerator(model, tokenizer, device, batch_size=config.rollout.generation_batch_size)
+        generator = HFGenerator(model, tokenizer, device, batch_size=config.rollout.generation_batch_size,
+                                dtype=dtype)
     return Member(index=index, settings=settings, model=model, tokenizer=tokenizer, optimizer=optimizer,
                   generator=generator, device=device, dtype=dtype)

@@ -4,7 +4,9 @@ and the stopwatch that times its phases (the README's "Run directory" lists ever
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import functools
 import json
 import logging
 import math
@@ -110,6 +112,24 @@ def resident_mib() -> float | None:
     except (OSError, ValueError, IndexError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (macOS, musl): nothing to trim
+        return None
+
+
+def return_freed_memory() -> None:
+    """Hand the host memory freed by the phase that just ended back to the OS (glibc's malloc_trim). glibc keeps
+    freed blocks of the CPU allocator in its arenas: generation's KV cache, then the update's activations, then
+    the next step's cache land in different places, and a 135 M-parameter member's resident memory climbed from
+    2 GB to 6-7 GB over two steps on the CPU though what it held stayed at 2 GB. A few milliseconds a call."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def eval_record(step: int, member: str, dataset: str, accuracy: float, samples: int) -> dict:

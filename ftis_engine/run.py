@@ -18,7 +18,7 @@ import time
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
 from .config import dump_config
 from .evaluate import evaluate_member
-from .metrics import MetricsLogger, eval_record, resume_records, truncate_metrics
+from .metrics import MetricsLogger, eval_record, resume_records, return_freed_memory, truncate_metrics
 from .plots import NothingToPlot, make_plots
 from .progress import LEGEND, summary_line
 from .session import Swarm
@@ -44,6 +44,7 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
                                            on_batch=lambda k: swarm.progress.advance(bar, k))
                 swarm.progress.finish(bar)
                 records.append(eval_record(step, member.name, name, accuracy, len(examples)))
+                return_freed_memory()  # the greedy passes' KV caches
     return records if swarm.reports else []
 
 

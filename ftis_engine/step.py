@@ -24,7 +24,7 @@ from .batch import TrainItem
 from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
-from .metrics import GpuMemory, Stopwatch, resident_mib, train_record
+from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
 from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .session import Swarm
@@ -50,6 +50,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         items = training_items(swarm, member, trained)
         with watch("train_seconds"):
             stats = update(swarm, member, items, step)
+            return_freed_memory()  # the update's activations, before the next phase allocates elsewhere
         updated_at = time.time()  # version `step` exists from here on; ended_at comes after its sync and push
         memory[index].note()
         with watch("sync_seconds"):  # an engine loads the weights at its next wake-up: counted there (generate_all)
@@ -87,6 +88,7 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
         with watch("gen_seconds"), member.generator.awake():
             own[member.index] = sample.generate_rollouts(swarm, member, mine, step - 1, seed)
             memory[member.index].note()  # the engine is awake: its weights and KV cache are on the GPU
+            return_freed_memory()  # generation's KV cache
         pushed = push_seconds(member.generator) - pushed
         watch.seconds["gen_seconds"] -= pushed
         watch.seconds["sync_seconds"] += pushed

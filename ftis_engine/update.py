@@ -31,18 +31,21 @@ def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
     The sequences are packed in one row with restarting position_ids and no attention mask, which transformers
     turns into per-sequence attention (flash-attn varlen, or a block-diagonal mask for sdpa/eager)."""
     body, _ = member.body_and_head()
-    out = body(
-        input_ids=batch.input_ids[None].to(member.device),
-        position_ids=batch.position_ids[None].to(member.device),
-        use_cache=False,
-    )
+    with member.autocast():
+        out = body(
+            input_ids=batch.input_ids[None].to(member.device),
+            position_ids=batch.position_ids[None].to(member.device),
+            use_cache=False,
+        )
     return out.last_hidden_state[0, batch.target_rows.to(member.device)]
 
 
 def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num_sequences: int | None = None,
                num_tokens: int | None = None) -> LossOutput:
     """LossOutput of one packed micro-batch, normalised by the whole batch's counts when given (default: its own).
-    A sharded member runs it through its FSDP2 root (placement.ShardedPolicy), which gathers the head for it."""
+    A sharded member runs it through its FSDP2 root (placement.ShardedPolicy), which gathers the head for it. The
+    head runs in the member's compute dtype: under autocast the op casts its operands as a linear layer would (the
+    float32 master weight's cast widens dW on the way back) and computes in float32."""
     device = member.device
 
     def loss(hidden, weight, bias):
@@ -54,10 +57,12 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
         )
 
     if member.policy is not None:
-        return member.policy(batch.input_ids[None].to(device), batch.position_ids[None].to(device),
-                             batch.target_rows.to(device), loss)[1]
+        with member.autocast():
+            return member.policy(batch.input_ids[None].to(device), batch.position_ids[None].to(device),
+                                 batch.target_rows.to(device), loss)[1]
     _, head = member.body_and_head()
-    return loss(packed_hidden(member, batch), head.weight, head.bias)
+    with member.autocast():
+        return loss(packed_hidden(member, batch), head.weight, head.bias)
 
 
 def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
@@ -143,7 +148,9 @@ def stand_in(member) -> None:
         return SimpleNamespace(loss=total * 0.0)
 
     token = torch.zeros((1, 1), dtype=torch.long, device=device)
-    member.policy(token, token, torch.zeros(1, dtype=torch.long, device=device), zero)[0].backward()
+    with member.autocast():
+        total = member.policy(token, token, torch.zeros(1, dtype=torch.long, device=device), zero)[0]
+    total.backward()
 
 
 def shard_items(items: list[TrainItem], index: int, size: int) -> list[TrainItem]:
@@ -216,7 +223,7 @@ def check_model(member) -> None:
     tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
     with torch.no_grad():
         # compiled layers run while autograd is on (layers.py): the check runs them as the update does
-        with torch.set_grad_enabled(layers.compiled(member.model)):
+        with torch.set_grad_enabled(layers.compiled(member.model)), member.autocast():
             alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0].detach()
                                for x in (a, b)])
             packed = body(input_ids=torch.cat([a, b])[None].to(device),
@@ -231,9 +238,10 @@ def check_model(member) -> None:
                 f"{transformers.__version__} with attn_implementation={member.causal_lm.config._attn_implementation} "
                 f"(relative error {error:.3g}); use a transformers version that detects packing from position_ids"
             )
-        logits = member.causal_lm(input_ids=a[None].to(device), use_cache=False).logits[0].float()
+        with member.autocast():
+            logits = member.causal_lm(input_ids=a[None].to(device), use_cache=False).logits[0].float()
+            fused = fused_linear_token_logprobs(alone[:5], head.weight, b[:1].repeat(5).to(device), bias=head.bias)
         expected = torch.log_softmax(logits, -1).gather(1, b[:1].repeat(5)[:, None].to(device)).squeeze(1)
-        fused = fused_linear_token_logprobs(alone[:5], head.weight, b[:1].repeat(5).to(device), bias=head.bias)
     gap = float((fused - expected).abs().max())
     if gap > (1e-3 if member.dtype == torch.float32 else 0.1):
         raise ConfigError(

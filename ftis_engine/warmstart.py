@@ -15,6 +15,8 @@ import pathlib
 
 import torch
 
+from .precision import autocast, make_optimizer
+
 # Bump when the supervised phase or the demonstrations change: cached weights of an older version are not reused.
 VERSION = 1
 
@@ -42,15 +44,15 @@ def _locked(path: pathlib.Path):
 
 
 def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: str, init_seed: int,
-               device: torch.device) -> pathlib.Path:
-    """Load the cached warm-started weights into `model`, computing them first if no run has yet. `settings` is a
-    WarmStartSettings. Returns the cache file."""
-    dtype = next(model.parameters()).dtype
+               device: torch.device, dtype: torch.dtype = torch.float32) -> pathlib.Path:
+    """Load the cached warm-started weights into `model` (float32 masters), computing them first if no run has yet:
+    forward and backward in the compute `dtype`, as the RL updates run. `settings` is a WarmStartSettings. Returns
+    the cache file."""
     key = cache_key(model_spec, init_seed, task.name, settings, dtype, len(tokenizer))
     path = cache_dir() / f"{key}.pt"
     with _locked(path.with_suffix(".lock")):
         if not path.is_file():
-            state = supervised_phase(model, tokenizer, task, settings, init_seed, device)
+            state = supervised_phase(model, tokenizer, task, settings, init_seed, device, dtype)
             partial = path.with_suffix(f".tmp{os.getpid()}")
             torch.save(state, partial)
             os.replace(partial, path)  # readers see a whole file or none
@@ -59,7 +61,7 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
 
 
 def supervised_phase(model: torch.nn.Module, tokenizer, task, settings, init_seed: int,
-                     device: torch.device) -> dict[str, torch.Tensor]:
+                     device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Next-token cross-entropy on the completion tokens (and end of text) of `settings.steps` batches of
     demonstrations in `settings.style`, with Adam. Returns the weights (CPU)."""
     from .tasks import prompt_ids
@@ -67,7 +69,8 @@ def supervised_phase(model: torch.nn.Module, tokenizer, task, settings, init_see
     seed = settings.seed if settings.seed is not None else init_seed
     pairs = task.demonstrations(settings.style, settings.steps * settings.batch_size, seed)
     eos = tokenizer.eos_token_id
-    optimizer = torch.optim.Adam(model.parameters(), lr=settings.lr)
+    master = next(model.parameters()).dtype  # bf16 masters step with stochastic rounding, as in the RL updates
+    optimizer = make_optimizer(list(model.parameters()), "adam", settings.lr, (0.9, 0.999), 0.0, master)
     model.train()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -82,7 +85,8 @@ def supervised_phase(model: torch.nn.Module, tokenizer, task, settings, init_see
             ids = torch.tensor([r + [eos] * (width - len(r)) for r in rows], device=device)
             target = torch.tensor([t + [-100] * (width - len(t)) for t in labels], device=device)
             mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)
-            loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
+            with autocast(device, dtype):
+                loss = model(input_ids=ids, attention_mask=mask, labels=target).loss
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

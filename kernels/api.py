@@ -55,6 +55,17 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _autocast_operands(device: torch.device, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Inside an autocast region the fused-linear op takes its matrix operands (hidden, weight, bias) as a linear
+    layer there would: in autocast's dtype (a float32 master weight's cast keeps its gradient path). Its arithmetic
+    stays float32 either way: the op runs with autocast off."""
+    if not torch.is_autocast_enabled(device.type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device.type)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.dtype in (torch.float32, torch.float16,
+                                                                            torch.bfloat16) else t for t in tensors)
+
+
 def _resolve_config(config: LossConfig | None, overrides: dict) -> LossConfig:
     if config is None:
         config = LossConfig()
@@ -251,8 +262,9 @@ def ftis_loss(
     _check_matrix("logits", logits, backend)
     counted = _check_inputs(logits, "logits", logits.shape[1], targets, gen_logprobs, advantages, cu_seqlens,
                             old_logprobs, group_ids, cfg, backend, gen_seq_logprobs)
-    return _loss(logits, "logits", None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                 old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
+    with torch.autocast(logits.device.type, enabled=False):  # the logits as given; arithmetic float32
+        return _loss(logits, "logits", None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
+                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
 
 
 def fused_linear_ftis_loss(
@@ -279,15 +291,20 @@ def fused_linear_ftis_loss(
     bf16/fp16/fp32 (fp64 on the torch backend). Other arguments as in `ftis_loss`.
     The loss is differentiable w.r.t. hidden, weight and bias (gradients only for those that require them).
     NaN or inf in hidden, weight or bias raises ValueError (found through the log-probs, at no extra pass).
+    Inside an autocast region the three are first cast to autocast's dtype, as a linear layer's would be (float32
+    master weights under bf16 autocast: a bf16 head, gradients back in float32); the arithmetic stays float32.
     """
     cfg = _resolve_config(config, overrides)
     _require_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
+    _require_tensor("weight", weight)
+    hidden, weight, bias = _autocast_operands(hidden.device, hidden, weight, bias)
     _check_linear(hidden, weight, bias, backend)
     counted = _check_inputs(hidden, "hidden", weight.shape[0], targets, gen_logprobs, advantages, cu_seqlens,
                             old_logprobs, group_ids, cfg, backend, gen_seq_logprobs)
-    return _loss(hidden, "hidden", weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                 old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _loss(hidden, "hidden", weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
+                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
 
 
 def _check_linear(hidden, weight, bias, backend: str) -> None:
@@ -322,7 +339,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     backend = resolve_backend("auto", logits.device)
     _check_matrix("logits", logits, backend)
     counted = _check_targets(targets, logits.shape[0], logits.shape[1], "logits", logits.device, None)
-    return _token_logprobs(logits, None, None, targets, counted, temperature, backend)[0].float()
+    with torch.autocast(logits.device.type, enabled=False):
+        return _token_logprobs(logits, None, None, targets, counted, temperature, backend)[0].float()
 
 
 @torch.no_grad()
@@ -330,13 +348,17 @@ def fused_linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """log_softmax((hidden @ weight^T + bias) / T)[j, targets[j]] as [N] fp32, with no N x V tensor. No gradient."""
+    """log_softmax((hidden @ weight^T + bias) / T)[j, targets[j]] as [N] fp32, with no N x V tensor. No gradient.
+    Under autocast, hidden, weight and bias are cast to its dtype first (as in fused_linear_ftis_loss)."""
     temperature = _check_temperature(temperature)
     _require_tensor("hidden", hidden)
     backend = resolve_backend("auto", hidden.device)
+    _require_tensor("weight", weight)
+    hidden, weight, bias = _autocast_operands(hidden.device, hidden, weight, bias)
     _check_linear(hidden, weight, bias, backend)
     counted = _check_targets(targets, hidden.shape[0], weight.shape[0], "hidden", hidden.device, None)
-    return _token_logprobs(hidden, weight, bias, targets, counted, temperature, backend)[0].float()
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _token_logprobs(hidden, weight, bias, targets, counted, temperature, backend)[0].float()
 
 
 # ----------------------------------------------------------------------------------------------- modules

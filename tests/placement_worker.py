@@ -24,10 +24,11 @@ from ftis_engine.update import accumulate_gradients, update_member
 from tests.helpers import random_items, short_config
 
 
-def one_case(index: int, method: str, out: dict, layer_mode: str = "eager") -> None:
-    """The sharded member runs its layers as `layer_mode` says (train.layers); the unsharded twin runs them eagerly."""
+def one_case(index: int, method: str, out: dict, layer_mode: str = "eager", dtype: str = "float32") -> None:
+    """The sharded member runs its layers as `layer_mode` says (train.layers); the unsharded twin runs them eagerly.
+    Both compute in `dtype` (bfloat16: autocast on the twin, FSDP2's MixedPrecisionPolicy on the shards)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = short_config(f"algorithm.method={method}", "train.micro_batch_tokens=40")
+    cfg = short_config(f"algorithm.method={method}", "train.micro_batch_tokens=40", f"members.{index}.dtype={dtype}")
     tokenizer = preflight(cfg, members=[index])[index]
     loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
     member = build_member(index, cfg.model_copy(update={"train": cfg.train.model_copy(update={"layers": layer_mode})}),
@@ -55,11 +56,15 @@ def one_case(index: int, method: str, out: dict, layer_mode: str = "eager") -> N
     if rank == 0:
         reference = twin.model.state_dict()
         scale = max(float(g.abs().max()) for g in twin_grads.values())
-        out[f"{index}-{method}" + ("" if layer_mode == "eager" else f"-{layer_mode}")] = {
+        name = f"{index}-{method}" + ("" if layer_mode == "eager" else f"-{layer_mode}")
+        out[name + ("" if dtype == "float32" else "-bf16")] = {
             "compiled": layers.compiled(member.model),
             "grad_rel_diff": max(float((grads[n] - g).abs().max()) for n, g in twin_grads.items()) / scale,
+            "master_dtypes": sorted({str(p.dtype) for p in member.trainable_parameters()}),
             "weight_diff": max(float((state[k] - reference[k]).abs().max()) for k in reference),
             "moved": max(float((reference[n] - before[n]).abs().max()) for n in before),
+            "moved_rel_diff": float(torch.cat([(state[n] - reference[n]).flatten() for n in before]).norm()
+                                    / torch.cat([(reference[n] - before[n]).flatten() for n in before]).norm()),
             "trained": len(twin_grads), "lr": cfg.members[index].lr,
             "stats": {k: [stats[k], twin_stats[k]] for k in ("loss", "grad_norm", "is_weight_mean", "filtered_frac")},
         }
@@ -70,6 +75,8 @@ def main() -> None:
     out: dict = {}
     for index, method in [(0, "f-tis"), (1, "f-tis"), (0, "gepo")]:  # full, LoRA, whole groups (GEPO)
         one_case(index, method, out)
+    for index in (0, 1):  # the GPU's precision: bf16 compute, float32 masters (a LoRA member's base in bf16)
+        one_case(index, "f-tis", out, dtype="bfloat16")
     # compiled layers under FSDP2 (torch.compile's aot_eager backend: the same graph capture, no inductor codegen)
     layers._compiled = functools.cache(lambda forward: torch.compile(forward, backend="aot_eager"))
     one_case(0, "f-tis", out, "compile")

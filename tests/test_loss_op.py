@@ -207,6 +207,35 @@ def test_half_precision_error_is_bounded(dtype, backend, fused):
         assert rel_err(grad, ref_grads[name]) <= 2e-2, name
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_under_autocast_the_fused_op_takes_its_operands_in_autocasts_dtype_and_computes_in_float32(backend):
+    """float32 master hidden / weight / bias inside bf16 autocast: the same loss, log-probs and stats as the op called
+    with the three cast to bf16 outside autocast (autocast reaches nothing inside the op: its arithmetic is float32),
+    and the gradients arrive in float32, equal to the bf16 call's widened."""
+    problem = make_problem(seed=3, n_seqs=5)
+    cfg, extra = configure(CASES["f-tis"], problem)
+    args = (problem.targets, problem.gen, problem.adv, problem.cu)
+    master = [t.float().requires_grad_() for t in (problem.hidden, problem.weight, problem.bias)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = ftis_kernels.fused_linear_ftis_loss(master[0], master[1], *args, bias=master[2], config=cfg,
+                                                     backend=backend, **extra)
+    inside.loss.backward()
+    half = [t.detach().bfloat16().requires_grad_() for t in master]
+    outside = ftis_kernels.fused_linear_ftis_loss(half[0], half[1], *args, bias=half[2], config=cfg, backend=backend,
+                                                  **extra)
+    outside.loss.backward()
+    assert torch.equal(inside.loss, outside.loss) and torch.equal(inside.logprobs, outside.logprobs)
+    assert all(torch.equal(inside.stats[k], outside.stats[k]) for k in inside.stats)
+    for m, h in zip(master, half):
+        assert m.grad.dtype == torch.float32 and torch.equal(m.grad, h.grad.float())
+    targets = problem.targets.clamp(min=0)  # the helper takes no ignore_index
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        helper = ftis_kernels.fused_linear_token_logprobs(master[0].detach(), master[1].detach(), targets,
+                                                          bias=master[2].detach())
+    assert torch.equal(helper, ftis_kernels.fused_linear_token_logprobs(*[t.detach() for t in half[:2]], targets,
+                                                                        bias=half[2].detach()))
+
+
 def _oracle_from_logits(logits_half, problem, cfg, extra):
     logits = logits_half.double().requires_grad_()
     loss, logprobs, stats = oracle(logits, problem.targets, problem.gen, problem.adv, problem.cu, cfg,

@@ -97,6 +97,31 @@ def test_a_vllm_version_outside_the_supported_range_is_refused(monkeypatch):
     assert "outside the supported range" in vllm_gen.check_available()
 
 
+def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
+    """The engine's loader gets every floating tensor in bf16 (the masters stay float32 in the trainer), under the
+    names the model saves with (a stand-in engine records what load_weights received)."""
+    from .helpers import member
+
+    m, _ = member(0)
+    received = []
+
+    class Engine:
+        def apply_model(self, fn):
+            fn(type("EngineModel", (), {"load_weights": staticmethod(lambda weights: received.extend(weights))})())
+
+        def reset_prefix_cache(self):
+            pass
+
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.lora, gen._model, gen._gathered, gen.llm, gen.push_seconds = False, m.model, None, Engine(), 0.0
+    gen._push()
+    state = m.model.state_dict()
+    assert {p.dtype for p in m.model.parameters()} == {torch.float32}
+    assert {name for name, _ in received} == set(vllm_gen.checkpoint_names(m.model, state))
+    assert all(t.dtype == torch.bfloat16 for _, t in received)
+    assert all(torch.equal(t, state[name].bfloat16()) for name, t in received if name in state)
+
+
 def test_lora_ranks_round_up_to_what_vllm_accepts():
     assert [vllm_gen._lora_rank(r) for r in (1, 4, 16, 100, 128, 300)] == [1, 8, 16, 128, 128, 320]
 

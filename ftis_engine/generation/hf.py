@@ -15,6 +15,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from ..precision import autocast
 from . import Completion, SamplingSettings, cut_at_eos, eos_token_ids, warn_if_biased
 
 
@@ -39,10 +40,12 @@ class _SampledLogprobRecorder(LogitsProcessor):
 class HFGenerator:
     """Sampling and greedy decoding with transformers, batched over prompts (left padding)."""
 
-    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 256, replica: bool = False):
+    def __init__(self, model, tokenizer, device: torch.device, batch_size: int = 256, replica: bool = False,
+                 dtype: torch.dtype = torch.float32):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
+        self.dtype = dtype  # the member's compute dtype: sampling runs in it, as the update does (autocast)
         self.batch_size = batch_size
         self.replica = replica  # a sharded member's plain copy (placement.py), synced from the shards
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -107,7 +110,8 @@ class HFGenerator:
         repeated = [p for p in prompts for _ in range(sampling.n)]
         completions: list[Completion] = []
         devices = [self.device] if self.device.type == "cuda" else []
-        with self._eval_mode(), torch.random.fork_rng(devices=devices), self._without_model_defaults():
+        with self._eval_mode(), torch.random.fork_rng(devices=devices), self._without_model_defaults(), \
+                autocast(self.device, self.dtype):
             torch.manual_seed(sampling.seed)
             for ids, mask in self._batches(repeated):
                 recorder = _SampledLogprobRecorder()
@@ -135,7 +139,7 @@ class HFGenerator:
     def greedy(self, prompts: list[list[int]], max_new_tokens: int, on_batch=None) -> list[torch.Tensor]:
         """Greedy completions (token ids, cut after the first EOS) for evaluation."""
         outputs: list[torch.Tensor] = []
-        with self._eval_mode():
+        with self._eval_mode(), autocast(self.device, self.dtype):
             for ids, mask in self._batches(prompts):
                 with self._without_model_defaults():
                     out = self.model.generate(input_ids=ids, attention_mask=mask,

@@ -140,8 +140,12 @@ class VLLMGenerator:
 
     def _start_engine(self, model, tokenizer, device, settings, config, seed, LLM) -> None:
         """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
+        from ..models import source as model_source
+
         source = settings.model
-        if source.startswith("builtin:"):  # vLLM loads from disk: write the built-in model's initial weights
+        if not source.startswith("builtin:"):
+            source = model_source(source)  # a packaged model's folder
+        else:  # vLLM loads from disk: write the built-in model's initial weights
             source = save_for_engine(model.get_base_model() if self.lora else model, tokenizer, self._work / "base")
         # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left
         # initialised by an earlier engine of this process: a new engine runs on its own then too
@@ -152,7 +156,8 @@ class VLLMGenerator:
         max_len = settings.vllm.max_model_len or (config.data.max_prompt_tokens + max(
             config.rollout.max_new_tokens, config.eval.max_new_tokens or 0))
         kwargs = dict(
-            model=source, tokenizer=settings.tokenizer or source, dtype="bfloat16", seed=seed,
+            model=source, tokenizer=model_source(settings.tokenizer) if settings.tokenizer else source,
+            dtype="bfloat16", seed=seed,
             gpu_memory_utilization=settings.vllm.gpu_memory_utilization, enable_sleep_mode=True,
             logprobs_mode="processed_logprobs", max_model_len=max_len, enforce_eager=settings.vllm.enforce_eager,
             enable_prefix_caching=True, tensor_parallel_size=1,
@@ -216,7 +221,9 @@ class VLLMGenerator:
             self._push_adapter()
         else:
             state = self._gathered if self._gathered is not None else self._model.state_dict()
-            weights = [(name, tensor.detach()) for name, tensor in checkpoint_names(self._model, state).items()]
+            # float32 masters go to the engine in its dtype (bf16): half the bytes, and no cast inside its loader
+            weights = [(name, tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach())
+                       for name, tensor in checkpoint_names(self._model, state).items()]
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
         self.llm.reset_prefix_cache()
         self._stale = False
