@@ -86,6 +86,25 @@ def binary_answer_reward(completion: str, gold: str) -> float:
     return 1.0 if answers_match(answer, gold) else 0.0
 
 
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def final_answer_reward(completion: str, gold: str) -> float:
+    """The paper's answer check without its format: 1.0 when the answer equals the gold answer by math-verify,
+    the answer being the text of the last <answer>...</answer> block if the completion has one, else its last
+    number (commas dropped); else 0.0. For models too small to keep the <think>/<answer> format from a prompt
+    alone (SmolLM2-135M never did: benchmarks/results/real_models). Raises RewardTimeout like the paper's."""
+    blocks = re.findall(r"<answer>(.*?)</answer>", completion, re.DOTALL)
+    if blocks and blocks[-1].strip():
+        answer = blocks[-1].strip()
+    else:
+        numbers = _NUMBER.findall(completion)
+        if not numbers:
+            return 0.0
+        answer = numbers[-1].replace(",", "")
+    return 1.0 if answers_match(answer, gold) else 0.0
+
+
 def tiny_answer_reward(completion: str, gold: str) -> float:
     """Reward of the built-in tiny tasks: 1.0 when the completion begins with the gold answer
     (leading white space ignored); else 0.0."""

@@ -1,24 +1,29 @@
-"""GSM8K and MATH-500: from the HF hub by name, or from local JSONL files with the same fields."""
+"""GSM8K and MATH-500: from the HF hub by name, or from local JSONL files with the same fields; and gsm8k-calc, the
+calculator steps inside GSM8K's solutions (a real task short enough for small models on a CPU)."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import random
+import re
 
 from ..errors import first_line
-from ..rewards import binary_answer_reward
+from ..rewards import binary_answer_reward, final_answer_reward
 from .base import Example, Task, TaskError
 
 HUB = {
     # name: (hub dataset, config, split, question field, answer field)
     "gsm8k-train": ("openai/gsm8k", "main", "train", "question", "answer"),
     "gsm8k": ("openai/gsm8k", "main", "test", "question", "answer"),
+    "gsm8k-calc": ("openai/gsm8k", "main", "test", "question", "answer"),  # its calculator steps (calculator_steps)
     "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
 }
 MATH_TASKS = {
     # task: (training set, default eval sets)
     "gsm8k": ("gsm8k-train", ["gsm8k", "math500"]),
     "math500": ("math500", ["math500"]),
+    "gsm8k-calc": ("gsm8k-train", ["gsm8k-calc"]),
 }
 
 
@@ -60,8 +65,8 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
     return rows
 
 
-def load_examples(name: str, path: str | None, field: str) -> list[Example]:
-    """Examples of one dataset from a local JSONL file, or from the HF hub when no path is given."""
+def load_rows(name: str, path: str | None, field: str) -> list[tuple[int, dict]]:
+    """(line or row number, row) of one dataset from a local JSONL file, or from the HF hub when no path is given."""
     hub_id, config, split, q_field, a_field = HUB[name]
     if path is not None:
         numbered = read_jsonl(path, field, (q_field, a_field))
@@ -81,6 +86,13 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
         if missing:
             raise TaskError(f"{field}: {hub_id} has no field {missing[0]!r} (fields: {', '.join(rows.column_names)})")
         numbered = list(enumerate(rows, start=1))
+    return numbered
+
+
+def load_examples(name: str, path: str | None, field: str) -> list[Example]:
+    """Examples of one dataset from a local JSONL file, or from the HF hub when no path is given."""
+    hub_id, _, _, q_field, a_field = HUB[name]
+    numbered = load_rows(name, path, field)
     gold = gsm8k_gold if name.startswith("gsm8k") else (lambda a: str(a).strip())
     examples = []
     for number, row in numbered:
@@ -92,15 +104,78 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
     return examples
 
 
+# GSM8K's worked solutions mark each arithmetic step for a calculator: "<<16-3-4=9>>9".
+CALCULATOR_STEP = re.compile(r"<<([^=<>]+)=([^<>]+)>>")
+CALC_SYSTEM_PROMPT = "You are a calculator. Reply with the result only."
+
+
+def calculator_steps(numbered: list[tuple[int, dict]]) -> list[Example]:
+    """gsm8k-calc: the distinct calculator steps of GSM8K's solutions with one or two operations (+ - * /) on plain
+    numbers and a whole-number result, as "Compute 16-3-4." -> "9", in a fixed shuffled order. A real task short
+    enough for 0.1-0.5 B models on a CPU (benchmarks/results/real_models): SmolLM2-135M-Instruct starts near 5%,
+    Qwen2.5-Coder-0.5B-Instruct near 50%, where on GSM8K itself both score about 0 in 256 tokens."""
+    seen, examples = set(), []
+    for _, row in numbered:
+        for expression, _ in CALCULATOR_STEP.findall(str(row["answer"])):
+            expression = expression.strip()
+            operations = len(re.findall(r"(?<=[\d.)])\s*[-+*/]", expression))
+            if expression in seen or not 1 <= operations <= 2 or not re.fullmatch(r"[\d.+\-*/() ]+", expression):
+                continue
+            value = _evaluate(expression)
+            if value is None or value != int(value) or abs(value) > 1e6:
+                continue
+            seen.add(expression)
+            examples.append(Example(f"Compute {expression}.", str(int(value))))
+    random.Random(0).shuffle(examples)
+    return examples
+
+
+def _evaluate(expression: str) -> float | None:
+    """The value of a + - * / ( ) expression over plain numbers (ast, no eval), None when it has none."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.USub: operator.neg}
+
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return float(node.value)
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in ops:
+            return ops[type(node.op)](value(node.operand))
+        raise ValueError(expression)
+
+    try:
+        return round(value(ast.parse(expression, mode="eval").body), 9)
+    except (SyntaxError, ValueError, ZeroDivisionError, RecursionError, OverflowError):
+        return None
+
+
 def make_task(data, eval_datasets: list[str] | None) -> Task:
     train_name, default_evals = MATH_TASKS[data.task]
-    train = load_examples(train_name, data.train_path, "data.train_path")
+    calc = data.task == "gsm8k-calc"
+    if calc:
+        train = calculator_steps(load_rows(train_name, data.train_path, "data.train_path"))
+    else:
+        train = load_examples(train_name, data.train_path, "data.train_path")
     evals = {}
     for name in eval_datasets or default_evals:
         if name not in HUB or name == "gsm8k-train":
             continue  # load_task reports unknown eval names
-        evals[name] = load_examples(name, data.eval_paths.get(name), f"data.eval_paths.{name}")
+        field = f"data.eval_paths.{name}"
+        if name == "gsm8k-calc":  # held out: a step that also occurs in a training solution is left out
+            trained = {ex.question for ex in train} if calc else set()
+            evals[name] = [ex for ex in calculator_steps(load_rows(name, data.eval_paths.get(name), field))
+                           if ex.question not in trained]
+        else:
+            evals[name] = load_examples(name, data.eval_paths.get(name), field)
     unknown_paths = set(data.eval_paths) - set(HUB)
     if unknown_paths:
-        raise TaskError(f"data.eval_paths.{sorted(unknown_paths)[0]}: unknown dataset (known: gsm8k, math500)")
+        raise TaskError(f"data.eval_paths.{sorted(unknown_paths)[0]}: unknown dataset (known: "
+                        f"{', '.join(n for n in HUB if n != 'gsm8k-train')})")
+    if calc:
+        return Task(name=data.task, train=train, evals=evals, reward=final_answer_reward,
+                    system_prompt=CALC_SYSTEM_PROMPT)
     return Task(name=data.task, train=train, evals=evals, reward=binary_answer_reward)
