@@ -121,7 +121,7 @@ def model_shape(spec: str) -> dict | None:
         name = builtin_name(spec)
         shape = {k: TINY_MODELS[name][k] for k in keys}
         return {**shape, "vocab_size": BPE_VOCAB_SIZE if name.endswith("-bpe") else 101,
-                "tie_word_embeddings": TINY_MODELS[name]["tie_word_embeddings"]}
+                "tie_word_embeddings": TINY_MODELS[name]["tie_word_embeddings"], "attention_bias": True}
     try:
         from transformers import AutoConfig
 
@@ -132,7 +132,9 @@ def model_shape(spec: str) -> dict | None:
     except Exception:  # an unknown architecture or no config: nothing to estimate with
         return None
     shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
-    return {**shape, "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False))}
+    # Qwen2 configs name no attention_bias (their q, k, v always have one); Llama's say
+    return {**shape, "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
+            "attention_bias": bool(getattr(hf, "attention_bias", True))}
 
 
 def _projections(shape: dict) -> dict[str, tuple[int, int]]:
@@ -143,11 +145,12 @@ def _projections(shape: dict) -> dict[str, tuple[int, int]]:
 
 
 def parameter_counts(shape: dict, lora) -> tuple[int, int]:
-    """(all parameters, trainable ones) of a Qwen2-shaped decoder: the projections (q, k, v with biases), two norms
-    a layer, the embedding (and an untied head); trainable: all, or a LoRA adapter's r x (in + out) per target."""
+    """(all parameters, trainable ones) of a Qwen2- or Llama-shaped decoder: the projections (q, k, v with biases
+    when attention_bias), two norms a layer, the embedding (and an untied head); trainable: all, or a LoRA adapter's r x (in + out) per target."""
     projections = _projections(shape)
     d, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    per_layer = sum(a * b for a, b in projections.values()) + d + 2 * projections["k_proj"][1] + 2 * d
+    biases = d + 2 * projections["k_proj"][1] if shape.get("attention_bias", True) else 0
+    per_layer = sum(a * b for a, b in projections.values()) + biases + 2 * d
     total = layers * per_layer + d + shape["vocab_size"] * d * (1 if shape["tie_word_embeddings"] else 2)
     if lora is None:
         return total, total

@@ -1,0 +1,7 @@
+"""A reward for the real-model tier's one-step runs: SmolLM2 solves almost none of its first calculator prompts, so
+the paper's reward would give every group the same 0 and the step no gradient; this one tells apart completions
+that begin with the number from those that begin with words ("Sure! ..."), which SmolLM2 writes both of."""
+
+
+def starts_with_a_number(completion: str, gold: str) -> float:
+    return 1.0 if completion.lstrip()[:1].isdigit() else 0.0
