@@ -192,28 +192,37 @@ def member_dir(checkpoint: pathlib.Path, name: str) -> pathlib.Path:
     return checkpoint / "members" / name
 
 
-def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True) -> None:
-    """Load weights (full model or LoRA adapter), optimizer and RNG state saved by save_member."""
+def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True, load_rng: bool = True) -> None:
+    """Load weights (full model or LoRA adapter), optimizer and RNG state saved by save_member. A resume needs all
+    three (an exact resume: Adam's moments and the sampling streams continue): a missing optimizer.pt or rng.pt
+    raises FileNotFoundError naming it, never a silent restart from zero. Eval loads the weights only."""
     directory = member_dir(checkpoint, member.name)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint {checkpoint} has no member {member.name!r}")
     model_dir = directory / "model"
+    optimizer_file, rng_file = directory / "optimizer.pt", directory / "rng.pt"
+    for needed, file in ((load_optimizer, optimizer_file), (load_rng, rng_file)):
+        if needed and not file.is_file():
+            raise FileNotFoundError(f"{file} is missing (an exact resume needs it)")
     if member.settings.lora is not None:  # peft: load the adapter weights in place
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
 
         weights = load_file(str(model_dir / "adapter_model.safetensors"), device=str(member.device))
-        set_peft_model_state_dict(member.model, weights)
+        loaded = set_peft_model_state_dict(member.model, weights)
+        adapter = [k for k in loaded.missing_keys if "lora_" in k]
+        if loaded.unexpected_keys or adapter or not weights:  # else the member would go on from a fresh adapter
+            raise ValueError(f"{model_dir / 'adapter_model.safetensors'} does not fit this member's adapter "
+                             f"({len(adapter)} of its weights missing, e.g. {adapter[:1]}; {len(loaded.unexpected_keys)} "
+                             f"unexpected, e.g. {loaded.unexpected_keys[:1]})")
     else:
         # through transformers' own loader: it maps the saved (original-format) names back to the module's
         # names, which differ for families whose weights transformers converts on load (e.g. MoE experts)
         saved = type(member.model).from_pretrained(str(model_dir), dtype=master_dtype(member.settings.master_dtype))
         member.model.load_state_dict(saved.state_dict(), strict=True)
         del saved
-    optimizer_file = directory / "optimizer.pt"
-    if load_optimizer and optimizer_file.exists():
+    if load_optimizer:
         member.optimizer.load_state_dict(torch.load(optimizer_file, map_location=member.device, weights_only=True))
-    rng_file = directory / "rng.pt"
-    if rng_file.exists():
+    if load_rng:
         set_rng_state(torch.load(rng_file, weights_only=True))
 

@@ -42,6 +42,11 @@ def _mean(values) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
+def mean_reward(rollouts: list[Rollout]) -> float:
+    """Mean reward of the scored rollouts (an unscored one, NaN, has no reward to average); NaN when none is."""
+    return _mean(r.reward for r in rollouts if not math.isnan(r.reward))
+
+
 def train_record(step: int, name: str, own: list[Rollout], trained: list[Rollout], stats: dict[str, float],
                  watch: Stopwatch, lr: float, sent_bytes: int, own_digest: str) -> dict:
     """The `kind: train` record of one member's step (the exchange's own keys are added by the step: see
@@ -53,7 +58,7 @@ def train_record(step: int, name: str, own: list[Rollout], trained: list[Rollout
     sent = sent_bytes > 0
     return {
         "step": step, "member": name, "kind": "train",
-        "reward_mean": _mean(r.reward for r in own),
+        "reward_mean": mean_reward(own),
         "swarm_reward_mean": _mean(r.reward for r in trained),
         **stats,
         "tokens": sum(r.num_tokens for r in trained),

@@ -122,10 +122,6 @@ def _builtin_tokenizer(core):
     return tokenizer
 
 
-def write_tiny_tokenizer(directory: pathlib.Path = TOKENIZER_DIR) -> None:
-    build_tiny_tokenizer().save_pretrained(str(directory))
-
-
 def bpe_corpus() -> list[str]:
     """The text the BPE tokenizer is trained on: every built-in task's questions and the arith demonstrations in
     two styles (columns, carry-first: the tokenizer's merges are fixed, a later style does not change them), as

@@ -25,7 +25,8 @@ class Rollout:
     """One completion. completion_ids: int32 [L]; gen_logprobs: float32 [L], the generating policy's log-prob of
     each token at the sampling temperature; reward: as scored by the receiver (peers' claims are re-checked);
     policy_version: the sender's optimizer steps when it generated (its step - 1); made_at: seconds since the epoch
-    when it was scored (the sender's clock; millisecond resolution on the wire)."""
+    when it was scored (the sender's clock; millisecond resolution on the wire). A NaN reward is "unscored": the
+    sender's scoring had no verdict (math-verify timed out), and no member trains on that prompt's group."""
 
     member: int
     prompt_index: int

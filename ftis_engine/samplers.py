@@ -24,7 +24,7 @@ from .config import rank_roles
 from .exchange.async_ import DistributedAsync, WeightSlot
 from .generation import sample
 from .members import trainable_parameters
-from .metrics import MetricsLogger
+from .metrics import MetricsLogger, mean_reward
 from .placement import full
 from .rollouts import encode
 from .session import Swarm
@@ -95,7 +95,8 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
                         "waited_seconds": waited, "sequences": len(rollouts),
                         "weights_transport": "links" if exchange.broadcast is None else "broadcast",
                         "tokens": sum(r.num_tokens for r in rollouts),
-                        "reward_mean": sum(r.reward for r in rollouts) / max(1, len(rollouts))})
+                        "unscored": sum(r.reward != r.reward for r in rollouts),
+                        "reward_mean": mean_reward(rollouts)})
         exchange.check()  # the learner finished (DONE), or its link was lost or failed: say which
         exchange.finish()
     finally:

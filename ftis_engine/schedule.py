@@ -25,11 +25,6 @@ def mix_seed(*parts: int) -> int:
     return value % _SEED_MODULUS
 
 
-def sampling_seed(seed: int, step: int, member: int) -> int:
-    """The seed a member (or a sampler rank, by its rank) samples its step's (round's) completions with."""
-    return mix_seed(seed, step, member)
-
-
 def prompts_for_step(step: int, indices: list[int], per_step: int, seed: int | str, shuffle: bool) -> list[int]:
     """The step's prompts (step >= 1): the next slice of this epoch's permutation of the training set, identical
     in every process (no communication needed). An epoch is floor(len / per_step) whole slices, so a step never
@@ -100,7 +95,7 @@ class Schedule:
     def sampling_seed(self, step: int, who: int, shard: int = 0) -> int:
         """A learner's (who = its member; a sharded member's further ranks by shard) or a sampler's (who = its
         rank, step = its round) sampling seed."""
-        return mix_seed(self.config.seed, step, who, shard)  # shard 0: sampling_seed(seed, step, who)
+        return mix_seed(self.config.seed, step, who, shard)
 
     def step_sequences(self, rank: int) -> int:
         """The sequences one step of a learner rank (or one round of a sampler rank) sends."""

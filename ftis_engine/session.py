@@ -168,9 +168,9 @@ def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
         return
     changes = [c for c in config_differences(saved, config) if not c[0].startswith(RESUMABLE)]
     if changes:
+        allowed = ", ".join(f"{key}*" if key.endswith(".") else key for key in RESUMABLE)
         raise RunDirError(f"--resume: the config differs from the run's config.yaml in {_describe(changes)}; a resumed "
-                          "run may change only train.steps, eval.*, checkpoint.every/keep_last and swarm timeouts "
-                          "(start a new run_name for anything else)")
+                          f"run may change only {allowed} (start a new run_name for anything else)")
 
 
 def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list[str] | tuple[str, ...] = ()
@@ -351,7 +351,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
             members.append(member)
             if checkpoint is None:  # eval (--checkpoint) only generates: the update's checks (and compiles) are moot
                 check_model(member)
-        train_indices, longest_prompt = _usable_prompts(config, task, members[0].tokenizer, exchange)
+        distinct = list({hashes[i]: everyone[i] for i in everyone}.values())  # one per vocabulary
+        train_indices, longest_prompt = _usable_prompts(config, task, distinct, exchange)
         for member in members:  # a completion after the longest prompt must fit each model's context
             check_context(config, member.index, getattr(member.causal_lm.config, "max_position_embeddings", None),
                           longest_prompt)
@@ -365,7 +366,11 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
                 source, what = run_dir / "checkpoints" / f"step-{agreed}", "--resume: checkpoint"
         optimizer = checkpoint is None and config.checkpoint.save_optimizer
         if source is not None:  # a sharded member restores its weights whole, then shards them
-            start_step = restore(members, config, source, load_optimizer=optimizer and shard is None, what=what)
+            if checkpoint is None and not config.checkpoint.save_optimizer:
+                log.warning("--resume: checkpoint.save_optimizer is false, so %s holds no optimizer state: Adam's "
+                            "moments restart from zero (the resumed run is not the run that went through)", source)
+            start_step = restore(members, config, source, load_optimizer=optimizer and shard is None,
+                                 load_rng=checkpoint is None, what=what)
         if shard is not None:
             for member in members:
                 shard_member(member, shard, config)
@@ -399,11 +404,17 @@ def foreign_limit(config: RunConfig, member: Member, longest_prompt: int) -> int
     return min(limit, context - longest_prompt) if context else limit
 
 
-def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> tuple[list[int], int]:
-    """Training prompts that fit data.max_prompt_tokens (rank 0's list on every rank), and the longest prompt the
-    run uses, in tokens; eval sets are cut alike."""
+def _prompt_tokens(tokenizers: list, task, question: str) -> int:
+    """A prompt's length under the tokenizer that makes it longest: every member must fit it (its context, its
+    vLLM max_model_len, data.max_prompt_tokens)."""
+    return max(len(prompt_ids(tokenizer, task, question)) for tokenizer in tokenizers)
+
+
+def _usable_prompts(config: RunConfig, task, tokenizers: list, exchange: Exchange) -> tuple[list[int], int]:
+    """Training prompts that fit data.max_prompt_tokens with every member's tokenizer (rank 0's list on every
+    rank), and the longest prompt the run uses, in tokens; eval sets are cut alike."""
     limit = config.data.max_prompt_tokens
-    lengths = [len(prompt_ids(tokenizer, task, ex.question)) for ex in task.train]
+    lengths = [_prompt_tokens(tokenizers, task, ex.question) for ex in task.train]
     fits = [i for i, n in enumerate(lengths) if n <= limit]
     fits = exchange.collectives.all_gather_object(fits)[0]
     if len(fits) < config.rollout.prompts_per_step:
@@ -414,7 +425,7 @@ def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> t
                           f"short, fewer than rollout.prompts_per_step={config.rollout.prompts_per_step}")
     longest = max((lengths[i] for i in fits if i < len(lengths)), default=0)
     for name, examples in task.evals.items():  # eval prompts obey the same limit (a vLLM engine is sized by it)
-        eval_lengths = [len(prompt_ids(tokenizer, task, ex.question)) for ex in examples]
+        eval_lengths = [_prompt_tokens(tokenizers, task, ex.question) for ex in examples]
         keep = [i for i, n in enumerate(eval_lengths) if n <= limit]
         kept = [examples[i] for i in exchange.collectives.all_gather_object(keep)[0]]
         if len(kept) < len(examples):
@@ -426,7 +437,7 @@ def _usable_prompts(config: RunConfig, task, tokenizer, exchange: Exchange) -> t
 
 
 def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, load_optimizer: bool,
-            what: str) -> int:
+            what: str, load_rng: bool = True) -> int:
     """Load every local member from `checkpoint`; returns its step. `what` names the argument in errors."""
     try:
         state = read_state(checkpoint)
@@ -440,7 +451,7 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
         raise RunDirError(f"{what} {checkpoint}: holds members {state.get('members')}, the config has {names}")
     for member in members:
         try:
-            restore_member(member, checkpoint, load_optimizer=load_optimizer)
+            restore_member(member, checkpoint, load_optimizer=load_optimizer, load_rng=load_rng)
         except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
             _replaced(checkpoint, what)
             raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "

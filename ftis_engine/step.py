@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -46,7 +47,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         arrivals = swarm.exchange.receive(index, step)
         got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences)
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
-        trained = own[index] + peers
+        scored, unscored = drop_unscored(own[index])
+        trained = scored + peers
         items = training_items(swarm, member, trained)
         with watch("train_seconds"):
             stats = update(swarm, member, items, step)
@@ -63,7 +65,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         watch.seconds["exchange_seconds"] += arrivals.seconds
         record = train_record(step, member.name, own[index], trained, stats, watch,
                               member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
-        record.update(got.metrics(), in_flight=arrivals.waiting, outbox_dropped=arrivals.outbox_dropped,
+        record.update(got.metrics(), unscored_dropped=unscored, in_flight=arrivals.waiting,
+                      outbox_dropped=arrivals.outbox_dropped,
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
                       **memory[index].record())
         records.append(record)
@@ -95,6 +98,15 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
         if shard is not None:  # the member's rollouts, on every shard, in shard order
             own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]
     return own, watches
+
+
+def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
+    """A member's own rollouts without the prompt groups that hold an unscored one (NaN reward: its scoring timed
+    out): group advantages need every reward of a group, and its receivers leave the group out alike. Returns
+    them and how many were left out."""
+    unscored = {r.prompt_index for r in rollouts if math.isnan(r.reward)}
+    kept = [r for r in rollouts if r.prompt_index not in unscored]
+    return kept, len(rollouts) - len(kept)
 
 
 def push_seconds(generator) -> float:

@@ -12,7 +12,7 @@ import torch
 from ftis_engine.config import ConfigError, load_config
 from ftis_engine.exchange import Parcel
 from ftis_engine.exchange.admission import Admission, RolloutChecker, validate
-from ftis_engine.rollouts import Rollout, RolloutError, encode
+from ftis_engine.rollouts import Rollout, RolloutError, decode, encode
 from ftis_engine.schedule import Schedule
 from ftis_engine.tasks import Example, Task
 
@@ -32,6 +32,11 @@ TASK = Task(name="digits", train=[Example(question=f"q{i}", answer="7") for i in
 
 def _checker() -> RolloutChecker:
     return RolloutChecker(TASK, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
+
+
+def _check(checker: RolloutChecker, rollouts: list[Rollout], sender: int = 1, dealt=None):
+    """What admission does with a parcel's values: its buffer decoded, then checked (kept, timeouts, unscored)."""
+    return checker.check(decode(encode(rollouts)), sender, dealt)
 
 
 def _rollouts(sender: int, dealt: dict[int, int], version: int = 0, seed: int = 0) -> list[Rollout]:
@@ -79,7 +84,7 @@ def _steps(rollouts: list[Rollout]) -> list[int]:
     (lambda r: setattr(r, "gen_logprobs", torch.tensor([0.5])), "positive"),
     (lambda r: setattr(r, "prompt_index", 10_000), "outside the dataset"),
     (lambda r: setattr(r, "member", 0), "claims member"),
-    (lambda r: setattr(r, "reward", float("inf")), "reward is not finite"),
+    (lambda r: setattr(r, "reward", float("inf")), "reward is infinite"),
 ])
 def test_validation_names_the_problem(mutate, reason):
     rollouts = [Rollout(1, 10, torch.tensor([4], dtype=torch.int32), torch.tensor([-0.5]), 0.0, "stop", 7)]
@@ -91,19 +96,19 @@ def test_validation_names_the_problem(mutate, reason):
 def test_a_peer_cannot_inflate_a_group_with_extra_or_missing_completions():
     rollouts = _rollouts(1, {10: 1, 11: 1, 12: 1})
     checker, dealt = _checker(), {10: 1, 11: 1, 12: 1}
-    assert [len(x) if isinstance(x, list) else x for x in checker.accept(encode(rollouts), sender=1, dealt=dealt)
-            ] == [3, 0]
+    kept, timeouts, unscored = _check(checker, rollouts, dealt=dealt)
+    assert (len(kept), timeouts, unscored) == (3, 0, 0)
     with pytest.raises(RolloutError, match="completions of prompt 10"):
-        checker.accept(encode(rollouts + [rollouts[0]] * 40), sender=1, dealt=dealt)
+        _check(checker, rollouts + [rollouts[0]] * 40, dealt=dealt)
     with pytest.raises(RolloutError, match="no completions of dealt prompt 12"):
-        checker.accept(encode(rollouts[:2]), sender=1, dealt=dealt)
+        _check(checker, rollouts[:2], dealt=dealt)
 
 
 def test_a_claimed_reward_that_the_receiver_does_not_reproduce_is_rejected():
     rollouts = _rollouts(1, {10: 1, 11: 1})
     rollouts[1].reward = 1.0 - rollouts[1].reward
     with pytest.raises(RolloutError, match="sequence 1: claims reward"):
-        _checker().accept(encode(rollouts), sender=1, dealt=None)
+        _check(_checker(), rollouts)
 
 
 def test_a_re_score_that_times_out_leaves_out_its_group_not_the_batch():
@@ -118,12 +123,68 @@ def test_a_re_score_that_times_out_leaves_out_its_group_not_the_batch():
     checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
     rollouts = _rollouts(1, {10: 2, 11: 2})
     rollouts[1].completion_ids = torch.tensor([3, 3, 3], dtype=torch.int32)  # its claim cannot be checked
-    kept, unverified = checker.accept(encode(rollouts), sender=1, dealt={10: 2, 11: 2})
-    assert [r.prompt_index for r in kept] == [11, 11] and unverified == 2  # prompt 10's group, whole
+    kept, unverified, unscored = _check(checker, rollouts, dealt={10: 2, 11: 2})
+    assert [r.prompt_index for r in kept] == [11, 11] and (unverified, unscored) == (2, 0)  # prompt 10's, whole
     rollouts[2].reward = 1.0 - rollouts[2].reward  # a real mismatch still drops the batch
     with pytest.raises(RolloutError, match="sequence 2: claims reward"):
-        checker.accept(encode(rollouts), sender=1, dealt={10: 2, 11: 2})
-    assert task.score(DigitTokenizer(), [rollouts[1].completion_ids], [TASK.train[10]]) == [0.0]  # one's own: 0
+        _check(checker, rollouts, dealt={10: 2, 11: 2})
+    assert task.score(DigitTokenizer(), [rollouts[1].completion_ids], [TASK.train[10]]) == [0.0]  # eval's: 0
+
+
+def test_an_honest_sender_whose_scoring_timed_out_is_no_liar_and_both_sides_leave_that_group_out():
+    """The sender's math-verify ran out of time under its load (a receiver's would not): it sends the completion
+    unscored (NaN on the wire) instead of a 0 the receiver would contradict. The receiver keeps the parcel, leaves
+    that prompt's group out, and counts it; the sender leaves the same group out of its own update."""
+    from ftis_engine.generation.sample import generate_rollouts
+    from ftis_engine.rewards import RewardTimeout
+    from ftis_engine.step import drop_unscored
+
+    def loaded(text, gold):  # the sender, under load: math-verify times out on the text "333"
+        if text == "333":
+            raise RewardTimeout("parsing timed out")
+        return float(text.endswith(gold))
+
+    class Generator:
+        def generate(self, prompts, sampling, on_batch=None):
+            from ftis_engine.generation import Completion
+
+            ids = {10: [[3, 3, 3], [4, 5, 7]], 11: [[1, 7], [2, 2]]}
+            return [[Completion(torch.tensor(x, dtype=torch.int32), -torch.ones(len(x)), "stop") for x in ids[p]]
+                    for p in prompts]
+
+    class Swarm:
+        config = short_config()
+        task = Task(name="digits", train=TASK.train, evals={}, reward=loaded)
+        progress = type("P", (), {"start": lambda *a: None, "advance": lambda *a: None,
+                                  "finish": lambda *a: None})()
+
+        def prompt(self, member, index):
+            return index
+
+    member = type("M", (), {"index": 1, "generator": Generator(), "tokenizer": DigitTokenizer(), "name": "m"})()
+    sent = generate_rollouts(Swarm(), member, {10: 2, 11: 2}, 0, seed=0)
+    assert [r.reward for r in sent][1:] == [1.0, 1.0, 0.0] and sent[0].reward != sent[0].reward  # NaN: unscored
+    arrived = decode(encode(sent))
+    assert arrived[0].reward != arrived[0].reward  # NaN survives the wire
+    kept, timeouts, unscored = _checker().check(arrived, 1, {10: 2, 11: 2})  # an unloaded receiver
+    assert [r.prompt_index for r in kept] == [11, 11] and (timeouts, unscored) == (0, 2)
+    own, dropped = drop_unscored(sent)
+    assert [r.prompt_index for r in own] == [11, 11] and dropped == 2
+
+
+def test_an_unscored_claim_is_never_re_scored_and_an_infinite_reward_is_still_a_lie():
+    calls = []
+    task = Task(name="digits", train=TASK.train, evals={}, reward=lambda text, gold: calls.append(text) or 0.0)
+    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
+    rollouts = _rollouts(1, {10: 1, 11: 1})
+    for r in rollouts:
+        r.reward = 0.0
+    rollouts[0].reward = float("nan")
+    kept, _, unscored = _check(checker, rollouts)
+    assert [r.prompt_index for r in kept] == [11] and unscored == 1 and len(calls) == 1
+    rollouts[0].reward = float("-inf")
+    with pytest.raises(RolloutError, match="sequence 0: reward is infinite"):
+        _check(checker, rollouts)
 
 
 def test_sync_mode_trains_on_every_good_peer_and_drops_a_bad_batch_whole(tmp_path, caplog):

@@ -7,7 +7,7 @@ import pytest
 
 from ftis_engine.config import load_config
 from ftis_engine.rollouts import max_buffer_words
-from ftis_engine.schedule import Schedule, deal, prompts_for_step, sampling_seed
+from ftis_engine.schedule import Schedule, deal, mix_seed, prompts_for_step
 
 from .helpers import SHORT, TINY, short_config
 
@@ -48,7 +48,7 @@ def test_the_schedule_deals_every_member_and_every_sampler_round_alike_in_every_
     rounds = [schedule.round_deal(rank, 1) for rank in (2, 3)]
     assert [len(r) for r in rounds] == [3, 3] and rounds[0] != rounds[1]  # each sampler a stream of its own
     assert all(n == config.rollout.group_size for r in rounds for n in r.values())
-    assert schedule.sampling_seed(3, 1) == sampling_seed(config.seed, 3, 1) != schedule.sampling_seed(3, 0)
+    assert schedule.sampling_seed(3, 1) == mix_seed(config.seed, 3, 1, 0) != schedule.sampling_seed(3, 0)
 
 
 def test_an_honest_parcel_size_is_bounded_by_its_senders_deal_and_nothing_outside_the_run_is():

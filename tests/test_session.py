@@ -97,6 +97,40 @@ def test_an_unusable_checkpoint_is_one_line_naming_it(trained, tmp_path, damage,
     assert str(ckpt) in str(caught.value) and "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize("missing", ["optimizer.pt", "rng.pt"])
+def test_a_resume_without_the_optimizer_or_rng_state_is_refused_naming_the_file_and_eval_needs_neither(
+        trained, tmp_path, missing):
+    """An exact resume continues Adam's moments and the sampling streams: a checkpoint without them is refused
+    (it would silently restart Adam from zero), while eval, which loads only the weights, still works."""
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    gone = copy / "checkpoints" / "step-2" / "members" / "tiny-s" / missing
+    gone.unlink()
+    with pytest.raises(RunDirError, match=re.escape(f"cannot load member 'tiny-s' (FileNotFoundError: {gone} is "
+                                                    "missing (an exact resume needs it))")):
+        open_run(config, copy, resume=True)
+    swarm, step = open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+    swarm.close()
+    assert step == 2
+
+
+def test_an_adapter_that_does_not_fit_the_member_is_refused_instead_of_resuming_a_fresh_one(trained, tmp_path):
+    """set_peft_model_state_dict loads what matches and ignores the rest: an adapter saved for other modules would
+    leave the member's own adapter at its fresh init. It is refused, naming the file."""
+    from safetensors.torch import load_file, save_file
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    adapter = copy / "checkpoints" / "step-2" / "members" / "tiny-m-lora" / "model" / "adapter_model.safetensors"
+    weights = load_file(adapter)
+    save_file({k.replace("q_proj", "x_proj"): v for k, v in weights.items()}, adapter)
+    with pytest.raises(RunDirError, match=r"cannot load member 'tiny-m-lora' \(ValueError: .*adapter_model.safetensors "
+                                          r"does not fit this member's adapter \(\d+ of its weights missing"):
+        open_run(config, copy, resume=True)
+
+
 def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(trained, tmp_path, monkeypatch):
     from ftis_engine import checkpoint as checkpoints
 
@@ -142,8 +176,9 @@ def test_resume_refuses_a_config_that_changes_the_run_but_not_its_length_or_cade
     check_resume_config(run_dir, longer)
     for override, field in (("members.0.lr=0.5", "members.0.lr"), ("rollout.group_size=3", "rollout.group_size"),
                             ("algorithm.method=tis", "algorithm.method")):
-        with pytest.raises(RunDirError, match=f"--resume: the config differs .* in {field} "):
+        with pytest.raises(RunDirError, match=f"--resume: the config differs .* in {field} ") as caught:
             check_resume_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
+        assert all(key in str(caught.value) for key in session.RESUMABLE)  # the message lists what may change
 
 
 def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(trained):
@@ -172,3 +207,24 @@ def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_pa
     with pytest.raises(RunDirError, match="cannot load member 'tiny-m-lora'"):
         open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
     assert closed == ["tiny-s", "tiny-m-lora"]  # a vLLM engine would otherwise hold its GPU memory
+
+
+def test_prompts_are_measured_with_every_members_tokenizer_the_longest_counting():
+    """A prompt that fits data.max_prompt_tokens in member 1's BPE tokens but not in member 0's characters is left
+    out (member 0 would exceed its context and its engine's max_model_len with it), whichever member comes first."""
+    from ftis_engine.exchange.sync import LocalSync
+    from ftis_engine.models import load_tokenizer
+    from ftis_engine.tasks import load_task, prompt_ids
+
+    char, bpe = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-m-bpe")
+    config = short_config("members.1.model=builtin:tiny-m-bpe")
+    task = load_task(config.data, config.seed)
+    lengths = {name: [len(prompt_ids(t, task, ex.question)) for ex in task.train] for name, t in
+               (("char", char), ("bpe", bpe))}
+    limit = sorted(lengths["char"])[len(lengths["char"]) // 2]  # about half the prompts fit in characters
+    assert sum(b <= limit < c for b, c in zip(lengths["bpe"], lengths["char"])) > 0  # some fit only in BPE
+    limited = short_config("members.1.model=builtin:tiny-m-bpe", f"data.max_prompt_tokens={limit}")
+    for order in ([bpe, char], [char, bpe]):
+        fits, longest = session._usable_prompts(limited, load_task(limited.data, limited.seed), order, LocalSync())
+        assert fits == [i for i, n in enumerate(lengths["char"]) if n <= limit]
+        assert longest <= limit

@@ -16,11 +16,13 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
     8. values    the deal of the sender's step or round (prompts, counts), the sender's member, token ids in
                  the vocabulary, lengths, finite non-positive log-probs, finite rewards (validate)
     9. re-score  every reward re-computed from the text here equals the sender's claim; a re-score that times
-                 out (math-verify) is no verdict: that prompt's group is left out (rescore_timeouts), the rest kept
-   10. foreign   a peer whose tokenizer differs: a receiver with members.N.accept_foreign false refuses its parcels
-                 (foreign_refused, before anything is decoded); else its text is re-encoded with the receiver's
-                 tokenizer and trained on at sequence level (RolloutChecker.adopt; a group whose text does not
-                 survive the round trip is left out, foreign_dropped)
+                 out (math-verify) is no verdict: that prompt's group is left out (rescore_timeouts), the rest kept;
+                 a reward the sender marked unscored (NaN: its own scoring timed out) leaves its group out too
+                 (peer_unscored_dropped), as the sender leaves it out of its own update
+   10. foreign   a peer whose tokenizer differs: its text is re-encoded with the receiver's tokenizer and trained
+                 on at sequence level (RolloutChecker.adopt; a group whose text does not survive the round trip is
+                 left out, foreign_dropped). A receiver with members.N.accept_foreign false refuses the parcels of
+                 such a peer once they are decoded (step 3), before any other check (foreign_refused: no fault)
 
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
 all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
@@ -86,8 +88,8 @@ def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_t
             raise RolloutError(f"{where}: NaN or inf generation log-prob")
         if bool((r.gen_logprobs > 0).any()):
             raise RolloutError(f"{where}: positive generation log-prob")
-        if not math.isfinite(r.reward):
-            raise RolloutError(f"{where}: reward is not finite")
+        if math.isinf(r.reward):  # NaN is allowed: the sender's own scoring had no verdict (unscored)
+            raise RolloutError(f"{where}: reward is infinite")
         if r.policy_version < 0:
             raise RolloutError(f"{where}: negative policy version {r.policy_version}")
         if r.made_at < 0:
@@ -110,33 +112,33 @@ class RolloutChecker:
     def is_foreign(self, member: int) -> bool:
         return member in self.foreign
 
-    def accept(self, buffer: torch.Tensor, sender: int, dealt: dict[int, int] | None) -> tuple[list[Rollout], int]:
-        """Decode, validate and re-score a peer's buffer; raise RolloutError on any problem. Returns the rollouts
-        and how many were left out because their re-score timed out (see `check`)."""
-        return self.check(decode(buffer), sender, dealt)
-
     def check(self, rollouts: list[Rollout], sender: int, dealt: dict[int, int] | None
-              ) -> tuple[list[Rollout], int]:
-        """`accept` for rollouts already decoded. A reward whose re-score times out (math-verify's 5 s) is no
-        mismatch and no proof: the prompt group it belongs to is left out whole (its claim cannot be checked, and
-        a group trains only whole), the rest of the batch is kept, and the count comes back."""
+              ) -> tuple[list[Rollout], int, int]:
+        """Validate a peer's decoded rollouts and re-score them; raises RolloutError on any problem. A group the
+        verdict on which is missing is left out whole (a group trains only whole), the rest kept: one whose
+        re-score here times out (math-verify's 5 s: its claim cannot be checked), and one the sender itself marked
+        unscored (a NaN reward: its own scoring timed out, which depends on its load, so an honest slow sender is
+        never taken for a liar). Returns the kept rollouts and the sequences left out for each reason."""
         tokenizer = self.foreign.get(sender, self.tokenizer)  # a foreign peer's ids are its tokenizer's
         vocab_size = self.vocab_size if sender not in self.foreign else tokenizer_size(tokenizer)
         validate(rollouts, sender=sender, vocab_size=vocab_size, max_new_tokens=self.max_new_tokens,
                  expected=dealt, num_prompts=len(self.task.train))
+        unscored = {r.prompt_index for r in rollouts if math.isnan(r.reward)}
+        claimed = [(i, r) for i, r in enumerate(rollouts) if r.prompt_index not in unscored]
         try:
-            local = self.task.score(tokenizer, [r.completion_ids for r in rollouts],
-                                    [self.task.train[r.prompt_index] for r in rollouts], undecided=None)
+            local = self.task.score(tokenizer, [r.completion_ids for _, r in claimed],
+                                    [self.task.train[r.prompt_index] for _, r in claimed], undecided=None)
         except Exception as exc:  # ids the tokenizer cannot decode, or a reward that fails on this text
             raise RolloutError(f"cannot score the completions: {exc}") from None
         unverified = set()
-        for i, (rollout, reward) in enumerate(zip(rollouts, local)):
+        for (i, rollout), reward in zip(claimed, local):
             if reward is None:
                 unverified.add(rollout.prompt_index)
             elif abs(reward - rollout.reward) > 1e-6:
                 raise RolloutError(f"sequence {i}: claims reward {rollout.reward:g}, re-scored {reward:g}")
-        kept = [r for r in rollouts if r.prompt_index not in unverified]
-        return kept, len(rollouts) - len(kept)
+        claimed = [r for _, r in claimed]
+        kept = [r for r in claimed if r.prompt_index not in unverified]
+        return kept, len(claimed) - len(kept), len(rollouts) - len(claimed)
 
     def adopt(self, rollouts: list[Rollout], sender: int) -> tuple[list[Rollout], int]:
         """A foreign peer's checked rollouts in this member's tokens: each completion's text (the sender's tokens
@@ -212,6 +214,7 @@ class Received:
     stale_dropped: int = 0  # sequences that arrived older than max_staleness steps or max_delay_s seconds
     surplus_dropped: int = 0  # admitted (or queued) sequences that never fitted an update's budget
     rescore_timeouts: int = 0  # sequences left out (whole groups) because their re-score timed out
+    unscored_dropped: int = 0  # sequences left out (whole groups) that their sender could not score (NaN reward)
     foreign_refused: int = 0  # sequences of peers with another tokenizer, refused (members.N.accept_foreign false)
     foreign_dropped: int = 0  # sequences of such peers left out (whole groups): their text did not round-trip here
     staleness: list[int] = field(default_factory=list)  # per peer rollout trained on, in the receiver's steps
@@ -227,7 +230,7 @@ class Received:
 
         return {**spread("staleness", self.staleness), **spread("staleness_seconds", self.age_seconds),
                 "stale_dropped": self.stale_dropped, "surplus_dropped": self.surplus_dropped,
-                "rescore_timeouts": self.rescore_timeouts,
+                "rescore_timeouts": self.rescore_timeouts, "peer_unscored_dropped": self.unscored_dropped,
                 "foreign_sequences": sum(r.seq_logprob is not None for r in self.rollouts),
                 "foreign_refused": self.foreign_refused, "foreign_dropped": self.foreign_dropped,
                 "peer_sequences": len(self.rollouts), "intake_waiting": self.waiting,
@@ -313,8 +316,9 @@ class Admission:
         self._seen[(parcel.sender, parcel.step)] = version
         dealt = (self.schedule.deal(parcel.step)[member] if sampler is None
                  else self.schedule.round_deal(parcel.sender, parcel.step))
-        rollouts, unverified = self.checker.check(rollouts, member, dealt)
+        rollouts, unverified, unscored = self.checker.check(rollouts, member, dealt)
         out.rescore_timeouts += unverified
+        out.unscored_dropped += unscored
         rollouts, lost = self.checker.adopt(rollouts, member)
         out.foreign_dropped += lost
         name, digest = f"{self.sender_name(parcel.sender)}@{parcel.step}", buffer_digest(parcel.buffer)

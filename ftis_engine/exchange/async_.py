@@ -235,13 +235,14 @@ class DistributedAsync:
     def receive(self, receiver: int, step: int) -> Arrivals:
         start = time.perf_counter()
         lead_wait = 0.0
-        live = [self._published[p] for p in self.lead_peers if not self.links.peer_done(p)]
-        lead = step - min(live) if live else None
+        # one snapshot for the lead and the peers behind (the receiving threads move _published meanwhile)
+        published = {p: self._published[p] for p in self.lead_peers if not self.links.peer_done(p)}
+        lead = step - min(published.values()) if published else None
         if self.max_lead is not None and self.lead_peers:
             need = step - self.max_lead
             ready = lambda: all(self.links.peer_done(p) or self._published[p] >= need  # noqa: E731
                                 for p in self.lead_peers)
-            behind = [p for p in self.lead_peers if not (self.links.peer_done(p) or self._published[p] >= need)]
+            behind = [p for p, newest in published.items() if newest < need]
             if behind:
                 lead_wait = self.links.wait_until(
                     ready, self.timeout_s, f"peer rank(s) {behind} to publish step {need} (swarm.max_lead="

@@ -29,8 +29,11 @@ def generate_rollouts(swarm: Swarm, member: Member, dealt: dict[int, int], versi
         groups = member.generator.generate([swarm.prompt(member, p) for p in prompts], sampling,
                                            on_batch=lambda k: swarm.progress.advance(bar, k))
         completions = [(p, c) for p, group in zip(prompts, groups) for c in group]
+        # a completion whose scoring times out has no verdict: it travels unscored (NaN), and sender and receivers
+        # alike leave its group out of their updates (an honest sender under load is never taken for a liar)
         rewards = task.score(member.tokenizer, [c.token_ids for _, c in completions],
-                             [task.train[p] for p, _ in completions])
+                             [task.train[p] for p, _ in completions], undecided=None)
+        rewards = [float("nan") if reward is None else reward for reward in rewards]
         made_at = time.time()
         rollouts += [Rollout(member=member.index, prompt_index=p, completion_ids=c.token_ids, gen_logprobs=c.logprobs,
                              reward=reward, finish_reason=c.finish_reason, policy_version=version, made_at=made_at)
