@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import copy
 import datetime
+import logging
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from .config import ConfigError, RunConfig, rank_roles
+
+log = logging.getLogger("ftis_engine")
 
 
 @dataclass(frozen=True)
@@ -125,9 +128,15 @@ def model_shape(spec: str) -> dict | None:
     try:
         from transformers import AutoConfig
 
-        from .models import source
+        from .models import _from_hub, hub_reachable, source
 
-        hf = AutoConfig.from_pretrained(source(spec), local_files_only=True)  # no network: a check, not a download
+        where = source(spec)
+        try:  # the cache or a local folder first; a hub model's config (a few kB) from the hub when it answers
+            hf = AutoConfig.from_pretrained(where, local_files_only=True)
+        except Exception:
+            if not (_from_hub(where) and hub_reachable()):
+                raise
+            hf = AutoConfig.from_pretrained(where)
         shape = {k: int(getattr(hf, k)) for k in (*keys, "vocab_size")}
     except Exception:  # an unknown architecture or no config: nothing to estimate with
         return None
@@ -212,6 +221,10 @@ def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device
     needs, least = {}, 0  # least: what the engines need at the very least (bf16 weights and 1 GiB of KV cache)
     for i in placed:
         shape = model_shape(config.members[i].model)
+        if shape is None:
+            log.warning("members.%d.model: no config found to plan its memory with (not in the cache and the hub "
+                        "does not answer, or not a decoder the plan knows); the memory plan on %s leaves it out", i,
+                        device)
         if shape is not None:
             needs[i] = training_bytes(config, i, shape) + PROCESS_OVERHEAD_BYTES
             if config.members[i].generator == "vllm":

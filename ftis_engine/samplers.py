@@ -16,6 +16,7 @@ parcel against the deal of its round exactly as they check a learner's.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -28,6 +29,8 @@ from .metrics import MetricsLogger, mean_reward
 from .placement import full
 from .rollouts import encode
 from .session import Swarm
+
+log = logging.getLogger("ftis_engine")
 
 
 def flatten_weights(model, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -81,7 +84,11 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
             if exchange.peer_done(learner):
                 break
             newest = slot.take()
-            if newest is not None and bool(torch.isfinite(weight_values(newest[1])).all()):
+            refused = newest is not None and not bool(torch.isfinite(weight_values(newest[1])).all())
+            if refused:  # a learner never pushes such weights (it stops on divergence): say so, keep the last good
+                log.warning("%s sampler %d: weights of version %d from its learner hold NaN or inf; not loaded, it "
+                            "goes on sampling with version %d", member.name, index, newest[0], version)
+            elif newest is not None:
                 version = newest[0]
                 load_weights(member.model, newest[1])
                 member.generator.sync(member.model)
@@ -94,6 +101,7 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
                         "policy_version": version, "started_at": started, "seconds": time.time() - started,
                         "waited_seconds": waited, "sequences": len(rollouts),
                         "weights_transport": "links" if exchange.broadcast is None else "broadcast",
+                        "weights_refused": int(refused),
                         "tokens": sum(r.num_tokens for r in rollouts),
                         "unscored": sum(r.reward != r.reward for r in rollouts),
                         "reward_mean": mean_reward(rollouts)})

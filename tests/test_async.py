@@ -136,3 +136,29 @@ def test_a_member_that_never_saw_a_peer_rollout_is_warned_about(tmp_path, caplog
     assert all(r["peer_sequences"] == 0 for r in records)
     warned = [m for m in caplog.messages if "trained on no peer rollout" in m]
     assert len(warned) == 2 and "swarm.latency (1000-1000 s) is longer than the run?" in warned[0]
+
+
+def test_a_forged_step_cannot_exempt_a_peer_from_the_lead_bound():
+    """What a learner peer's DATA header claims advances the step it has published (what swarm.max_lead waits on)
+    only for a message received whole, of a step inside the run, at most max_lead + 1 past this member's newest
+    step: a forged step of 10^9 (or a refused parcel) no longer exempts that peer from the bound for good."""
+    import torch
+
+    from ftis_engine.exchange.async_ import DATA, DistributedAsync, Mailbox
+
+    class Immediate:
+        def schedule(self, parcel, rank, from_step):
+            return parcel
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.steps, exchange.max_lead = 0, 100, 2
+    exchange.mailbox, exchange.latency, exchange._published = Mailbox(4), Immediate(), {1: 0}
+    exchange.mailbox.step = 5
+    body = torch.zeros(1, dtype=torch.int32)
+    for step, refused, published in [(10**9, None, 0), (101, None, 0), (0, None, 0), (7, "too large", 0),
+                                     (9, None, 0), (8, None, 8), (6, None, 8)]:
+        exchange.deliver(1, DATA, step, step - 1, body, refused)
+        assert exchange._published[1] == published, (step, refused)
+    exchange.max_lead = None  # no bound to wait on: a claim inside the run still counts (the lead metrics)
+    exchange.deliver(1, DATA, 50, 49, body, None)
+    assert exchange._published[1] == 50

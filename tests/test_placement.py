@@ -262,3 +262,18 @@ def test_the_shipped_one_gpu_pair_fits_an_80_gb_gpu_by_the_memory_plan():
     # on half of it training alone (about 36 GiB) leaves too little for even the engines' weights: no share would do
     with pytest.raises(Exception, match=r"^members.1.device: training the members on cuda:0 \(39.8 GiB\)"):
         check_memory_plan(config, [0, 1], "cuda:0", H100 // 2)
+
+
+def test_a_model_whose_config_cannot_be_read_is_named_when_the_memory_plan_leaves_it_out(caplog):
+    """A hub model that is neither cached nor reachable (the tests run offline) has no config to plan with: the plan
+    says so, naming the member, instead of skipping it silently."""
+    import logging
+
+    from ftis_engine.placement import check_memory_plan, model_shape
+
+    assert model_shape("nobody/no-such-model-anywhere") is None
+    config = short_config("members.0.model=nobody/no-such-model-anywhere", "members.0.device=cuda:0",
+                          "members.1.device=cuda:0")
+    with caplog.at_level(logging.WARNING, logger="ftis_engine"):
+        check_memory_plan(config, [0, 1], "cuda:0", H100)
+    assert "members.0.model: no config found to plan its memory with" in caplog.text

@@ -193,6 +193,7 @@ class DistributedAsync:
                              ] if self.sampler is None else []
         self.learner = self.member  # a sampler's learner is its member's rank
         self.max_lead = config.swarm.max_lead
+        self.steps = config.train.steps
         self.timeout_s = config.swarm.timeout_s
         self.latency = latency
         capacity = queue_capacity(config)
@@ -213,6 +214,7 @@ class DistributedAsync:
         self._limit = limit
         self.weights = weights
         self._published = {p: start_step for p in self.lead_peers}
+        self.mailbox.step = max(self.mailbox.step, start_step)  # a resumed run's peers go on from start_step
         self._taken = {s: start_step for s in self.own_samplers}
         self.taken = start_step
         self.links.start(self)
@@ -302,12 +304,23 @@ class DistributedAsync:
             return self._limit(peer, step) if self._limit is not None and self.sampler is None else 0
         return self.weights.limit(peer, version) if kind == WEIGHTS and self.weights is not None else 0
 
+    def counts_as_published(self, step: int, refused: str | None) -> bool:
+        """Whether a learner peer's DATA message may advance the step it has published (what the lead bound waits
+        on): one that was received (not refused for its size), of a step inside the run, and no further ahead of
+        this member than an honest peer can be (it waits for this member too: at most max_lead steps past this
+        member's newest step). A forged header claiming step 10^9 would otherwise exempt that peer from the bound
+        for the rest of the run; bounded so, a liar gains at most what an honest peer at the edge of the bound
+        has, and only while it keeps sending."""
+        if refused is not None or not 1 <= step <= self.steps:
+            return False
+        return self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1
+
     def deliver(self, peer: int, kind: int, step: int, version: int, body: torch.Tensor, refused: str | None) -> None:
         if kind == DATA:
             parcel = Parcel(peer, step, version, body, refused=refused)
             from_step = self.mailbox.step if peer not in self._published else None  # a sampler's round: our step
             self.mailbox.put(self.latency.schedule(parcel, self.rank, from_step))
-            if peer in self._published:
+            if peer in self._published and self.counts_as_published(step, refused):
                 self._published[peer] = max(self._published[peer], step)
         elif kind == WEIGHTS and refused is None and self.weights is not None:
             self.weights.put(version, body)
