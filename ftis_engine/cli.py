@@ -29,6 +29,11 @@ INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on
 }
 
 
+SET_HELP = ("Override a field: dotted.path=value, list indices allowed (members.1.lr=1e-4). A text field takes the "
+            "value exactly as typed ('#' and ':' included; null clears an optional one); any other field a YAML "
+            "value: 1e-4, [q_proj, v_proj], {gsm8k: data/test.jsonl}, null. Repeatable.")
+
+
 class UsageFailure(Exception):
     """A one-line error for the user; exits with code 2."""
 
@@ -47,7 +52,7 @@ def run_directory(cfg: RunConfig) -> pathlib.Path:
 @app.command()
 def train(
     config: pathlib.Path = typer.Option(..., "--config", help="YAML run config."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value (list indices allowed)."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
     output_dir: pathlib.Path | None = typer.Option(None, "--output-dir", help="Parent of the run directory."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this machine: one per member rank (members.N.ranks) and sampler."),
     resume: bool = typer.Option(False, "--resume", metavar="", help="Continue from the newest complete checkpoint."),
@@ -88,7 +93,7 @@ def evaluate(
     checkpoint: pathlib.Path = typer.Option(..., "--checkpoint", help="checkpoints/step-<N> (or a run directory)."),
     config: pathlib.Path | None = typer.Option(
         None, "--config", help="Default: the run's own config.yaml; another must build the same models."),
-    set_: list[str] = typer.Option([], "--set", help="Override a field: dotted.path=value."),
+    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
 ) -> None:
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from .checkpoint import latest_checkpoint

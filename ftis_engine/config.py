@@ -28,8 +28,30 @@ Beta = typing.Annotated[float, Field(ge=0.0, lt=1.0)]
 Seed = typing.Annotated[int, Field(ge=0, lt=2**63, description="A seed torch accepts: 0 <= seed < 2^63.")]
 
 
+def _number_type(annotation: Any) -> bool:
+    """An int or float field (possibly Annotated, Optional or a Literal of numbers), which a YAML boolean must not
+    fill: pydantic would take `yes` for 1 and `true` for 1.0."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _number_type(typing.get_args(annotation)[0])
+    if origin is Literal:
+        return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in typing.get_args(annotation))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return bool(args) and all(_number_type(a) for a in args)
+    return annotation in (int, float)
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info) -> Any:
+        if isinstance(value, bool) and _number_type(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()} (YAML reads yes, no, on, off, "
+                             "true and false as booleans)")
+        return value
 
 
 SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,99}$")
@@ -461,15 +483,70 @@ def format_validation_error(error: ValidationError) -> str:
     return f"{where}: {message}"
 
 
-def _parse_value(text: str) -> Any:
+def _field_annotation(parts: list[str]) -> Any:
+    """The annotation of the RunConfig field a dotted path names (list indices and dict keys followed), or None
+    when the path names no field (validation then says so)."""
+    annotation: Any = RunConfig
+    for part in parts:
+        while True:  # unwrap Annotated and Optional to the type that holds fields, items or values
+            origin = typing.get_origin(annotation)
+            if origin is typing.Annotated:
+                annotation = typing.get_args(annotation)[0]
+            elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+                args = [a for a in typing.get_args(annotation) if a is not type(None)]
+                if len(args) != 1:
+                    return None
+                annotation = args[0]
+            else:
+                break
+        origin = typing.get_origin(annotation)
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            field = annotation.model_fields.get(part)
+            if field is None:
+                return None
+            annotation = field.annotation
+        elif origin is list and part.lstrip("-").isdigit():
+            annotation = typing.get_args(annotation)[0]
+        elif origin is dict:
+            annotation = typing.get_args(annotation)[1]
+        else:
+            return None
+    return annotation
+
+
+def _text_field(annotation: Any) -> tuple[bool, bool]:
+    """(whether a field takes text: str, an optional str or a Literal of strings; whether it may be null)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _text_field(typing.get_args(annotation)[0])
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        text = len(args) == 1 and _text_field(args[0])[0]
+        return text, text and len(args) < len(typing.get_args(annotation))
+    if origin is Literal:
+        return all(isinstance(v, str) for v in typing.get_args(annotation)), False
+    return annotation is str, False
+
+
+NULLS = ("null", "Null", "NULL", "~")
+
+
+def _parse_value(text: str, annotation: Any = None) -> Any:
+    """An override's value: as typed for a field that takes text (run_name=1.10 stays "1.10", a system prompt
+    keeps its '#' and ':'; null, ~ and nothing give None where the field may be null), else a YAML value
+    ([1, 2], {a: 1}, null, 1e-6), read with the loader config files are read with."""
+    is_text, nullable = _text_field(annotation)
+    if is_text:
+        return None if nullable and text.strip() in (*NULLS, "") else text
     try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError:
+        return yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else ""
+    except (yaml.YAMLError, RecursionError):
         return text
 
 
 def apply_override(raw: dict, assignment: str) -> None:
-    """Apply one `dotted.path=value` override to the raw (unvalidated) config dict; list indices allowed."""
+    """Apply one `dotted.path=value` override to the raw (unvalidated) config dict; list indices allowed. A field
+    that takes text gets the value as typed; any other a YAML value."""
     if "=" not in assignment:
         raise ConfigError(f"--set {' '.join(assignment.split())}: expected KEY=VALUE")
     key, text = assignment.split("=", 1)
@@ -480,7 +557,7 @@ def apply_override(raw: dict, assignment: str) -> None:
     for depth, part in enumerate(parts[:-1]):
         node = _child(node, part, ".".join(parts[: depth + 1]), create=True)
     last = parts[-1]
-    value = _parse_value(text)
+    value = _parse_value(text, _field_annotation(parts))
     if isinstance(node, list):
         index = _index(node, last, key)
         node[index] = value
@@ -510,6 +587,33 @@ def _child(node: Any, part: str, where: str, create: bool) -> Any:
     raise ConfigError(f"--set {where}: not a section")
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A key given twice in one mapping: YAML keeps the second silently (a second `train:` section would replace
+    the first, its micro_batch_tokens and threads lost)."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load's loader, refusing a key given twice in one mapping."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base constructor reports it
+                continue
+            if first is not None:
+                raise DuplicateKeyError(problem=f"key {key!r} is given twice in one section (lines {first + 1} and "
+                                                f"{key_node.start_mark.line + 1}); keep one",
+                                        problem_mark=key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_yaml_map)
+
+
 def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = ConfigError) -> dict:
     """A config file's top-level mapping: UTF-8 (with or without a byte-order mark) or UTF-16 with its mark, as
     editors save them. Anything else raises `error` with one line naming --config and the file."""
@@ -525,11 +629,15 @@ def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = Confi
     except UnicodeDecodeError:
         raise error(f"--config {path}: is not UTF-8 (or UTF-16) text; save it as UTF-8") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except DuplicateKeyError as exc:
+        raise error(f"--config {path}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         raise error(f"--config {path}:{where} is not valid YAML") from None
+    except RecursionError:
+        raise error(f"--config {path}: nested too deep to read") from None
     if not isinstance(raw, dict):
         raise error(f"--config {path}: expected a mapping of sections at the top level")
     return raw

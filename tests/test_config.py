@@ -159,3 +159,49 @@ def test_non_finite_loss_settings_are_refused_at_load_time(override, field):
 
 def test_an_infinite_kl_threshold_disables_the_filter():
     assert load_config(TINY, ["algorithm.kl_threshold=.inf"]).algorithm.kl_threshold == float("inf")
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("data.system_prompt=Think step by step: then answer.", "system_prompt", "Think step by step: then answer."),
+    ("data.system_prompt=Solve it. #1 rule: be brief", "system_prompt", "Solve it. #1 rule: be brief"),
+    ("data.system_prompt=[not, a, list]", "system_prompt", "[not, a, list]"),
+    ("data.system_prompt=null", "system_prompt", None),
+    ("run_name=1.10", "run_name", "1.10"),
+    ("run_name=2024-01-05", "run_name", "2024-01-05"),
+    ("algorithm.method=tis", "method", "tis"),
+    ("members.0.lr=1e-4", "lr", 1e-4),
+    ("members.1.lora.target_modules=[q_proj]", "target_modules", ["q_proj"]),
+])
+def test_a_string_fields_override_is_the_text_as_typed_and_others_are_yaml(override, field, value):
+    config = load_config(TINY, [override])
+    section = {"system_prompt": config.data, "run_name": config, "method": config.algorithm,
+               "lr": config.members[0], "target_modules": config.members[1].lora}[field]
+    assert getattr(section, field) == value
+
+
+@pytest.mark.parametrize("override, field", [("members.0.lr=yes", "members.0.lr"), ("train.steps=true", "train.steps"),
+                                             ("seed=on", "seed"), ("members.0.vllm.sleep_level=true",
+                                                                   "members.0.vllm.sleep_level"),
+                                             ("train.threads=false", "train.threads")])
+def test_a_yaml_boolean_never_becomes_a_number(override, field):
+    with pytest.raises(ConfigError, match=rf"^{field}: expected a number, got the boolean"):
+        load_config(TINY, [override])
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("run_name: x\nmembers:\n- name: a\n  model: builtin:tiny-s\ntrain:\n  steps: 2\n"
+                    "train:\n  threads: 1\n")
+    with pytest.raises(ConfigError, match=r"--config .*dup.yaml: key 'train' is given twice in one section "
+                                          r"\(lines 5 and 7\); keep one$"):
+        load_config(path)
+    path.write_text("run_name: x\nmembers:\n- name: a\n  model: builtin:tiny-s\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(ConfigError, match=r"key 'lr' is given twice in one section \(lines 5 and 6\)"):
+        load_config(path)
+
+
+def test_a_config_nested_thousands_deep_is_one_line(tmp_path):
+    path = tmp_path / "deep.yaml"
+    path.write_text("x: " + "[" * 5000 + "]" * 5000)
+    with pytest.raises(ConfigError, match=r"--config .*deep.yaml: nested too deep to read$"):
+        load_config(path)
