@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import threading
 from collections.abc import Callable
@@ -118,9 +119,18 @@ def load_reward(path: str) -> Reward:
         raise ValueError(f"expected 'module:function', got {path!r}")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"cannot import {module_name!r}: {exc}") from None
+    except Exception as exc:  # not found, or the module itself fails at import (a syntax error, an exception)
+        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}{where}: "
+                         f"{' '.join(str(exc).split())[:200]}") from None
     reward = getattr(module, attr, None)
     if not callable(reward):
         raise ValueError(f"{path!r} is not a callable in {module_name}")
+    try:
+        inspect.signature(reward).bind("completion", "gold")
+    except TypeError:
+        raise ValueError(f"{path!r} must take two arguments (completion, gold); its signature is "
+                         f"{inspect.signature(reward)}") from None
+    except ValueError:  # a callable without a signature (a builtin): called as it is
+        pass
     return reward

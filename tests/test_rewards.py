@@ -94,3 +94,100 @@ def test_a_math_verify_time_out_is_no_verdict_not_a_zero(monkeypatch):
     with pytest.raises(RewardTimeout, match="timed out"):
         binary_answer_reward("<think>x</think><answer>12</answer>", "12")
     assert binary_answer_reward("no tags at all", "12") == 0.0  # nothing to parse: a verdict
+
+
+BAD_REWARDS = '''
+import math
+import torch
+
+
+def raises(completion, gold):
+    raise KeyError("no such thing")
+
+
+def nan(completion, gold):
+    return math.nan
+
+
+def inf(completion, gold):
+    return math.inf
+
+
+def none(completion, gold):
+    return None
+
+
+def text(completion, gold):
+    return "1.0"
+
+
+def tensor(completion, gold):
+    return torch.tensor(1.0)
+
+
+def one_argument(completion):
+    return 1.0
+
+
+def good(completion, gold):
+    return float(completion.strip() == gold)
+'''
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch):
+    (tmp_path / "user_rewards.py").write_text(BAD_REWARDS)
+    (tmp_path / "broken_syntax.py").write_text("def r(completion, gold)\n    return 1\n")
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('no GPU here')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "user_rewards"
+
+
+@pytest.mark.parametrize("name, said", [
+    ("raises", r"raised KeyError: 'no such thing'"), ("nan", r"returned nan \(float\); a reward is a finite number"),
+    ("inf", r"returned inf \(float\)"), ("none", r"returned None \(NoneType\)"), ("text", r"returned '1.0' \(str\)"),
+    ("tensor", r"returned tensor\(1.\) \(Tensor\)"),
+])
+def test_a_user_reward_that_fails_stops_with_one_line_naming_it_and_the_completion(reward_module, name, said):
+    from ftis_engine.tasks import Example, Task
+    from ftis_engine.tasks.base import RewardError
+
+    from .test_admission import DigitTokenizer
+
+    task = Task("digits", [Example("q", "7")], {}, load_reward(f"{reward_module}:{name}"))
+    with pytest.raises(RewardError, match=rf"^data.reward: user_rewards:{name}\('123', '7'\) {said}") as caught:
+        task.score(DigitTokenizer(), [[1, 2, 3]], [Example("q", "7")])
+    assert "\n" not in str(caught.value)
+    good = Task("digits", [Example("q", "7")], {}, load_reward(f"{reward_module}:good"))
+    assert good.score(DigitTokenizer(), [[7], [3]], [Example("q", "7")] * 2) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("path, said", [
+    ("user_rewards:one_argument", r"must take two arguments \(completion, gold\); its signature is \(completion\)"),
+    ("broken_syntax:r", r"cannot import 'broken_syntax': SyntaxError \(line 1\)"),
+    ("raises_at_import:r", r"cannot import 'raises_at_import': RuntimeError: no GPU here"),
+    ("user_rewards:missing", r"is not a callable in user_rewards"),
+])
+def test_a_reward_that_cannot_be_loaded_or_called_with_two_arguments_is_refused_at_load(reward_module, path, said):
+    with pytest.raises(ValueError, match=said):
+        load_reward(path)
+
+
+@pytest.mark.slow
+def test_a_run_whose_reward_returns_nan_exits_2_with_one_line_before_any_update(reward_module, tmp_path):
+    import subprocess
+    import sys
+
+    from .helpers import SHORT, TINY
+
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
+    for override in [*SHORT, "data.reward=user_rewards:nan", "eval.at_start=false"]:
+        args += ["--set", override]
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 2, done.stderr
+    error = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and "Traceback" not in done.stderr
+    assert error[0].startswith("error: data.reward: user_rewards:nan(") and "returned nan" in error[0]
+    assert not (tmp_path / "tiny" / "checkpoints").exists()

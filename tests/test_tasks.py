@@ -104,3 +104,46 @@ def test_arith_eval_sets_are_fixed_disjoint_from_training_and_ood_is_longer():
 def test_an_unknown_style_is_refused_by_name():
     with pytest.raises(ValueError, match="unknown style 'rows'"):
         arith.demonstrations("rows", 1, seed=0)
+
+
+def test_gsm8k_calc_is_the_calculator_steps_of_gsm8ks_solutions_held_out_by_expression(shared_data):
+    """gsm8k-calc: each distinct <<expression=result>> step of one or two operations with a whole-number result,
+    "Compute <expression>." -> the result, whose value is the expression's (not the annotation's, which GSM8K
+    sometimes rounds); eval steps that occur in a training solution are left out."""
+    import json
+    import re
+
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+    from ftis_engine.tasks.math import _evaluate
+
+    from .helpers import TINY
+
+    data = shared_data / "gsm8k"
+    config = load_config(TINY, ["data.task=gsm8k-calc", f"data.train_path={data / 'train.jsonl'}",
+                                f"data.eval_paths={{gsm8k-calc: {data / 'test.jsonl'}}}"])
+    task = load_task(config.data, 0)
+    assert list(task.evals) == ["gsm8k-calc"] and task.system_prompt.startswith("You are a calculator")
+    assert len(task.train) > 5000 and len(task.evals["gsm8k-calc"]) > 500
+    trained = {ex.question for ex in task.train}
+    assert not trained & {ex.question for ex in task.evals["gsm8k-calc"]}
+    assert len(trained) == len(task.train)  # distinct
+    first = json.loads((data / "train.jsonl").open().readline())["answer"]  # "<<48/2=24>>" ...
+    steps = re.findall(r"<<([^=<>]+)=", first)
+    assert any(f"Compute {s.strip()}." in trained for s in steps)
+    for example in task.train[:500]:
+        expression = example.question.removeprefix("Compute ").removesuffix(".")
+        assert 1 <= len(re.findall(r"(?<=[\d.)])\s*[-+*/]", expression)) <= 2
+        assert str(int(_evaluate(expression))) == example.answer
+    assert task.reward("Sure! 7*3 = 21.", "21") == 1.0 and task.reward("21 is it? no, 22", "21") == 0.0
+
+
+@pytest.mark.parametrize("completion, gold, reward", [
+    ("42", "42", 1.0), ("The result is 1,234.", "1234", 1.0), ("<answer>5</answer> then 6", "5", 1.0),
+    ("<think>2+3</think><answer>5</answer>", "5", 1.0), ("3.50", "3.5", 1.0), ("-2", "-2", 1.0),
+    ("no number here", "3", 0.0), ("4 and then 5", "4", 0.0), ("<answer></answer> 7", "7", 1.0),
+])
+def test_final_answer_reward_takes_the_last_answer_block_or_else_the_last_number(completion, gold, reward):
+    from ftis_engine.rewards import final_answer_reward
+
+    assert final_answer_reward(completion, gold) == reward

@@ -109,5 +109,17 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write_outputs(study, groups, summary, output_dir)
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(runs)} runs failed; see {failed[0].log_path}")
+        said = last_error(failed[0].log_path)
+        raise RuntimeError(f"{len(failed)} of {len(runs)} runs failed ({failed[0].group} seed {failed[0].seed}"
+                           + (f": {said}" if said else "") + f"); see {failed[0].log_path}")
     return summary
+
+
+def last_error(log_path: pathlib.Path) -> str | None:
+    """The one-line error a failed run printed last ("error: ..."), without its prefix; None when it printed none."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]
+    return errors[-1] if errors else None

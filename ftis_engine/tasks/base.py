@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,11 +47,38 @@ class Task:
         rewards: list[float | None] = []
         for text, example in zip(texts, examples, strict=True):
             try:
-                rewards.append(float(self.reward(text, example.answer)))
+                rewards.append(self.call_reward(text, example.answer))
             except RewardTimeout:
                 rewards.append(undecided)
         return rewards
 
+    def call_reward(self, text: str, gold: str) -> float:
+        """The reward of one completion as a float. A reward that raises (anything but RewardTimeout) or returns
+        anything but a finite real number (NaN, inf, None, a string, a tensor) stops here with RewardError naming
+        data.reward, the function, what it did and the completion, before a NaN can reach the loss."""
+        name = f"{getattr(self.reward, '__module__', '?')}:{getattr(self.reward, '__qualname__', repr(self.reward))}"
+        call = f"{name}({_clip(text)!r}, {_clip(gold)!r})"
+        try:
+            value = self.reward(text, gold)
+        except RewardTimeout:
+            raise
+        except Exception as exc:
+            message = " ".join(str(exc).split())[:200]
+            raise RewardError(f"data.reward: {call} raised {type(exc).__name__}" + (f": {message}" if message else "")
+                              ) from None
+        if isinstance(value, numbers.Real) and math.isfinite(value):
+            return float(value)
+        raise RewardError(f"data.reward: {call} returned {_clip(repr(value))} ({type(value).__name__}); a reward is "
+                          "a finite number")
+
 
 class TaskError(ValueError):
     """A task, dataset or path that cannot be loaded; the message names the config field."""
+
+
+class RewardError(TaskError):
+    """A reward function that raised or returned something other than a finite number (data.reward)."""
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
