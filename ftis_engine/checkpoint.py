@@ -121,14 +121,31 @@ def staging_dir(run_dir: pathlib.Path, step: int) -> pathlib.Path:
     return checkpoint_root(run_dir) / f".tmp-step-{step}"
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a quota, a read-only place): its staging directory is
+    removed and the newest complete checkpoint stays as it was."""
+
+
 def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimizer: bool) -> pathlib.Path:
-    """Write the members this process holds into the step's staging directory (every rank may add its own)."""
+    """Write the members this process holds into the step's staging directory (every rank may add its own). A
+    write that fails (torch.save reports a full disk as a RuntimeError) removes the staging directory and raises
+    CheckpointWriteError (weights that turned non-finite still raise DivergenceError)."""
     tmp = staging_dir(run_dir, step)
-    for member in members:
-        target = tmp / "members" / member.name
-        if target.exists():
-            shutil.rmtree(target)
-        save_member(member, target, save_optimizer)
+    try:
+        for member in members:
+            target = tmp / "members" / member.name
+            if target.exists():
+                shutil.rmtree(target)
+            save_member(member, target, save_optimizer)
+    except DivergenceError:
+        raise
+    except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError: all say "I/O"
+        shutil.rmtree(tmp, ignore_errors=True)
+        newest = latest_checkpoint(run_dir)
+        kept = f"the newest complete one, step-{newest[0]}, is intact" if newest else "no complete one was written"
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:160]
+        raise CheckpointWriteError(f"checkpoint step-{step} could not be written into {checkpoint_root(run_dir)} "
+                                   f"({reason}); {kept}: free space, then --resume") from None
     return tmp
 
 

@@ -5,6 +5,7 @@ A bad config, override or path exits with code 2 and one line naming the field, 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import sys
 
 import typer
 
+from .checkpoint import CheckpointWriteError
 from .config import ConfigError, RunConfig, dump_config, load_config
 from .progress import quiet_libraries
 from .tasks import TaskError
@@ -125,18 +127,32 @@ def plot(
                                      help="With several runs: the overlay figure's file."),
 ) -> None:
     """One run: each member's validation curve and the loss stats over steps (RUN_DIR/plots/*.png). Several runs:
-    their validation curves overlaid in one figure (--out)."""
-    from .plots import NothingToPlot, make_plots, overlay_plots
+    their validation curves overlaid in one figure (--out: a .png, .pdf or .svg file, or a directory to put
+    overlay.png in)."""
+    from .metrics import MetricsError
+    from .plots import FIGURE_SUFFIXES, NothingToPlot, make_plots, overlay_plots
 
     for run_dir in run_dirs:
-        if not (run_dir / "metrics.jsonl").is_file():
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists() and not metrics.is_file():
+            raise UsageFailure(f"RUN_DIR {run_dir}: its metrics.jsonl is not a file")
+        if not metrics.is_file():
             raise UsageFailure(f"RUN_DIR {run_dir}: no metrics.jsonl there")
+    if len(run_dirs) > 1:
+        if out.is_dir():
+            out = out / "overlay.png"
+        if out.suffix.lower() not in FIGURE_SUFFIXES:
+            raise UsageFailure(f"--out {out}: the figure's file must end in {', '.join(FIGURE_SUFFIXES)} (or be a "
+                               "directory)")
     try:
         written = make_plots(run_dirs[0]) if len(run_dirs) == 1 else [overlay_plots(run_dirs, out)]
     except NothingToPlot as exc:
         raise UsageFailure(f"RUN_DIR {' '.join(map(str, run_dirs))}: {exc}") from None
+    except MetricsError as exc:
+        raise UsageFailure(f"RUN_DIR {exc}") from None
     except OSError as exc:
-        raise UsageFailure(f"--out {out}: cannot write it ({exc.strerror or type(exc).__name__})") from None
+        where = f"--out {out}" if len(run_dirs) > 1 else f"RUN_DIR {run_dirs[0]}: {run_dirs[0] / 'plots'}"
+        raise UsageFailure(f"{where}: cannot write it ({exc.strerror or type(exc).__name__})") from None
     for path in written:
         typer.echo(str(path))
 
@@ -210,6 +226,13 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc))
     except DivergenceError as exc:
         _fail(str(exc), code=1)
+    except OSError as exc:  # a full disk or a quota while the run writes: what to do, in one line
+        if not isinstance(exc, CheckpointWriteError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        detail = str(exc) if isinstance(exc, CheckpointWriteError) else \
+            f"{exc.strerror} writing {exc.filename or 'the run directory'}; the newest complete checkpoint is intact: " \
+            "free space, then --resume"
+        _fail(detail, code=1)
     except _UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:
             sys.stdout.write(exc.ctx.get_help() + "\n")

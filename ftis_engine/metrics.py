@@ -191,36 +191,70 @@ class MetricsLogger:
             self._tb.close()
 
 
-def read_metrics(path: pathlib.Path) -> list[dict]:
-    """The records of a metrics.jsonl. A last line torn by a crash is left out silently; a broken line before
-    the last ends the readable log too, and a warning says which line and how many were left out."""
+class MetricsError(OSError):
+    """A metrics.jsonl that cannot be read at all (a directory, unreadable): one line naming it."""
+
+
+def is_record(record: object) -> bool:
+    """A line the engine can use: a JSON object with a string kind and member and a whole-number step."""
+    return (isinstance(record, dict) and isinstance(record.get("kind"), str) and isinstance(record.get("member"), str)
+            and isinstance(record.get("step"), int) and not isinstance(record.get("step"), bool))
+
+
+def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]]]:
+    """(the records of a metrics.jsonl, [(line number, text)] of the lines that are not records). Raises
+    MetricsError when the file cannot be read."""
     if not path.exists():
-        return []
-    lines = [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
+        return [], []
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    records, bad = [], []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             record = None
-        if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
-            if number < len(lines):
-                log.warning("%s: line %d is not a record (a JSON object with a kind); it and the %d line(s) after it "
-                            "are left out", path, number, len(lines) - number)
-            break
-        records.append(record)
+        if is_record(record):
+            records.append(record)
+        else:
+            bad.append((number, line))
+    return records, bad
+
+
+def read_metrics(path: pathlib.Path) -> list[dict]:
+    """The records of a metrics.jsonl: every line that is one (is_record). A line that is not (edited by hand,
+    without member or with a text step) is skipped, and a warning says which; the others all count. A last line
+    torn by a crash is skipped silently. Raises MetricsError when the file cannot be read."""
+    records, bad = read_lines(path)
+    last = len(path.read_text(encoding="utf-8", errors="replace").splitlines()) if bad else 0
+    bad = [(n, line) for n, line in bad if n < last]  # a last line torn by a crash: left out silently
+    if bad:
+        shown = ", ".join(str(n) for n, _ in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        log.warning("%s: line(s) %s are not records (a JSON object with a kind, a member and a whole-number step); "
+                    "skipped", path, shown)
     return records
 
 
 def truncate_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
-    """Keep only the records of steps <= last_step (the resumed run rewrites what came after), atomically;
-    returns the records dropped."""
-    records = read_metrics(path)
-    kept = [r for r in records if r.get("step", 0) <= last_step]
+    """Keep every record of a step <= last_step (the resumed run rewrites what came after), atomically; a line
+    that is no record is moved to metrics.jsonl.bad beside it (appended, with its line number), never lost and
+    never read again. Returns the records dropped."""
+    records, bad = read_lines(path)
+    kept = [r for r in records if r["step"] <= last_step]
+    if bad:
+        aside = path.with_name(path.name + ".bad")
+        with open(aside, "a", encoding="utf-8") as out:
+            out.writelines(f"{number}\t{line}\n" for number, line in bad)
+        log.warning("%s: %d line(s) that are not records (first: line %d) moved to %s; the %d record(s) up to "
+                    "step %d are kept", path, len(bad), bad[0][0], aside, len(kept), last_step)
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     os.replace(tmp, path)
-    return [r for r in records if r.get("step", 0) > last_step]
+    return [r for r in records if r["step"] > last_step]
 
 
 def resume_records(step: int, names: list[str], dropped: list[dict]) -> list[dict]:

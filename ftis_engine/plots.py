@@ -35,6 +35,15 @@ def running_mean(values, window: int) -> list[float]:
     return out
 
 
+def eval_records(records: list[dict]) -> list[dict]:
+    """The eval records that can be drawn: a text dataset and a numeric accuracy (a hand-edited line may lack them)."""
+    return [r for r in records if r["kind"] == "eval" and isinstance(r.get("dataset"), str)
+            and isinstance(r.get("accuracy"), (int, float)) and not isinstance(r.get("accuracy"), bool)]
+
+
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+
+
 def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
     """Write plots/eval.png and plots/train.png from run_dir/metrics.jsonl; returns the files written."""
     import matplotlib
@@ -50,7 +59,7 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
     written = []
     members = sorted({r["member"] for r in records}, key=[r["member"] for r in records].index)
 
-    evals = [r for r in records if r["kind"] == "eval"]
+    evals = eval_records(records)
     datasets = sorted({r["dataset"] for r in evals})
     if datasets:
         fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 3.6), squeeze=False)
@@ -73,7 +82,8 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
         window = max(1, len({r["step"] for r in train}) // 20)  # about 20 windows over the run
         for ax, key in zip(axes.flat, TRAIN_KEYS):
             for i, member in enumerate(members):
-                points = sorted((r["step"], r[key]) for r in train if r["member"] == member and r.get(key) is not None)
+                points = sorted((r["step"], r[key]) for r in train if r["member"] == member
+                                and isinstance(r.get(key), (int, float)))
                 if not points:
                     continue
                 steps, values = zip(*points)
@@ -112,7 +122,7 @@ def overlay_plots(run_dirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Pa
     curves: dict[tuple[str, str], list[tuple[str, list[tuple[int, float]]]]] = {}
     for run_dir in run_dirs:
         label = run_label(run_dir, run_dirs)
-        evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["kind"] == "eval"]
+        evals = eval_records(read_metrics(run_dir / "metrics.jsonl"))
         for key in dict.fromkeys((r["member"], r["dataset"]) for r in evals):
             points = sorted((r["step"], r["accuracy"]) for r in evals if (r["member"], r["dataset"]) == key)
             curves.setdefault(key, []).append((label, points))

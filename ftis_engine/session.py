@@ -120,6 +120,9 @@ def holds_run(run_dir: pathlib.Path) -> bool:
 
 def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
     """A new run never writes into a directory that holds one (that needs --resume), and --resume needs one."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and not metrics.is_file():
+        raise RunDirError(f"run_name: {metrics} is not a file (a run's metrics log is); move it away")
     if holds_run(run_dir) and not resume:
         raise RunDirError(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
                           "another run_name/--output-dir")

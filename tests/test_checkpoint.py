@@ -105,3 +105,46 @@ def test_a_step_is_complete_only_when_every_member_has_staged_it(tmp_path):
         stage_members(tmp_path, step, [a, b], save_optimizer=False)
         finalize_when_staged(tmp_path, step, state, keep_last=2)
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 6]  # keep_last
+
+
+@pytest.mark.slow
+def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_resume_works_once_space_is_free(tmp_path):
+    """On a small tmpfs (needs root; skipped otherwise): the run checkpoints step 2, the disk is then filled to all
+    but 200 kB, and the resumed run's step-4 checkpoint cannot be written: exit 1, one line, no traceback, no
+    staging left, step-2 intact. With the space freed, --resume finishes the run."""
+    import os
+    import subprocess
+    import sys
+
+    from .helpers import SHORT, TINY
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(disk)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        def train(steps: int, *extra: str) -> subprocess.CompletedProcess:
+            args = ["train", "--config", str(TINY), "--output-dir", str(disk)]
+            for override in [*SHORT, "eval.every=0", "eval.at_start=false", f"train.steps={steps}",
+                             "checkpoint.keep_last=1"]:
+                args += ["--set", override]
+            return subprocess.run([sys.executable, "-m", "ftis_engine", *args, *extra], capture_output=True,
+                                  text=True, timeout=300)
+
+        assert train(2).returncode == 0
+        stat = os.statvfs(disk)
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 200_000))
+        full = train(4, "--resume")
+        assert full.returncode == 1, full.stderr
+        assert "Traceback" not in full.stderr
+        error = [line for line in full.stderr.splitlines() if line.startswith("error:")]
+        assert len(error) == 1 and "step-2, is intact: free space, then --resume" in error[0], full.stderr
+        root = disk / "tiny" / "checkpoints"
+        assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".finalize")) == ["step-2"]
+        filler.unlink()
+        assert train(4, "--resume").returncode == 0
+        assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-4"]
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)

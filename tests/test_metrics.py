@@ -78,8 +78,27 @@ def test_a_torn_last_line_is_left_out_silently_and_a_broken_middle_line_with_a_w
     assert not caplog.messages
     path.write_text(good + "\n" + "[1, 2]\n" + good + "\n" + good + "\n")  # valid JSON, but no record
     with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
-        assert len(read_metrics(path)) == 1
-    assert "line 2 is not a record" in caplog.text and "2 line(s) after it are left out" in caplog.text
+        assert len(read_metrics(path)) == 3  # the records after it still count
+    assert "line(s) 2 are not records" in caplog.text
+
+
+def test_a_resume_never_drops_a_valid_record_and_keeps_the_unreadable_lines_aside(tmp_path):
+    """One malformed line among 26 (steps 1-10 of two members, evals every 5; checkpoint at 5): every valid record
+    up to the checkpoint stays, the records after it go, the bad line (and a record without member, one with a
+    text step) is moved to metrics.jsonl.bad with its line number."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "member": m, "kind": "train", "own_sequences": 8})
+             for s in range(1, 11) for m in ("a", "b")]
+    lines[2] = "GARBAGE"  # step 2 of member a
+    lines += [json.dumps({"step": 3, "kind": "train"}), json.dumps({"step": "4", "member": "a", "kind": "eval"})]
+    path.write_text("\n".join(lines) + "\n")
+    dropped = truncate_metrics(path, 5)
+    kept = read_metrics(path)
+    assert [(r["step"], r["member"]) for r in kept] == [(s, m) for s in range(1, 6) for m in ("a", "b")
+                                                        if (s, m) != (2, "a")]
+    assert len(dropped) == 10 and all(r["step"] > 5 for r in dropped)
+    aside = (tmp_path / "metrics.jsonl.bad").read_text().splitlines()
+    assert aside == ["3\tGARBAGE", f"21\t{lines[20]}", f"22\t{lines[21]}"]
 
 
 def test_resident_memory_is_reported_in_mib():

@@ -34,3 +34,33 @@ def test_plot_of_a_log_whose_lines_are_json_but_no_records_is_one_line(tmp_path)
     result = cli("plot", tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: RUN_DIR {tmp_path}:") and "Traceback" not in result.stderr
+
+
+def test_plot_draws_from_a_hand_damaged_log_and_refuses_what_it_cannot_write_in_one_line(tmp_path, capsys):
+    """Lines without a member, with a text step or an eval without a dataset are skipped (the rest drawn); --out
+    must name a figure file (.png, .pdf, .svg) or a directory; a file where plots/ belongs names RUN_DIR; a
+    metrics.jsonl that is a directory is refused by name."""
+    from .test_e2e import run_cli
+
+    good = [{"step": s, "member": "a", "kind": "eval", "dataset": "x", "accuracy": s / 10} for s in (0, 5)]
+    bad = ['{"member": "a", "kind": "eval"}', '{"step": "2", "member": "a", "kind": "eval"}',
+           '{"step": 3, "kind": "train"}', '{"step": 4, "member": "a", "kind": "eval"}', "GARBAGE"]
+    for name in ("R1", "R2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join([json.dumps(r) for r in good] + bad) + "\n")
+    assert run_cli("plot", str(tmp_path / "R1")) == 0
+    assert (tmp_path / "R1" / "plots" / "eval.png").is_file()
+    (tmp_path / "dir").mkdir()
+    assert run_cli("plot", str(tmp_path / "R1"), str(tmp_path / "R2"), "--out", str(tmp_path / "dir")) == 0
+    assert capsys.readouterr().out.strip().endswith(str(tmp_path / "dir" / "overlay.png"))
+    for out in ("x.txt", "name"):
+        assert run_cli("plot", str(tmp_path / "R1"), str(tmp_path / "R2"), "--out", str(tmp_path / out)) == 2
+        assert f"--out {tmp_path / out}: the figure's file must end in .png, .pdf, .svg" in capsys.readouterr().err
+    (tmp_path / "R3").mkdir()
+    (tmp_path / "R3" / "metrics.jsonl").write_text(json.dumps(good[0]) + "\n")
+    (tmp_path / "R3" / "plots").write_text("a file where the plots directory goes")
+    assert run_cli("plot", str(tmp_path / "R3")) == 2
+    assert f"error: RUN_DIR {tmp_path / 'R3'}: {tmp_path / 'R3' / 'plots'}: cannot write it" in capsys.readouterr().err
+    (tmp_path / "R4" / "metrics.jsonl").mkdir(parents=True)
+    assert run_cli("plot", str(tmp_path / "R4")) == 2
+    assert "its metrics.jsonl is not a file" in capsys.readouterr().err
