@@ -30,6 +30,7 @@ DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printe
 def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
     """Run the swarm in several processes; returns the exit code for the command line."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
+        check_rank_environment(os.environ)
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
     if nproc != len(process_roles(config)):
         raise ConfigError(f"--nproc {nproc}: {needed_processes(config)}")
@@ -42,6 +43,29 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         if any(m.ranks > 1 or m.samplers for m in config.members):
             print(f"rank layout:\n{describe_layout(config)}", flush=True)
         return _launch(config, run_dir, resume, nproc)
+
+
+def check_rank_environment(env) -> None:
+    """RANK and WORLD_SIZE say this process is one rank of a torchrun launch: the rest of what torchrun sets must
+    be there and make sense, or the process group fails deep inside torch (KeyError: 'MASTER_ADDR')."""
+    def number(name: str, low: int, high: int | None = None) -> int:
+        try:
+            value = int(env[name])
+        except (KeyError, ValueError):
+            raise ConfigError(f"{name}: {env.get(name)!r} is not a whole number (RANK and WORLD_SIZE are set, so this "
+                              "process runs as one rank of torchrun; unset them to run alone)") from None
+        if value < low or (high is not None and value >= high):
+            raise ConfigError(f"{name}: {value} is outside {low}..{'' if high is None else high - 1}")
+        return value
+
+    world = number("WORLD_SIZE", 1)
+    number("RANK", 0, world)
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not env.get(name)]
+    if missing:
+        raise ConfigError(f"{missing[0]}: not set, but RANK and WORLD_SIZE are (a torchrun launch sets all four): "
+                          "start the ranks with torchrun, or unset RANK and WORLD_SIZE to run in one process "
+                          "(--nproc N starts N ranks itself)")
+    number("MASTER_PORT", 1, 65536)
 
 
 def needed_processes(config: RunConfig) -> str:

@@ -24,7 +24,7 @@ from ftis_kernels import LossConfig, resolve_backend
 from . import layers
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member, restore_optimizer_shard
 from .config import ConfigError, RunConfig, config_differences, rank_roles
-from .errors import first_line
+from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import FOREIGN_EXPANSION, Admission, RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
@@ -458,7 +458,7 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
         except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
             _replaced(checkpoint, what)
             raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "
-                              f"({type(exc).__name__}: {first_line(exc)})") from None
+                              f"({describe_load_error(exc)})") from None
         member.generator.sync(member.model)
     return step
 
@@ -470,7 +470,7 @@ def restore_shard(member: Member, checkpoint: pathlib.Path, what: str) -> None:
     except Exception as exc:
         _replaced(checkpoint, what)
         raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r}'s optimizer shard "
-                          f"({type(exc).__name__}: {first_line(exc)})") from None
+                          f"({describe_load_error(exc)})") from None
 
 
 def _replaced(checkpoint: pathlib.Path, what: str) -> None:

@@ -10,12 +10,16 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import pathlib
 
 import torch
 
+from .config import ConfigError
 from .precision import autocast, make_optimizer
+
+log = logging.getLogger("ftis_engine")
 
 # Bump when the supervised phase or the demonstrations change: cached weights of an older version are not reused.
 VERSION = 1
@@ -33,9 +37,14 @@ def cache_key(model_spec: str, init_seed: int, task_name: str, settings, dtype: 
 
 @contextlib.contextmanager
 def _locked(path: pathlib.Path):
-    """One process computes a cache entry; the others wait for it (flock, released by the OS on any exit)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """One process computes a cache entry; the others wait for it (flock, released by the OS on any exit). A cache
+    directory that cannot be made or written (FTIS_CACHE_DIR a file, a read-only place) is one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"FTIS_CACHE_DIR: cannot keep warm starts in {path.parent} ({exc.strerror or exc}); point "
+                          "it at a writable directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -51,13 +60,35 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
     key = cache_key(model_spec, init_seed, task.name, settings, dtype, len(tokenizer))
     path = cache_dir() / f"{key}.pt"
     with _locked(path.with_suffix(".lock")):
-        if not path.is_file():
+        state = _read(path, device)
+        if state is None:
             state = supervised_phase(model, tokenizer, task, settings, init_seed, device, dtype)
             partial = path.with_suffix(f".tmp{os.getpid()}")
-            torch.save(state, partial)
-            os.replace(partial, path)  # readers see a whole file or none
-    model.load_state_dict(torch.load(path, map_location=device, weights_only=True))
+            try:
+                torch.save(state, partial)
+                os.replace(partial, path)  # readers see a whole file or none
+            except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
+                partial.unlink(missing_ok=True)
+                reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:120]
+                raise ConfigError(f"FTIS_CACHE_DIR: cannot write {path} ({reason})") from None
+    model.load_state_dict(state)
     return path
+
+
+def _read(path: pathlib.Path, device: torch.device) -> dict | None:
+    """A cached warm start, or None when there is none or it is broken (truncated, not a plain state dict, or one
+    that would run code when loaded): a broken one is said and rebuilt, never fatal to every later run."""
+    if not path.is_file():
+        return None
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
+            return state
+        problem = "not a state dict of tensors"
+    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError... for a damaged file
+        problem = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+    log.warning("warm start cache entry %s cannot be used (%s): computing it again", path, problem)
+    return None
 
 
 def supervised_phase(model: torch.nn.Module, tokenizer, task, settings, init_seed: int,

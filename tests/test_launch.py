@@ -32,3 +32,18 @@ def test_nproc_must_be_one_process_per_member_and_sampler(tmp_path, monkeypatch)
 ])
 def test_a_collectives_failure_is_a_lost_peer_and_anything_else_a_failure(message, lost):
     assert _collective_failure(RuntimeError(message)) is lost
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR: not set, but RANK and WORLD_SIZE are"),
+    ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, "RANK: 'x' is not a whole number"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "1"}, r"RANK: 2 is outside 0..1"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "a", "MASTER_PORT": "99999"}, "MASTER_PORT: 99999 is outside"),
+])
+def test_a_half_set_torchrun_environment_is_one_line_naming_the_variable(env, message):
+    from ftis_engine.config import ConfigError
+    from ftis_engine.launch import check_rank_environment
+
+    with pytest.raises(ConfigError, match=message):
+        check_rank_environment(env)
+    check_rank_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})

@@ -115,6 +115,20 @@ def test_a_resume_without_the_optimizer_or_rng_state_is_refused_naming_the_file_
     assert step == 2
 
 
+def test_a_checkpoint_file_that_would_run_code_is_refused_without_torchs_advice_to_load_it_unsafely(trained, tmp_path):
+    import os
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    with open(copy / "checkpoints" / "step-2" / "members" / "tiny-s" / "rng.pt", "wb") as f:
+        __import__("pickle").dump({"torch": os.getcwd}, f)  # a callable: weights_only refuses it
+    with pytest.raises(RunDirError, match=r"cannot load member 'tiny-s' \(UnpicklingError: it holds pickled objects "
+                                          r"other than tensors and plain values; refused unread") as caught:
+        open_run(config, copy, resume=True)
+    assert "weights_only" not in str(caught.value)
+
+
 def test_an_adapter_that_does_not_fit_the_member_is_refused_instead_of_resuming_a_fresh_one(trained, tmp_path):
     """set_peft_model_state_dict loads what matches and ignores the rest: an adapter saved for other modules would
     leave the member's own adapter at its fresh init. It is refused, naming the file."""

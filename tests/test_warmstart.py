@@ -133,3 +133,38 @@ def test_members_with_the_same_seed_offset_start_as_twins_at_every_run_seed(cach
     a, b = (build_member(i, config, tokenizer, torch.device("cpu"), task).causal_lm.state_dict() for i in (0, 1))
     assert member_init_seed(config, 1) == 6 and not all(torch.equal(a[k], b[k]) for k in a)
     assert member_init_seed(short_config(*twins, "members.1.seed_offset=0", "members.1.seed=9"), 1) == 9
+
+
+@pytest.mark.parametrize("damage", ["truncated", "code", "not-a-state-dict"])
+def test_a_broken_cache_entry_is_said_and_rebuilt_never_fatal(cache, damage, caplog):
+    import logging
+    import pickle
+
+    settings = WarmStartSettings(style="columns", steps=3)
+    tokenizer, task, first = _setup()
+    path = warmstart.warm_start(first, tokenizer, task, settings, "builtin:tiny-s", 0, torch.device("cpu"))
+    good = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(good[: len(good) // 2])
+    elif damage == "code":  # a pickle that would run code when loaded without weights_only
+        path.write_bytes(pickle.dumps(__import__("os").getcwd))
+    else:
+        torch.save({"weights": [1, 2]}, path)
+    _, _, second = _setup()
+    with caplog.at_level(logging.WARNING, logger="ftis_engine"):
+        assert warmstart.warm_start(second, tokenizer, task, settings, "builtin:tiny-s", 0, torch.device("cpu")) == path
+    assert "cannot be used" in caplog.text and "computing it again" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert torch.load(path, weights_only=True).keys() == first.state_dict().keys()  # replaced by a good one
+
+
+def test_a_cache_directory_that_cannot_be_used_is_one_line_naming_ftis_cache_dir(tmp_path, monkeypatch):
+    from ftis_engine.config import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("FTIS_CACHE_DIR", str(blocker))
+    tokenizer, task, model = _setup()
+    with pytest.raises(ConfigError, match=r"^FTIS_CACHE_DIR: cannot keep warm starts in .*a-file/warm-start"):
+        warmstart.warm_start(model, tokenizer, task, WarmStartSettings(style="columns", steps=3), "builtin:tiny-s", 0,
+                             torch.device("cpu"))
