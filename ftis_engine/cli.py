@@ -226,13 +226,14 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc))
     except DivergenceError as exc:
         _fail(str(exc), code=1)
-    except OSError as exc:  # a full disk or a quota while the run writes: what to do, in one line
-        if not isinstance(exc, CheckpointWriteError) and exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        detail = str(exc) if isinstance(exc, CheckpointWriteError) else \
-            f"{exc.strerror} writing {exc.filename or 'the run directory'}; the newest complete checkpoint is intact: " \
-            "free space, then --resume"
-        _fail(detail, code=1)
+    except OSError as exc:  # what the machine refused while writing: what to do, in one line
+        if isinstance(exc, CheckpointWriteError) or exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            _fail(str(exc) if isinstance(exc, CheckpointWriteError) else
+                  f"{exc.strerror} writing {exc.filename or 'the run directory'}; the newest complete checkpoint is "
+                  "intact: free space, then --resume", code=1)
+        if exc.errno in (errno.ENAMETOOLONG, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EPERM):
+            _fail(f"{exc.filename or 'a path'}: {exc.strerror} (check --output-dir and the paths in the config)")
+        raise
     except _UsageError as exc:
         if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:
             sys.stdout.write(exc.ctx.get_help() + "\n")

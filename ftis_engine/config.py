@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import pathlib
 import re
 import typing
@@ -208,7 +209,7 @@ class RolloutSettings(_Section):
     group_size: int = Field(12, ge=2, description="G: completions per prompt.")
     prompts_per_step: int = Field(24, ge=1, description="Prompts per step across the swarm (vertical: dealt round-robin).")
     max_new_tokens: int = Field(768, ge=1, description="Completion length limit in tokens.")
-    temperature: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+    temperature: float = Field(1.0, ge=0.01, le=100.0, allow_inf_nan=False,
                                description="Sampling temperature (the trainer divides logits by it).")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling; < 1 biases the IS ratios (warned).")
     top_k: int | None = Field(None, gt=0, description="Top-k sampling; set biases the IS ratios (warned).")
@@ -255,7 +256,23 @@ class TrainSettings(_Section):
         "fused RMSNorm and SwiGLU; CUDA, pip install liger-kernel); compile (torch.compile of each decoder "
         "layer while autograd is on; generation stays eager); liger+compile. auto: eager until measured on a GPU.",
     )
-    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice).")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice); at most the "
+                                "machine's cores.")
+
+    @field_validator("threads")
+    @classmethod
+    def _at_most_the_cores(cls, value: int | None) -> int | None:
+        cores = os.cpu_count() or 1
+        if value is not None and value > cores:
+            raise ValueError(f"{value} threads on a machine of {cores} cores; at most {cores}")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _a_device_to_train_on(cls, value: str) -> str:
+        if value != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            raise ValueError(f"{value!r} is not a device to train on (auto, cpu, cuda or cuda:N)")
+        return value
 
 
 class EvalSettings(_Section):
@@ -327,7 +344,7 @@ class SwarmSettings(_Section):
         default_factory=LatencySettings,
         description="async: a simulated delay added to every delivery (for delay studies on one machine).")
     timeout_s: float = Field(
-        1800.0, gt=0.0,
+        1800.0, gt=0.0, le=30 * 86400.0, allow_inf_nan=False,
         description="Timeout of every collective and every wait for a peer; a dead or hung peer ends the run. "
                     "Members wait for each other's generation and eval (sync: every step; async: a member "
                     "max_lead steps ahead, and a sampler for its learner), so it must exceed the slowest "

@@ -100,6 +100,13 @@ def attention_implementation(choice: str, device: torch.device) -> str:
                               "(torch.nn.attention.varlen, torch >= 2.10) on a CUDA GPU; "
                               f"{'this torch has none' if not available else f'this member is on {device}'}")
         attention.register()
+    if choice == "flash_attention_2" and (device.type != "cuda" or importlib.util.find_spec("flash_attn") is None):
+        raise ConfigError("train.attn_implementation: flash_attention_2 needs the flash-attn package and a CUDA GPU "
+                          f"({'pip install flash-attn' if device.type == 'cuda' else f'this member is on {device}'}); "
+                          "auto picks what this machine has")
+    if choice == "flex_attention" and device.type != "cuda":
+        raise ConfigError(f"train.attn_implementation: flex_attention runs on a CUDA GPU (this member is on "
+                          f"{device}); auto picks sdpa here")
     if choice != "auto":
         return choice
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
@@ -235,6 +242,17 @@ def shard_member(member: Member, shard, config: RunConfig) -> None:
     member.generator.sync(member.model)  # a vLLM engine's weights from now on come gathered from the shards
 
 
+def check_lora_rank(index: int, lora, model: torch.nn.Module) -> None:
+    """A LoRA rank above the narrowest side of a layer it adapts adds nothing a full update would not, and a rank
+    such as 1e9 would try to allocate hundreds of GB: refused before peft builds anything."""
+    targets = set(lora.target_modules)
+    widths = [min(m.in_features, m.out_features) for name, m in model.named_modules()
+              if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    if widths and lora.r > min(widths):
+        raise ConfigError(f"members.{index}.lora.r: {lora.r} exceeds the narrowest layer it adapts ({min(widths)} "
+                          "wide); at most that")
+
+
 def member_init_seed(config: RunConfig, index: int) -> int:
     """The seed of member `index`'s random init and warm start: its `seed`, else run seed + its `seed_offset`
     (default: its index)."""
@@ -272,6 +290,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model
 
+        check_lora_rank(index, settings.lora, model)
         lora = LoraConfig(r=settings.lora.r, lora_alpha=settings.lora.alpha, lora_dropout=settings.lora.dropout,
                           target_modules=list(settings.lora.target_modules), task_type="CAUSAL_LM")
         model.to(dtype)  # the frozen base is never stepped: it may be held in the compute dtype

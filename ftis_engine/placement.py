@@ -254,6 +254,8 @@ def check_device(field: str, spec: str) -> torch.device:
         device = torch.device(spec)
     except RuntimeError:
         raise ConfigError(f"{field}: unknown device {spec!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"{field}: {spec!r} is not a device to train on (cpu, cuda or cuda:N)")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ConfigError(f"{field}: {spec!r} requested but CUDA is not available")

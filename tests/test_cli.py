@@ -45,6 +45,16 @@ BAD = [
     (["--set", "seed=99999999999999999999"], "seed"),
     (["--set", "members.0.lr=.inf"], "members.0.lr"),
     (["--output-dir", "/dev/null/runs"], "output_dir"),
+    (["--set", "rollout.temperature=1e-300"], "rollout.temperature"),
+    (["--set", "train.threads=100000"], "train.threads"),
+    (["--set", "members.1.lora.r=1000000000"], "members.1.lora.r"),
+    (["--set", "swarm.timeout_s=.inf"], "swarm.timeout_s"),
+    (["--set", "train.attn_implementation=flex_attention"], "train.attn_implementation"),
+    (["--set", "train.attn_implementation=flash_attention_2"], "train.attn_implementation"),
+    (["--set", "train.device=meta"], "train.device"),
+    (["--set", "members.0.device=meta"], "members.0.device"),
+    (["--set", "data.system_prompt=Think: then answer.", "--set", "members.0.lr=yes"], "members.0.lr"),
+    (["--output-dir", "/tmp/" + "x" * 300], "x" * 255),
 ]
 
 

@@ -404,3 +404,29 @@ def test_the_quick_distance_study_pairs_the_receiver_with_its_one_alone_group_an
     for name in ("distance", "distance-own-budget"):
         assert f"figures/{name}.png" in summary["figures"] and (out / "figures" / f"{name}.png").stat().st_size > 0
     assert "| random-f-tis | receiver | " in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("template", ["size-{g:999999999999}", "size-{g!r}", "size-{g.real}", "size-{nope}"])
+def test_a_malformed_group_name_template_is_one_line_never_a_huge_string(template):
+    from ftis_engine.study.config import StudyConfig, StudyError
+    from ftis_engine.study.plan import expand_groups
+
+    study = StudyConfig.model_validate({
+        "study": "t", "seeds": [0], "base": {}, "member_sets": {"s": [{"name": "a", "model": "builtin:tiny-s"}]},
+        "groups": [{"name": template, "members": "s", "grid": {"algorithm.kl_threshold": [5, 10]}}]})
+    with pytest.raises(StudyError, match=r"^groups.0.name: .* cannot be filled from the grid"):
+        expand_groups(study, quick=False)
+
+
+def test_a_study_run_whose_config_yaml_is_not_utf8_is_one_line(tmp_path):
+    from ftis_engine.study.config import StudyError
+    from ftis_engine.study.plan import Run, check_reuse
+
+    from .helpers import short_config
+
+    config = short_config(f"output_dir={tmp_path / 'runs'}", "run_name=seed-0")
+    run = Run("g", 0, config, tmp_path / "c.yaml", tmp_path / "log")
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.yaml").write_bytes(b"run_name: \xff\xfe\xfa\n")
+    with pytest.raises(StudyError, match=r"^--output-dir: .*config.yaml is not a run config"):
+        check_reuse(run)

@@ -147,3 +147,10 @@ def test_final_answer_reward_takes_the_last_answer_block_or_else_the_last_number
     from ftis_engine.rewards import final_answer_reward
 
     assert final_answer_reward(completion, gold) == reward
+
+
+def test_a_data_line_nested_thousands_deep_is_one_line_naming_the_file_and_line(tmp_path):
+    path = tmp_path / "deep.jsonl"
+    path.write_text('{"question": "q", "answer": "#### 1"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TaskError, match=r"^data.train_path: .*deep.jsonl line 2 is nested too deep to read$"):
+        load_examples("gsm8k-train", str(path), "data.train_path")

@@ -7,6 +7,7 @@ import copy
 import itertools
 import json
 import pathlib
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,10 +49,26 @@ def _label(key: str) -> str:
     return key.split(".")[-1]
 
 
+def fill(template: str, combo: dict[str, Any]) -> str:
+    """A group-name template filled with a grid combination's values: plain {field}s only (named by the last part
+    of a grid key). A format spec, a conversion or an attribute ({g:99999999999}, {g!r}, {g.x}) is refused as a
+    ValueError: it could build a string of any size."""
+    values = {_label(k): v for k, v in combo.items()}
+    for _, field, spec, conversion in string.Formatter().parse(template):
+        if field is None:
+            continue
+        if spec or conversion or not field.isidentifier():
+            raise ValueError(f"only plain {{field}}s may be filled, not {{{field}{'!' + conversion if conversion else ''}"
+                             f"{':' + spec if spec else ''}}}")
+        if field not in values:
+            raise KeyError(field)
+    return template.format(**values)
+
+
 def baseline_name(group: GroupSettings, combo: dict[str, Any]) -> str | None:
     if group.baseline is None:
         return None
-    return group.baseline.format(**{_label(k): v for k, v in combo.items()})
+    return fill(group.baseline, combo)
 
 
 def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, GroupSettings, dict[str, Any]]]:
@@ -63,7 +80,7 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
         for values in itertools.product(*(group.grid[k] for k in keys)):
             combo = dict(zip(keys, values))
             try:
-                name = group.name.format(**{_label(k): v for k, v in combo.items()})
+                name = fill(group.name, combo)
             except (KeyError, IndexError, ValueError) as exc:
                 raise StudyError(f"groups.{i}.name: {group.name!r} cannot be filled from the grid ({exc})") from None
             try:
@@ -161,8 +178,8 @@ def check_reuse(run: Run) -> None:
     if not saved.is_file():
         return
     try:
-        old = validate_config(yaml.safe_load(saved.read_text()))
-    except (ConfigError, yaml.YAMLError):
+        old = validate_config(yaml.safe_load(saved.read_text(encoding="utf-8")))
+    except (ConfigError, yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError):
         raise StudyError(f"--output-dir: {saved} is not a run config; choose another --output-dir") from None
     # where the study lives is no part of the run: a study directory moved or copied elsewhere is still itself
     changed = [c for c in config_differences(old, run.config) if c[0] != "output_dir"]

@@ -51,6 +51,8 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
                     raise TaskError(f"{field}: {path} line {number} is not valid JSON ({exc.msg})") from None
+                except RecursionError:
+                    raise TaskError(f"{field}: {path} line {number} is nested too deep to read") from None
                 if not isinstance(row, dict):
                     raise TaskError(f"{field}: {path} line {number} is not a JSON object")
                 missing = [k for k in needed if k not in row]
