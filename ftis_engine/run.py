@@ -50,7 +50,7 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
 
 def save_checkpoint(swarm: Swarm, step: int) -> None:
     cfg = swarm.config.checkpoint
-    state = {"members": swarm.names}
+    state = {"members": swarm.names, "config": swarm.config.model_dump(mode="json")}  # resume's record of the run
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer)
     if swarm.independent:  # no barrier: whoever stages step N last completes it
         finalize_when_staged(swarm.run_dir, step, state, cfg.keep_last)

@@ -22,8 +22,15 @@ import torch
 from ftis_kernels import LossConfig, resolve_backend
 
 from . import layers
-from .checkpoint import complete_checkpoints, latest_checkpoint, read_state, restore_member, restore_optimizer_shard
-from .config import ConfigError, RunConfig, config_differences, rank_roles
+from .checkpoint import (
+    STEP_DIR,
+    complete_checkpoints,
+    latest_checkpoint,
+    read_state,
+    restore_member,
+    restore_optimizer_shard,
+)
+from .config import ConfigError, RunConfig, config_differences, rank_roles, validate_config
 from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import FOREIGN_EXPANSION, Admission, RolloutChecker
@@ -156,6 +163,18 @@ def _describe(changes: list[tuple[str, object, object]]) -> str:
     return shown + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
 
 
+def _checkpoint_config(run_dir: pathlib.Path) -> RunConfig | None:
+    """The config the newest complete checkpoint recorded in its state.json (None when it holds none)."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return None
+    try:
+        recorded = read_state(found[1]).get("config")
+        return validate_config(recorded) if isinstance(recorded, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def check_run_dir(run_dir: pathlib.Path, config: RunConfig, resume: bool) -> None:
     """Before any model is loaded: a fresh run needs an unused directory; --resume needs a run there, continued
     with a config that changes only what RESUMABLE allows."""
@@ -165,10 +184,14 @@ def check_run_dir(run_dir: pathlib.Path, config: RunConfig, resume: bool) -> Non
 
 
 def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
-    """--resume continues the run in run_dir: its config.yaml may change only in RESUMABLE fields."""
-    saved = _saved_config(run_dir, "--resume")
+    """--resume continues the run in run_dir: its config.yaml (or, when that is gone, the config its newest
+    checkpoint recorded) may change only in RESUMABLE fields; with neither, the resume is refused."""
+    saved = _saved_config(run_dir, "--resume") or _checkpoint_config(run_dir)
     if saved is None:
-        return
+        if latest_checkpoint(run_dir) is None:
+            return  # nothing to continue from: the run starts over (open_run)
+        raise RunDirError(f"--resume: {run_dir} has no config.yaml and its newest checkpoint records no config, so "
+                          "nothing tells whether this config continues that run; restore its config.yaml")
     changes = [c for c in config_differences(saved, config) if not c[0].startswith(RESUMABLE)]
     if changes:
         allowed = ", ".join(f"{key}*" if key.endswith(".") else key for key in RESUMABLE)
@@ -367,6 +390,10 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
             agreed = exchange.collectives.all_agree(found[0] if found else 0)
             if agreed:
                 source, what = run_dir / "checkpoints" / f"step-{agreed}", "--resume: checkpoint"
+            if agreed > config.train.steps:  # it would evaluate step `agreed`'s weights and call them the end
+                raise RunDirError(f"train.steps: {config.train.steps} is below step {agreed} of the checkpoint a "
+                                  f"resume continues from; a resume can only go on (set train.steps >= {agreed}), or "
+                                  "evaluate that checkpoint with ftis-engine eval --checkpoint")
         optimizer = checkpoint is None and config.checkpoint.save_optimizer
         if source is not None:  # a sharded member restores its weights whole, then shards them
             if checkpoint is None and not config.checkpoint.save_optimizer:
@@ -449,6 +476,10 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
         _replaced(checkpoint, what)
         raise RunDirError(f"{what} {checkpoint}: unreadable state.json ({type(exc).__name__}: "
                           f"{first_line(exc)})") from None
+    named = STEP_DIR.match(checkpoint.name)
+    if named and int(named.group(1)) != step or isinstance(state.get("step"), bool) or step < 0:
+        raise RunDirError(f"{what} {checkpoint}: its state.json says step {state.get('step')!r}, its directory "
+                          f"{checkpoint.name}; a checkpoint's step is its directory's")
     names = [m.name for m in config.members]
     if state.get("members") != names:
         raise RunDirError(f"{what} {checkpoint}: holds members {state.get('members')}, the config has {names}")

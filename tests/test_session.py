@@ -242,3 +242,44 @@ def test_prompts_are_measured_with_every_members_tokenizer_the_longest_counting(
         fits, longest = session._usable_prompts(limited, load_task(limited.data, limited.seed), order, LocalSync())
         assert fits == [i for i, n in enumerate(lengths["char"]) if n <= limit]
         assert longest <= limit
+
+
+def test_a_resume_that_would_end_before_its_checkpoint_is_refused(trained, tmp_path):
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    shorter = short_config("train.steps=1", "eval.every=0")
+    with pytest.raises(RunDirError, match=r"^train.steps: 1 is below step 2 of the checkpoint a resume continues "
+                                          r"from; a resume can only go on"):
+        open_run(shorter, copy, resume=True)
+
+
+def test_without_config_yaml_the_checkpoints_own_record_decides_what_a_resume_may_change(trained, tmp_path):
+    import json
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    (copy / "config.yaml").unlink()
+    check_resume_config(copy, short_config("train.steps=4", "eval.every=0"))  # a longer run: allowed
+    with pytest.raises(RunDirError, match=r"--resume: the config differs .* in rollout.group_size "):
+        check_resume_config(copy, short_config("train.steps=2", "eval.every=0", "rollout.group_size=3"))
+    state = copy / "checkpoints" / "step-2" / "state.json"
+    record = json.loads(state.read_text())
+    del record["config"]  # a checkpoint of an older version: no record, no config.yaml
+    state.write_text(json.dumps(record))
+    with pytest.raises(RunDirError, match=r"has no config.yaml and its newest checkpoint records no config"):
+        check_resume_config(copy, config)
+
+
+@pytest.mark.parametrize("step", [-3, 100, True])
+def test_a_state_json_whose_step_is_not_its_directorys_is_refused(trained, tmp_path, step):
+    import json
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    state = copy / "checkpoints" / "step-2" / "state.json"
+    state.write_text(json.dumps({**json.loads(state.read_text()), "step": step}))
+    with pytest.raises(RunDirError, match=rf"its state.json says step {step!r}, its directory step-2"):
+        open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")

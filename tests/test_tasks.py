@@ -154,3 +154,41 @@ def test_a_data_line_nested_thousands_deep_is_one_line_naming_the_file_and_line(
     path.write_text('{"question": "q", "answer": "#### 1"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(TaskError, match=r"^data.train_path: .*deep.jsonl line 2 is nested too deep to read$"):
         load_examples("gsm8k-train", str(path), "data.train_path")
+
+
+@pytest.mark.parametrize("row, said", [
+    ('{"question": null, "answer": "#### 1"}', r"its 'question' is null, not text"),
+    ('{"question": NaN, "answer": "#### 1"}', r"its 'question' is NaN, not text"),
+    ('{"question": "  ", "answer": "#### 1"}', r"its 'question' is \"  \", not text"),
+    ('{"question": ["a"], "answer": "#### 1"}', r"its 'question' is \[\"a\"\], not text"),
+    ('{"question": "q", "answer": null}', r"its 'answer' is null, not a number or text"),
+])
+def test_a_data_row_without_a_question_or_answer_is_refused_with_its_file_and_line(tmp_path, row, said):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "ok", "answer": "#### 2"}\n' + row + "\n")
+    with pytest.raises(TaskError, match=rf"^data.train_path: .*d.jsonl line 2: {said}$"):
+        load_examples("gsm8k-train", str(path), "data.train_path")
+
+
+@pytest.mark.parametrize("override", ["data.train_path=/no/such/file.jsonl", "data.eval_paths={tiny-last: x.jsonl}"])
+def test_a_data_path_for_a_built_in_task_is_refused_not_silently_ignored(override):
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    config = load_config(TINY, [override])
+    with pytest.raises(TaskError, match=r"^data\.(train_path|eval_paths\.tiny-last): task tiny-last is built in and "
+                                        r"reads no files"):
+        load_task(config.data, 0)
+
+
+def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path):
+    import os
+
+    path = tmp_path / "secret.jsonl"
+    path.write_text('{"question": "q", "answer": "#### 1"}\n')
+    path.chmod(0)
+    for unreadable in ([str(path)] if os.geteuid() != 0 else []) + ["/proc/self/mem"]:
+        with pytest.raises(TaskError, match=rf"^data.train_path: cannot read {unreadable} \("):
+            load_examples("gsm8k-train", unreadable, "data.train_path")

@@ -11,6 +11,12 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None) -> Task:
     from . import arith, tiny
     from . import math as math_tasks  # each imports only .base: loaded when a task needs it
 
+    if data.task in tiny.TINY_TASKS or data.task == "arith":  # built in: a path given would be silently unused
+        given = "data.train_path" if data.train_path is not None else (
+            f"data.eval_paths.{next(iter(data.eval_paths))}" if data.eval_paths else None)
+        if given:
+            raise TaskError(f"{given}: task {data.task} is built in and reads no files; drop the path, or use a task "
+                            f"that reads them ({', '.join(sorted(math_tasks.MATH_TASKS))})")
     if data.task in tiny.TINY_TASKS:
         task = tiny.make_task(data.task, seed)
     elif data.task == "arith":

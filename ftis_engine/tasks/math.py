@@ -4,6 +4,7 @@ calculator steps inside GSM8K's solutions (a real task short enough for small mo
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import random
 import re
@@ -62,6 +63,8 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
                 rows.append((number, row))
     except UnicodeDecodeError as exc:
         raise TaskError(f"{field}: {path} is not UTF-8 text ({exc.reason})") from None
+    except OSError as exc:  # no permission, or a file that cannot be read as one (/proc/self/mem)
+        raise TaskError(f"{field}: cannot read {path} ({exc.strerror or type(exc).__name__})") from None
     if not rows:
         raise TaskError(f"{field}: {path} holds no rows")
     return rows
@@ -99,11 +102,22 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
     examples = []
     for number, row in numbered:
         try:
-            examples.append(Example(str(row[q_field]), gold(str(row[a_field]))))
+            question = _text(row[q_field], q_field)
+            examples.append(Example(question, gold(_text(row[a_field], a_field, numbers=True))))
         except ValueError as exc:
             where = f"{path} line {number}" if path is not None else f"{hub_id} row {number}"
             raise TaskError(f"{field}: {where}: {exc}") from None
     return examples
+
+
+def _text(value, name: str, numbers: bool = False) -> str:
+    """A row's field as text: a non-empty string (or, for an answer, a finite number). null, NaN, a list or an
+    empty string would otherwise train and evaluate as the text "None" or "nan"."""
+    if isinstance(value, str) and value.strip():
+        return value
+    if numbers and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return str(value)
+    raise ValueError(f"its {name!r} is {json.dumps(value)[:40]}, not {'a number or ' if numbers else ''}text")
 
 
 # GSM8K's worked solutions mark each arithmetic step for a calculator: "<<16-3-4=9>>9".
