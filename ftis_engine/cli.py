@@ -24,8 +24,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 
 INTERRUPTED = 130  # the shell's code for Ctrl-C
-INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on
-    "train": "interrupted; the newest complete checkpoint is intact: continue with --resume",
+INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on (train says it itself)
     "study": "interrupted; rerun the same command to continue (finished runs are kept, interrupted ones resume "
              "from their newest checkpoint)",
 }
@@ -38,6 +37,10 @@ SET_HELP = ("Override a field: dotted.path=value, list indices allowed (members.
 
 class UsageFailure(Exception):
     """A one-line error for the user; exits with code 2."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) stopped a command; the message says what it left. Exits with code 130."""
 
 
 def _load(config: pathlib.Path, overrides: list[str], output_dir: pathlib.Path | None) -> RunConfig:
@@ -78,12 +81,26 @@ def train(
     from .run import train as run_training
     from .session import RunLock, open_run
 
-    with RunLock(run_dir):  # one run at a time in a run directory
-        typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
-        # open_run checks the backend, the directory and a resumed config before any model is loaded
-        swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
-        run_training(swarm, start_step)
+    try:
+        with RunLock(run_dir):  # one run at a time in a run directory
+            typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
+            # open_run checks the backend, the directory and a resumed config before any model is loaded
+            swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
+            run_training(swarm, start_step)
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
+
+
+def interrupted_hint(run_dir: pathlib.Path) -> str:
+    """What a Ctrl-C of a run leaves and how to go on: its newest checkpoint, or nothing to continue from."""
+    from .checkpoint import latest_checkpoint
+
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return ("interrupted before the run's first checkpoint; nothing to continue from: rerun the same command to "
+                "start it again")
+    return f"interrupted; the newest complete checkpoint (step {newest[0]}) is intact: continue with --resume"
 
 
 def under_torchrun() -> bool:
@@ -226,6 +243,8 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc))
     except DivergenceError as exc:
         _fail(str(exc), code=1)
+    except Interrupted as exc:
+        _fail(str(exc), code=INTERRUPTED)
     except OSError as exc:  # what the machine refused while writing: what to do, in one line
         if isinstance(exc, CheckpointWriteError) or exc.errno in (errno.ENOSPC, errno.EDQUOT):
             _fail(str(exc) if isinstance(exc, CheckpointWriteError) else

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import logging
+import os
 import pathlib
 import time
 
@@ -64,6 +65,16 @@ def save_checkpoint(swarm: Swarm, step: int) -> None:
 # ----------------------------------------------------------------------------------------------- the run
 
 
+def keep_aside(metrics: pathlib.Path) -> None:
+    """Rename a non-empty metrics.jsonl of an earlier start (one that left no checkpoint) to metrics.jsonl.<time>,
+    so a start over never deletes its records."""
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        aside = metrics.with_name(f"{metrics.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(metrics, aside)
+        log.warning("%s: the log of an earlier start that left no checkpoint is kept as %s; this run starts over",
+                    metrics.parent, aside.name)
+
+
 def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     """Run the steps after `start_step` (0: a fresh run; else the restored checkpoint's step); returns the final
     eval records. Rank 0 writes config.yaml, metrics.jsonl, TensorBoard events, plots and final_eval.json."""
@@ -71,6 +82,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     if swarm.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
+        if start_step == 0:  # a start over a run that stopped before its first checkpoint: its log is kept aside
+            keep_aside(run_dir / "metrics.jsonl")
         dropped = truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 anew
         clear_staging(run_dir)
     swarm.exchange.collectives.barrier()

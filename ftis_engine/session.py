@@ -119,21 +119,28 @@ class RunDirError(ConfigError):
 
 
 def holds_run(run_dir: pathlib.Path) -> bool:
-    """A run has logged a step or written a checkpoint there (an empty metrics.jsonl of a run that failed before
-    its first step does not count)."""
+    """A run is kept there: it wrote a complete checkpoint, or it finished (final_eval.json). A run that stopped
+    before its first checkpoint left nothing to continue from: its directory does not block a rerun (which moves
+    its metrics aside, run.train)."""
+    return bool(complete_checkpoints(run_dir)) or (run_dir / "final_eval.json").is_file()
+
+
+def has_logged(run_dir: pathlib.Path) -> bool:
+    """Something of a run is there: a checkpoint, its end, or a non-empty metrics log."""
     metrics = run_dir / "metrics.jsonl"
-    return bool(complete_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
+    return holds_run(run_dir) or (metrics.is_file() and metrics.stat().st_size > 0)
 
 
 def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
-    """A new run never writes into a directory that holds one (that needs --resume), and --resume needs one."""
+    """A new run never writes into a directory that holds one (that needs --resume), and --resume needs something
+    of a run there (without a checkpoint it starts over)."""
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and not metrics.is_file():
         raise RunDirError(f"run_name: {metrics} is not a file (a run's metrics log is); move it away")
     if holds_run(run_dir) and not resume:
         raise RunDirError(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
                           "another run_name/--output-dir")
-    if resume and not holds_run(run_dir):
+    if resume and not has_logged(run_dir):
         raise RunDirError(f"--resume: {run_dir} holds no run to continue (no metrics and no checkpoint); drop "
                           "--resume to start it")
 
@@ -186,10 +193,10 @@ def check_run_dir(run_dir: pathlib.Path, config: RunConfig, resume: bool) -> Non
 def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
     """--resume continues the run in run_dir: its config.yaml (or, when that is gone, the config its newest
     checkpoint recorded) may change only in RESUMABLE fields; with neither, the resume is refused."""
+    if latest_checkpoint(run_dir) is None:
+        return  # nothing to continue from: the run starts over with this config (run.train)
     saved = _saved_config(run_dir, "--resume") or _checkpoint_config(run_dir)
     if saved is None:
-        if latest_checkpoint(run_dir) is None:
-            return  # nothing to continue from: the run starts over (open_run)
         raise RunDirError(f"--resume: {run_dir} has no config.yaml and its newest checkpoint records no config, so "
                           "nothing tells whether this config continues that run; restore its config.yaml")
     changes = [c for c in config_differences(saved, config) if not c[0].startswith(RESUMABLE)]
@@ -268,7 +275,7 @@ class RunLock:
             return
         leftover = sorted(p.name for p in self.run_dir.iterdir())
         empty = [[".lock"], [".lock", "metrics.jsonl"]] if self.kind == "run" else [[".lock"]]
-        if self._created and leftover in empty and not holds_run(self.run_dir):
+        if self._created and leftover in empty and not has_logged(self.run_dir):
             for name in leftover:
                 (self.run_dir / name).unlink()
             for directory in [self.run_dir, *self.run_dir.parents]:  # up to the first one this lock created

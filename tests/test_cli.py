@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -134,7 +135,58 @@ def test_ctrl_c_is_one_line_with_exit_code_130(monkeypatch, capsys, tmp_path):
         raise KeyboardInterrupt
 
     code, err = _main_exit(monkeypatch, capsys, interrupt, tmp_path)
-    assert code == 130 and err.strip().splitlines()[-1].startswith("error: interrupted; the newest complete checkpoint")
+    assert code == 130 and err.strip().splitlines()[-1] == (
+        "error: interrupted before the run's first checkpoint; nothing to continue from: rerun the same command to "
+        "start it again")
+
+
+@pytest.mark.slow
+def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_that_blocks_its_rerun(monkeypatch, capsys,
+                                                                                           tmp_path):
+    """A failure in step 1, after the step-0 eval wrote config.yaml, TensorBoard events and eval records: the rerun
+    (plain, or with --resume and another config) starts over, the earlier log kept aside; a run that wrote a
+    checkpoint still blocks a plain rerun, and a Ctrl-C then names its newest checkpoint."""
+    import json
+
+    from ftis_engine import cli as cli_module
+    from ftis_engine import run
+
+    def fail(swarm, step):
+        raise RuntimeError("a bug in step 1")
+
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--set", "train.steps=2", "--set",
+            "eval.max_samples=4", "--set", "eval.every=0", "--set", "checkpoint.every=1"]
+    honest = run.run_step
+    monkeypatch.setattr(run, "run_step", fail)
+    with pytest.raises(RuntimeError, match="a bug in step 1"):
+        cli_module.main(args)
+    run_dir = tmp_path / "tiny"
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").stat().st_size > 0
+    monkeypatch.setattr(run, "run_step", honest)
+    for extra in (["--resume", "--set", "rollout.group_size=4"], []):  # both start over: nothing to continue
+        with pytest.raises(SystemExit) as done:
+            cli_module.main(args + extra)
+        assert done.value.code == 0, capsys.readouterr().err
+        if extra:  # as if that one too had stopped before its first checkpoint
+            shutil.rmtree(run_dir / "checkpoints")
+            (run_dir / "final_eval.json").unlink()
+    kept = sorted(p.name for p in run_dir.glob("metrics.jsonl.*"))
+    assert len(kept) == 2  # the failed start's log and the first rerun's, never deleted
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in lines if r["kind"] == "train"}) == [1, 2]
+    with pytest.raises(SystemExit) as done:
+        cli_module.main(args)  # now it has a checkpoint and its end: a plain rerun is refused
+    assert done.value.code == 2 and "already holds a run; pass --resume" in capsys.readouterr().err
+
+    def interrupt(swarm, step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run, "run_step", interrupt)
+    with pytest.raises(SystemExit) as done:
+        cli_module.main(args[:5] + ["--set", "train.steps=3", "--set", "eval.max_samples=4", "--resume"])
+    assert done.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: interrupted; the newest complete checkpoint (step 2) is intact: continue with --resume")
 
 
 def test_ctrl_c_in_a_study_says_to_rerun_it_not_to_resume(monkeypatch, capsys, tmp_path):

@@ -43,7 +43,10 @@ def test_a_new_run_never_writes_into_a_directory_that_holds_one(tmp_path):
         check_fresh_run(tmp_path, resume=True)
     (tmp_path / "metrics.jsonl").write_text("")  # a run that failed before its first step: not a run
     check_fresh_run(tmp_path, resume=False)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # stopped before its first checkpoint: it starts over
+    check_fresh_run(tmp_path, resume=False)
+    check_fresh_run(tmp_path, resume=True)
+    (tmp_path / "final_eval.json").write_text("[]")  # a run that finished (without checkpoints) is kept
     with pytest.raises(RunDirError, match="already holds a run; pass --resume"):
         check_fresh_run(tmp_path, resume=False)
     check_fresh_run(tmp_path, resume=True)
