@@ -9,7 +9,9 @@ import errno
 import json
 import os
 import pathlib
+import signal
 import sys
+import threading
 
 import typer
 
@@ -19,8 +21,22 @@ from .progress import quiet_libraries
 from .tasks import TaskError
 from .update import DivergenceError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Collaborative GRPO across heterogeneous LLMs with F-TIS.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"ftis-engine {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")) -> None:
+    """Collaborative GRPO across heterogeneous LLMs with F-TIS."""
 
 
 INTERRUPTED = 130  # the shell's code for Ctrl-C
@@ -57,7 +73,7 @@ def run_directory(cfg: RunConfig) -> pathlib.Path:
 @app.command()
 def train(
     config: pathlib.Path = typer.Option(..., "--config", help="YAML run config."),
-    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
     output_dir: pathlib.Path | None = typer.Option(None, "--output-dir", help="Parent of the run directory."),
     nproc: int = typer.Option(1, "--nproc", min=1, help="Processes on this machine: one per member rank (members.N.ranks) and sampler."),
     resume: bool = typer.Option(False, "--resume", metavar="", help="Continue from the newest complete checkpoint."),
@@ -76,7 +92,10 @@ def train(
 
         if max_restarts is not None:
             cfg.swarm.max_restarts = max_restarts
-        raise typer.Exit(launch_distributed(cfg, run_dir, resume, nproc))
+        code = launch_distributed(cfg, run_dir, resume, nproc)
+        if code == INTERRUPTED:
+            raise Interrupted(interrupted_hint(run_dir))
+        raise typer.Exit(code)
     from .progress import Progress
     from .run import train as run_training
     from .session import RunLock, open_run
@@ -112,7 +131,7 @@ def evaluate(
     checkpoint: pathlib.Path = typer.Option(..., "--checkpoint", help="checkpoints/step-<N> (or a run directory)."),
     config: pathlib.Path | None = typer.Option(
         None, "--config", help="Default: the run's own config.yaml; another must build the same models."),
-    set_: list[str] = typer.Option([], "--set", help=SET_HELP),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
 ) -> None:
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from .checkpoint import latest_checkpoint
@@ -235,8 +254,11 @@ _UsageError = typer.BadParameter.__mro__[1]
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: usage and config errors become one line on stderr and exit code 2."""
+    """Entry point: usage and config errors become one line on stderr and exit code 2; Ctrl-C and SIGTERM one line
+    with exit code 130."""
     quiet_libraries()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     try:
         code = app(args=argv, standalone_mode=False)
     except (ConfigError, TaskError, UsageFailure) as exc:
@@ -258,12 +280,31 @@ def main(argv: list[str] | None = None) -> None:
             sys.stdout.write(exc.ctx.get_help() + "\n")
             sys.exit(0)
         _fail(exc.format_message())
-    except typer.Abort:
+    except (typer.Abort, KeyboardInterrupt):
+        code = INTERRUPTED
+    except Exception as exc:  # a library's error wrapping a Ctrl-C ("Could not import module ...") is a Ctrl-C
+        if not _caused_by_interrupt(exc):
+            raise
         code = INTERRUPTED
     if code == INTERRUPTED:  # typer turns Ctrl-C into this exit code
         command = (argv if argv is not None else sys.argv[1:])[:1]
         _fail(INTERRUPTED_HINTS.get(command[0] if command else "", "interrupted"), code=INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _terminate(signum, frame) -> None:
+    """SIGTERM stops a command as Ctrl-C does (its runs interrupted, its checkpoints kept, one line)."""
+    raise KeyboardInterrupt
+
+
+def _caused_by_interrupt(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def _fail(message: str, code: int = 2) -> None:

@@ -570,11 +570,16 @@ def apply_override(raw: dict, assignment: str) -> None:
     parts = key.strip().split(".")
     if not key.strip() or any(not p for p in parts):
         raise ConfigError(f"--set {' '.join(assignment.split())}: empty key")
+    apply_value(raw, key.strip(), _parse_value(text, _field_annotation(parts)))
+
+
+def apply_value(raw: dict, key: str, value: Any) -> None:
+    """Set the field a dotted key names (list indices allowed) to an already typed value (a study's `set:`)."""
+    parts = key.split(".")
     node: Any = raw
     for depth, part in enumerate(parts[:-1]):
         node = _child(node, part, ".".join(parts[: depth + 1]), create=True)
     last = parts[-1]
-    value = _parse_value(text, _field_annotation(parts))
     if isinstance(node, list):
         index = _index(node, last, key)
         node[index] = value

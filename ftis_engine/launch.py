@@ -24,6 +24,7 @@ from .placement import describe_layout, process_roles
 log = logging.getLogger("ftis_engine.launch")
 
 CONFIG_ERROR_EXIT = 2
+INTERRUPTED = 130  # the shell's code for Ctrl-C: the launcher was interrupted (its workers stopped)
 DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printed which, and at which step)
 
 
@@ -80,6 +81,7 @@ def needed_processes(config: RunConfig) -> str:
 
 def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -92,6 +94,8 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) 
     )
     try:
         elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume)
+    except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
+        return INTERRUPTED
     except ChildFailedError as exc:
         failures = exc.failures
         if any(f.exitcode == CONFIG_ERROR_EXIT for f in failures.values()):

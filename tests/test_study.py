@@ -260,10 +260,10 @@ def test_the_quick_paper_study_writes_the_summary_the_report_and_figures(quick_s
 
 
 def test_a_study_run_again_skips_its_finished_runs(quick_study, monkeypatch):
-    def no_launch(*args, **kwargs):
+    def no_launch(self, run):
         raise AssertionError("a finished run was launched again")
 
-    monkeypatch.setattr(study_module.runner, "launch", no_launch)
+    monkeypatch.setattr(study_module.runner.Launcher, "__call__", no_launch)
     summary = study_module.run_study(load_study(PAPER), quick_study, quick=True, progress=False)
     assert len(summary["groups"]) == 2
 
@@ -430,3 +430,40 @@ def test_a_study_run_whose_config_yaml_is_not_utf8_is_one_line(tmp_path):
     (run.run_dir / "config.yaml").write_bytes(b"run_name: \xff\xfe\xfa\n")
     with pytest.raises(StudyError, match=r"^--output-dir: .*config.yaml is not a run config"):
         check_reuse(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_one_ctrl_c_or_sigterm_stops_a_study_and_its_run_and_a_rerun_resumes_it(tmp_path, signum):
+    """The signal reaches the study process only (its runs are in sessions of their own): the run in flight is
+    interrupted, no queued run starts, nothing is left running, exit 130 with the study's one line; the rerun
+    finishes every run."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    command = [sys.executable, "-m", "ftis_engine", "study", "--config", str(ROOT / "configs" / "study" / "paper.yaml"),
+               "--quick", "--jobs", "1", "--output-dir", str(tmp_path / "study")]
+    study = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "study" / "logs"
+    deadline = time.time() + 240
+    while time.time() < deadline and not any("run directory:" in p.read_text(errors="replace")
+                                             for p in logs.glob("**/*.log")):
+        time.sleep(0.2)
+    time.sleep(3)  # inside the run's loading or its first steps
+    runs = [c for c in psutil.Process(study.pid).children(recursive=True)]
+    assert runs, "no run started"
+    study.send_signal(getattr(signal, signum))
+    _, err = study.communicate(timeout=120)
+    assert study.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("error: interrupted; rerun the same command to continue")
+    assert not [p for p in runs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]  # none left running
+    started = [p for p in logs.glob("**/*.log") if p.read_text().strip()]
+    assert len(started) == 1  # the queued run never started
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert os.path.isfile(tmp_path / "study" / "summary.json")

@@ -22,9 +22,9 @@ from .aggregate import add_paired_differences, aggregate, interval, paired_diffe
 from .config import FigureSettings, GroupSettings, QuickSettings, StudyConfig, StudyError, load_study
 from .plan import Group, Run, check_reuse, expand_groups, plan
 from .report import draw_figures, report_markdown, write_outputs
-from .runner import launch, run_study
+from .runner import Launcher, run_study
 
 __all__ = ["FigureSettings", "Group", "GroupSettings", "QuickSettings", "Run", "StudyConfig", "StudyError",
            "add_paired_differences", "aggregate", "check_reuse", "draw_figures", "expand_groups", "interval",
-           "launch", "load_study", "paired_difference", "plan", "read_run", "report_markdown", "run_study",
+           "Launcher", "load_study", "paired_difference", "plan", "read_run", "report_markdown", "run_study",
            "write_outputs"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import pathlib
 import string
 from dataclasses import dataclass, field
@@ -13,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, RunConfig, apply_override, config_differences, validate_config
+from ..config import ConfigError, RunConfig, apply_value, config_differences, validate_config
 from .config import GroupSettings, StudyConfig, StudyError
 
 
@@ -122,11 +121,11 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Grou
             where = f"groups.{i}"
             try:
                 for key, value in overrides.items():
-                    apply_override(raw, f"{key}={json.dumps(value)}")
+                    apply_value(raw, key, copy.deepcopy(value))
                 if quick:
                     where = "quick.set"
                     for key, value in study.quick.set.items():
-                        apply_override(raw, f"{key}={json.dumps(value)}")
+                        apply_value(raw, key, copy.deepcopy(value))
                 where = f"groups.{i} ({name}){' with quick.set' if quick else ''}"
                 raw.update(seed=seed, run_name=f"seed-{seed}", output_dir=str(output_dir / "runs" / name))
                 config = validate_config(raw)

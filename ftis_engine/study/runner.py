@@ -7,9 +7,10 @@ import itertools
 import json
 import os
 import pathlib
-import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -24,21 +25,57 @@ from .plan import Group, Run, check_reuse, plan
 from .report import write_outputs
 
 
-def launch(run: Run, env: dict[str, str]) -> int:
-    """Run one train process to completion (resuming from its newest checkpoint when it has one); its output goes
-    to the run's log. Returns its exit code."""
-    run.config_path.parent.mkdir(parents=True, exist_ok=True)
-    run.log_path.parent.mkdir(parents=True, exist_ok=True)
-    run.config_path.write_text(dump_config(run.config))
-    command = [sys.executable, "-m", "ftis_engine", "train", "--config", str(run.config_path)]
-    if latest_checkpoint(run.run_dir) is not None:
-        command.append("--resume")
-    elif run.run_dir.exists():  # interrupted before its first checkpoint: start it again
-        shutil.rmtree(run.run_dir)
-    with run.log_path.open("a") as log:
-        log.write(f"$ {' '.join(command)}\n")
-        log.flush()
-        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+class Launcher:
+    """Starts each run's train process and can stop them all: a study stopped by Ctrl-C or SIGTERM starts no
+    further run and interrupts the ones in flight (they exit as a Ctrl-C'd run does, keeping their newest
+    checkpoint), so none is left running orphaned, holding its run directory."""
+
+    GRACE_S = 60.0  # an interrupted run's time to stop cleanly before it is killed
+
+    def __init__(self, env: dict[str, str]):
+        self.env = env
+        self._stopping = threading.Event()
+        self._running: set[subprocess.Popen] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, run: Run) -> int | None:
+        """Run one train process to completion (resuming from its newest checkpoint when it has one); its output
+        goes to the run's log. Returns its exit code, or None when the study was stopped before it started."""
+        run.config_path.parent.mkdir(parents=True, exist_ok=True)
+        run.log_path.parent.mkdir(parents=True, exist_ok=True)
+        run.config_path.write_text(dump_config(run.config))
+        command = [sys.executable, "-m", "ftis_engine", "train", "--config", str(run.config_path)]
+        if latest_checkpoint(run.run_dir) is not None:
+            command.append("--resume")
+        with run.log_path.open("a") as log, self._lock:
+            if self._stopping.is_set():
+                return None
+            log.write(f"$ {' '.join(command)}\n")
+            log.flush()
+            # its own process group: the terminal's Ctrl-C reaches the study, which stops its runs itself
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                       start_new_session=True)
+            self._running.add(process)
+        try:
+            return process.wait()
+        finally:
+            with self._lock:
+                self._running.discard(process)
+
+    def stop(self) -> None:
+        """No further run starts; every run in flight gets SIGINT (as Ctrl-C), then SIGKILL after GRACE_S."""
+        with self._lock:
+            self._stopping.set()
+            running = list(self._running)
+        for process in running:
+            process.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + self.GRACE_S
+        for process in running:
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None:
@@ -91,20 +128,25 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
          quick: bool, jobs: int | None, command: str, progress: bool) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    env = dict(os.environ)
+    launcher = Launcher(dict(os.environ))
     failed: list[Run] = []
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   disable=not progress) as bar:
         task = bar.add_task(f"study {study.study}: runs", total=len(runs), completed=len(runs) - len(todo))
         with ThreadPoolExecutor(max_workers=jobs or study.jobs) as pool:
-            futures = {pool.submit(launch, run, env): run for run in todo}
-            for future in as_completed(futures):
-                run, code = futures[future], future.result()
-                if code != 0 or not run.finished:
-                    failed.append(run)
-                    bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {code}): {run.log_path}")
-                bar.advance(task)
+            futures = {pool.submit(launcher, run): run for run in todo}
+            try:
+                for future in as_completed(futures):
+                    run, code = futures[future], future.result()
+                    if code != 0 or not run.finished:
+                        failed.append(run)
+                        bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {code}): "
+                                          f"{run.log_path}")
+                    bar.advance(task)
+            except BaseException:  # Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt): stop every run
+                launcher.stop()
+                raise
     summary = aggregate(study, groups, quick=quick, command=command)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write_outputs(study, groups, summary, output_dir)
