@@ -92,6 +92,14 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
         os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
 
 
+def apply_step_size(member) -> None:
+    """A restored optimizer's learning rate and weight decay are the config's (a resume may lower them after a
+    divergence; load_state_dict would bring back the saved ones)."""
+    for group in member.optimizer.param_groups:
+        group["lr"] = member.settings.lr
+        group["weight_decay"] = member.settings.weight_decay
+
+
 def local_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     """The optimizer's state with every sharded tensor as this rank's plain part (loadable with weights_only)."""
     state = optimizer.state_dict()
@@ -115,6 +123,7 @@ def restore_optimizer_shard(member, checkpoint: pathlib.Path) -> None:
                 entry[name] = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
                                                  stride=param.stride())
     member.optimizer.load_state_dict(state)
+    apply_step_size(member)
 
 
 def staging_dir(run_dir: pathlib.Path, step: int) -> pathlib.Path:
@@ -240,6 +249,7 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
         del saved
     if load_optimizer:
         member.optimizer.load_state_dict(torch.load(optimizer_file, map_location=member.device, weights_only=True))
+        apply_step_size(member)
     if load_rng:
         set_rng_state(torch.load(rng_file, weights_only=True))
 

@@ -149,6 +149,14 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
 # fast the processes run; everything else would make the resumed run a different run than the one it continues
 RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
              "swarm.timeout_s", "swarm.max_restarts")
+# and, to go on after a divergence, a member's step size: its learning rate, gradient clip and weight decay (the
+# restored optimizer takes them from the config, not from its saved state)
+RESUMABLE_MEMBER = ("lr", "grad_clip", "weight_decay")
+
+
+def resumable(field: str) -> bool:
+    parts = field.split(".")
+    return field.startswith(RESUMABLE) or (len(parts) == 3 and parts[0] == "members" and parts[2] in RESUMABLE_MEMBER)
 # the member fields that make the model eval loads (with the run's seed: a built-in model is rebuilt from it)
 MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype", "warm_start")
 
@@ -199,9 +207,10 @@ def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
     if saved is None:
         raise RunDirError(f"--resume: {run_dir} has no config.yaml and its newest checkpoint records no config, so "
                           "nothing tells whether this config continues that run; restore its config.yaml")
-    changes = [c for c in config_differences(saved, config) if not c[0].startswith(RESUMABLE)]
+    changes = [c for c in config_differences(saved, config) if not resumable(c[0])]
     if changes:
-        allowed = ", ".join(f"{key}*" if key.endswith(".") else key for key in RESUMABLE)
+        allowed = ", ".join([f"{key}*" if key.endswith(".") else key for key in RESUMABLE]
+                            + [f"members.N.{key}" for key in RESUMABLE_MEMBER])
         raise RunDirError(f"--resume: the config differs from the run's config.yaml in {_describe(changes)}; a resumed "
                           f"run may change only {allowed} (start a new run_name for anything else)")
 

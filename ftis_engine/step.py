@@ -141,10 +141,12 @@ def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> d
                               swarm.config.train.backend, on_micro_batch=lambda k: swarm.progress.advance(bar, k))
     except DivergenceError as exc:
         newest = latest_checkpoint(swarm.run_dir)
-        kept = (f"the newest complete checkpoint, step-{newest[0]}, is kept" if newest
-                else "no checkpoint was written before it")
-        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; {kept} (lower "
-                              f"members.{member.index}.lr, then --resume)") from None
+        knobs = f"members.{member.index}.lr, .grad_clip or .weight_decay"
+        advice = (f"the newest complete checkpoint, step-{newest[0]}, is kept: --resume with a smaller step, e.g. "
+                  f"--set members.{member.index}.lr=... (a resume may change {knobs})" if newest else
+                  f"no checkpoint was written before it: rerun with a smaller step ({knobs}); the run starts over")
+        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; {advice}") \
+            from None
     swarm.progress.finish(bar)
     return stats
 

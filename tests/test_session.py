@@ -191,8 +191,8 @@ def test_resume_refuses_a_config_that_changes_the_run_but_not_its_length_or_cade
     check_resume_config(run_dir, config.model_copy(update={"seed": 0}))
     longer = short_config("train.steps=5", "eval.every=0", "eval.max_samples=4", "checkpoint.every=1")
     check_resume_config(run_dir, longer)
-    for override, field in (("members.0.lr=0.5", "members.0.lr"), ("rollout.group_size=3", "rollout.group_size"),
-                            ("algorithm.method=tis", "algorithm.method")):
+    for override, field in (("members.0.betas=[0.8, 0.9]", "members.0.betas.0"),
+                            ("rollout.group_size=3", "rollout.group_size"), ("algorithm.method=tis", "algorithm.method")):
         with pytest.raises(RunDirError, match=f"--resume: the config differs .* in {field} ") as caught:
             check_resume_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
         assert all(key in str(caught.value) for key in session.RESUMABLE)  # the message lists what may change
@@ -286,3 +286,21 @@ def test_a_state_json_whose_step_is_not_its_directorys_is_refused(trained, tmp_p
     state.write_text(json.dumps({**json.loads(state.read_text()), "step": step}))
     with pytest.raises(RunDirError, match=rf"its state.json says step {step!r}, its directory step-2"):
         open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+
+
+def test_after_a_divergence_a_resume_may_lower_the_step_size_and_the_restored_optimizer_takes_it(trained, tmp_path):
+    """The divergence message says to --resume with a smaller step: a resume may change members.N.lr, grad_clip and
+    weight_decay, and the restored Adam uses the config's lr and weight decay, not the ones it saved."""
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    lower = short_config("train.steps=3", "eval.every=0", "members.0.lr=1e-5", "members.1.grad_clip=0.5",
+                         "members.0.weight_decay=0.01", "members.0.optimizer=adam")
+    check_resume_config(copy, lower)
+    swarm, step = open_run(lower, copy, resume=True)
+    try:
+        groups = swarm.members[0].optimizer.param_groups
+        assert step == 2 and groups[0]["lr"] == 1e-5 and groups[0]["weight_decay"] == 0.01
+        assert any(swarm.members[0].optimizer.state.values())  # Adam's moments came back
+    finally:
+        swarm.close()
