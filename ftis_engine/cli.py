@@ -138,6 +138,7 @@ def evaluate(
     from .run import evaluate_all
     from .session import eval_config, open_run
 
+    checkpoint = checkpoint.resolve()  # `--checkpoint .` from inside it: its run directory is two levels up
     if not (checkpoint / "state.json").is_file():
         found = latest_checkpoint(checkpoint)
         if found is None:
@@ -148,6 +149,8 @@ def evaluate(
         cfg = eval_config(run_dir, None, set_)
     else:
         cfg = eval_config(run_dir, _load(config, set_, None))
+    if cfg.eval.datasets == []:
+        raise UsageFailure("eval.datasets: empty, so there is nothing to evaluate; name a dataset or drop the field")
     swarm, step = open_run(cfg, checkpoint, checkpoint=checkpoint)
     try:
         for record in evaluate_all(swarm, step):

@@ -641,7 +641,9 @@ def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = Confi
     editors save them. Anything else raises `error` with one line naming --config and the file."""
     path = pathlib.Path(path)
     if not path.is_file():
-        raise error(f"--config {path}: no such file")
+        what = ("is a directory" if path.is_dir() else "is not a regular file (a device, a pipe or a socket)"
+                if path.exists() else "no such file")
+        raise error(f"--config {path}: {what}")
     try:
         data = path.read_bytes()
     except OSError as exc:

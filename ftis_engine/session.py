@@ -383,7 +383,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i) for i in range(len(config.members))}
     foreign = foreign_tokenizers(config, everyone, hashes)
 
-    task = load_task(config.data, config.seed, config.eval.datasets)
+    task = load_task(config.data, config.seed, config.eval.datasets, with_train=checkpoint is None)
     for i in local:
         check_warm_start(i, config.members[i], task)
     members: list[Member] = []
@@ -463,7 +463,7 @@ def _usable_prompts(config: RunConfig, task, tokenizers: list, exchange: Exchang
     lengths = [_prompt_tokens(tokenizers, task, ex.question) for ex in task.train]
     fits = [i for i, n in enumerate(lengths) if n <= limit]
     fits = exchange.collectives.all_gather_object(fits)[0]
-    if len(fits) < config.rollout.prompts_per_step:
+    if task.train and len(fits) < config.rollout.prompts_per_step:  # (an eval reads no training set)
         if len(task.train) < config.rollout.prompts_per_step:  # the data set itself is too small
             raise ConfigError(f"rollout.prompts_per_step={config.rollout.prompts_per_step}: the task's training set "
                               f"has only {len(task.train)} prompts")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -223,3 +224,37 @@ def test_the_step_line_has_the_loss_in_three_digits_and_the_time_left():
     assert summary_line(3, 10, [record], 2.04, 754.0) == (
         "step 3/10 | a: reward 0.500 loss -1.23e-07 w 0.91 filt 0.12 | 2.0s/step, ETA 12m34s")
     assert summary_line(3, 10, [record]).endswith("filt 0.12")
+
+
+def test_a_config_that_is_a_directory_a_pipe_or_a_device_is_named_as_such(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    for path, said in ((tmp_path, "is a directory"), (tmp_path / "fifo", "is not a regular file"),
+                       (pathlib.Path("/dev/null"), "is not a regular file"), (tmp_path / "none.yaml", "no such file")):
+        result = cli("train", "--config", path, "--dry-run")
+        assert result.returncode == 2 and f"--config {path}: {said}" in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_eval_of_a_checkpoint_from_inside_it_needs_no_training_data_and_refuses_an_empty_dataset_list(tmp_path):
+    from .helpers import SHORT
+
+    args = ["train", "--config", TINY, "--output-dir", tmp_path]
+    for override in [*SHORT, "train.steps=2", "eval.every=0", "eval.max_samples=4"]:
+        args += ["--set", override]
+    assert cli(*args).returncode == 0
+    checkpoint = tmp_path / "tiny" / "checkpoints" / "step-2"
+    inside = cli("eval", "--checkpoint", ".", cwd=checkpoint)
+    assert inside.returncode == 0, inside.stderr
+    assert {json.loads(x)["member"] for x in inside.stdout.splitlines() if x.startswith("{")} == {"tiny-s", "tiny-m-lora"}
+    empty = cli("eval", "--checkpoint", checkpoint, "--set", "eval.datasets=[]")
+    assert empty.returncode == 2 and "eval.datasets: empty, so there is nothing to evaluate" in empty.stderr
+
+
+def test_a_task_read_from_files_loads_its_eval_sets_without_its_training_set_for_an_eval(shared_data):
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+
+    config = load_config(TINY, ["data.task=gsm8k-calc", "data.train_path=/no/such/train.jsonl",
+                                f"data.eval_paths={{gsm8k-calc: {shared_data / 'gsm8k' / 'test.jsonl'}}}"])
+    task = load_task(config.data, 0, with_train=False)
+    assert task.train == [] and len(task.evals["gsm8k-calc"]) > 500

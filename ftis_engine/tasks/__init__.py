@@ -6,8 +6,9 @@ from ..rewards import binary_answer_reward, load_reward, tiny_answer_reward
 from .base import SYSTEM_PROMPT, Example, Task, TaskError
 
 
-def load_task(data, seed: int, eval_datasets: list[str] | None = None) -> Task:
-    """Build the task named by `data.task` (a DataSettings), with its eval sets and reward."""
+def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_train: bool = True) -> Task:
+    """Build the task named by `data.task` (a DataSettings), with its eval sets and reward. with_train=False (eval
+    of a checkpoint): a task read from files leaves its training set unread (empty)."""
     from . import arith, tiny
     from . import math as math_tasks  # each imports only .base: loaded when a task needs it
 
@@ -22,7 +23,7 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None) -> Task:
     elif data.task == "arith":
         task = arith.make_task(seed)
     elif data.task in math_tasks.MATH_TASKS:
-        task = math_tasks.make_task(data, eval_datasets)
+        task = math_tasks.make_task(data, eval_datasets, with_train)
     else:
         known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS) | {"arith"}))
         raise TaskError(f"data.task: unknown task {data.task!r}; expected one of {known}")

@@ -169,10 +169,12 @@ def _evaluate(expression: str) -> float | None:
         return None
 
 
-def make_task(data, eval_datasets: list[str] | None) -> Task:
+def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) -> Task:
     train_name, default_evals = MATH_TASKS[data.task]
     calc = data.task == "gsm8k-calc"
-    if calc:
+    if not with_train:  # an eval of a checkpoint reads only the eval sets
+        train = []
+    elif calc:
         train = calculator_steps(load_rows(train_name, data.train_path, "data.train_path"))
     else:
         train = load_examples(train_name, data.train_path, "data.train_path")
