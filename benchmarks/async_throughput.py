@@ -100,6 +100,7 @@ def run_swarm(setting: str, steps: int, slowdown: float, jitter: float, out: pat
         by_member[member] = {
             "steps": len(train), "steps_per_second": len(train) / seconds,
             "wait_seconds_per_step": sum(r["exchange_wait_seconds"] for r in train) / len(train),
+            "lead_wait_seconds_per_step": sum(r["lead_wait_seconds"] for r in train) / len(train),
             "steps_waited": sum(r["exchange_wait_seconds"] > 0.01 for r in train),
             "peer_sequences_per_step": sum(r["sequences"] - r["own_sequences"] for r in train) / len(train),
             "steps_with_peers": sum(r["sequences"] > r["own_sequences"] for r in train) / len(train),

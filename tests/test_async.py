@@ -162,3 +162,53 @@ def test_a_forged_step_cannot_exempt_a_peer_from_the_lead_bound():
     exchange.max_lead = None  # no bound to wait on: a claim inside the run still counts (the lead metrics)
     exchange.deliver(1, DATA, 50, 49, body, None)
     assert exchange._published[1] == 50
+
+
+class _FakeLinks:
+    """Links without processes: peers publish when the test says, and a wait advances a fake clock until ready."""
+
+    def __init__(self, exchange, arrivals: dict[float, tuple[int, int]]):
+        self.exchange, self.arrivals, self.clock, self.waits = exchange, dict(arrivals), 0.0, []
+        self.outboxes = {}
+
+    def peer_done(self, peer):
+        return False
+
+    def check(self):
+        pass
+
+    def post_slot(self, *args):
+        pass
+
+    def wait_until(self, ready, timeout_s, what):
+        start = self.clock
+        while not ready():
+            due = min(t for t in self.arrivals if t > self.clock)  # the next publication on the fake clock
+            self.clock = due
+            peer, step = self.arrivals.pop(due)
+            self.exchange._published[peer] = max(self.exchange._published[peer], step)
+        self.waits.append((what, self.clock - start))
+        return self.clock - start + 1e-6
+
+
+@pytest.mark.parametrize("max_lead, published, waits", [
+    (None, {1: 0}, False),  # never waits
+    (2, {1: 3}, False),  # step 5 needs the peer at step 3: it is
+    (2, {1: 2}, True),  # it is not: wait until it publishes step 3
+])
+def test_the_lead_bound_waits_exactly_when_the_slowest_live_peer_is_more_than_max_lead_behind(max_lead, published,
+                                                                                            waits):
+    """The policy of DistributedAsync.receive on a fake clock and fake links: a member at step t waits (and only
+    then) while a live peer has published less than t - max_lead; the lead and the wait it reports agree."""
+    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], max_lead, 60.0
+    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), dict(published), {}, 0
+    exchange.links = _FakeLinks(exchange, {7.5: (1, 3)})  # the peer publishes its step 3 at 7.5 s
+    arrivals = exchange.receive(0, 5)
+    assert arrivals.lead_steps == 5 - published[1]
+    assert (arrivals.lead_wait_seconds > 0) == waits == bool(exchange.links.waits)
+    if waits:
+        assert exchange.links.waits[0][1] == 7.5 and exchange._published[1] == 3
+        assert "publish step 3 (swarm.max_lead=2, this member's step 5)" in exchange.links.waits[0][0]

@@ -86,7 +86,8 @@ def test_async_throughput_benchmark_sync_waits_max_lead_bounds_and_null_never_wa
     sync, lead, free = (result["settings"][s]["tiny-s"] for s in ("sync", "2", "null"))
     # rank 1 sleeps 0.3 s before generating each step: sync's fast member waits for it every step; with max_lead 2
     # it starts its step 3 only with the slow member's step 1 in hand, and trains on it; with null it never waits
-    assert sync["wait_seconds_per_step"] > 0.2 and free["wait_seconds_per_step"] < 0.05
+    # (the policy itself is tested with a fake clock in test_async.py; here only what cannot depend on load)
+    assert free["lead_wait_seconds_per_step"] == 0 and sync["wait_seconds_per_step"] > free["wait_seconds_per_step"]
     assert lead["peer_sequences_per_step"] > 0 and -2 <= lead["staleness_min"] <= lead["staleness_max"] <= 8
     assert sync["steps"] == lead["steps"] == free["steps"] == 3
     assert (tmp_path / "async.md").is_file() and (tmp_path / "async.png").is_file()
