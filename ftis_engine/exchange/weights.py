@@ -6,11 +6,13 @@ A push is two broadcasts from the learner's leader: a header (the version; -1 at
 parameters. Each sampler receives in a thread of its own, always waiting for the next push, so the learner's
 broadcast finishes as soon as the data has moved; the thread puts what it received in the sampler's WeightSlot, which
 keeps the newest. Only the learner's main thread and the samplers' receiving threads use the group, each in one
-order, as collectives need.
+order, as collectives need. On a GPU the receiving thread's collectives run on a CUDA stream of their own: the
+header it waits on would otherwise block the sampler's generation queued on the default stream behind it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -52,17 +54,24 @@ class WeightBroadcast:
         self._thread.start()
 
     def _receive(self, slot) -> None:
+        side = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # the header broadcast is posted in advance and completes only at the learner's next push: on the
+            # default stream it would hold back every kernel the sampler queues after it (its generation)
+            side = torch.cuda.Stream(self.device)
         try:
             while True:
                 header = torch.empty(1, dtype=torch.int64, device=self.device)
-                dist.broadcast(header, src=self.source, group=self.group)
-                version = int(header.item())
-                if version == END:
-                    return
                 flat = torch.empty(slot.words, dtype=self.dtype, device=self.device)
-                dist.broadcast(flat, src=self.source, group=self.group)
+                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                    dist.broadcast(header, src=self.source, group=self.group)
+                    version = int(header.item())  # waits on this stream only
+                    if version == END:
+                        return
+                    dist.broadcast(flat, src=self.source, group=self.group)
+                if side is not None:
+                    side.synchronize()  # whole before the sampler's default stream may read it
                 slot.put(version, flat)
         except BaseException as exc:  # surfaces in the sampler's loop through check()
             self._error = exc
