@@ -18,6 +18,7 @@ class TrainItem:
     prompt_ids: list[int]
     advantage: float
     group: int
+    old_logprobs: torch.Tensor | None = None  # [L]: the step's starting policy's log-probs (epochs x mini_batches > 1)
 
     @property
     def num_input_tokens(self) -> int:
@@ -31,7 +32,8 @@ class PackedBatch:
     input_ids / position_ids: [T] (positions restart at 0 for each sequence); target_rows: [N] indices into T of
     the positions that predict each completion token; targets, gen_logprobs: [N]; advantages, group_ids: [S];
     cu_seqlens: [S+1] int32 over the N completion tokens; gen_seq_logprobs: [S] when a sequence came from a peer
-    with another tokenizer (its sequence generation log-prob; NaN for the others), else None.
+    with another tokenizer (its sequence generation log-prob; NaN for the others), else None; old_logprobs: [N] the
+    step's starting policy's log-probs (several optimizer steps per batch), else None.
     """
 
     input_ids: torch.Tensor
@@ -43,6 +45,7 @@ class PackedBatch:
     group_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     gen_seq_logprobs: torch.Tensor | None = None  # [S]: NaN, or a foreign sequence's generation log-prob (None: none)
+    old_logprobs: torch.Tensor | None = None  # [N]: the step's starting policy's, when every item has them
 
     @property
     def num_sequences(self) -> int:
@@ -78,7 +81,25 @@ def pack(items: list[TrainItem]) -> PackedBatch:
         gen_seq_logprobs=torch.tensor([float("nan") if it.rollout.seq_logprob is None else it.rollout.seq_logprob
                                        for it in items], dtype=torch.float32)
         if any(it.rollout.seq_logprob is not None for it in items) else None,
+        old_logprobs=torch.cat([it.old_logprobs.float() for it in items])
+        if all(it.old_logprobs is not None for it in items) else None,
     )
+
+
+def mini_batches(items: list[TrainItem], parts: int) -> list[list[TrainItem]]:
+    """The step's batch cut into at most `parts` mini-batches of whole groups (one optimizer step each), in group
+    order, each about the same number of sequences; empty ones are left out."""
+    groups: dict[int, list[TrainItem]] = {}
+    for item in items:
+        groups.setdefault(item.group, []).append(item)
+    ordered = [groups[g] for g in sorted(groups)]
+    total = sum(len(g) for g in ordered)
+    out: list[list[TrainItem]] = [[]]
+    for group in ordered:  # close a part once it holds its share of the sequences
+        if out[-1] and len(out) < parts and sum(map(len, out)) + len(group) / 2 > total * len(out) / parts:
+            out.append([])
+        out[-1].extend(group)
+    return [part for part in out if part]
 
 
 def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool = False) -> list[list[TrainItem]]:

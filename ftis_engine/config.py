@@ -258,6 +258,21 @@ class TrainSettings(_Section):
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice); at most the "
                                 "machine's cores.")
+    epochs: int = Field(1, ge=1, le=100, description="Passes over each step's batch (GRPO's mu, TRL's num_iterations, "
+                        "verl's ppo_epochs). Above 1 (or with mini_batches above 1) the batch's log-probs under the "
+                        "step's starting policy are recorded before the first optimizer step and given to the loss "
+                        "as old_logprobs, so the PPO clip (eps_low/eps_high), dual clip and delta act from the "
+                        "second optimizer step on.")
+    mini_batches: int = Field(1, ge=1, le=1000, description="Optimizer steps per pass: the batch is cut into this many "
+                              "parts of whole groups (verl's ppo_mini_batch_size, as a count); each part's gradient "
+                              "sums its micro-batches exactly.")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="The learning rate over the run's steps after warm-up: constant, linear to lr / "
+                                "(steps - warmup_steps) at the last step, or cosine to near 0. A pure function of the "
+                                "step: a resume continues it exactly (a resume that extends train.steps stretches "
+                                "what is left of a linear or cosine schedule).")
+    warmup_steps: int = Field(0, ge=0, description="Steps over which the learning rate rises linearly from lr / "
+                              "warmup_steps to lr (0: none).")
 
     @field_validator("threads")
     @classmethod
@@ -399,6 +414,14 @@ class RunConfig(_Section):
         if self.collaboration != "horizontal" and self.rollout.prompts_per_step < len(self.members):
             raise ValueError("rollout.prompts_per_step must be >= the number of members (each member needs a prompt)")
         self.algorithm.loss_config(self.rollout.temperature)  # with the sampler's temperature
+        if self.train.warmup_steps >= self.train.steps and self.train.warmup_steps:
+            raise ValueError(f"train.warmup_steps: {self.train.warmup_steps} >= train.steps={self.train.steps}: the "
+                             "run would end before its learning rate reached lr")
+        sharded = next((i for i, m in enumerate(self.members) if m.ranks > 1), None)
+        if sharded is not None and self.train.epochs * self.train.mini_batches > 1:
+            raise ValueError(f"train.epochs: several optimizer steps per batch (epochs x mini_batches = "
+                             f"{self.train.epochs * self.train.mini_batches}) are not supported yet for a member on "
+                             f"several ranks (members.{sharded}.ranks={self.members[sharded].ranks})")
         if self.swarm.mode == "sync" and not self.swarm.latency.is_zero:
             raise ValueError("swarm.latency: a delay needs swarm.mode: async (sync members wait for each other)")
         for i, member in enumerate(self.members):

@@ -8,6 +8,8 @@ update takes (its intake budget). Nothing here holds state or touches a model, a
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass
 
@@ -127,3 +129,20 @@ class Schedule:
         if configured is not None:
             return configured
         return sum(self.step_sequences(rank) for rank in self.senders(receiver))
+
+
+def learning_rate(config, member: int, step: int) -> float:
+    """members.N.lr at `step` (1..train.steps) under train.warmup_steps and train.lr_schedule: a linear rise over the
+    warm-up (lr / warmup_steps at step 1), then constant, linear down to lr / (steps - warmup) at the last step, or
+    a half cosine. A pure function of the step, so a resumed run continues it exactly."""
+    train, lr = config.train, config.members[member].lr
+    warmup, total = train.warmup_steps, train.steps
+    if step <= warmup:
+        return lr * step / warmup
+    if train.lr_schedule == "constant":
+        return lr
+    left = max(1, total - warmup)  # steps after the warm-up
+    done = min(step - warmup - 1, left - 1)  # 0 at the first of them
+    if train.lr_schedule == "linear":
+        return lr * (left - done) / left
+    return lr * 0.5 * (1.0 + math.cos(math.pi * done / left))

@@ -28,6 +28,7 @@ from .members import Member
 from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
 from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
+from .schedule import learning_rate
 from .session import Swarm
 from .update import DivergenceError, update_member
 
@@ -135,10 +136,15 @@ def group_ids(rollouts: list[Rollout], collaboration: str) -> list[int]:
 
 
 def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> dict[str, float]:
-    bar = swarm.progress.start(f"{member.name}: update", sum(it.rollout.num_tokens for it in items))
+    train = swarm.config.train
+    passes = train.epochs * train.mini_batches
+    bar = swarm.progress.start(f"{member.name}: update", passes * sum(it.rollout.num_tokens for it in items))
+    for group in member.optimizer.param_groups:  # the schedule's rate for this step (a pure function of it)
+        group["lr"] = learning_rate(swarm.config, member.index, step)
     try:
-        stats = update_member(member, items, swarm.loss_config, swarm.config.train.micro_batch_tokens,
-                              swarm.config.train.backend, on_micro_batch=lambda k: swarm.progress.advance(bar, k))
+        stats = update_member(member, items, swarm.loss_config, train.micro_batch_tokens, train.backend,
+                              on_micro_batch=lambda k: swarm.progress.advance(bar, k), epochs=train.epochs,
+                              parts=train.mini_batches)
     except DivergenceError as exc:
         newest = latest_checkpoint(swarm.run_dir)
         knobs = f"members.{member.index}.lr, .grad_clip or .weight_decay"

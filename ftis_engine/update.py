@@ -8,6 +8,7 @@ rejection_scale corrects the normaliser by the counts rejection left, which no m
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from ftis_kernels import (
 )
 
 from . import layers
-from .batch import PackedBatch, TrainItem, micro_batches, pack
+from .batch import PackedBatch, TrainItem, micro_batches, mini_batches, pack
 from .placement import full, local
 
 
@@ -54,6 +55,7 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
             batch.cu_seqlens.to(device), bias=bias, config=cfg, group_ids=batch.group_ids.to(device),
             backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
             gen_seq_logprobs=None if batch.gen_seq_logprobs is None else batch.gen_seq_logprobs.to(device),
+            old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs.to(device),
         )
 
     if member.policy is not None:
@@ -177,7 +179,42 @@ class DivergenceError(RuntimeError):
 
 
 def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
-                  on_micro_batch=None) -> dict[str, float]:
+                  on_micro_batch=None, epochs: int = 1, parts: int = 1) -> dict[str, float]:
+    """The update of `member` on one step's `items`: `epochs` passes, each `parts` optimizer steps on mini-batches of
+    whole groups (train.epochs, train.mini_batches; one step by default). With more than one step, the log-probs
+    of the step's starting policy are recorded first and are the loss's old_logprobs, so the PPO clip acts from
+    the second step on. Returns the stats of all its optimizer steps together: loss, grad_norm and the loss stats
+    averaged over them, own_ratio_mean of the first (the on-policy check), and optimizer_steps."""
+    if epochs * parts == 1:
+        return optimizer_step(member, items, cfg, token_budget, backend, on_micro_batch)
+    items = with_old_logprobs(member, items, cfg, token_budget, backend)
+    steps = [optimizer_step(member, part, cfg, token_budget, backend, on_micro_batch)
+             for _ in range(epochs) for part in mini_batches(items, parts)]
+    merged = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]
+              if key not in ("own_ratio_mean", "micro_batches")}
+    return {**merged, "own_ratio_mean": steps[0]["own_ratio_mean"], "optimizer_steps": len(steps),
+            "micro_batches": sum(s["micro_batches"] for s in steps)}
+
+
+@torch.no_grad()
+def with_old_logprobs(member, items: list[TrainItem], cfg: LossConfig, token_budget: int,
+                      backend: str) -> list[TrainItem]:
+    """The items with the step's starting policy's log-probs of their completion tokens (old_logprobs), from the
+    same forward the update runs (train mode, the same micro-batches), so the first optimizer step's ratio is 1."""
+    member.model.train()
+    out: list[TrainItem] = []
+    for batch_items in micro_batches(items, token_budget, keep_groups=cfg.base_method == "gepo"):
+        batch = pack(batch_items)
+        logprobs = batch_loss(member, batch, cfg, backend).logprobs.float().cpu()
+        bounds = batch.cu_seqlens.tolist()
+        out += [dataclasses.replace(item, old_logprobs=logprobs[bounds[k]:bounds[k + 1]].clone())
+                for k, item in enumerate(batch_items)]
+    order = {id(item.rollout): i for i, item in enumerate(items)}
+    return sorted(out, key=lambda item: order[id(item.rollout)])
+
+
+def optimizer_step(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
+                   on_micro_batch=None) -> dict[str, float]:
     """One optimizer step of `member` on `items`: gradients, clipping to members.N.grad_clip, Adam step."""
     member.model.train()
     member.optimizer.zero_grad(set_to_none=True)

@@ -93,3 +93,65 @@ def test_own_ratio_mean_is_the_trainers_probability_over_the_generators_on_own_t
     assert stats["own_ratio_mean"] == pytest.approx(float(torch.cat(expected).mean()), rel=1e-5)
     alone = update_member(m, [s for s in shifted if s.rollout.member == 1], cfg, 12, backend="torch")
     assert alone["own_ratio_mean"] != alone["own_ratio_mean"]  # no own tokens: NaN, not 0 or 1
+
+
+def test_the_second_optimizer_step_on_a_batch_is_trls_clipped_objective_against_the_recorded_old_logprobs():
+    """train.epochs / mini_batches: the step's starting policy's log-probs are recorded (the first step's ratio is
+    exactly 1), and a later step's loss is TRL's GRPO objective with num_iterations > 1, in float64: per token
+    -min(r A, clip(r, 1 - eps, 1 + eps) A), r = exp(logp - old_logp), averaged per sequence, then over sequences."""
+    from ftis_kernels import LossConfig
+
+    from ftis_engine.batch import pack
+    from ftis_engine.update import batch_loss, optimizer_step, packed_hidden, with_old_logprobs
+
+    m, cfg = member(0, "members.0.lr=0.05")  # large steps: the second step's ratios leave [0.8, 1.2]
+    loss_config = LossConfig(method="nois")
+    items = with_old_logprobs(m, random_items(m.vocab_size, seed=4), loss_config, 64, "torch")
+    batch = pack(items)
+    with torch.no_grad():
+        now = batch_loss(m, batch, loss_config, "torch").logprobs  # packed otherwise than the update: rounding only
+        assert torch.allclose(now, batch.old_logprobs, atol=1e-5)  # ratio 1
+    first = optimizer_step(m, items, loss_config, 64, "torch")
+    assert first["clip_frac"] == 0.0
+    with torch.no_grad():
+        out = batch_loss(m, batch, loss_config, "torch")
+        hidden = packed_hidden(m, batch).double()
+        weight = m.causal_lm.get_output_embeddings().weight.double()
+    logp = torch.log_softmax(hidden @ weight.T, -1).gather(1, batch.targets[:, None]).squeeze(1)
+    ratio = torch.exp(logp - batch.old_logprobs.double())
+    adv = torch.repeat_interleave(batch.advantages.double(), (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long())
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    bounds = batch.cu_seqlens.tolist()
+    trl = torch.stack([per_token[a:b].mean() for a, b in zip(bounds, bounds[1:])]).mean()
+    assert float(out.stats["clip_frac"]) > 0
+    assert float(out.loss) == pytest.approx(float(trl), rel=1e-4, abs=1e-6)
+
+
+def test_epochs_and_mini_batches_take_that_many_optimizer_steps_and_report_them_together():
+    from ftis_engine.update import update_member
+
+    m, cfg = member(0, "members.0.lr=0.02")
+    loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
+    taken = []
+    step = m.optimizer.step
+    m.optimizer.step = lambda *a, **k: taken.append(1) or step(*a, **k)
+    stats = update_member(m, random_items(m.vocab_size, n_groups=4, seed=5), loss_config, 64, "torch", epochs=2,
+                          parts=2)
+    assert len(taken) == 4 and stats["optimizer_steps"] == 4 and stats["clip_frac"] > 0
+    one = update_member(m, random_items(m.vocab_size, n_groups=4, seed=5), loss_config, 64, "torch")
+    assert "optimizer_steps" not in one and len(taken) == 5
+
+
+@pytest.mark.parametrize("schedule, expected", [
+    ("constant", [0.25, 0.5, 0.75, 1, 1, 1, 1, 1, 1]),
+    ("linear", [0.25, 0.5, 0.75, 1, 1, 0.8, 0.6, 0.4, 0.2]),
+    ("cosine", [0.25, 0.5, 0.75, 1, 1, 0.904508, 0.654508, 0.345492, 0.095492]),
+])
+def test_the_learning_rate_warms_up_then_follows_its_schedule(schedule, expected):
+    from ftis_engine.schedule import learning_rate
+
+    from .helpers import short_config
+
+    config = short_config("train.steps=9", "train.warmup_steps=4", f"train.lr_schedule={schedule}",
+                          "members.0.lr=1.0")
+    assert [round(learning_rate(config, 0, s), 6) for s in range(1, 10)] == pytest.approx(expected, abs=1e-6)
