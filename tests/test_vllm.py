@@ -347,3 +347,50 @@ def test_flash_attention_and_sdpa_agree_on_packed_sequences():
             out[impl] = model.get_decoder()(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state.float()
     scale = out["sdpa"].abs().max()
     assert float((out["flash_attention_2"] - out["sdpa"]).abs().max() / scale) < 2e-2
+
+
+@pytest.mark.parametrize("world, rank, device, backend, local_rank", [
+    (1, 0, "cuda:0", None, None),  # one process: vLLM's own in-process world
+    (2, 1, "cuda:0", "external_launcher", "0"),  # two members sharing cuda:0 under --nproc 2: rank 1 stays on cuda:0
+    (2, 1, "cuda:1", "external_launcher", "1"),  # one GPU per member
+    (3, 2, "cuda:0", "external_launcher", "0"),
+])
+def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch, tmp_path, world, rank, device,
+                                                                       backend, local_rank):
+    """What vLLM's LLM(...) is given (stand-in engine, no GPU): in a multi-process run the external launcher, with
+    RANK the process's rank and LOCAL_RANK the member's own GPU (vLLM's external launcher places the engine on
+    cuda:LOCAL_RANK; the process's local rank would put the second of two members sharing cuda:0 on cuda:1)."""
+    import contextlib
+    import os
+
+    from .helpers import short_config
+
+    built = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.update(kwargs, RANK=os.environ.get("RANK"), LOCAL_RANK=os.environ.get("LOCAL_RANK"))
+
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: world > 1)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    monkeypatch.setenv("LOCAL_RANK", str(rank))  # what --nproc / torchrun set
+    monkeypatch.delenv("RANK", raising=False)
+    config = short_config("members.0.generator=vllm")
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.lora = False
+    m = _tiny_member()
+    gen._work = tmp_path
+    gen._start_engine(m.model, m.tokenizer, torch.device(device), config.members[0], config, 0, LLM)
+    assert built.get("distributed_executor_backend") == backend
+    assert built["tensor_parallel_size"] == 1 and built["dtype"] == "bfloat16"
+    if backend is not None:
+        assert (built["RANK"], built["LOCAL_RANK"]) == (str(rank), local_rank)
+
+
+def _tiny_member():
+    from .helpers import member
+
+    return member(0)[0]

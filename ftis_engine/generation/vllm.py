@@ -165,7 +165,13 @@ class VLLMGenerator:
         if not settings.vllm.enforce_eager:
             kwargs["compilation_config"] = copy.deepcopy(COMPILATION_CONFIG)
         if distributed:
+            # vLLM builds its groups over the ranks' world (vllm/distributed/parallel_state.py, 0.24: the world group
+            # spans every rank; with TP = PP = 1 every compute group is a group of one) and its external launcher
+            # puts the engine on cuda:LOCAL_RANK, which under --nproc is the process's local rank: for members that
+            # share a GPU (members.N.device) that is another GPU, or none. The engine goes where its member is.
             kwargs["distributed_executor_backend"] = "external_launcher"
+            os.environ["RANK"] = str(torch.distributed.get_rank())
+            os.environ["LOCAL_RANK"] = str(device.index if device.index is not None else 0)
         if self.lora:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(settings.lora.r))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
