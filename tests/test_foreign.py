@@ -46,9 +46,9 @@ def test_a_foreign_peers_text_is_re_encoded_with_the_sequence_log_prob_and_eos()
     gold = TASK.train[3].answer
     texts = [gold, "7+5=12,", "="]
     rollouts = _sender_rollouts(texts, prompt=3)
-    checked, timeouts = _checker().check(rollouts, 1, {3: 3})
+    checked, timeouts, unscored = _checker().check(rollouts, 1, {3: 3})
     adopted, lost = _checker().adopt(checked, 1)
-    assert timeouts == 0 and lost == 0 and len(adopted) == 3
+    assert timeouts == unscored == 0 and lost == 0 and len(adopted) == 3
     for before, after in zip(rollouts, adopted):
         text = BPE.decode(before.completion_ids[:-1].tolist())
         assert after.completion_ids.tolist() == CHAR(text, add_special_tokens=False)["input_ids"] + [CHAR.eos_token_id]
