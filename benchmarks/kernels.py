@@ -93,7 +93,7 @@ def naive_torch(x):
     token = logp.gather(1, x["targets"][:, None]).squeeze(1)
     entropy = -(logp.exp() * logp).sum(-1).detach()
     counted = torch.ones_like(x["targets"], dtype=torch.bool)
-    loss, _ = ftis_objective(token, entropy, x["gen"], x["adv"], x["cu"], counted, CONFIG)
+    loss, _, _ = ftis_objective(token, entropy, x["gen"], x["adv"], x["cu"], counted, CONFIG)
     return loss
 
 

@@ -101,7 +101,7 @@ def logits_path_loss(member: Member, packed) -> torch.Tensor:
     logp = torch.log_softmax(logits, -1)
     token = logp.gather(1, packed.targets[:, None].to(device)).squeeze(1)
     counted = torch.ones_like(token, dtype=torch.bool)
-    loss, _ = ftis_objective(token, torch.zeros_like(token), packed.gen_logprobs.to(device),
+    loss, _, _ = ftis_objective(token, torch.zeros_like(token), packed.gen_logprobs.to(device),
                              packed.advantages.to(device), packed.cu_seqlens.to(device), counted, CONFIG)
     return loss
 

@@ -383,6 +383,14 @@ class CheckpointSettings(_Section):
     save_optimizer: bool = Field(True, description="Save optimizer state (needed for an exact --resume).")
 
 
+class LoggingSettings(_Section):
+    completions: int = Field(
+        0, ge=0, le=100, description="Sample completions written per member per step to completions.jsonl in the run "
+                                     "directory (and TensorBoard text): prompt, completion, who made it, reward, "
+                                     "advantage, its mean IS weight, KL and whether the filter dropped it, as the "
+                                     "update saw them. 0: none.")
+
+
 class RunConfig(_Section):
     run_name: str = Field("ftis-run", min_length=1, description="Run directory name under the output dir.")
     seed: Seed = Field(0, description="Seeds data order, model init of built-in models, sampling.")
@@ -398,6 +406,7 @@ class RunConfig(_Section):
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Evaluation.")
     swarm: SwarmSettings = Field(default_factory=SwarmSettings, description="Multi-process exchange.")
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints.")
+    logging: LoggingSettings = Field(default_factory=LoggingSettings, description="What is logged for a person to read.")
 
     @field_validator("run_name")
     @classmethod

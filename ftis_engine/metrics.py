@@ -158,6 +158,7 @@ class MetricsLogger:
         an exclusive lock, so lines never interleave."""
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
+        self._completions = None  # completions.jsonl, opened at the first sample (logging.completions)
         self._shared = shared
         self._tb = None
         if tensorboard:
@@ -168,15 +169,10 @@ class MetricsLogger:
 
     def log(self, record: dict) -> None:
         record = {k: _clean(v) for k, v in record.items()}
-        if self._shared:
-            fcntl.flock(self._file, fcntl.LOCK_EX)
-        try:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
-            os.fsync(self._file.fileno())
-        finally:
-            if self._shared:
-                fcntl.flock(self._file, fcntl.LOCK_UN)
+        if record["kind"] == "completion":  # for a person to read: completions.jsonl and TensorBoard text
+            self._log_completion(record)
+            return
+        self._append(self._file, record)
         if self._tb is not None:
             prefix = f"{record['member']}/{record['kind']}"
             if record["kind"] == "eval":
@@ -185,8 +181,32 @@ class MetricsLogger:
                 if key not in ("step", "member", "kind", "dataset") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
 
+    def _append(self, file, record: dict) -> None:
+        if self._shared:
+            fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            file.write(json.dumps(record) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+        finally:
+            if self._shared:
+                fcntl.flock(file, fcntl.LOCK_UN)
+
+    def _log_completion(self, record: dict) -> None:
+        if self._completions is None:
+            self._completions = open(self.path.with_name("completions.jsonl"), "a", encoding="utf-8")
+        self._append(self._completions, record)
+        if self._tb is not None:
+            text = (f"**from {record['from']}** (v{record['policy_version']}), reward {record['reward']}, advantage "
+                    f"{record['advantage']:.3f}, IS weight {record['is_weight']:.3f}, KL {record['kl']:.3g}"
+                    f"{', filtered' if record['filtered'] else ''}\n\n    {record['prompt'][-300:]!r}\n\n    "
+                    f"{record['completion'][:600]!r}")
+            self._tb.add_text(f"{record['member']}/completions", text, record["step"])
+
     def close(self) -> None:
         self._file.close()
+        if self._completions is not None:
+            self._completions.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -58,7 +58,7 @@ def _duration(seconds: float) -> str:
 def summary_line(step: int, steps: int, records: list[dict], step_seconds: float | None = None,
                  eta_seconds: float | None = None) -> str:
     parts = []
-    for r in sorted(records, key=lambda r: r["kind"] == "eval"):
+    for r in sorted((r for r in records if r["kind"] in ("train", "eval")), key=lambda r: r["kind"] == "eval"):
         if r["kind"] == "train":
             parts.append(f"{r['member']}: reward {r['reward_mean']:.3f} loss {r['loss']:+.2e} "
                          f"w {r['is_weight_mean']:.2f} filt {r['filtered_frac']:.2f}")

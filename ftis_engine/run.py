@@ -85,6 +85,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         if start_step == 0:  # a start over a run that stopped before its first checkpoint: its log is kept aside
             keep_aside(run_dir / "metrics.jsonl")
         dropped = truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 anew
+        if (run_dir / "completions.jsonl").is_file():  # its samples too: the resumed steps write them anew
+            truncate_metrics(run_dir / "completions.jsonl", start_step)
         clear_staging(run_dir)
     swarm.exchange.collectives.barrier()
     swarm.exchange.start(swarm.schedule.parcel_limit, start_step)  # once every rank has opened the run
@@ -111,7 +113,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
                 step_start = time.perf_counter()
                 records = run_step(swarm, step)
                 for r in records:
-                    peer_sequences[r["member"]] += r["peer_sequences"]
+                    if r["kind"] == "train":
+                        peer_sequences[r["member"]] += r["peer_sequences"]
                 last = step == steps
                 evaluating = last or (config.eval.every and step % config.eval.every == 0)
                 if evaluating:

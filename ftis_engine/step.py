@@ -21,7 +21,7 @@ import time
 import torch
 from ftis_kernels import group_advantages
 
-from .batch import TrainItem
+from .batch import TrainItem, pack
 from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
@@ -30,7 +30,7 @@ from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .schedule import learning_rate
 from .session import Swarm
-from .update import DivergenceError, update_member
+from .update import DivergenceError, batch_loss, update_member
 
 log = logging.getLogger("ftis_engine")
 
@@ -51,6 +51,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         scored, unscored = drop_unscored(own[index])
         trained = scored + peers
         items = training_items(swarm, member, trained)
+        samples = completion_records(swarm, member, items, step) if swarm.config.logging.completions else []
         with watch("train_seconds"):
             stats = update(swarm, member, items, step)
             return_freed_memory()  # the update's activations, before the next phase allocates elsewhere
@@ -71,6 +72,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
                       **memory[index].record())
         records.append(record)
+        records += samples
     return records
 
 
@@ -99,6 +101,25 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
         if shard is not None:  # the member's rollouts, on every shard, in shard order
             own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]
     return own, watches
+
+
+@torch.no_grad()
+def completion_records(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> list[dict]:
+    """`kind: completion` records of logging.completions of the items the member is about to train on (its own
+    first, then its peers'), with what the update sees of each: reward, advantage, the mean IS weight, KL and the
+    filter's verdict (the op's per-sequence values, from one forward before the update)."""
+    chosen = sorted(items, key=lambda it: it.rollout.member != member.index)[: swarm.config.logging.completions]
+    if not chosen:
+        return []
+    out = batch_loss(member, pack(chosen), swarm.loss_config, swarm.config.train.backend)
+    decode = member.tokenizer.decode
+    return [{"step": step, "member": member.name, "kind": "completion",
+             "from": swarm.names[it.rollout.member] if 0 <= it.rollout.member < len(swarm.names) else "?",
+             "policy_version": it.rollout.policy_version, "prompt": decode(it.prompt_ids),
+             "completion": decode(it.rollout.completion_ids.tolist()), "reward": it.rollout.reward,
+             "advantage": it.advantage, "is_weight": float(out.sequences["is_weight"][k]),
+             "kl": float(out.sequences["kl"][k]), "filtered": bool(out.sequences["filtered"][k])}
+            for k, it in enumerate(chosen)]
 
 
 def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:

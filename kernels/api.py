@@ -207,12 +207,13 @@ def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens
         num_tokens = _check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
     logprobs, entropy = _token_logprobs(x, weight, bias, targets, counted, cfg.temperature, backend)
     _check_finite_logprobs(x, x_name, counted, logprobs)
-    loss, (sums, counts) = ftis_objective(
+    loss, (sums, counts), per_sequence = ftis_objective(
         logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
         num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs,
     )
     stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
-    return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts)
+    return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts,
+                      sequences=per_sequence)
 
 
 # ----------------------------------------------------------------------------------------------- public API

@@ -204,6 +204,8 @@ class LossOutput:
         stats, over sequences for filtered_frac and kl_mean, and for clip_frac under gepo.
     stat_counts: detached int64 scalars, what each sum is over: this call's counted tokens or its S sequences.
         Sums and counts add up over the calls of one batch: `combine_stats` gives the whole batch's means.
+    sequences: detached [S] tensors, one value per sequence behind the stats: `kl` (KL_i), `filtered` (bool: the
+        filter's verdict) and `is_weight` (the mean IS weight over its counted tokens), for a person to read.
     """
 
     loss: torch.Tensor
@@ -211,6 +213,7 @@ class LossOutput:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     stat_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     stat_counts: dict[str, torch.Tensor] = field(default_factory=dict)
+    sequences: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class NonFiniteInputError(ValueError):

@@ -181,7 +181,7 @@ def ftis_objective(
     num_sequences: int | None = None,
     num_tokens: int | None = None,
     gen_seq_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
+) -> tuple[torch.Tensor, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Loss and stats of one update (or one micro-batch of it) from per-token log-probs.
 
     logprobs: [N] l_t, differentiable, computed in the arithmetic dtype (fp32, or fp64 for fp64 inputs);
@@ -192,7 +192,9 @@ def ftis_objective(
     gen_seq_logprobs: [S], NaN or a sequence's generation log-probability G_i (per-token ones unknown): its tokens'
     gen_logprobs become n_t + (G_i - sum_t n_t) / |y_i| over its given tokens (n: the IS numerator), so every
     term below sees the sequence-level log-ratio spread evenly over its tokens.
-    Returns the scalar loss and (sums, counts): per stat key, the detached sum and the int64 count it is over.
+    Returns the scalar loss, (sums, counts): per stat key, the detached sum and the int64 count it is over, and
+    the per-sequence values behind the stats ([S] each, detached): kl (KL_i), filtered (the filter's verdict) and
+    is_weight (the mean IS weight over the sequence's counted tokens).
     """
     dtype = logprobs.dtype
     num_seqs = advantages.numel()
@@ -290,7 +292,10 @@ def ftis_objective(
             "rejected_frac": ((given & ~counted).to(dtype).sum(), given.sum()),
             "rejected_seq_frac": (emptied.to(dtype).sum(), sequences),
         }
-    return loss, ({k: v.detach() for k, (v, _) in sums.items()}, {k: n for k, (_, n) in sums.items()})
+        per_sequence = {"kl": kl_seq.detach(), "filtered": filtered,
+                        "is_weight": _mean(segment_sum(torch.where(counted, is_weight, zero), seq, num_seqs),
+                                           tokens_per_seq).detach()}
+    return loss, ({k: v.detach() for k, (v, _) in sums.items()}, {k: n for k, (_, n) in sums.items()}), per_sequence
 
 
 def _gepo(

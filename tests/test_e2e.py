@@ -167,3 +167,18 @@ def test_epochs_mini_batches_and_a_cosine_warmup_act_in_a_run(tmp_path):
     assert any(r["clip_frac"] > 0 for r in train)
     lrs = [r["lr"] for r in train]
     assert lrs[:5] == pytest.approx([2e-3 * s / 5 for s in range(1, 6)]) and lrs[4] > lrs[6] > lrs[9] > 0
+
+
+@pytest.mark.slow
+def test_logging_completions_writes_samples_a_person_can_read_with_what_the_update_saw(tmp_path):
+    assert run_cli(*train_args(tmp_path, "train.steps=2", "eval.every=0", "checkpoint.every=0",
+                               "logging.completions=3")) == 0
+    lines = [json.loads(x) for x in (tmp_path / "e2e" / "completions.jsonl").read_text().splitlines()]
+    assert sorted({(r["step"], r["member"]) for r in lines}) == [(s, m) for s in (1, 2)
+                                                                for m in ("tiny-m-lora", "tiny-s")]
+    assert len(lines) == 2 * 2 * 3 and not any(r["kind"] != "completion" for r in lines)
+    for r in lines:
+        assert r["prompt"] and isinstance(r["completion"], str)
+        assert r["from"] in ("tiny-s", "tiny-m-lora") and 0 < r["is_weight"] <= 2.0 and isinstance(r["filtered"], bool)
+        assert r["reward"] in (0.0, 1.0) and r["kl"] >= 0
+    assert all(r["kind"] != "completion" for r in records(tmp_path / "e2e"))  # metrics.jsonl stays the metrics

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -510,3 +512,21 @@ def test_rejection_micro_batches_rescaled_by_the_kept_counts_add_up_to_one_call(
     assert abs(loss * scale - whole_loss) <= 1e-6 * max(1.0, abs(whole_loss))
     for k in grads:
         assert rel_err(grads[k] * scale, whole_grads[k]) < 1e-5, k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_per_sequence_values_are_the_ones_behind_the_stats(backend):
+    """LossOutput.sequences: KL_i, the filter's verdict and each sequence's mean IS weight; their means over
+    sequences (and tokens) are the op's own stats."""
+    problem = make_problem(seed=11, n_seqs=6, spread=3.0)
+    cfg, extra = configure(CASES["f-tis"], problem)
+    out, _ = run_ours(problem, dataclasses.replace(cfg, kl_threshold=2.0), extra, backend, True)
+    seqs = out.sequences
+    assert seqs["kl"].shape == seqs["filtered"].shape == seqs["is_weight"].shape == (6,)
+    assert seqs["filtered"].dtype == torch.bool and bool(seqs["filtered"].any())
+    assert float(seqs["filtered"].float().mean()) == pytest.approx(float(out.stats["filtered_frac"]))
+    assert float(seqs["kl"].mean()) == pytest.approx(float(out.stats["kl_mean"]), rel=1e-6)
+    counted = (problem.targets != -100)
+    tokens = torch.stack([counted[a:b].sum() for a, b in zip(problem.cu[:-1], problem.cu[1:])]).float()
+    weighted = float((seqs["is_weight"] * tokens).sum() / tokens.sum())
+    assert weighted == pytest.approx(float(out.stats["is_weight_mean"]), rel=1e-6)
