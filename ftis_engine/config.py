@@ -216,15 +216,48 @@ class RolloutSettings(_Section):
     generation_batch_size: int = Field(256, ge=1, description="Sequences per generate() call of the HF generator.")
 
 
+class RewardTerm(_Section):
+    function: str = Field(..., min_length=1, description="A reward as 'module:function' (completion, gold) -> float, "
+                          "e.g. ftis_engine.rewards:binary_answer_reward.")
+    weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sum.")
+
+
 class DataSettings(_Section):
     task: str = Field(
-        "gsm8k", description="gsm8k | math500 | arith (the study testbed: addition with a scratchpad) | tiny-last | "
-                   "tiny-add."
+        "gsm8k", description="gsm8k | math500 | gsm8k-calc | arith (the study testbed: addition with a scratchpad) | "
+                   "tiny-last | tiny-add | jsonl (any JSONL files: data.train_path, data.eval_paths, the field "
+                   "names below) | hf (any HF dataset: data.path, data.split; eval_paths name other splits)."
     )
     train_path: str | None = Field(None, description="Local JSONL for the training split (default: the HF hub dataset).")
     eval_paths: dict[str, str] = Field(
-        default_factory=dict, description="Local JSONL per eval dataset name, e.g. {gsm8k: ..., math500: ...}."
+        default_factory=dict, description="Local JSONL per eval dataset name, e.g. {gsm8k: ..., math500: ...}; for "
+                                          "task hf, eval set name -> split of data.path."
     )
+    path: str | None = Field(None, description="task hf: the dataset (a hub id, or a local directory of data "
+                             "files, read through `datasets`).")
+    split: str = Field("train", min_length=1, description="task hf: the training split.")
+    question_field: str = Field("question", min_length=1, description="task jsonl / hf: the question's field.")
+    answer_field: str = Field("answer", min_length=1, description="task jsonl / hf: the gold answer's field (a GSM8K "
+                              "style '#### answer' is cut to the answer).")
+    prompt_template: str = Field("{question}", description="task jsonl / hf: the user message, with {question} for "
+                                 "the question's text.")
+    rewards: list[RewardTerm] = Field(
+        default_factory=list, description="Several rewards with weights, summed (TRL's reward_funcs and "
+        "reward_weights); each term's mean is logged as reward/<function>. Replaces the task's reward (and "
+        "data.reward, which may not be given with it).")
+
+    @model_validator(mode="after")
+    def _one_reward_setting(self) -> DataSettings:
+        if self.rewards and self.reward is not None:
+            raise ValueError("data.rewards: give either data.reward or data.rewards, not both")
+        try:
+            self.prompt_template.format(question="")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"data.prompt_template: only {{question}} may be filled in ({exc!r}); write a literal "
+                             "brace as {{ or }}") from None
+        if "{question}" not in self.prompt_template:
+            raise ValueError("data.prompt_template: must contain {question}")
+        return self
     system_prompt: str | None = Field(None, description="System prompt; default: the paper's <think>/<answer> prompt.")
     prompt_format: Literal["auto", "chat", "plain"] = Field(
         "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if available."

@@ -134,3 +134,25 @@ def load_reward(path: str) -> Reward:
     except ValueError:  # a callable without a signature (a builtin): called as it is
         pass
     return reward
+
+
+class WeightedReward:
+    """data.rewards: sum_k w_k f_k(completion, gold) (TRL's reward_funcs with reward_weights). Each term must give a
+    finite number (ValueError naming the term otherwise); `components` gives each term's value, for the log."""
+
+    def __init__(self, terms: list[tuple[str, Reward, float]]):
+        self.terms = terms  # (name, function, weight)
+
+    def components(self, completion: str, gold: str) -> dict[str, float]:
+        out = {}
+        for k, (name, function, _) in enumerate(self.terms):
+            value = function(completion, gold)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
+                    value in (float("inf"), float("-inf")):
+                raise ValueError(f"data.rewards.{k} ({name}) returned {value!r:.60}, not a finite number")
+            out[name] = float(value)
+        return out
+
+    def __call__(self, completion: str, gold: str) -> float:
+        values = self.components(completion, gold)
+        return sum(weight * values[name] for name, _, weight in self.terms)

@@ -67,6 +67,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         watch.seconds["exchange_seconds"] += arrivals.seconds
         record = train_record(step, member.name, own[index], trained, stats, watch,
                               member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
+        record.update(reward_terms(swarm, member, own[index]))
         record.update(got.metrics(), unscored_dropped=unscored, in_flight=arrivals.waiting,
                       outbox_dropped=arrivals.outbox_dropped,
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
@@ -101,6 +102,21 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
         if shard is not None:  # the member's rollouts, on every shard, in shard order
             own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]
     return own, watches
+
+
+def reward_terms(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> dict[str, float]:
+    """data.rewards: each term's mean over the member's own scored rollouts, as reward/<function> (the terms are
+    evaluated once more here: the rollouts carry their sum)."""
+    terms = getattr(swarm.task.reward, "terms", None)
+    scored = [r for r in rollouts if not math.isnan(r.reward)]
+    if not terms or not scored:
+        return {}
+    texts = member.tokenizer.batch_decode([r.completion_ids.tolist() for r in scored], skip_special_tokens=True)
+    totals = {name: 0.0 for name, _, _ in terms}
+    for text, r in zip(texts, scored):
+        for name, value in swarm.task.reward.components(text, swarm.task.train[r.prompt_index].answer).items():
+            totals[name] += value
+    return {f"reward/{name}": total / len(scored) for name, total in totals.items()}
 
 
 @torch.no_grad()

@@ -182,3 +182,14 @@ def test_logging_completions_writes_samples_a_person_can_read_with_what_the_upda
         assert r["from"] in ("tiny-s", "tiny-m-lora") and 0 < r["is_weight"] <= 2.0 and isinstance(r["filtered"], bool)
         assert r["reward"] in (0.0, 1.0) and r["kl"] >= 0
     assert all(r["kind"] != "completion" for r in records(tmp_path / "e2e"))  # metrics.jsonl stays the metrics
+
+
+@pytest.mark.slow
+def test_weighted_rewards_are_summed_and_each_term_is_logged(tmp_path):
+    terms = "[{function: ftis_engine.rewards:tiny_answer_reward, weight: 2.0}, " \
+            "{function: ftis_engine.rewards:final_answer_reward, weight: 1.0}]"
+    assert run_cli(*train_args(tmp_path, "train.steps=1", "eval.every=0", "eval.at_start=false",
+                               "checkpoint.every=0", f"data.rewards={terms}")) == 0
+    for r in (x for x in records(tmp_path / "e2e") if x["kind"] == "train"):
+        tiny, final = r["reward/ftis_engine.rewards:tiny_answer_reward"], r["reward/ftis_engine.rewards:final_answer_reward"]
+        assert r["reward_mean"] == pytest.approx(2.0 * tiny + final)

@@ -192,3 +192,48 @@ def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path):
     for unreadable in ([str(path)] if os.geteuid() != 0 else []) + ["/proc/self/mem"]:
         with pytest.raises(TaskError, match=rf"^data.train_path: cannot read {unreadable} \("):
             load_examples("gsm8k-train", unreadable, "data.train_path")
+
+
+def test_a_jsonl_task_takes_its_field_names_and_prompt_template_and_an_hf_one_its_splits(tmp_path):
+    import json
+
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    rows = [{"q": f"What is {i}+{i}?", "a": f"2x #### {2 * i}"} for i in range(6)]
+    for name in ("train", "test"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = ["data.question_field=q", "data.answer_field=a", "data.prompt_template=Q: {question} A?"]
+    config = load_config(TINY, ["data.task=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}",
+                                f"data.eval_paths={{mine: {tmp_path / 'test.jsonl'}}}", *fields])
+    task = load_task(config.data, 0)
+    assert task.train[2].question == "Q: What is 2+2? A?" and task.train[2].answer == "4"
+    assert list(task.evals) == ["mine"] and len(task.evals["mine"]) == 6
+    hf = load_config(TINY, ["data.task=hf", f"data.path={tmp_path}", "data.split=train",
+                            "data.eval_paths={held: test}", *fields])
+    task = load_task(hf.data, 0)
+    assert [ex.answer for ex in task.train] == [str(2 * i) for i in range(6)] and len(task.evals["held"]) == 6
+    with pytest.raises(TaskError, match=r"train.jsonl line 1 has no field 'nope' \(it has: q, a\)"):
+        load_task(load_config(TINY, ["data.task=jsonl", f"data.train_path={tmp_path / 'train.jsonl'}",
+                                     "data.question_field=nope", "data.answer_field=a"]).data, 0)
+
+
+def test_weighted_rewards_sum_their_terms_and_a_failing_term_is_named():
+    from ftis_engine.config import ConfigError, load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    config = load_config(TINY, ["data.rewards=[{function: ftis_engine.rewards:tiny_answer_reward, weight: 2.0}, "
+                                "{function: ftis_engine.rewards:final_answer_reward, weight: 0.5}]"])
+    task = load_task(config.data, 0)
+    assert task.reward("7", "7") == 2.5 and task.reward("x", "7") == 0.0
+    assert task.reward.components("7", "7") == {"ftis_engine.rewards:tiny_answer_reward": 1.0,
+                                               "ftis_engine.rewards:final_answer_reward": 1.0}
+    with pytest.raises(ConfigError, match="give either data.reward or data.rewards"):
+        load_config(TINY, ["data.reward=ftis_engine.rewards:tiny_answer_reward",
+                           "data.rewards=[{function: ftis_engine.rewards:tiny_answer_reward}]"])
+    with pytest.raises(ConfigError, match=r"data.prompt_template: must contain \{question\}"):
+        load_config(TINY, ["data.prompt_template=no placeholder"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..rewards import binary_answer_reward, load_reward, tiny_answer_reward
+from ..rewards import WeightedReward, binary_answer_reward, load_reward, tiny_answer_reward
 from .base import SYSTEM_PROMPT, Example, Task, TaskError
 
 
@@ -12,6 +12,8 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
     from . import arith, tiny
     from . import math as math_tasks  # each imports only .base: loaded when a task needs it
 
+    if data.path is not None and data.task != "hf":
+        raise TaskError(f"data.path: only task hf reads a dataset from data.path (task {data.task} does not)")
     if data.task in tiny.TINY_TASKS or data.task == "arith":  # built in: a path given would be silently unused
         given = "data.train_path" if data.train_path is not None else (
             f"data.eval_paths.{next(iter(data.eval_paths))}" if data.eval_paths else None)
@@ -24,8 +26,12 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
         task = arith.make_task(seed)
     elif data.task in math_tasks.MATH_TASKS:
         task = math_tasks.make_task(data, eval_datasets, with_train)
+    elif data.task in ("jsonl", "hf"):
+        from . import generic
+
+        task = generic.make_task(data, eval_datasets, with_train)
     else:
-        known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS) | {"arith"}))
+        known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS) | {"arith", "jsonl", "hf"}))
         raise TaskError(f"data.task: unknown task {data.task!r}; expected one of {known}")
     if eval_datasets is not None:
         unknown = [name for name in eval_datasets if name not in task.evals]
@@ -42,6 +48,14 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
             task.reward = load_reward(data.reward)
         except ValueError as exc:
             raise TaskError(f"data.reward: {exc}") from None
+    if data.rewards:
+        terms = []
+        for k, term in enumerate(data.rewards):
+            try:
+                terms.append((term.function, load_reward(term.function), term.weight))
+            except ValueError as exc:
+                raise TaskError(f"data.rewards.{k}.function: {exc}") from None
+        task.reward = WeightedReward(terms)
     return task
 
 

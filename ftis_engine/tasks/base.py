@@ -57,6 +57,7 @@ class Task:
         anything but a finite real number (NaN, inf, None, a string, a tensor) stops here with RewardError naming
         data.reward, the function, what it did and the completion, before a NaN can reach the loss."""
         name = f"{getattr(self.reward, '__module__', '?')}:{getattr(self.reward, '__qualname__', repr(self.reward))}"
+        field = "data.rewards" if hasattr(self.reward, "terms") else "data.reward"
         call = f"{name}({_clip(text)!r}, {_clip(gold)!r})"
         try:
             value = self.reward(text, gold)
@@ -64,11 +65,11 @@ class Task:
             raise
         except Exception as exc:
             message = " ".join(str(exc).split())[:200]
-            raise RewardError(f"data.reward: {call} raised {type(exc).__name__}" + (f": {message}" if message else "")
+            raise RewardError(f"{field}: {call} raised {type(exc).__name__}" + (f": {message}" if message else "")
                               ) from None
         if isinstance(value, numbers.Real) and math.isfinite(value):
             return float(value)
-        raise RewardError(f"data.reward: {call} returned {_clip(repr(value))} ({type(value).__name__}); a reward is "
+        raise RewardError(f"{field}: {call} returned {_clip(repr(value))} ({type(value).__name__}); a reward is "
                           "a finite number")
 
 
