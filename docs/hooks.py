@@ -1,0 +1,65 @@
+"""mkdocs hooks: the configuration reference is generated from the pydantic descriptions at every build (it can
+never drift from the code), and the committed results under benchmarks/results/ are served as part of the site."""
+
+from __future__ import annotations
+
+import pathlib
+import typing
+
+from mkdocs.structure.files import File
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MARKER = "<!-- configuration reference -->"
+
+
+def on_files(files, config):
+    for path in sorted(RESULTS.rglob("*")):
+        if path.is_file() and path.suffix in (".md", ".png", ".json"):
+            files.append(File.generated(config, "results/" + path.relative_to(RESULTS).as_posix(),
+                                        abs_src_path=str(path)))
+    return files
+
+
+def on_page_markdown(markdown: str, page, config, files):
+    if MARKER in markdown:
+        markdown = markdown.replace(MARKER, reference())
+    return markdown
+
+
+def _type(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    return text.replace("ftis_engine.config.", "").replace("|", "\\|")
+
+
+def _fields(model, prefix: str) -> list[tuple[str, str, str, str]]:
+    from pydantic import BaseModel
+
+    rows, nested = [], []
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        args = [a for a in typing.get_args(annotation) if isinstance(a, type)]
+        inner = annotation if isinstance(annotation, type) else next((a for a in args if issubclass(a, BaseModel)),
+                                                                     None)
+        key = f"{prefix}{name}"
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            nested.append((key, inner))
+            if typing.get_origin(annotation) is list:
+                key += ".N"
+            continue
+        default = "required" if field.is_required() else repr(field.get_default(call_default_factory=True))
+        rows.append((key, _type(annotation), default, (field.description or "").replace("|", "\\|")))
+    for key, inner in nested:
+        sub = f"{key}.N." if typing.get_origin(model.model_fields[key.rsplit('.', 1)[-1]].annotation) is list else \
+            f"{key}."
+        rows += _fields(inner, sub)
+    return rows
+
+
+def reference() -> str:
+    from ftis_engine.config import RunConfig
+
+    lines = ["| field | type | default | what it does |", "|---|---|---|---|"]
+    for key, kind, default, description in _fields(RunConfig, ""):
+        lines.append(f"| `{key}` | `{kind}` | `{default}` | {description} |")
+    return "\n".join(lines)
