@@ -461,6 +461,9 @@ class RunConfig(_Section):
             raise ValueError(f"train.warmup_steps: {self.train.warmup_steps} >= train.steps={self.train.steps}: the "
                              "run would end before its learning rate reached lr")
         sharded = next((i for i, m in enumerate(self.members) if m.ranks > 1), None)
+        if sharded is not None and self.algorithm.beta > 0:
+            raise ValueError(f"algorithm.beta: a KL penalty to the reference is not supported yet for a member on "
+                             f"several ranks (members.{sharded}.ranks={self.members[sharded].ranks})")
         if sharded is not None and self.train.epochs * self.train.mini_batches > 1:
             raise ValueError(f"train.epochs: several optimizer steps per batch (epochs x mini_batches = "
                              f"{self.train.epochs * self.train.mini_batches}) are not supported yet for a member on "

@@ -6,6 +6,7 @@ base is held in the compute dtype."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ class Member:
     dtype: torch.dtype  # the compute dtype (members.N.dtype); trainable parameters are float32 whatever it is
     shard: object | None = None  # placement.Shard: this rank's part of a member on several ranks (None: one rank)
     policy: torch.nn.Module | None = None  # placement.ShardedPolicy: the FSDP2 root the update runs through
+    reference: torch.nn.Module | None = None  # algorithm.beta > 0, full member: a frozen copy of its initial weights
 
     @property
     def name(self) -> str:
@@ -287,6 +289,9 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         check_warm_start(index, settings, task)
         warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device, dtype)
     layers.fuse(model, layer_mode)
+    reference = None
+    if config.algorithm.beta > 0 and settings.lora is None:  # the KL penalty's reference: the initial weights
+        reference = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model
 
@@ -317,4 +322,4 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         generator = HFGenerator(model, tokenizer, device, batch_size=config.rollout.generation_batch_size,
                                 dtype=dtype)
     return Member(index=index, settings=settings, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                  generator=generator, device=device, dtype=dtype)
+                  generator=generator, device=device, dtype=dtype, reference=reference)

@@ -205,6 +205,8 @@ def training_bytes(config: RunConfig, index: int, shape: dict) -> int:
             copies = compute * (total - heads - d + shape["vocab_size"] * d)
         elif master > compute:
             copies = compute * trainable
+    if config.algorithm.beta > 0 and member.lora is None:  # the KL penalty's frozen reference copy
+        copies += compute * total
     tokens = config.train.micro_batch_tokens
     working = tokens * (8 * d + 3 * inner) * compute
     saved = tokens * d * compute * layers + working if config.train.gradient_checkpointing else working * layers

@@ -48,6 +48,7 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
     head runs in the member's compute dtype: under autocast the op casts its operands as a linear layer would (the
     float32 master weight's cast widens dW on the way back) and computes in float32."""
     device = member.device
+    reference = reference_logprobs(member, batch, cfg) if cfg.beta > 0 else None
 
     def loss(hidden, weight, bias):
         return fused_linear_ftis_loss(
@@ -56,6 +57,7 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
             backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
             gen_seq_logprobs=None if batch.gen_seq_logprobs is None else batch.gen_seq_logprobs.to(device),
             old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs.to(device),
+            ref_logprobs=reference,
         )
 
     if member.policy is not None:
@@ -65,6 +67,27 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
     _, head = member.body_and_head()
     with member.autocast():
         return loss(packed_hidden(member, batch), head.weight, head.bias)
+
+
+@torch.no_grad()
+def reference_logprobs(member, batch: PackedBatch, cfg: LossConfig) -> torch.Tensor:
+    """[N] log-probs of the batch's targets under the member's reference policy (its initial weights), for the KL
+    penalty (algorithm.beta): a LoRA member's base with the adapter disabled, a full member's frozen copy."""
+    from ftis_kernels import fused_linear_token_logprobs
+
+    device = member.device
+    with member.autocast():
+        if member.reference is None:  # LoRA: the base the adapter sits on
+            with member.model.disable_adapter():
+                hidden = packed_hidden(member, batch)
+            head = member.causal_lm.get_output_embeddings()
+        else:
+            body = member.reference.get_decoder()
+            hidden = body(input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device),
+                          use_cache=False).last_hidden_state[0, batch.target_rows.to(device)]
+            head = member.reference.get_output_embeddings()
+        return fused_linear_token_logprobs(hidden, head.weight, batch.targets.to(device), cfg.temperature,
+                                           bias=head.bias)
 
 
 def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,

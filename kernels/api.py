@@ -100,7 +100,7 @@ def _check_logprobs(name: str, t: torch.Tensor) -> None:
 
 def _check_inputs(
     x: torch.Tensor, x_name: str, vocab: int, targets, gen_logprobs, advantages, cu_seqlens,
-    old_logprobs, group_ids, cfg: LossConfig, backend: str, gen_seq_logprobs=None,
+    old_logprobs, group_ids, cfg: LossConfig, backend: str, gen_seq_logprobs=None, ref_logprobs=None,
 ) -> torch.Tensor:
     """Validate the per-token and per-sequence inputs; returns the [N] bool mask of counted tokens."""
     n = x.shape[0]
@@ -109,6 +109,11 @@ def _check_inputs(
     tensors = {"gen_logprobs": gen_logprobs, "advantages": advantages, "cu_seqlens": cu_seqlens}
     if old_logprobs is not None:
         tensors["old_logprobs"] = old_logprobs
+    if ref_logprobs is not None:
+        tensors["ref_logprobs"] = ref_logprobs
+    elif cfg.beta > 0:
+        raise ValueError(f"ref_logprobs: required when beta={cfg.beta!r} > 0 (the reference policy's log-probs of "
+                         "the targets)")
     if group_ids is not None:
         tensors["group_ids"] = group_ids
     if gen_seq_logprobs is not None:
@@ -121,13 +126,14 @@ def _check_inputs(
         t = tensors[name]
         if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got {t.dtype}")
-    for name in ("gen_logprobs", "advantages") + (("old_logprobs",) if old_logprobs is not None else ()) + (
+    per_token = [name for name in ("old_logprobs", "ref_logprobs") if name in tensors]
+    for name in ("gen_logprobs", "advantages", *per_token) + (
             ("gen_seq_logprobs",) if gen_seq_logprobs is not None else ()):
         _check_float(name, tensors[name], backend)
 
     _check_shape("gen_logprobs", gen_logprobs, (n,), f"one per row of {x_name}")
-    if old_logprobs is not None:
-        _check_shape("old_logprobs", old_logprobs, (n,), f"one per row of {x_name}")
+    for name in per_token:
+        _check_shape(name, tensors[name], (n,), f"one per row of {x_name}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens: expected a 1-D tensor [S+1] with S >= 1, got shape {list(cu_seqlens.shape)}")
     num_seqs = cu_seqlens.numel() - 1
@@ -152,8 +158,8 @@ def _check_inputs(
     if int(cu[-1]) != n:
         raise ValueError(f"cu_seqlens: the last entry must be N={n} (the rows of {x_name}), got {int(cu[-1])}")
     _check_logprobs("gen_logprobs", gen_logprobs)
-    if old_logprobs is not None:
-        _check_logprobs("old_logprobs", old_logprobs)
+    for name in per_token:
+        _check_logprobs(name, tensors[name])
     _check_finite("advantages", advantages)
     return counted
 
@@ -201,7 +207,7 @@ def _check_finite_logprobs(x: torch.Tensor, x_name: str, counted: torch.Tensor, 
 
 
 def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
-          group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs=None) -> LossOutput:
+          group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs=None, ref_logprobs=None) -> LossOutput:
     num_sequences = _check_count("num_sequences", num_sequences, advantages.numel(), "sequences")
     if num_tokens is not None:
         num_tokens = _check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
@@ -210,6 +216,7 @@ def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens
     loss, (sums, counts), per_sequence = ftis_objective(
         logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
         num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs,
+        ref_logprobs=ref_logprobs,
     )
     stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
     return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts,
@@ -233,6 +240,7 @@ def ftis_loss(
     num_sequences: int | None = None,
     num_tokens: int | None = None,
     gen_seq_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     **overrides,
 ) -> LossOutput:
     """F-TIS loss of packed completions from logits.
@@ -254,6 +262,10 @@ def ftis_loss(
     log-ratio spread evenly over its tokens, log(pi/pi_gen)_t = (sum_t l_t - gen_seq) / |y|: its IS weight is the
     geometric-mean ratio (is_level token or geometric) or the sequence ratio (sequence), its KL and rejection
     terms are built from that same log-ratio. NaN: the sequence's own per-token gen_logprobs (the default).
+    ref_logprobs: [N] fp32, <= 0, or None: the reference policy's log-probs of the targets (the initial weights).
+    With config.beta > 0 (required then) each counted token's loss term subtracts beta * KL_ref,t (the
+    ref_kl_estimator of x = ref_t - l_t: k3 exp(x) - x - 1, TRL's beta term and verl's low_var_kl), normalised as
+    the policy term; ref_kl_mean reports its mean whenever ref_logprobs are given.
     Returns LossOutput(loss, logprobs, stats, stat_sums, stat_counts); `combine_stats` merges micro-batches'
     stats. NaN or inf in the logits raises ValueError. The gradient w.r.t. logits is the only N x V allocation.
     """
@@ -262,10 +274,11 @@ def ftis_loss(
     backend = resolve_backend(backend, logits.device)
     _check_matrix("logits", logits, backend)
     counted = _check_inputs(logits, "logits", logits.shape[1], targets, gen_logprobs, advantages, cu_seqlens,
-                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs)
+                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs, ref_logprobs)
     with torch.autocast(logits.device.type, enabled=False):  # the logits as given; arithmetic float32
         return _loss(logits, "logits", None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
+                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs,
+                     ref_logprobs)
 
 
 def fused_linear_ftis_loss(
@@ -284,6 +297,7 @@ def fused_linear_ftis_loss(
     num_sequences: int | None = None,
     num_tokens: int | None = None,
     gen_seq_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     **overrides,
 ) -> LossOutput:
     """F-TIS loss of packed completions from hidden states and the lm_head, without any N x V tensor.
@@ -302,10 +316,11 @@ def fused_linear_ftis_loss(
     hidden, weight, bias = _autocast_operands(hidden.device, hidden, weight, bias)
     _check_linear(hidden, weight, bias, backend)
     counted = _check_inputs(hidden, "hidden", weight.shape[0], targets, gen_logprobs, advantages, cu_seqlens,
-                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs)
+                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs, ref_logprobs)
     with torch.autocast(hidden.device.type, enabled=False):
         return _loss(hidden, "hidden", weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs)
+                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs,
+                     ref_logprobs)
 
 
 def _check_linear(hidden, weight, bias, backend: str) -> None:
@@ -376,18 +391,19 @@ class FTISLoss(torch.nn.Module):
         self.backend = backend
 
     def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, old_logprobs=None, group_ids=None,
-                num_sequences=None, num_tokens=None, gen_seq_logprobs=None):
+                num_sequences=None, num_tokens=None, gen_seq_logprobs=None, ref_logprobs=None):
         return ftis_loss(logits, targets, gen_logprobs, advantages, cu_seqlens, config=self.config,
                          old_logprobs=old_logprobs, group_ids=group_ids, backend=self.backend,
-                         num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs)
+                         num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs,
+                         ref_logprobs=ref_logprobs)
 
 
 class FusedLinearFTISLoss(FTISLoss):
     """nn.Module form of `fused_linear_ftis_loss`: forward(hidden, weight, targets, ..., bias=None)."""
 
     def forward(self, hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=None, old_logprobs=None,
-                group_ids=None, num_sequences=None, num_tokens=None, gen_seq_logprobs=None):
+                group_ids=None, num_sequences=None, num_tokens=None, gen_seq_logprobs=None, ref_logprobs=None):
         return fused_linear_ftis_loss(hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=bias,
                                       config=self.config, old_logprobs=old_logprobs, group_ids=group_ids,
                                       backend=self.backend, num_sequences=num_sequences, num_tokens=num_tokens,
-                                      gen_seq_logprobs=gen_seq_logprobs)
+                                      gen_seq_logprobs=gen_seq_logprobs, ref_logprobs=ref_logprobs)

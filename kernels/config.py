@@ -30,7 +30,9 @@ STAT_KEYS = (
     "logprob_mean",
     "rejected_frac",
     "rejected_seq_frac",
+    "ref_kl_mean",
 )
+REF_KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -123,6 +125,12 @@ class LossConfig:
         "sequence (GRPO) | token (DAPO) | constant (Dr. GRPO: S * norm_max_len).")})
     norm_max_len: int | None = field(default=None, metadata={"help": "Divisor length for normalization constant."})
     ignore_index: int = field(default=-100, metadata={"help": "Target id that marks positions which count nowhere."})
+    beta: float = field(default=0.0, metadata={"help": (
+        "KL penalty to the reference policy (the initial weights), TRL's beta, verl's kl_loss_coef: each counted "
+        "token's term subtracts beta * KL_ref (0: the paper; needs the reference's log-probs). Not for gepo.")})
+    ref_kl_estimator: str = field(default="k3", metadata={"choices": REF_KL_ESTIMATORS, "help": (
+        "Per-token KL to the reference from x = ref - l (clamped to [-20, 20]): k3 exp(x) - x - 1 (default: TRL, "
+        "verl low_var_kl) | k2 x^2/2 (verl mse) | k1 -x (verl kl).")})
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):  # every field with a fixed set of values declares it in `choices`
@@ -169,6 +177,10 @@ class LossConfig:
             raise ValueError("LossConfig.kl_max_len: required when kl_reduction='padded_mean'")
         if self.normalization == "constant" and self.norm_max_len is None:
             raise ValueError("LossConfig.norm_max_len: required when normalization='constant'")
+        if not 0 <= _number("beta", self.beta) < math.inf:
+            raise ValueError(f"LossConfig.beta: must be a finite number >= 0, got {self.beta!r}")
+        if self.beta > 0 and self.method == "gepo":
+            raise ValueError("LossConfig.beta: gepo's sequence-level loss has no per-token KL term; use beta 0")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
             raise ValueError(f"LossConfig.ignore_index: expected an integer, got {self.ignore_index!r}")
 

@@ -86,7 +86,8 @@ def exp_log_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def kl_per_token(x: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL term from x_t = g_t - lb_t (detached), x clamped to [-20, 20] for every estimator.
+    """Per-token KL term from x_t = g_t - lb_t (detached; the reference term passes x = ref_t - l_t with its
+    gradient), x clamped to [-20, 20] for every estimator.
 
     KL(pi_theta || pi_gen), the paper authors' convention: k1: -x · k2: x^2 / 2 · k3: exp(x) - x - 1.
     KL(pi_gen || pi_theta), unbiased under the generator's samples: k1-gen: x · k3-gen: exp(-x) - 1 + x.
@@ -181,6 +182,7 @@ def ftis_objective(
     num_sequences: int | None = None,
     num_tokens: int | None = None,
     gen_seq_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Loss and stats of one update (or one micro-batch of it) from per-token log-probs.
 
@@ -192,6 +194,8 @@ def ftis_objective(
     gen_seq_logprobs: [S], NaN or a sequence's generation log-probability G_i (per-token ones unknown): its tokens'
     gen_logprobs become n_t + (G_i - sum_t n_t) / |y_i| over its given tokens (n: the IS numerator), so every
     term below sees the sequence-level log-ratio spread evenly over its tokens.
+    ref_logprobs: [N] the reference policy's log-probs, or None; with cfg.beta > 0 each counted token's u_t becomes
+    u_t - beta * KL_ref,t (cfg.ref_kl_estimator of x = ref_t - l_t), under the policy term's normaliser.
     Returns the scalar loss, (sums, counts): per stat key, the detached sum and the int64 count it is over, and
     the per-sequence values behind the stats ([S] each, detached): kl (KL_i), filtered (the filter's verdict) and
     is_weight (the mean IS weight over the sequence's counted tokens).
@@ -248,6 +252,11 @@ def ftis_objective(
     else:
         is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
 
+    # KL to the reference, per token from x = ref_t - l_t (differentiable through l_t)
+    ref_kl = None
+    if ref_logprobs is not None:
+        ref_kl = torch.where(counted, kl_per_token(ref_logprobs.to(dtype) - logprobs, cfg.ref_kl_estimator), zero)
+
     if cfg.base_method == "gepo":
         loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)
     else:
@@ -264,6 +273,8 @@ def ftis_objective(
             u = ppo(ratio, adv_tok, cfg)
         if cfg.base_method == "tis":
             u = is_weight * u
+        if ref_kl is not None and cfg.beta > 0:  # TRL's -(ppo - beta * KL_ref): the same normaliser as the rest
+            u = u - cfg.beta * ref_kl
         u = torch.where(counted, u, zero)
         if cfg.normalization == "sequence":
             loss = -_mean(segment_sum(u, seq, num_seqs), tokens_per_seq).sum() / seq_norm
@@ -291,6 +302,7 @@ def ftis_objective(
             "logprob_mean": (torch.where(counted, lb, zero).sum(), tokens),
             "rejected_frac": ((given & ~counted).to(dtype).sum(), given.sum()),
             "rejected_seq_frac": (emptied.to(dtype).sum(), sequences),
+            "ref_kl_mean": (zero.detach() if ref_kl is None else ref_kl.detach().sum(), tokens),
         }
         per_sequence = {"kl": kl_seq.detach(), "filtered": filtered,
                         "is_weight": _mean(segment_sum(torch.where(counted, is_weight, zero), seq, num_seqs),

@@ -55,7 +55,13 @@ def _kl_term(x: float, estimator: str) -> float:
     return {"k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1, "k1-gen": x, "k3-gen": math.exp(-x) - 1 + x}[estimator]
 
 
-def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq=None):
+def _ref_kl(ref: torch.Tensor, l: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL to the reference per token from x = ref - l (l with its gradient), x clamped to [-20, 20]."""
+    x = torch.clamp(ref - l, -20.0, 20.0)
+    return {"k3": lambda: torch.exp(x) - x - 1, "k2": lambda: 0.5 * x * x, "k1": lambda: -x}[estimator]()
+
+
+def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq=None, ref_lp=None):
     """Returns (loss, logprobs [N], stats dict of floats). `logits` is a float64 [N, V] tensor (may require grad).
     gen_seq: [S] or None; a finite entry is sequence i's generation log-probability G_i, its per-token gen entries
     unknown: the sequence's log-ratio (sum of the IS numerator - G_i) is spread evenly over its tokens."""
@@ -172,6 +178,8 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq
                 u = torch.stack([_ppo(r[k], a, cfg) for k in range(len(toks))]) if toks else r
             if base == "tis":
                 u = seq_weights[i] * u
+            if ref_lp is not None and cfg.beta > 0 and toks:
+                u = u - cfg.beta * _ref_kl(ref_lp.double()[toks], l, cfg.ref_kl_estimator)
             per_seq.append(u)
             if cfg.policy_loss == "cispo":
                 clip_count += sum(not (1 - cfg.eps_low <= float(r[k].detach()) <= 1 + cfg.eps_high) for k in range(len(toks)))
@@ -196,6 +204,9 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq
         "logprob_mean": float(logprobs[counted].sum()) / max(total_tokens, 1),
         "rejected_frac": (given_tokens - total_tokens) / max(given_tokens, 1),
         "rejected_seq_frac": sum(emptied) / num_seqs,
+        "ref_kl_mean": 0.0 if ref_lp is None else sum(
+            float(_ref_kl(ref_lp.double()[toks], l.detach(), cfg.ref_kl_estimator).sum())
+            for toks, l, _, _ in seq_terms if toks) / max(total_tokens, 1),
         "_reject_statistics": statistics,
     }
     if not torch.is_tensor(loss):

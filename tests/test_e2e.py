@@ -156,15 +156,18 @@ def test_resume_without_any_checkpoint_starts_over_without_duplicating_step_0(tm
 
 
 @pytest.mark.slow
-def test_epochs_mini_batches_and_a_cosine_warmup_act_in_a_run(tmp_path):
-    """`--set train.epochs=2 --set train.mini_batches=2 --set train.lr_schedule=cosine --set train.warmup_steps=5`
-    on the tiny default: four optimizer steps a step, the PPO clip acting (clip_frac > 0 in some step), the lr in
-    every record rising over the warm-up, then falling."""
+def test_epochs_mini_batches_a_cosine_warmup_and_a_kl_penalty_act_in_a_run(tmp_path):
+    """`--set train.epochs=2 --set train.mini_batches=2 --set algorithm.beta=0.04 --set train.lr_schedule=cosine
+    --set train.warmup_steps=5 --set logging.completions=2` on the tiny default: four optimizer steps a step, the PPO
+    clip acting (clip_frac > 0 in some step), the policy moving off its reference (ref_kl_mean > 0), the lr in every
+    record rising over the warm-up, then falling, and completions.jsonl holding the samples."""
     assert run_cli(*train_args(tmp_path, "train.steps=10", "eval.every=0", "checkpoint.every=0", "train.epochs=2",
-                               "train.mini_batches=2", "train.lr_schedule=cosine", "train.warmup_steps=5")) == 0
+                               "train.mini_batches=2", "algorithm.beta=0.04", "train.lr_schedule=cosine",
+                               "train.warmup_steps=5", "logging.completions=2")) == 0
     train = [r for r in records(tmp_path / "e2e") if r["kind"] == "train" and r["member"] == "tiny-s"]
     assert all(r["optimizer_steps"] == 4 for r in train)
-    assert any(r["clip_frac"] > 0 for r in train)
+    assert any(r["clip_frac"] > 0 for r in train) and train[-1]["ref_kl_mean"] > 0
+    assert len((tmp_path / "e2e" / "completions.jsonl").read_text().splitlines()) == 10 * 2 * 2
     lrs = [r["lr"] for r in train]
     assert lrs[:5] == pytest.approx([2e-3 * s / 5 for s in range(1, 6)]) and lrs[4] > lrs[6] > lrs[9] > 0
 

@@ -66,10 +66,17 @@ CASES = {
     "foreign-reject-old": dict(method="f-tis", _old=True, is_source="old", reject="mean", reject_estimator="k1-gen",
                                _foreign=True),
     "foreign-f-vis-k1-mean": dict(method="f-vis", kl_estimator="k1", kl_reduction="mean", _foreign=True),
+    # KL to a reference policy (TRL beta, verl kl_loss): ref_logprobs
+    "beta-k3-f-tis": dict(method="f-tis", beta=0.3, _ref=True),
+    "beta-k2-nois-token": dict(method="nois", _old=True, beta=0.5, ref_kl_estimator="k2", normalization="token",
+                               _ref=True),
+    "beta-k1-reject": dict(method="tis", beta=0.2, ref_kl_estimator="k1", reject="sum", reject_estimator="k3-gen",
+                           _ref=True),
+    "ref-kl-reported-beta-0": dict(method="f-tis", _ref=True),
 }
 # each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
 OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta", "gspo", "cispo",
-                                                                "reject-"))]
+                                                                "reject-", "beta-"))]
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -100,6 +107,9 @@ def configure(case: dict, problem) -> tuple[LossConfig, dict]:
     }
     if case.get("_foreign"):
         extra["gen_seq_logprobs"] = foreign_logprobs(problem)
+    if case.get("_ref"):  # a reference policy about 0.5 nats from the current one
+        g = torch.Generator().manual_seed(17)
+        extra["ref_logprobs"] = (problem.old + 0.5 * torch.randn(problem.old.shape, generator=g)).clamp(max=-1e-3)
     return LossConfig(**options), extra
 
 
@@ -151,7 +161,7 @@ def run_oracle(problem, cfg, extra, dtype=torch.float64):
     logits.retain_grad()
     loss, logprobs, stats = oracle(logits, problem.targets, problem.gen, problem.adv, problem.cu, cfg,
                                    old=extra["old_logprobs"], group_ids=extra["group_ids"],
-                                   gen_seq=extra.get("gen_seq_logprobs"))
+                                   gen_seq=extra.get("gen_seq_logprobs"), ref_lp=extra.get("ref_logprobs"))
     loss.backward()
     grads = {"hidden": hidden.grad, "weight": weight.grad, "bias": bias.grad, "logits": logits.grad}
     return loss.detach(), logprobs, stats, grads
@@ -183,7 +193,7 @@ def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
     cfg, extra = configure(CASES[case], problem)
     paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
                         delta=None, kl_estimator="k3", ratio_level="token", policy_loss="ppo",
-                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0))
+                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0), beta=0.0)
     with_option, *_ = run_oracle(problem, cfg, extra)
     without, *_ = run_oracle(problem, paper, extra)
     assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)

@@ -345,3 +345,75 @@ def test_prime_rl_masked_token_ratio():
     result = ours(p, cfg, with_old=False, num_tokens=tokens)
     assert_same(result, reference)
     assert 0 < float(result[2].stats["rejected_frac"]) < 0.8
+
+
+# ------------------------------------------------------------------------------------------------- KL to a reference
+
+
+def _with_reference(p, seed: int = 7):
+    gen = torch.Generator().manual_seed(seed)
+    logp = _logps(p, p["logits"])
+    p["ref"] = torch.clamp(logp + 0.4 * torch.randn(B, T, generator=gen, dtype=torch.float64), max=-1e-3).detach()
+    return p
+
+
+def ours_with_reference(p, cfg: LossConfig):
+    logits = p["logits"].clone().requires_grad_()
+    keep = p["mask"].bool()
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(keep.sum(1), 0)
+    out = ftis_kernels.ftis_loss(logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg,
+                                 backend="torch", old_logprobs=p["old"][keep], ref_logprobs=p["ref"][keep])
+    (grad,) = torch.autograd.grad(out.loss, logits)
+    return out.loss.detach(), grad, out
+
+
+def trl_with_beta(p, logps, *, beta):
+    """GRPOTrainer with beta > 0: per_token_kl = exp(ref - logp) - (ref - logp) - 1, per_token_loss = -(min(...)
+    - beta * per_token_kl), loss_type grpo."""
+    mask, adv = p["mask"], p["adv"][:, None]
+    coef_1 = torch.exp(logps - p["old"])
+    per_token = -torch.min(coef_1 * adv, torch.clamp(coef_1, 0.8, 1.2) * adv)
+    per_token_kl = torch.exp(p["ref"] - logps) - (p["ref"] - logps) - 1
+    per_token = per_token + beta * per_token_kl
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def verl_kl_loss(p, logps, *, coef, kind):
+    """verl's actor: pg_loss (vanilla, token-mean) + kl_loss_coef * agg_loss(kl_penalty(logp, ref, kind))."""
+    mask, adv = p["mask"], p["adv"][:, None]
+    ratio = torch.exp(logps - p["old"])
+    pg = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+    kl = {"low_var_kl": lambda d: torch.exp(-d) + d - 1,  # d = logp - ref: ratio = exp(ref - logp)
+          "mse": lambda d: 0.5 * d * d, "kl": lambda d: d}[kind](logps - p["ref"])
+    token_mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
+    return token_mean(pg) + coef * token_mean(kl)
+
+
+@pytest.mark.parametrize("beta", [0.04, 0.5])
+def test_trls_beta_term_is_beta_with_the_k3_reference_kl(beta):
+    p = _with_reference(_problem(3))
+    result = ours_with_reference(p, LossConfig(method="nois", beta=beta))
+    assert_same(result, peer(p, trl_with_beta, beta=beta))
+    assert float(result[2].stats["ref_kl_mean"]) > 0
+
+
+@pytest.mark.parametrize("kind, estimator", [("low_var_kl", "k3"), ("mse", "k2"), ("kl", "k1")])
+def test_verls_kl_loss_is_beta_with_its_estimator_under_token_mean(kind, estimator):
+    p = _with_reference(_problem(5))
+    cfg = LossConfig(method="nois", beta=0.1, ref_kl_estimator=estimator, normalization="token")
+    assert_same(ours_with_reference(p, cfg), peer(p, verl_kl_loss, coef=0.1, kind=kind))
+
+
+def test_beta_without_the_references_log_probs_or_with_gepo_is_refused():
+    p = _problem(3)
+    keep = p["mask"].bool()
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(keep.sum(1), 0)
+    with pytest.raises(ValueError, match=r"^ref_logprobs: required when beta=0.1 > 0"):
+        ftis_kernels.ftis_loss(p["logits"][keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, beta=0.1)
+    with pytest.raises(ValueError, match=r"^ref_logprobs: log-probabilities must be <= 0"):
+        ftis_kernels.ftis_loss(p["logits"][keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, beta=0.1,
+                               ref_logprobs=torch.ones(int(keep.sum()), dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"LossConfig.beta: gepo"):
+        LossConfig(method="gepo", beta=0.1)

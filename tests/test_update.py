@@ -155,3 +155,30 @@ def test_the_learning_rate_warms_up_then_follows_its_schedule(schedule, expected
     config = short_config("train.steps=9", "train.warmup_steps=4", f"train.lr_schedule={schedule}",
                           "members.0.lr=1.0")
     assert [round(learning_rate(config, 0, s), 6) for s in range(1, 10)] == pytest.approx(expected, abs=1e-6)
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["full", "lora"])
+def test_the_kl_penalty_reference_is_the_initial_policy_and_moves_away_from_it_as_the_member_trains(index):
+    """algorithm.beta > 0: a full member keeps a frozen copy of its initial weights, a LoRA member uses its base
+    with the adapter disabled. Before any step the policy is its reference (ref_kl_mean 0); after steps it is not,
+    and the loss carries the beta term."""
+    from ftis_engine.batch import pack
+    from ftis_engine.update import batch_loss, reference_logprobs, update_member
+
+    m, cfg = member(index, "algorithm.beta=0.5", f"members.{index}.lr=0.02")
+    assert (m.reference is not None) == (index == 0)
+    loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
+    items = random_items(m.vocab_size, seed=6)
+    first = update_member(m, items, loss_config, 64, "torch")
+    assert first["ref_kl_mean"] == pytest.approx(0.0, abs=1e-6)
+    for seed in (7, 8):
+        update_member(m, random_items(m.vocab_size, seed=seed), loss_config, 64, "torch")
+    with torch.no_grad():
+        batch = pack(items)
+        out = batch_loss(m, batch, loss_config, "torch")
+        reference = reference_logprobs(m, batch, loss_config)
+    assert float(out.stats["ref_kl_mean"]) > 1e-4
+    assert not torch.allclose(out.logprobs, reference)
+    with torch.no_grad():
+        without = batch_loss(m, batch, loss_config.replace(beta=0.0), "torch")
+    assert float(out.loss) > float(without.loss)  # the penalty adds beta * KL >= 0
