@@ -132,6 +132,8 @@ def evaluate(
     config: pathlib.Path | None = typer.Option(
         None, "--config", help="Default: the run's own config.yaml; another must build the same models."),
     set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
+    nproc: int = typer.Option(1, "--nproc", min=1, help="Processes, as train's (a config whose vLLM members or "
+                              "sharded members need several)."),
 ) -> None:
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from .checkpoint import latest_checkpoint
@@ -151,6 +153,13 @@ def evaluate(
         cfg = eval_config(run_dir, _load(config, set_, None))
     if cfg.eval.datasets == []:
         raise UsageFailure("eval.datasets: empty, so there is nothing to evaluate; name a dataset or drop the field")
+    if nproc > 1 or under_torchrun():
+        from .launch import launch_distributed
+
+        code = launch_distributed(cfg, run_dir, False, nproc, evaluate=checkpoint)
+        if code == INTERRUPTED:
+            raise Interrupted("interrupted; the evaluation wrote nothing")
+        raise typer.Exit(code)
     swarm, step = open_run(cfg, checkpoint, checkpoint=checkpoint)
     try:
         for record in evaluate_all(swarm, step):

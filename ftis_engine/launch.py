@@ -9,6 +9,7 @@ rank and each resumes from the newest complete checkpoint that all ranks have.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import pathlib
@@ -28,15 +29,25 @@ INTERRUPTED = 130  # the shell's code for Ctrl-C: the launcher was interrupted (
 DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printed which, and at which step)
 
 
-def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
-    """Run the swarm in several processes; returns the exit code for the command line."""
+def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int,
+                       evaluate: pathlib.Path | None = None) -> int:
+    """Run the swarm in several processes (or, with `evaluate`, greedy pass@1 of that checkpoint: rank 0 prints the
+    records as JSON lines); returns the exit code for the command line."""
+    if evaluate is not None and any(m.samplers for m in config.members):
+        first = next(i for i, m in enumerate(config.members) if m.samplers)
+        raise ConfigError(f"members.{first}.samplers: eval runs the members' ranks only; add --set "
+                          f"members.{first}.samplers=0 (samplers do not change the model)")
+    target = None if evaluate is None else str(evaluate)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         check_rank_environment(os.environ)
-        return run_worker(config.model_dump(mode="json"), str(run_dir), resume)
+        return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target)
     if nproc != len(process_roles(config)):
         raise ConfigError(f"--nproc {nproc}: {needed_processes(config)}")
     from .session import RunLock, check_before_launch, check_run_dir
 
+    if evaluate is not None:  # reads the checkpoint, writes nothing: no lock, no run directory checks
+        check_before_launch(config, distributed=True)
+        return _launch(config, run_dir, resume, nproc, target)
     with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
         check_run_dir(run_dir, config, resume)
         check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
@@ -79,7 +90,7 @@ def needed_processes(config: RunConfig) -> str:
             f"{', '.join(parts)})")
 
 
-def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) -> int:
+def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, evaluate: str | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -93,7 +104,7 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int) 
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
     try:
-        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume)
+        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
         return INTERRUPTED
     except ChildFailedError as exc:
@@ -132,9 +143,10 @@ def _round_store(rank: int, world: int, timeout: datetime.timedelta):
     return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
-    """One rank: join the process group, open the run (session.open_run), train. Config errors print one line
-    (an error all ranks found alike: rank 0 alone) and exit 2."""
+def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | None = None) -> int:
+    """One rank: join the process group, open the run (session.open_run), train; or, with `evaluate` (a
+    checkpoint), evaluate it and let rank 0 print every rank's records. Config errors print one line (an error all
+    ranks found alike: rank 0 alone) and exit 2."""
     from .exchange import Shard as ShardExchange
     from .exchange.async_ import DistributedAsync, Latency
     from .exchange.links import PeerLost, TransportError
@@ -175,7 +187,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
         endpoints = len(endpoint_ranks(config))
         if role.endpoint is None:
             exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
-        elif config.swarm.mode == "async":
+        elif config.swarm.mode == "async" and evaluate is None:
             broadcast = None
             if role.member in groups.weights:  # this member's leader or one of its samplers
                 from .exchange.weights import WeightBroadcast
@@ -194,6 +206,19 @@ def run_worker(config_data: dict, run_dir: str, resume: bool) -> int:
             fsdp, objects = groups.members[role.member]
             shard = Shard(role.shard, config.members[role.member].ranks, member_ranks(config, role.member), fsdp,
                           objects)
+        if evaluate is not None:
+            from .run import evaluate_all
+
+            checkpoint = pathlib.Path(evaluate)
+            swarm, step = open_run(config, checkpoint, checkpoint=checkpoint, exchange=exchange,
+                                   local_rank=local_rank, shard=shard)
+            records = exchange.collectives.gather_records(evaluate_all(swarm, step))
+            swarm.close()
+            if rank == 0:
+                for record in records:
+                    print(json.dumps(record), flush=True)
+            exchange.collectives.close()
+            return 0
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank,

@@ -212,3 +212,17 @@ def kill_and_restart(tmp_path: pathlib.Path, *overrides: str) -> None:
 def test_with_restarts_a_killed_rank_comes_back_and_the_run_finishes_with_no_gap(tmp_path):
     kill_and_restart(tmp_path, "train.steps=8")
     assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
+
+
+@pytest.mark.slow
+def test_eval_with_nproc_evaluates_a_checkpoint_of_a_multi_process_run_to_the_accuracy_it_logged(tmp_path):
+    """`ftis-engine eval --checkpoint DIR --nproc 2`: each rank evaluates its member, rank 0 prints every record;
+    the accuracies equal those the two-process run logged at that step (the same weights, greedy)."""
+    result = _cli(*_args(tmp_path, "train.steps=2", "checkpoint.every=2", "eval.max_samples=8"), "--nproc", "2")
+    assert result.returncode == 0, result.stderr
+    checkpoint = tmp_path / "swarm" / "checkpoints" / "step-2"
+    evaluated = _cli("eval", "--checkpoint", str(checkpoint), "--nproc", "2")
+    assert evaluated.returncode == 0, evaluated.stderr
+    lines = [json.loads(x) for x in evaluated.stdout.splitlines() if x.startswith("{")]
+    logged = {r["member"]: r["accuracy"] for r in _records(tmp_path) if r["kind"] == "eval" and r["step"] == 2}
+    assert {r["member"]: r["accuracy"] for r in lines} == logged and len(lines) == 2
