@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import pathlib
 import re
 import typing
@@ -307,14 +306,6 @@ class TrainSettings(_Section):
                                 "what is left of a linear or cosine schedule).")
     warmup_steps: int = Field(0, ge=0, description="Steps over which the learning rate rises linearly from lr / "
                               "warmup_steps to lr (0: none).")
-
-    @field_validator("threads")
-    @classmethod
-    def _at_most_the_cores(cls, value: int | None) -> int | None:
-        cores = os.cpu_count() or 1
-        if value is not None and value > cores:
-            raise ValueError(f"{value} threads on a machine of {cores} cores; at most {cores}")
-        return value
 
     @field_validator("device")
     @classmethod
@@ -619,11 +610,11 @@ NULLS = ("null", "Null", "NULL", "~")
 
 def _parse_value(text: str, annotation: Any = None) -> Any:
     """An override's value: as typed for a field that takes text (run_name=1.10 stays "1.10", a system prompt
-    keeps its '#' and ':'; null, ~ and nothing give None where the field may be null), else a YAML value
+    keeps its '#' and ':', nothing is the empty text; null and ~ give None where the field may be null), else a YAML value
     ([1, 2], {a: 1}, null, 1e-6), read with the loader config files are read with."""
     is_text, nullable = _text_field(annotation)
     if is_text:
-        return None if nullable and text.strip() in (*NULLS, "") else text
+        return None if nullable and text.strip() in NULLS else text  # "" stays "" (no system prompt, say)
     try:
         return yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else ""
     except (yaml.YAMLError, RecursionError):
@@ -689,6 +680,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged (and overridden) by YAML's rules
+                continue
             key = self.construct_object(key_node, deep=True)
             try:
                 first = seen.get(key)

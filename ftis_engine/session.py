@@ -360,6 +360,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     # a rank holds its member: a learner's, or the one a sampler rank generates for
     local = [rank_roles(config)[exchange.rank][0]] if distributed else list(range(len(config.members)))
     if config.train.threads:
+        check_threads(config.train.threads)
         torch.set_num_threads(config.train.threads)
     check_generator_placement(config, distributed=distributed)
     devices = {i: member_device(config, i, local_rank) for i in local}
@@ -389,11 +390,15 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     members: list[Member] = []
     try:  # a member or checkpoint that fails closes the generators already built (a vLLM engine holds a GPU)
         for i in local:
-            member = build_member(i, config, tokenizers[i], devices[i], task)
+            sampler = distributed and rank_roles(config)[exchange.rank][1] is not None
+            member = build_member(i, config, tokenizers[i], devices[i], task,
+                                  trains=checkpoint is None and not sampler)
             members.append(member)
             if checkpoint is None:  # eval (--checkpoint) only generates: the update's checks (and compiles) are moot
                 check_model(member)
-        distinct = list({hashes[i]: everyone[i] for i in everyone}.values())  # one per vocabulary
+        # one per vocabulary and chat template (prompt lengths depend on both)
+        distinct = list({(hashes[i], getattr(everyone[i], "chat_template", None)): everyone[i]
+                         for i in everyone}.values())
         train_indices, longest_prompt = _usable_prompts(config, task, distinct, exchange)
         for member in members:  # a completion after the longest prompt must fit each model's context
             check_context(config, member.index, getattr(member.causal_lm.config, "max_position_embeddings", None),
@@ -440,6 +445,15 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         loss_config=config.algorithm.loss_config(config.rollout.temperature), start_step=start_step,
     )
     return swarm, start_step
+
+
+def check_threads(threads: int) -> None:
+    """train.threads beyond the cores this process may run on only slows it down (20,000 threads once crashed the
+    machine): a check of where the run runs, not of its config (a config made on a bigger machine stays valid)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if threads > cores:
+        raise ConfigError(f"train.threads: {threads} threads for the {cores} core(s) this process may use; at most "
+                          f"{cores} (--set train.threads={cores})")
 
 
 def foreign_limit(config: RunConfig, member: Member, longest_prompt: int) -> int:

@@ -26,6 +26,7 @@ from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
 from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
+from .rewards import RewardTimeout
 from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .schedule import learning_rate
@@ -112,11 +113,16 @@ def reward_terms(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> dict[
     if not terms or not scored:
         return {}
     texts = member.tokenizer.batch_decode([r.completion_ids.tolist() for r in scored], skip_special_tokens=True)
-    totals = {name: 0.0 for name, _, _ in terms}
+    totals, counted = {name: 0.0 for name, _, _ in terms}, 0
     for text, r in zip(texts, scored):
-        for name, value in swarm.task.reward.components(text, swarm.task.train[r.prompt_index].answer).items():
+        try:
+            values = swarm.task.reward.components(text, swarm.task.train[r.prompt_index].answer)
+        except RewardTimeout:  # scored once already; a time-out on this second pass only leaves it out of the log
+            continue
+        counted += 1
+        for name, value in values.items():
             totals[name] += value
-    return {f"reward/{name}": total / len(scored) for name, total in totals.items()}
+    return {f"reward/{name}": total / counted if counted else float("nan") for name, total in totals.items()}
 
 
 @torch.no_grad()

@@ -211,11 +211,19 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
     if epochs * parts == 1:
         return optimizer_step(member, items, cfg, token_budget, backend, on_micro_batch)
     items = with_old_logprobs(member, items, cfg, token_budget, backend)
-    steps = [optimizer_step(member, part, cfg, token_budget, backend, on_micro_batch)
-             for _ in range(epochs) for part in mini_batches(items, parts)]
+    plan = [part for _ in range(epochs) for part in mini_batches(items, parts)]
+    steps = []
+    for k, part in enumerate(plan):
+        try:
+            steps.append(optimizer_step(member, part, cfg, token_budget, backend, on_micro_batch))
+        except DivergenceError as exc:
+            raise DivergenceError(f"{exc} (optimizer step {k + 1} of the step's {len(plan)}: the {k} before it "
+                                  "were taken)") from None
     merged = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]
               if key not in ("own_ratio_mean", "micro_batches")}
-    return {**merged, "own_ratio_mean": steps[0]["own_ratio_mean"], "optimizer_steps": len(steps),
+    # the on-policy check: the first optimizer step that had own tokens (a mini-batch may hold only peers')
+    own = next((s["own_ratio_mean"] for s in steps if not math.isnan(s["own_ratio_mean"])), float("nan"))
+    return {**merged, "own_ratio_mean": own, "optimizer_steps": len(steps),
             "micro_batches": sum(s["micro_batches"] for s in steps)}
 
 

@@ -29,9 +29,12 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("FTIS_CACHE_DIR") or pathlib.Path.home() / ".cache" / "ftis-engine") / "warm-start"
 
 
-def cache_key(model_spec: str, init_seed: int, task_name: str, settings, dtype: torch.dtype, vocab_size: int) -> str:
+def cache_key(model_spec: str, init_seed: int, task_name: str, settings, dtype: torch.dtype, vocab_size: int,
+              master: torch.dtype | None = None) -> str:
     identity = {"version": VERSION, "model": model_spec, "init_seed": init_seed, "task": task_name,
                 "vocab_size": vocab_size, "dtype": str(dtype), **settings.model_dump(mode="json")}
+    if master is not None:  # float32 masters keep the keys (and cache entries) they always had
+        identity["master_dtype"] = str(master)
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -57,7 +60,9 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
     """Load the cached warm-started weights into `model` (float32 masters), computing them first if no run has yet:
     forward and backward in the compute `dtype`, as the RL updates run. `settings` is a WarmStartSettings. Returns
     the cache file."""
-    key = cache_key(model_spec, init_seed, task.name, settings, dtype, len(tokenizer))
+    master = next(model.parameters()).dtype  # bf16 masters step otherwise (stochastic rounding): another entry
+    key = cache_key(model_spec, init_seed, task.name, settings, dtype, len(tokenizer),
+                    master=None if master == torch.float32 else master)
     path = cache_dir() / f"{key}.pt"
     with _locked(path.with_suffix(".lock")):
         state = _read(path, device)

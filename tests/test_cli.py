@@ -254,7 +254,12 @@ def test_a_task_read_from_files_loads_its_eval_sets_without_its_training_set_for
     from ftis_engine.config import load_config
     from ftis_engine.tasks import load_task
 
-    config = load_config(TINY, ["data.task=gsm8k-calc", "data.train_path=/no/such/train.jsonl",
-                                f"data.eval_paths={{gsm8k-calc: {shared_data / 'gsm8k' / 'test.jsonl'}}}"])
+    evals = f"data.eval_paths={{gsm8k-calc: {shared_data / 'gsm8k' / 'test.jsonl'}}}"
+    config = load_config(TINY, ["data.task=gsm8k-calc", f"data.train_path={shared_data / 'gsm8k' / 'train.jsonl'}",
+                                evals])
     task = load_task(config.data, 0, with_train=False)
-    assert task.train == [] and len(task.evals["gsm8k-calc"]) > 500
+    # the eval set an eval scores is the one training logged: steps that occur in training left out
+    assert task.train == [] and task.evals == load_task(config.data, 0).evals
+    missing = load_config(TINY, ["data.task=gsm8k-calc", "data.train_path=/no/such/train.jsonl", evals])
+    whole = load_task(missing.data, 0, with_train=False).evals["gsm8k-calc"]  # said, and kept whole
+    assert len(whole) > len(task.evals["gsm8k-calc"])

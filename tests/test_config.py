@@ -205,3 +205,33 @@ def test_a_config_nested_thousands_deep_is_one_line(tmp_path):
     path.write_text("x: " + "[" * 5000 + "]" * 5000)
     with pytest.raises(ConfigError, match=r"--config .*deep.yaml: nested too deep to read$"):
         load_config(path)
+
+
+def test_yaml_merge_keys_still_load_and_an_override_of_a_merged_key_is_no_duplicate(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("run_name: x\nbase: &base {model: builtin:tiny-s, lr: 0.1}\nmembers:\n"
+                    "- <<: *base\n  name: a\n  lr: 0.2\n")
+    import yaml
+
+    from ftis_engine.config import _UniqueKeyLoader
+
+    raw = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
+    assert raw["members"][0] == {"model": "builtin:tiny-s", "lr": 0.2, "name": "a"}
+
+
+def test_an_empty_text_override_is_the_empty_text_and_null_clears():
+    assert load_config(TINY, ["data.system_prompt="]).data.system_prompt == ""
+    assert load_config(TINY, ["data.system_prompt=null"]).data.system_prompt is None
+
+
+def test_more_threads_than_cores_is_refused_where_the_run_runs_not_in_the_config():
+    import os
+
+    from ftis_engine.session import check_threads
+
+    config = load_config(TINY, ["train.threads=100000"])  # a config made on a bigger machine stays valid
+    assert config.train.threads == 100000
+    cores = len(os.sched_getaffinity(0))
+    check_threads(cores)
+    with pytest.raises(ConfigError, match=rf"^train.threads: {cores + 1} threads for the {cores} core"):
+        check_threads(cores + 1)

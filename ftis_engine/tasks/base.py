@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..rewards import Reward, RewardTimeout
+from ..rewards import Reward, RewardTimeout, finite_number
 
 # The <think>/<answer> instruction (R1 style) that goes with binary_answer_reward's format.
 SYSTEM_PROMPT = (
@@ -67,7 +65,7 @@ class Task:
             message = " ".join(str(exc).split())[:200]
             raise RewardError(f"{field}: {call} raised {type(exc).__name__}" + (f": {message}" if message else "")
                               ) from None
-        if isinstance(value, numbers.Real) and math.isfinite(value):
+        if finite_number(value):
             return float(value)
         raise RewardError(f"{field}: {call} returned {_clip(repr(value))} ({type(value).__name__}); a reward is "
                           "a finite number")

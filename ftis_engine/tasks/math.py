@@ -169,6 +169,19 @@ def _evaluate(expression: str) -> float | None:
         return None
 
 
+def _calc_train_or_none(data) -> list[Example]:
+    """gsm8k-calc's training steps for an eval that reads no training set, only to leave them out of the eval set
+    as training did; when they cannot be read, the eval set stays whole (said)."""
+    import logging
+
+    try:
+        return calculator_steps(load_rows("gsm8k-train", data.train_path, "data.train_path"))
+    except TaskError as exc:
+        logging.getLogger("ftis_engine").warning("gsm8k-calc: the training steps cannot be read (%s), so the eval "
+                                                 "set keeps the steps that also occur in training", exc)
+        return []
+
+
 def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) -> Task:
     train_name, default_evals = MATH_TASKS[data.task]
     calc = data.task == "gsm8k-calc"
@@ -184,7 +197,7 @@ def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) ->
             continue  # load_task reports unknown eval names
         field = f"data.eval_paths.{name}"
         if name == "gsm8k-calc":  # held out: a step that also occurs in a training solution is left out
-            trained = {ex.question for ex in train} if calc else set()
+            trained = {ex.question for ex in (train if with_train or not calc else _calc_train_or_none(data))}
             evals[name] = [ex for ex in calculator_steps(load_rows(name, data.eval_paths.get(name), field))
                            if ex.question not in trained]
         else:
