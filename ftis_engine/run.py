@@ -83,7 +83,9 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     config, run_dir = swarm.config, swarm.run_dir
     if swarm.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(dump_config(config))
+        written = run_dir / f".config.yaml.tmp{os.getpid()}"  # whole or not at all: a Ctrl-C may land here
+        written.write_text(dump_config(config))
+        os.replace(written, run_dir / "config.yaml")
         if start_step == 0:  # a start over a run that stopped before its first checkpoint: its logs are kept aside
             for log_file in ("metrics.jsonl", "completions.jsonl"):
                 keep_aside(run_dir / log_file)

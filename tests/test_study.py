@@ -428,6 +428,8 @@ def test_a_study_run_whose_config_yaml_is_not_utf8_is_one_line(tmp_path):
     run = Run("g", 0, config, tmp_path / "c.yaml", tmp_path / "log")
     run.run_dir.mkdir(parents=True)
     (run.run_dir / "config.yaml").write_bytes(b"run_name: \xff\xfe\xfa\n")
+    check_reuse(run)  # a run that holds nothing to continue (an interrupted start) starts over: no check
+    (run.run_dir / "final_eval.json").write_text("[]")  # a finished run: its config must be this one's
     with pytest.raises(StudyError, match=r"^--output-dir: .*config.yaml is not a run config"):
         check_reuse(run)
 
