@@ -223,10 +223,13 @@ def test_a_finished_run_with_another_config_is_refused_not_reused(tmp_path):
     spec = study_module.StudyConfig.model_validate(MINIMAL)
     run = plan(spec, tmp_path, quick=False)[0].runs[0]
     run.run_dir.mkdir(parents=True)
-    (run.run_dir / "config.yaml").write_text(dump_config(run.config))
-    check_reuse(run)  # the same config: fine
     other = run.config.model_copy(deep=True)
     other.train.steps = 3
+    (run.run_dir / "config.yaml").write_text(dump_config(other))
+    check_reuse(run)  # a directory that holds nothing to continue starts over whatever its config says
+    (run.run_dir / "final_eval.json").write_text("{}")  # now it holds a finished run
+    (run.run_dir / "config.yaml").write_text(dump_config(run.config))
+    check_reuse(run)  # the same config: fine
     (run.run_dir / "config.yaml").write_text(dump_config(other))
     with pytest.raises(StudyError, match="was run with train.steps=3, the study now says 2"):
         check_reuse(run)
