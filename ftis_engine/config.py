@@ -263,6 +263,10 @@ class DataSettings(_Section):
         "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if available."
     )
     reward: str | None = Field(None, description="Reward override as 'module:function' (completion, gold) -> float.")
+    reward_timeout_s: float | None = Field(
+        60.0, gt=0, allow_inf_nan=False, description="A reward call (one completion) that has not returned after "
+        "this many seconds stops the run with one line naming the reward and the completion; null: no bound. It "
+        "interrupts Python code and waits (sleep, sockets), not one C call that never yields (a runaway regex).")
     max_prompt_tokens: int = Field(512, ge=1, description="Longer prompts are dropped from the training set.")
     shuffle: bool = Field(True, description="Shuffle the training prompts (each epoch, by the run seed).")
 

@@ -131,6 +131,20 @@ def one_argument(completion):
 
 def good(completion, gold):
     return float(completion.strip() == gold)
+
+
+def sleeps(completion, gold):
+    import time
+    time.sleep(3600)
+    return 1.0
+
+
+def spins_and_swallows(completion, gold):
+    while True:
+        try:
+            sum(range(1000))
+        except Exception:
+            pass
 '''
 
 
@@ -160,6 +174,43 @@ def test_a_user_reward_that_fails_stops_with_one_line_naming_it_and_the_completi
     assert "\n" not in str(caught.value)
     good = Task("digits", [Example("q", "7")], {}, load_reward(f"{reward_module}:good"))
     assert good.score(DigitTokenizer(), [[7], [3]], [Example("q", "7")] * 2) == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("name", ["sleeps", "spins_and_swallows"])
+def test_a_reward_that_never_returns_stops_at_data_reward_timeout_s_and_naming_it(reward_module, name):
+    import time
+
+    from ftis_engine.tasks import Example, Task
+    from ftis_engine.tasks.base import RewardError
+
+    from .test_admission import DigitTokenizer
+
+    task = Task("digits", [Example("q", "7")], {}, load_reward(f"{reward_module}:{name}"))
+    task.reward_timeout_s = 0.5
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=rf"^data.reward: user_rewards:{name}\('123', '7'\) did not return within "
+                                          r"0.5 s \(data.reward_timeout_s\)"):
+        task.score(DigitTokenizer(), [[1, 2, 3]], [Example("q", "7")])
+    assert time.monotonic() - start < 60  # interrupted, not waited out (the sleep is an hour, the loop endless)
+    # a call that returns in time leaves nothing armed: later code (a sleep past the bound) is not interrupted
+    good = Task("digits", [Example("q", "7")], {}, load_reward(f"{reward_module}:good"))
+    good.reward_timeout_s = 0.2
+    assert good.score(DigitTokenizer(), [[7], [3]], [Example("q", "7")] * 2) == [1.0, 0.0]
+    time.sleep(0.5)
+
+
+def test_the_reward_bound_is_a_config_field_that_reaches_the_task_and_may_change_on_resume():
+    from ftis_engine.config import RunConfig
+    from ftis_engine.session import resumable
+    from ftis_engine.tasks import load_task
+
+    data = RunConfig.model_validate({"members": [{"name": "a", "model": "builtin:tiny-s"}],
+                                     "data": {"task": "tiny-add", "reward_timeout_s": 7}}).data
+    assert load_task(data, seed=0).reward_timeout_s == 7.0
+    assert resumable("data.reward_timeout_s")
+    with pytest.raises(ValueError, match="reward_timeout_s"):
+        RunConfig.model_validate({"members": [{"name": "a", "model": "builtin:tiny-s"}],
+                                  "data": {"reward_timeout_s": 0}})
 
 
 @pytest.mark.parametrize("path, said", [

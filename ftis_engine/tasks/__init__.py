@@ -39,6 +39,7 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
             raise TaskError(f"eval.datasets: unknown dataset {unknown[0]!r} for task {task.name} "
                             f"(available: {', '.join(task.evals)})")
         task.evals = {name: task.evals[name] for name in eval_datasets}
+    task.reward_timeout_s = data.reward_timeout_s
     if data.system_prompt is not None:
         task.system_prompt = data.system_prompt
     if data.prompt_format != "auto":

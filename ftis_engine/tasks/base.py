@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +35,7 @@ class Task:
     prompt_format: str = "auto"  # auto | chat | plain
     # (style, count, seed) -> worked (question, completion) pairs for a warm start; None: the task has none
     demonstrations: Callable[[str, int, int], list[tuple[str, str]]] | None = None
+    reward_timeout_s: float | None = None  # data.reward_timeout_s: one reward call's bound (None: unbounded)
 
     def score(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example],
               undecided: float | None = 0.0) -> list[float | None]:
@@ -58,9 +62,13 @@ class Task:
         field = "data.rewards" if hasattr(self.reward, "terms") else "data.reward"
         call = f"{name}({_clip(text)!r}, {_clip(gold)!r})"
         try:
-            value = self.reward(text, gold)
+            with _deadline(self.reward_timeout_s):
+                value = self.reward(text, gold)
         except RewardTimeout:
             raise
+        except _Overdue:
+            raise RewardError(f"{field}: {call} did not return within {self.reward_timeout_s:g} s "
+                              "(data.reward_timeout_s); fix the reward, or raise the bound") from None
         except Exception as exc:
             message = " ".join(str(exc).split())[:200]
             raise RewardError(f"{field}: {call} raised {type(exc).__name__}" + (f": {message}" if message else "")
@@ -69,6 +77,55 @@ class Task:
             return float(value)
         raise RewardError(f"{field}: {call} returned {_clip(repr(value))} ({type(value).__name__}); a reward is "
                           "a finite number")
+
+
+class _Overdue(BaseException):
+    """A reward call ran past data.reward_timeout_s. A BaseException: a reward's own `except Exception` cannot
+    swallow it."""
+
+
+_armed = threading.Event()  # set while a bounded reward call runs on the main thread
+_ALARM = getattr(signal, "SIGUSR2", None)  # not SIGALRM: math-verify's own time-outs use that timer
+_installed = False
+
+
+def _on_alarm(signum, frame):
+    if _armed.is_set():  # a signal that arrives after the call returned does nothing
+        _armed.clear()
+        raise _Overdue
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float | None):
+    """Interrupt the block after `seconds`: a watchdog thread signals the main thread, whose handler raises
+    _Overdue at the next bytecode (a sleep or socket wait is interrupted too). Only on the main thread (where
+    Python runs signal handlers, and where every score is taken); elsewhere, or without the signal, unbounded.
+    The handler stays installed for the process: a late signal finds it, disarmed, and does nothing."""
+    global _installed
+    if seconds is None or _ALARM is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if not _installed:
+        signal.signal(_ALARM, _on_alarm)
+        _installed = True
+    main = threading.main_thread().ident
+    lock = threading.Lock()
+
+    def fire():
+        with lock:
+            if _armed.is_set():
+                signal.pthread_kill(main, _ALARM)
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    _armed.set()
+    timer.start()
+    try:
+        yield
+    finally:
+        with lock:
+            _armed.clear()
+        timer.cancel()
 
 
 class TaskError(ValueError):
