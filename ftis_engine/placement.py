@@ -444,12 +444,16 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
-def full_state_dict(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(model: torch.nn.Module, keep: bool = True, dtype: torch.dtype | None = None
+                    ) -> dict[str, torch.Tensor]:
     """The model's state dict with every sharded entry gathered, one tensor at a time, onto the CPU (every shard
-    must call it; keep=False gathers without keeping, for the shards that do not write)."""
+    must call it; keep=False gathers without keeping, for the shards that do not write); dtype: floating entries
+    are kept in it (cast on the device, before the copy)."""
     out = {}
     for name, tensor in model.state_dict().items():
         value = full(tensor).detach()
         if keep:
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
             out[name] = value.cpu()
     return out

@@ -103,11 +103,15 @@ def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     from .helpers import member
 
     m, _ = member(0)
-    received = []
+    received, handed = [], []
+
+    def load_weights(weights):
+        handed.append(weights)
+        received.extend(weights)
 
     class Engine:
         def apply_model(self, fn):
-            fn(type("EngineModel", (), {"load_weights": staticmethod(lambda weights: received.extend(weights))})())
+            fn(type("EngineModel", (), {"load_weights": staticmethod(load_weights)})())
 
         def reset_prefix_cache(self):
             pass
@@ -120,6 +124,25 @@ def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     assert {name for name, _ in received} == set(vllm_gen.checkpoint_names(m.model, state))
     assert all(t.dtype == torch.bfloat16 for _, t in received)
     assert all(torch.equal(t, state[name].bfloat16()) for name, t in received if name in state)
+    # streamed: the loader gets an iterator, one tensor cast at a time, not a bf16 copy of the whole model
+    assert len(handed) == 1 and not isinstance(handed[0], (list, tuple, dict))
+
+
+def test_a_sharded_full_members_weights_are_gathered_in_the_engines_dtype(monkeypatch):
+    """Each rank of a K-rank member keeps a host copy of the gathered weights for its engine: in bf16, half the
+    bytes of the float32 masters (a stand-in for the shards: every parameter reads as sharded, gathers to itself)."""
+    from .helpers import member
+
+    m, _ = member(0)
+    monkeypatch.setattr(vllm_gen, "is_sharded", lambda p: True)
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.lora, gen._asleep, gen._stale = False, True, False
+    gen.sync(m.model)
+    state = m.model.state_dict()
+    assert set(gen._gathered) == set(state)
+    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in gen._gathered.values())
+    assert all(torch.equal(t, state[n].bfloat16()) for n, t in gen._gathered.items())
+    assert gen._stale  # pushed at the next wake-up
 
 
 def test_lora_ranks_round_up_to_what_vllm_accepts():

@@ -109,6 +109,12 @@ def _lora_rank(r: int) -> int:
     return next(x for x in LORA_RANKS if x >= r)
 
 
+def _engine_weights(named: dict):
+    """(name, tensor) pairs for the engine's loader, each floating tensor cast to bf16 as it is taken."""
+    for name, tensor in named.items():
+        yield name, (tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach())
+
+
 class VLLMGenerator:
     """Colocated vLLM engine for one member (see the module docstring)."""
 
@@ -186,8 +192,10 @@ class VLLMGenerator:
         self._model = model
         self._stale = True
         if any(is_sharded(p) for p in model.parameters()):
+            # a full member's weights are kept in the engine's dtype: half the host memory of float32 masters
+            # (each of the member's ranks holds a copy for its own engine); a LoRA adapter is small, kept as is
             self._gathered = ({n: full(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
-                              if self.lora else full_state_dict(model))
+                              if self.lora else full_state_dict(model, dtype=torch.bfloat16))
         if not self._asleep:
             self._push()
 
@@ -227,10 +235,10 @@ class VLLMGenerator:
             self._push_adapter()
         else:
             state = self._gathered if self._gathered is not None else self._model.state_dict()
-            # float32 masters go to the engine in its dtype (bf16): half the bytes, and no cast inside its loader
-            weights = [(name, tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach())
-                       for name, tensor in checkpoint_names(self._model, state).items()]
-            self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
+            # float32 masters go to the engine in its dtype (bf16), streamed: one tensor cast at a time (the
+            # loader takes any iterable), never a second copy of the whole model
+            named = checkpoint_names(self._model, state)
+            self.llm.apply_model(lambda engine_model: engine_model.load_weights(_engine_weights(named)))
         self.llm.reset_prefix_cache()
         self._stale = False
         self.push_seconds += time.perf_counter() - start  # the step reports it as sync_seconds
