@@ -68,8 +68,9 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
     exchange, config, schedule = swarm.exchange, swarm.config, swarm.schedule
     assert isinstance(exchange, DistributedAsync)  # config and launch allow samplers only there
     member = swarm.members[0]
-    rank = exchange.rank
+    rank = exchange.rank  # its endpoint on the links (members' leaders, then samplers): the schedule's numbering
     learner, index = schedule.roles[rank]
+    process_rank = torch.distributed.get_rank()  # which process it is (differs once a member has several ranks)
     exchange.collectives.barrier()  # as train() does: the run directory is ready
     # a learner pushes no weights after its last step (version train.steps - 1)
     slot = WeightSlot(learner, weights_words(member.model), start_version, config.train.steps - 1)
@@ -97,7 +98,8 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
                 rollouts = sample.generate_rollouts(swarm, member, schedule.round_deal(rank, round_), version,
                                                     schedule.sampling_seed(round_, rank))
             exchange.send_parcel(encode(rollouts), round_, version)
-            logger.log({"step": round_, "member": member.name, "kind": "sample", "sampler": index, "rank": rank,
+            logger.log({"step": round_, "member": member.name, "kind": "sample", "sampler": index, "rank": process_rank,
+                        "endpoint": rank,
                         "policy_version": version, "started_at": started, "seconds": time.time() - started,
                         "waited_seconds": waited, "sequences": len(rollouts),
                         "weights_transport": "links" if exchange.broadcast is None else "broadcast",

@@ -195,7 +195,7 @@ def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync
     records = _records(tmp_path)
     rounds = [r for r in records if r["kind"] == "sample"]
     learner = [r for r in _train(records) if r["member"] == "tiny-s"]
-    assert rounds and all(r["member"] == "tiny-s" and r["rank"] == 2 for r in rounds)
+    assert rounds and all(r["member"] == "tiny-s" and r["rank"] == r["endpoint"] == 2 for r in rounds)
     assert {r["weights_transport"] for r in rounds} == {transport}
     for r in rounds:  # the weights a round used existed when it began (their update had ended: updated_at)...
         made = sum(1 for t in learner if t["updated_at"] <= r["started_at"])
@@ -213,6 +213,27 @@ def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync
     used = [k for r in _train(records) for k in r["received_sha256"] if k.startswith("tiny-s/sampler-0@")]
     assert used and any(k.startswith("tiny-s/sampler-0@") for r in _train(records) if r["member"] == "tiny-s"
                         for k in r["received_sha256"])
+
+
+def test_a_sampler_of_a_member_on_two_ranks_streams_over_the_links_where_endpoints_and_ranks_differ(tmp_path):
+    """tiny-s on ranks 0-1 (sharded), tiny-m-lora on rank 2, tiny-s's sampler on rank 3: the links' endpoints are
+    the members' leaders and the samplers, so endpoint numbers and ranks no longer coincide (every other sampler
+    test has one-rank members). The sampler gets its learner's weights (from the leader) and both learners
+    train on its rollouts, checked like any peer's."""
+    args = _args(tmp_path, "train.steps=4", *ASYNC, "members.0.ranks=2", "members.0.samplers=1",
+                 "members.0.weight_sync_every=1", "swarm.timeout_s=30", "swarm.weights_transport=links")
+    results = _launch_timed(4, args, timeout=600)
+    assert [code for code, _, _ in results] == [0, 0, 0, 0], results
+    records = _records(tmp_path)
+    rounds = [r for r in records if r["kind"] == "sample"]
+    # the record names the process (rank 3) and, apart, its endpoint on the links (2: after the two leaders)
+    assert rounds and all(r["member"] == "tiny-s" and (r["rank"], r["endpoint"]) == (3, 2) for r in rounds)
+    assert max(r["policy_version"] for r in rounds) >= 1  # weights reached it from the sharded learner
+    assert _steps(tmp_path) == {m: [1, 2, 3, 4] for m in ("tiny-s", "tiny-m-lora")}
+    assert all(r["rejected_batches"] == 0 for r in _train(records))
+    for name in ("tiny-s", "tiny-m-lora"):
+        assert any(k.startswith("tiny-s/sampler-0@") for r in _train(records) if r["member"] == name
+                   for k in r["received_sha256"]), name
 
 
 def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_lost_peer(tmp_path):
