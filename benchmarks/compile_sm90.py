@@ -39,6 +39,7 @@ class Variant:
     bias: bool = False
     needs: tuple[bool, bool, bool] = (True, True, False)
     strategy: str | None = None  # backward only: force a strategy (with its own tiles) instead of the default
+    entropy: bool = False  # backward only: with the entropy bonus's term
 
 
 def _forward(v: Variant, blocks: Blocks):
@@ -56,13 +57,13 @@ def _backward(v: Variant, blocks: Blocks):
     store = v.mode == "logits" or (blocks.strategy == "chunked" and v.dtype != "fp16")
     grad = PTR[v.dtype] if store else "*fp32"
     sig = {"X": PTR[v.dtype], "W": PTR[v.dtype], "B": PTR[v.dtype], "T": "*i64", "LSE": "*fp32", "C": "*fp32",
-           "DX": grad, "DW": "*fp32", "DB": "*fp32", "N": "i32", "V": "i32", "D": "i32", "stride_x": "i32",
+           "EC": "*fp32", "ENT": "*fp32", "DX": grad, "DW": "*fp32", "DB": "*fp32", "N": "i32", "V": "i32", "D": "i32", "stride_x": "i32",
            "stride_w": "i32", "stride_dx": "i32", "inv_temp": "fp32", "v_blocks": "i64", "v_offset": "i32"}
     const = dict(FUSED=v.mode == "fused", HAS_BIAS=v.bias, NEED_DX=v.needs[0] and not store,
                  NEED_DW=v.needs[1] and not store, NEED_DB=v.needs[2] and v.bias and not store,
                  STORE_GRAD=store and v.mode == "fused", BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v,
                  BLOCK_D=blocks.block_d, GROUP_N=blocks.group_n, PRECISION="ieee" if v.dtype == "fp32" else "tf32",
-                 UPCAST=False, FP32_GRAD=v.dtype == "fp16")
+                 UPCAST=False, FP32_GRAD=v.dtype == "fp16", HAS_ENT=v.entropy)
     return backward._backward_kernel, sig, const
 
 
@@ -115,6 +116,7 @@ VARIANTS = [
     Variant("backward", "fused", "fp16"), Variant("backward", "fused", "fp32"),
     Variant("backward", "fused", "bf16", strategy="atomic"),  # the atomic strategy stays available
     Variant("backward", "logits", "bf16"), Variant("backward", "logits", "fp32"),
+    Variant("backward", "fused", "bf16", entropy=True),  # algorithm.entropy_coef: the entropy's gradient too
 ]
 
 

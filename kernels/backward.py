@@ -1,7 +1,8 @@
 """Triton backward pass: recompute logit tiles and turn dL/dl_t into the gradient of the logits, or of hidden,
 weight and bias, without an N x V scratch.
 
-With c_t = (dL/dl_t) / T and p = softmax(logits / T), the gradient of the logits is c_t * (onehot(target) - p).
+With c_t = (dL/dl_t) / T and p = softmax(logits / T), the gradient of the logits is c_t * (onehot(target) - p);
+with an entropy term (e_t = (dL/dH_t) / T, H_t the entropy of p) it is c_t * onehot - p * (c_t + e_t (log p + H_t)).
 Each program owns one [BLOCK_N, BLOCK_V] tile (flattened on grid axis 0, so neither N nor V is bounded by a
 grid limit; GROUP_N token blocks walk the vocabulary tiles together for L2 reuse) and recomputes it from the
 saved log-sum-exp. Then, by Blocks.strategy:
@@ -29,12 +30,12 @@ from .logprobs import Blocks, _dot_precision, _logit_tile, _mm, _upcast_dots, de
 
 @triton.jit
 def _backward_kernel(
-    X, W, B, T, LSE, C, DX, DW, DB,
+    X, W, B, T, LSE, C, EC, ENT, DX, DW, DB,
     N, V, D, stride_x, stride_w, stride_dx, inv_temp, v_blocks, v_offset,
     FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, NEED_DX: tl.constexpr, NEED_DW: tl.constexpr,
     NEED_DB: tl.constexpr, STORE_GRAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
     BLOCK_D: tl.constexpr, GROUP_N: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    FP32_GRAD: tl.constexpr,
+    FP32_GRAD: tl.constexpr, HAS_ENT: tl.constexpr,
 ):
     # Tiles are visited in groups of GROUP_N token blocks that sweep the vocabulary tiles together, so the
     # programs running at one time share their weight tiles (and hidden blocks) in L2.
@@ -51,10 +52,15 @@ def _backward_kernel(
     rv = (pid_v * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int32)
     col_ok = rv < V
     coef = tl.load(C + rn, mask=row_ok, other=0.0)
+    if HAS_ENT:
+        ecoef = tl.load(EC + rn, mask=row_ok, other=0.0)
+        live = tl.max(tl.abs(coef), 0) + tl.max(tl.abs(ecoef), 0)
+    else:
+        live = tl.max(tl.abs(coef), 0)
     store_mask = row_ok[:, None] & col_ok[None, :]
     g_ptrs = DX + rn64[:, None] * stride_dx + rv[None, :]
     if FUSED:
-        if tl.max(tl.abs(coef), 0) == 0.0:
+        if live == 0.0:
             if STORE_GRAD:  # the chunk buffer is not zeroed: write the tile's zeros without recomputing it
                 tl.store(g_ptrs, tl.zeros((BLOCK_N, BLOCK_V), DX.dtype.element_ty), mask=store_mask)
             return
@@ -65,7 +71,12 @@ def _backward_kernel(
                     FUSED, HAS_BIAS, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION, UPCAST)
     p = tl.where(col_ok[None, :], tl.exp(z - lse[:, None]), 0.0)
     onehot = tl.where(rv[None, :] == target[:, None], 1.0, 0.0)
-    grad = coef[:, None] * (onehot - p)
+    if HAS_ENT:
+        ent = tl.load(ENT + rn, mask=row_ok, other=0.0)
+        log_p = tl.where(col_ok[None, :], z - lse[:, None], 0.0)
+        grad = coef[:, None] * onehot - p * (coef[:, None] + ecoef[:, None] * (log_p + ent[:, None]))
+    else:
+        grad = coef[:, None] * (onehot - p)
     if FUSED and not STORE_GRAD:
         rv64 = rv.to(tl.int64)
         # bf16 keeps fp32's exponent range, so the tile may be rounded to it for the tensor cores; fp16 would
@@ -101,19 +112,21 @@ def backward_grid(n: int, vocab: int, blocks: Blocks) -> tuple[tuple[int], int]:
 
 
 def _launch(x, weight, bias, targets, lse, coef, dx, dw, db, vocab: int, dim: int, temperature: float,
-            blocks: Blocks, needs, v_offset: int = 0, store_grad: bool = False) -> None:
+            blocks: Blocks, needs, v_offset: int = 0, store_grad: bool = False, entropy_term=None) -> None:
     fused = weight is not None
     placeholder = coef  # stands in for pointers the constexpr flags keep the kernel from touching
+    ecoef, entropy = entropy_term if entropy_term is not None else (placeholder, placeholder)
     grid, v_blocks = backward_grid(x.shape[0], vocab, blocks)
     _backward_kernel[grid](
-        x, weight if fused else x, placeholder if bias is None else bias, targets, lse, coef,
+        x, weight if fused else x, placeholder if bias is None else bias, targets, lse, coef, ecoef, entropy,
         placeholder if dx is None else dx, placeholder if dw is None else dw, placeholder if db is None else db,
         x.shape[0], vocab, dim, x.stride(0), weight.stride(0) if fused else 0, 0 if dx is None else dx.stride(0),
         1.0 / temperature, v_blocks, v_offset,
         FUSED=fused, HAS_BIAS=bias is not None, NEED_DX=needs[0], NEED_DW=needs[1], NEED_DB=needs[2],
         STORE_GRAD=store_grad, BLOCK_N=blocks.block_n, BLOCK_V=blocks.block_v, BLOCK_D=blocks.block_d,
         GROUP_N=blocks.group_n, PRECISION=_dot_precision(x.dtype), UPCAST=_upcast_dots(x.dtype),
-        FP32_GRAD=x.dtype == torch.float16, num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+        FP32_GRAD=x.dtype == torch.float16, HAS_ENT=entropy_term is not None, num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages,
     )
 
 
@@ -157,7 +170,7 @@ def chunk_columns(n: int, vocab: int, blocks: Blocks) -> int:
 
 
 def _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx, need_dw, need_db,
-                      blocks: Blocks):
+                      blocks: Blocks, entropy_term=None):
     """Fused-linear backward by vocabulary chunks: the Triton kernel recomputes a chunk's logit tiles and stores
     its gradient G_c [N, chunk] in the input dtype; cuBLAS adds G_c W_c into the fp32 dH and writes
     dW_c = G_c^T H (each row of dW once, accumulated in fp32 inside the matmul). Scratch: N x chunk entries."""
@@ -175,7 +188,8 @@ def _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx,
         v1 = min(v0 + columns, vocab)
         g = scratch[:, : v1 - v0]
         _launch(x, weight[v0:v1], None if bias is None else bias[v0:v1], targets, lse, coef, g, None, None,
-                v1 - v0, dim, temperature, blocks, (False, False, False), v_offset=v0, store_grad=True)
+                v1 - v0, dim, temperature, blocks, (False, False, False), v_offset=v0, store_grad=True,
+                entropy_term=entropy_term)
         if need_dx:
             _add_product(dx, g, weight[v0:v1])
         if need_dw:
@@ -185,9 +199,11 @@ def _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx,
     return (None if dx is None else dx.to(x.dtype), dw, None if db is None else db.to(bias.dtype))
 
 
-def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, needs, blocks: Blocks | None = None):
+def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, needs, blocks: Blocks | None = None,
+                    entropy_term=None):
     """Gradients (dx, dweight, dbias) given c_t = (dL/dl_t) / T per token ([N] fp32, 0 where ignored).
-    `needs` = which of the three are wanted; the others come back as None."""
+    `needs` = which of the three are wanted; the others come back as None. entropy_term: (e_t = (dL/dH_t) / T,
+    H_t), each [N] fp32, when the loss depends on the entropy too; None: it does not."""
     fused = weight is not None
     blocks = blocks or default_blocks("backward", "fused" if fused else "logits", x.dtype)
     n = x.shape[0]
@@ -199,7 +215,7 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
         weight = weight.contiguous()
     if fused and blocks.strategy == "chunked" and x.dtype != torch.float16:
         return _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx, need_dw, need_db,
-                                 blocks)
+                                 blocks, entropy_term)
     if fused:
         dx = torch.zeros((n, dim), dtype=torch.float32, device=x.device) if need_dx else None
         dw = torch.zeros((vocab, dim), dtype=torch.float32, device=x.device) if need_dw else None
@@ -207,7 +223,7 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
     else:
         dx, dw, db = torch.empty_like(x), None, None
     _launch(x, weight, bias, targets, lse, coef, dx, dw, db, vocab, dim, temperature, blocks,
-            (need_dx, need_dw, need_db))
+            (need_dx, need_dw, need_db), entropy_term=entropy_term)
     if fused:
         dx = None if dx is None else dx.to(x.dtype)
         dw = None if dw is None else dw.to(weight.dtype)
@@ -216,23 +232,30 @@ def triton_backward(x, weight, bias, targets, lse, coef, temperature: float, nee
 
 
 class TritonTokenLogprobs(torch.autograd.Function):
-    """(x, weight, bias) -> per-token log-probs [N] fp32 (differentiable) and entropy [N] (not), on Triton.
+    """(x, weight, bias) -> per-token log-probs [N] fp32 and entropy [N] fp32, both differentiable (the entropy's
+    gradient is computed only when the loss uses it: an entropy bonus), on Triton.
     Logits mode: x is logits [N, V], weight and bias None. Fused-linear mode: x is hidden [N, d]."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, counted, temperature: float, blocks: Blocks | None = None):
         target_minus_lse, entropy, lse = triton_forward(x, weight, bias, targets, temperature, blocks)
         logprobs = torch.where(counted, target_minus_lse, torch.zeros_like(lse))
-        ctx.save_for_backward(x, weight, bias, targets, counted, lse)
+        ctx.save_for_backward(x, weight, bias, targets, counted, lse, entropy)
         ctx.temperature, ctx.blocks = temperature, blocks
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        x, weight, bias, targets, counted, lse = ctx.saved_tensors
-        coef = torch.where(counted, grad_logprobs.float(), torch.zeros_like(lse)) / ctx.temperature
+    def backward(ctx, grad_logprobs, grad_entropy):
+        x, weight, bias, targets, counted, lse, entropy = ctx.saved_tensors
+        zero = torch.zeros_like(lse)
+        coef = zero if grad_logprobs is None else torch.where(counted, grad_logprobs.float(), zero) / ctx.temperature
+        entropy_term = None
+        if grad_entropy is not None:
+            ecoef = torch.where(counted, grad_entropy.float(), zero) / ctx.temperature
+            entropy_term = (ecoef.contiguous(), entropy.float().contiguous())
         dx, dw, db = triton_backward(
-            x, weight, bias, targets, lse, coef.contiguous(), ctx.temperature, ctx.needs_input_grad[:3], ctx.blocks
+            x, weight, bias, targets, lse, coef.contiguous(), ctx.temperature, ctx.needs_input_grad[:3], ctx.blocks,
+            entropy_term,
         )
         return dx, dw, db, None, None, None, None

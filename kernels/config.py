@@ -131,6 +131,11 @@ class LossConfig:
     ref_kl_estimator: str = field(default="k3", metadata={"choices": REF_KL_ESTIMATORS, "help": (
         "Per-token KL to the reference from x = ref - l (clamped to [-20, 20]): k3 exp(x) - x - 1 (default: TRL, "
         "verl low_var_kl) | k2 x^2/2 (verl mse) | k1 -x (verl kl).")})
+    entropy_coef: float = field(default=0.0, metadata={"help": (
+        "Entropy bonus, verl's entropy_coeff: each counted token's term adds entropy_coef * H_t (the entropy of "
+        "the tempered distribution, differentiated through the fused passes), under the policy term's normaliser: "
+        "the loss is verl's pg_loss - entropy_coeff * entropy_loss (0: the paper; negative: a penalty). Not for "
+        "gepo.")})
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):  # every field with a fixed set of values declares it in `choices`
@@ -179,6 +184,10 @@ class LossConfig:
             raise ValueError("LossConfig.norm_max_len: required when normalization='constant'")
         if not 0 <= _number("beta", self.beta) < math.inf:
             raise ValueError(f"LossConfig.beta: must be a finite number >= 0, got {self.beta!r}")
+        if not math.isfinite(_number("entropy_coef", self.entropy_coef)):
+            raise ValueError(f"LossConfig.entropy_coef: must be a finite number, got {self.entropy_coef!r}")
+        if self.entropy_coef != 0 and self.method == "gepo":
+            raise ValueError("LossConfig.entropy_coef: gepo's sequence-level loss has no per-token term; use 0")
         if self.beta > 0 and self.method == "gepo":
             raise ValueError("LossConfig.beta: gepo's sequence-level loss has no per-token KL term; use beta 0")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):

@@ -187,7 +187,7 @@ def ftis_objective(
     """Loss and stats of one update (or one micro-batch of it) from per-token log-probs.
 
     logprobs: [N] l_t, differentiable, computed in the arithmetic dtype (fp32, or fp64 for fp64 inputs);
-    entropy: [N] detached; gen_logprobs / old_logprobs: [N]; advantages: [S]; cu_seqlens: [S+1];
+    entropy: [N] (differentiable: used by the loss only with cfg.entropy_coef != 0); gen_logprobs / old_logprobs: [N]; advantages: [S]; cu_seqlens: [S+1];
     counted: [N] bool, False where the target is ignore_index; group_ids: [S] (gepo only).
     num_sequences / num_tokens: the whole batch's sequences / counted tokens when this call is one micro-batch
     of it (the normaliser of sequence, constant and gepo / of token normalisation); None: this call's own.
@@ -275,6 +275,8 @@ def ftis_objective(
             u = is_weight * u
         if ref_kl is not None and cfg.beta > 0:  # TRL's -(ppo - beta * KL_ref): the same normaliser as the rest
             u = u - cfg.beta * ref_kl
+        if cfg.entropy_coef != 0:  # verl's pg_loss - entropy_coeff * entropy_loss, under the same normaliser
+            u = u + cfg.entropy_coef * entropy.to(dtype)
         u = torch.where(counted, u, zero)
         if cfg.normalization == "sequence":
             loss = -_mean(segment_sum(u, seq, num_seqs), tokens_per_seq).sum() / seq_norm

@@ -32,7 +32,8 @@ def _tempered_logits(x, weight, bias, inv_temp: float, cdt: torch.dtype) -> torc
 
 
 class ChunkedTokenLogprobs(torch.autograd.Function):
-    """(x, weight, bias) -> per-token log-probs [N] (differentiable) and entropy [N] (not).
+    """(x, weight, bias) -> per-token log-probs [N] and entropy [N], both differentiable (the entropy's gradient
+    is computed only when the loss uses it: an entropy bonus).
 
     Logits mode: x is logits [N, V] and weight/bias are None. Fused-linear mode: x is hidden [N, d],
     weight [V, d], bias [V] or None; the logits only ever exist one chunk of rows at a time.
@@ -58,17 +59,20 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
             entropy[sl] = -torch.where(p > 0, p * log_p, torch.zeros_like(p)).sum(-1)
             target_logit[sl] = z.gather(1, safe_targets[sl, None]).squeeze(1)
         logprobs = torch.where(counted, target_logit - lse, torch.zeros_like(lse))
-        ctx.save_for_backward(x, weight, bias, safe_targets, counted, lse)
+        ctx.save_for_backward(x, weight, bias, safe_targets, counted, lse, entropy)
         ctx.inv_temp, ctx.rows = inv_temp, rows
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros
         return logprobs, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        x, weight, bias, targets, counted, lse = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        x, weight, bias, targets, counted, lse, entropy = ctx.saved_tensors
         cdt = lse.dtype
-        # dl_t/dz_v = onehot_v - p_v and z = logits / T, so dL/dlogits = c_t (onehot - p) with c_t = dL/dl_t / T.
-        coef = torch.where(counted, grad_logprobs.to(cdt), torch.zeros_like(lse)) * ctx.inv_temp
+        zero = torch.zeros_like(lse)
+        # dl_t/dz_v = onehot_v - p_v and z = logits / T, so dL/dlogits = c_t (onehot - p) with c_t = dL/dl_t / T;
+        # dH_t/dz_v = -p_v (log p_v + H_t), so an entropy term adds -e_t p_v (log p_v + H_t), e_t = dL/dH_t / T.
+        coef = zero if grad_logprobs is None else torch.where(counted, grad_logprobs.to(cdt), zero) * ctx.inv_temp
+        ecoef = None if grad_entropy is None else torch.where(counted, grad_entropy.to(cdt), zero) * ctx.inv_temp
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         w = None if weight is None else weight.to(cdt)
         b = None if bias is None else bias.to(cdt)
@@ -79,7 +83,11 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
         for start in range(0, n, ctx.rows):
             sl = slice(start, min(start + ctx.rows, n))
             z = _tempered_logits(x[sl], w, b, ctx.inv_temp, cdt)
-            grad = torch.exp(z - lse[sl, None]).mul_(-coef[sl, None])
+            if ecoef is None:
+                grad = torch.exp(z - lse[sl, None]).mul_(-coef[sl, None])
+            else:
+                log_p = z - lse[sl, None]
+                grad = -torch.exp(log_p) * (coef[sl, None] + ecoef[sl, None] * (log_p + entropy[sl, None]))
             grad.scatter_add_(1, targets[sl, None], coef[sl, None])
             if weight is None:
                 if dx is not None:

@@ -180,6 +180,8 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq
                 u = seq_weights[i] * u
             if ref_lp is not None and cfg.beta > 0 and toks:
                 u = u - cfg.beta * _ref_kl(ref_lp.double()[toks], l, cfg.ref_kl_estimator)
+            if cfg.entropy_coef != 0 and toks:  # + coef * H_t, H_t = -sum_v p log p, differentiable
+                u = u + cfg.entropy_coef * -(logp_all[toks].exp() * logp_all[toks]).sum(-1)
             per_seq.append(u)
             if cfg.policy_loss == "cispo":
                 clip_count += sum(not (1 - cfg.eps_low <= float(r[k].detach()) <= 1 + cfg.eps_high) for k in range(len(toks)))

@@ -73,10 +73,16 @@ CASES = {
     "beta-k1-reject": dict(method="tis", beta=0.2, ref_kl_estimator="k1", reject="sum", reject_estimator="k3-gen",
                            _ref=True),
     "ref-kl-reported-beta-0": dict(method="f-tis", _ref=True),
+    # entropy bonus (verl entropy_coeff): the entropy's gradient through both backends' fused passes
+    "entropy-f-tis": dict(method="f-tis", entropy_coef=0.05),
+    "entropy-penalty-token-temperature": dict(method="tis", entropy_coef=-0.3, normalization="token",
+                                              temperature=0.7),
+    "entropy-beta-reject": dict(method="tis", entropy_coef=0.1, beta=0.2, reject="sum", reject_estimator="k3-gen",
+                                _ref=True),
 }
 # each SPEC 2b case, and the LossConfig fields that make it differ from the paper's loss
 OPTION_CASES = [name for name in CASES if name.startswith(("is-", "k1-gen", "k3-gen", "dual-", "delta", "gspo", "cispo",
-                                                                "reject-", "beta-"))]
+                                                                "reject-", "beta-", "entropy-"))]
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -193,7 +199,7 @@ def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
     cfg, extra = configure(CASES[case], problem)
     paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
                         delta=None, kl_estimator="k3", ratio_level="token", policy_loss="ppo",
-                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0), beta=0.0)
+                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0), beta=0.0, entropy_coef=0.0)
     with_option, *_ = run_oracle(problem, cfg, extra)
     without, *_ = run_oracle(problem, paper, extra)
     assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)

@@ -405,6 +405,49 @@ def test_verls_kl_loss_is_beta_with_its_estimator_under_token_mean(kind, estimat
     assert_same(ours_with_reference(p, cfg), peer(p, verl_kl_loss, coef=0.1, kind=kind))
 
 
+def verl_entropy_loss(p, logps, *, coef, entropy):
+    """verl's actor with entropy_coeff: pg_loss (vanilla, token-mean) - entropy_coeff * agg_loss(entropy)."""
+    mask, adv = p["mask"], p["adv"][:, None]
+    ratio = torch.exp(logps - p["old"])
+    pg = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+    token_mean = lambda x: (x * mask).sum() / mask.sum()  # noqa: E731
+    return token_mean(pg) - coef * token_mean(entropy)
+
+
+@pytest.mark.parametrize("coef", [0.001, 0.05])
+def test_verls_entropy_coeff_is_entropy_coef_under_token_mean(coef):
+    """verl computes the entropy from its logits (entropy_from_logits) and subtracts coef times its token mean; the
+    gradient flows through it. Both losses and their logits' gradients agree."""
+    p = _problem(6)
+    logits = p["logits"].clone().requires_grad_()
+    logp_all = torch.log_softmax(logits, -1)
+    logps = logp_all.gather(-1, p["ids"][..., None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    theirs = verl_entropy_loss(p, logps, coef=coef, entropy=entropy)
+    (their_grad,) = torch.autograd.grad(theirs, logits)
+    cfg = LossConfig(method="nois", entropy_coef=coef, normalization="token")
+    keep = p["mask"].bool()
+    ours_logits = p["logits"].clone().requires_grad_()
+    cu = torch.zeros(B + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(keep.sum(1), 0)
+    out = ftis_kernels.ftis_loss(ours_logits[keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu, config=cfg,
+                                 backend="torch", old_logprobs=p["old"][keep])
+    (our_grad,) = torch.autograd.grad(out.loss, ours_logits)
+    assert float(out.loss) == pytest.approx(float(theirs), rel=1e-12, abs=1e-12)
+    torch.testing.assert_close(our_grad, their_grad, rtol=1e-10, atol=1e-12)
+    without = ftis_kernels.ftis_loss(p["logits"][keep], p["ids"][keep], p["sampling"][keep], p["adv"], cu,
+                                     config=cfg.replace(entropy_coef=0.0), backend="torch",
+                                     old_logprobs=p["old"][keep])
+    assert float(out.loss) < float(without.loss)  # a bonus: more entropy, lower loss
+
+
+def test_entropy_coef_with_gepo_or_not_finite_is_refused():
+    with pytest.raises(ValueError, match=r"LossConfig.entropy_coef: gepo"):
+        LossConfig(method="gepo", entropy_coef=0.01)
+    with pytest.raises(ValueError, match=r"LossConfig.entropy_coef: must be a finite number"):
+        LossConfig(entropy_coef=float("inf"))
+
+
 def test_beta_without_the_references_log_probs_or_with_gepo_is_refused():
     p = _problem(3)
     keep = p["mask"].bool()

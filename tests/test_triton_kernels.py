@@ -72,6 +72,40 @@ def test_fused_linear_pass_matches_float64(blocks, with_bias):
         torch.testing.assert_close(b.grad.double(), ref_db, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", BLOCKS + CHUNKED, ids=_blocks_id)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_entropys_gradient_matches_float64_through_both_backward_strategies(blocks, backend):
+    """An entropy bonus differentiates H_t too: d/dz of sum_t (a_t l_t + b_t H_t) against float64 autograd of a
+    full log_softmax, the chunked and atomic Triton strategies and the chunked torch twin, ignored rows included
+    (their entropy's gradient is zero, as their log-prob's)."""
+    hidden, weight, bias, targets = _inputs(3)
+    counted = targets != -100
+    g = torch.Generator().manual_seed(4)
+    grad_lp, grad_ent = (torch.randn(hidden.shape[0], generator=g, dtype=torch.float64) for _ in range(2))
+    h64, w64, b64 = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    logp = torch.log_softmax((h64 @ w64.T + b64) / 0.8, -1)
+    lp64 = torch.where(counted, logp.gather(1, targets.clamp(min=0)[:, None]).squeeze(1), 0.0)
+    ent64 = torch.where(counted, -(logp.exp() * logp).sum(-1), 0.0)
+    (lp64 * grad_lp + ent64 * grad_ent).sum().backward()
+    h, w, b = (t.float().requires_grad_() for t in (hidden, weight, bias))
+    if backend == "triton":
+        lp, ent = TritonTokenLogprobs.apply(h, w, b, targets, counted, 0.8, blocks)
+    else:
+        lp, ent = chunked_token_logprobs(h, w, b, targets, counted, 0.8, chunk_elements=blocks.block_n * 75)
+    (lp * grad_lp.float() + torch.where(counted, ent, 0.0) * grad_ent.float()).sum().backward()
+    for ours, ref in ((h.grad, h64.grad), (w.grad, w64.grad), (b.grad, b64.grad)):
+        torch.testing.assert_close(ours.double(), ref, rtol=1e-4, atol=1e-5)
+    # the entropy alone (no log-prob term in the loss) still has its gradient
+    h.grad = w.grad = b.grad = None
+    lp, ent = TritonTokenLogprobs.apply(h, w, b, targets, counted, 0.8, blocks) if backend == "triton" else \
+        chunked_token_logprobs(h, w, b, targets, counted, 0.8)
+    torch.where(counted, ent, 0.0).sum().backward()
+    h64 = hidden.clone().requires_grad_()
+    logp = torch.log_softmax((h64 @ weight.T + bias) / 0.8, -1)
+    (dh,) = torch.autograd.grad(torch.where(counted, -(logp.exp() * logp).sum(-1), 0.0).sum(), h64)
+    torch.testing.assert_close(h.grad.double(), dh, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("blocks", BLOCKS, ids=lambda b: f"n{b.block_n}-v{b.block_v}-s{b.splits}")
 def test_logits_pass_matches_float64_and_writes_only_the_input_gradient(blocks):
     hidden, weight, bias, targets = _inputs(2)

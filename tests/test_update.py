@@ -182,3 +182,24 @@ def test_the_kl_penalty_reference_is_the_initial_policy_and_moves_away_from_it_a
     with torch.no_grad():
         without = batch_loss(m, batch, loss_config.replace(beta=0.0), "torch")
     assert float(out.loss) > float(without.loss)  # the penalty adds beta * KL >= 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_entropy_bonus_raises_the_entropy_an_update_leaves_and_a_penalty_lowers_it(backend):
+    """algorithm.entropy_coef through the engine's update (the fused op, both backends): from the same member and
+    batch, a step with a bonus leaves a higher mean entropy on that batch than one with a penalty."""
+    import copy
+
+    from ftis_engine.batch import pack
+    from ftis_engine.update import batch_loss, update_member
+
+    base, cfg = member(0, "members.0.lr=0.05")
+    items = random_items(base.vocab_size, seed=9)
+    after = {}
+    for coef in (2.0, -2.0):
+        m = copy.deepcopy(base)
+        loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature).replace(entropy_coef=coef)
+        update_member(m, items, loss_config, 64, backend)
+        with torch.no_grad():
+            after[coef] = float(batch_loss(m, pack(items), loss_config, backend).stats["entropy_mean"])
+    assert after[2.0] > after[-2.0] + 1e-3, after
