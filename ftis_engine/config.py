@@ -418,6 +418,19 @@ class LoggingSettings(_Section):
                                      "directory (and TensorBoard text): prompt, completion, who made it, reward, "
                                      "advantage, its mean IS weight, KL and whether the filter dropped it, as the "
                                      "update saw them. 0: none.")
+    report_to: list[Literal["tensorboard", "wandb", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="Where the numbers go besides metrics.jsonl: "
+        "tensorboard (run_dir/tensorboard), wandb, trackio (optional extras: pip install 'ftis-engine[wandb]' or "
+        "'[trackio]'; offline as their own settings say: WANDB_MODE=offline, TRACKIO_DIR). [] : metrics.jsonl only.")
+    project: str = Field("ftis-engine", min_length=1, description="The wandb / trackio project; the run is named "
+                         "after run_name (and, async, its rank).")
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"names a tracker twice: {value}")
+        return value
 
 
 class RunConfig(_Section):

@@ -153,9 +153,11 @@ class MetricsLogger:
     under run_dir/tensorboard as `<member>/<kind>/<key>`."""
 
     def __init__(self, run_dir: pathlib.Path, purge_step: int | None = None, tensorboard: bool = True,
-                 shared: bool = False, tensorboard_suffix: str = ""):
+                 shared: bool = False, tensorboard_suffix: str = "", trackers: list | None = None):
         """shared: several processes append to the same metrics.jsonl (async ranks): each line is written under
-        an exclusive lock, so lines never interleave."""
+        an exclusive lock, so lines never interleave. trackers: wandb / trackio (trackers.py), given the numbers
+        TensorBoard gets, under the same names."""
+        self._trackers = list(trackers or [])
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
         self._completions = None  # completions.jsonl, opened at the first sample (logging.completions)
@@ -173,13 +175,18 @@ class MetricsLogger:
             self._log_completion(record)
             return
         self._append(self._file, record)
+        if self._tb is None and not self._trackers:
+            return
+        prefix = f"{record['member']}/{record['kind']}"
+        if record["kind"] == "eval":
+            prefix += f"/{record['dataset']}"
+        values = {f"{prefix}/{key}": value for key, value in record.items()
+                  if key not in ("step", "member", "kind", "dataset") and isinstance(value, (int, float))}
         if self._tb is not None:
-            prefix = f"{record['member']}/{record['kind']}"
-            if record["kind"] == "eval":
-                prefix += f"/{record['dataset']}"
-            for key, value in record.items():
-                if key not in ("step", "member", "kind", "dataset") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+            for name, value in values.items():
+                self._tb.add_scalar(name, value, record["step"])
+        for tracker in self._trackers:
+            tracker.log(values, record["step"])
 
     def _append(self, file, record: dict) -> None:
         if self._shared:
@@ -209,6 +216,8 @@ class MetricsLogger:
             self._completions.close()
         if self._tb is not None:
             self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 class MetricsError(OSError):

@@ -19,6 +19,7 @@ import time
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
 from .config import dump_config
 from .evaluate import evaluate_member
+from .trackers import open_trackers
 from .metrics import MetricsLogger, eval_record, resume_records, return_freed_memory, truncate_metrics
 from .plots import NothingToPlot, make_plots
 from .progress import LEGEND, summary_line
@@ -98,9 +99,15 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     # rank 0 writes what every rank reports (async ranks each write their own); TensorBoard forgets what the
     # truncated log dropped
     writes = swarm.is_main or (swarm.independent and swarm.reports)
-    logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0, shared=swarm.independent,
-                           tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "") \
-        if writes else None
+    logger = None
+    if writes:
+        report_to = config.logging.report_to
+        name = config.run_name + (f"-rank{swarm.exchange.rank}" if swarm.independent else "")
+        trackers = open_trackers(report_to, run_dir, config.logging.project, name, config.run_name,
+                                 config.model_dump(mode="json"), resume=start_step > 0)
+        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0, shared=swarm.independent,
+                               tensorboard="tensorboard" in report_to, trackers=trackers,
+                               tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "")
     if swarm.is_main and start_step:
         for record in resume_records(start_step, swarm.names, dropped):
             logger.log(record)

@@ -148,7 +148,8 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
 # the fields a resumed run may change: how long it runs, how often it evaluates and checkpoints, where and how
 # fast the processes run; everything else would make the resumed run a different run than the one it continues
 RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
-             "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s")
+             "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s",
+             "logging.report_to", "logging.project")
 # and, to go on after a divergence, a member's step size: its learning rate, gradient clip and weight decay (the
 # restored optimizer takes them from the config, not from its saved state)
 RESUMABLE_MEMBER = ("lr", "grad_clip", "weight_decay")
@@ -322,6 +323,11 @@ def check_backend(config: RunConfig, device: torch.device) -> None:
 
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
     """Everything that can be checked before any member is built or any process started; returns the tokenizers."""
+    from .trackers import check_available as missing_tracker
+
+    problem = missing_tracker(config.logging.report_to)
+    if problem:
+        raise ConfigError(problem)
     check_placement(config)
     check_backend(config, resolve_device(config.train.device, 0))
     for i in range(len(config.members)):  # Liger's kernels need a GPU: said before any process starts
