@@ -261,6 +261,50 @@ def models_list() -> None:
         typer.echo(f"{name}: {state}\n  {package.about}")
 
 
+swarm_app = typer.Typer(no_args_is_help=True, help="The open swarm: members as independent jobs around a "
+                                                   "coordinator (in progress: members cannot join a training yet).")
+app.add_typer(swarm_app, name="swarm")
+
+
+@swarm_app.command("serve")
+def swarm_serve(
+    config: pathlib.Path = typer.Option(..., "--config", help="YAML swarm config: the shared settings (seed, "
+                                        "rollout, data, train.steps, swarm bounds and swarm.lease_s), no members."),
+    bind: str = typer.Option(..., "--bind", help="Where members dial in, e.g. tcp://0.0.0.0:5555."),
+    output_dir: pathlib.Path = typer.Option(pathlib.Path("runs/swarm"), "--output-dir",
+                                            help="Where coordinator.jsonl (joins, leaves, leases) is written."),
+) -> None:
+    """Run the open swarm's coordinator in the foreground (Ctrl-C ends it): it checks each joining member's shared
+    settings and dataset, keeps the live set by leases and relays every member's parcels to the others."""
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        raise UsageFailure("swarm serve: pyzmq is not installed (pip install pyzmq)") from None
+    from .openswarm.coordinator import Coordinator, load_swarm_config, max_parcel_bytes, shared_settings
+
+    cfg = load_swarm_config(config)
+    if not bind.startswith(("tcp://", "ipc://")):
+        raise UsageFailure(f"--bind: {bind!r} is not an address like tcp://HOST:PORT")
+    output_dir.mkdir(parents=True, exist_ok=True)
+    coordinator = Coordinator(shared_settings(cfg), cfg.swarm.lease_s, max_parcel_bytes(cfg),
+                              log_path=output_dir / "coordinator.jsonl", echo=lambda line: typer.echo(line, err=True))
+    stop = threading.Event()
+    bound: list[str] = []
+    try:
+        import zmq
+
+        try:
+            coordinator.serve(bind, stop, bound)
+        except zmq.ZMQError as exc:
+            if bound:
+                raise
+            raise UsageFailure(f"--bind {bind}: {exc}") from None
+    except KeyboardInterrupt:
+        pass
+    typer.echo(f"coordinator stopped: {coordinator.relayed} parcels relayed, {coordinator.undeliverable} "
+               f"undeliverable, {coordinator.refused} refused; log: {output_dir / 'coordinator.jsonl'}", err=True)
+
+
 # typer raises click's UsageError (its own vendored click in recent versions): reach it through a public class.
 _UsageError = typer.BadParameter.__mro__[1]
 

@@ -1,0 +1,180 @@
+"""A member's side of the open swarm: one I/O thread owns a ZeroMQ DEALER socket dialled to the coordinator.
+
+It joins (and joins again whenever the coordinator says it does not know it: a restarted coordinator), heartbeats
+every lease / 4, sends the member's parcels and hands the peers' parcels to `on_parcel`. Its routing identity
+stays the member's across reconnects, so a restarted coordinator sees the same member come back. Parcels that
+cannot go out (no connection: the coordinator is down, or a full queue) are dropped and counted, never queued
+without bound.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+from .wire import WireError, pack, unpack
+
+
+class JoinRefused(RuntimeError):
+    """The coordinator refused this member; the message is its reason (a field that differs, a name in use)."""
+
+
+class SwarmClient:
+    def __init__(self, address: str, name: str, tokenizer: str, shared: dict, dataset: str, max_body: int,
+                 on_parcel: Callable[[str, int, int, bytes], None], step: int = 0, beat_s: float = 1.0):
+        self.address = address
+        self.name = name
+        self.step = step  # the newest step this member has published (sent in joins and beats)
+        self._join_header = {"name": name, "tokenizer": tokenizer, "shared": shared, "dataset": dataset}
+        self._max_body = max_body
+        self._on_parcel = on_parcel
+        self._beat_s = beat_s  # until the welcome says the lease
+        self._outbox: queue.Queue = queue.Queue(maxsize=64)
+        self._members: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._joined = threading.Event()
+        self._stop = threading.Event()
+        self.refused: str | None = None
+        self.error: BaseException | None = None
+        self.dropped = 0  # parcels not sent (no connection, or a full outbox)
+        self.malformed = 0  # messages from the coordinator that broke the wire format
+        self.joins = 0  # joins sent (the first, and each rejoin)
+        self._thread = threading.Thread(target=self._run, name=f"swarm-client-{name}", daemon=True)
+
+    # ------------------------------------------------------------------------------------------- the member's side
+
+    def start(self, timeout: float) -> None:
+        """Connect and join; raises JoinRefused with the coordinator's reason, or TimeoutError."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._joined.is_set() and self.refused is None and self.error is None:
+            if time.monotonic() > deadline:
+                self.close()
+                raise TimeoutError(f"no answer from the coordinator at {self.address} within {timeout:g} s")
+            self._joined.wait(0.05)
+        self.check()
+
+    def check(self) -> None:
+        if self.refused is not None:
+            raise JoinRefused(self.refused)
+        if self.error is not None:
+            raise RuntimeError(f"the swarm client failed: {self.error!r}") from self.error
+
+    def members(self) -> dict[str, dict]:
+        """The live members (the coordinator's last word): name -> {step, tokenizer}, this member included."""
+        with self._lock:
+            return dict(self._members)
+
+    def publish(self, step: int, version: int, body: bytes) -> bool:
+        """Queue a parcel; False (counted in dropped) when the outbox is full."""
+        self.step = max(self.step, step)
+        try:
+            self._outbox.put_nowait(pack("parcel", {"name": self.name, "step": step, "version": version,
+                                                    "words": len(body) // 4}, body))
+            return True
+        except queue.Full:
+            self.dropped += 1
+            return False
+
+    def close(self, leave: bool = True) -> None:
+        """Leave the swarm (say so to the coordinator) and stop the thread."""
+        if leave and self._thread.is_alive():
+            self._outbox.put(pack("leave", {"name": self.name}))
+            deadline = time.monotonic() + 2.0
+            while not self._outbox.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    # ------------------------------------------------------------------------------------------- the I/O thread
+
+    def _run(self) -> None:
+        import zmq
+
+        socket = zmq.Context.instance().socket(zmq.DEALER)
+        socket.setsockopt(zmq.ROUTING_ID, f"{self.name}/{uuid.uuid4().hex[:8]}".encode())
+        socket.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards a connection that is not up: dropped instead
+        socket.setsockopt(zmq.LINGER, 500)
+        socket.setsockopt(zmq.SNDHWM, 64)
+        socket.setsockopt(zmq.RECONNECT_IVL, 100)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        try:
+            socket.connect(self.address)
+            self._send(socket, self._join())
+            last_beat = last_join = time.monotonic()
+            while not self._stop.is_set():
+                if socket.poll(20, zmq.POLLIN):
+                    while True:
+                        try:
+                            frames = socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(socket, frames)
+                while True:
+                    try:
+                        frames = self._outbox.get_nowait()
+                    except queue.Empty:
+                        break
+                    if not self._send(socket, frames) and frames[1] == b"parcel":
+                        self.dropped += 1
+                now = time.monotonic()
+                if not self._joined.is_set() and now - last_join > 2 * self._beat_s:
+                    self._send(socket, self._join())  # no answer yet: the coordinator may not be up
+                    last_join = now
+                if self._joined.is_set() and now - last_beat > self._beat_s:
+                    self._send(socket, pack("beat", {"name": self.name, "step": self.step}))
+                    last_beat = now
+        except BaseException as exc:  # surfaces through check()
+            self.error = exc
+        finally:
+            socket.close()
+
+    def _join(self) -> list[bytes]:
+        self.joins += 1
+        return pack("join", {**self._join_header, "step": self.step})
+
+    def _send(self, socket, frames: list[bytes]) -> bool:
+        import zmq
+
+        try:
+            socket.send_multipart(frames, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _receive(self, socket, frames: list[bytes]) -> None:
+        try:
+            kind, header, body = unpack(frames, self._max_body)
+        except WireError:
+            self.malformed += 1
+            return
+        if kind == "welcome":
+            self._beat_s = header["lease_s"] / 4
+            self._set_members(header["members"])
+            self._joined.set()
+        elif kind == "refuse":
+            self.refused = header["reason"]
+            self._stop.set()
+        elif kind == "members":
+            self._set_members(header["members"])
+        elif kind == "rejoin":
+            self._joined.clear()
+            self._send(socket, self._join())
+        elif kind == "parcel" and header["name"] != self.name:
+            if len(body) == 4 * header["words"]:
+                self._on_parcel(header["name"], header["step"], header["version"], body)
+            else:
+                self.malformed += 1
+        else:
+            self.malformed += 1
+
+    def _set_members(self, members: dict) -> None:
+        if all(isinstance(v, dict) for v in members.values()):
+            with self._lock:
+                self._members = members
+        else:
+            self.malformed += 1

@@ -1,0 +1,83 @@
+"""What crosses the open swarm's sockets: multipart messages [MAGIC, kind, header, body].
+
+The header is a JSON object of at most MAX_HEADER bytes whose fields are checked against the kind's schema (names
+and types, nothing else accepted); the body is raw bytes (a parcel's int32 rollout words), capped by the receiver.
+Nothing is unpickled: a peer is untrusted input, and the coordinator is untrusted by members alike.
+"""
+
+from __future__ import annotations
+
+import json
+
+MAGIC = b"ftis-swarm/1"
+MAX_HEADER = 1 << 16  # a join carries the shared settings: a few KiB
+
+# kind -> {field: type}; every field is required, no other is accepted
+SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
+    "join": {"name": str, "tokenizer": str, "shared": dict, "dataset": str, "step": int},
+    "welcome": {"lease_s": (int, float), "members": dict},
+    "refuse": {"reason": str},
+    "beat": {"name": str, "step": int},
+    "rejoin": {"reason": str},
+    "members": {"members": dict},
+    "parcel": {"name": str, "step": int, "version": int, "words": int},
+    "leave": {"name": str},
+}
+
+
+class WireError(ValueError):
+    """A message that is not one of ours, or breaks its kind's schema or a size cap."""
+
+
+def pack(kind: str, header: dict, body: bytes = b"") -> list[bytes]:
+    if kind not in SCHEMAS:
+        raise WireError(f"unknown kind {kind!r}")
+    check_header(kind, header)
+    frames = [MAGIC, kind.encode(), json.dumps(header, separators=(",", ":")).encode()]
+    if body:
+        frames.append(bytes(body))
+    return frames
+
+
+def unpack(frames: list[bytes], max_body: int) -> tuple[str, dict, bytes]:
+    """(kind, header, body) of a received message; raises WireError on anything else."""
+    if len(frames) not in (3, 4) or frames[0] != MAGIC:
+        raise WireError("not a swarm message")
+    try:
+        kind = frames[1].decode("ascii")
+    except UnicodeDecodeError:
+        raise WireError("kind is not ASCII") from None
+    if kind not in SCHEMAS:
+        raise WireError(f"unknown kind {kind[:20]!r}")
+    if len(frames[2]) > MAX_HEADER:
+        raise WireError(f"{kind}: header of {len(frames[2])} bytes, more than {MAX_HEADER}")
+    try:
+        header = json.loads(frames[2])
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise WireError(f"{kind}: header is not JSON") from None
+    check_header(kind, header)
+    body = frames[3] if len(frames) == 4 else b""
+    if len(body) > max_body:
+        raise WireError(f"{kind}: body of {len(body)} bytes, more than {max_body}")
+    return kind, header, body
+
+
+def check_header(kind: str, header: object) -> None:
+    schema = SCHEMAS[kind]
+    if not isinstance(header, dict):
+        raise WireError(f"{kind}: header is not an object")
+    if set(header) != set(schema):
+        missing, extra = sorted(set(schema) - set(header)), sorted(set(header) - set(schema))
+        raise WireError(f"{kind}: header fields {'missing ' + str(missing) if missing else 'unexpected ' + str(extra)}")
+    for field, expected in schema.items():
+        value = header[field]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise WireError(f"{kind}: {field} is {type(value).__name__}, not {_names(expected)}")
+        if isinstance(value, int) and value < 0:
+            raise WireError(f"{kind}: {field} is negative")
+        if isinstance(value, float) and not 0 < value < float("inf"):
+            raise WireError(f"{kind}: {field} is not a positive finite number")
+
+
+def _names(expected) -> str:
+    return " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))

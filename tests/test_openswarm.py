@@ -1,0 +1,308 @@
+"""The open swarm's coordinator and member client (ftis_engine/openswarm): the wire format's refusals, the
+coordinator's decisions with a fake clock (joins, refusals naming the field, leases, relay, leave), and over real
+sockets: parcels relayed, a member killed with SIGKILL dropped at its lease while the others go on and then
+rejoining under its name, and a restarted coordinator finding its members again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from ftis_engine.openswarm.client import JoinRefused, SwarmClient  # noqa: E402
+from ftis_engine.openswarm.coordinator import Coordinator, first_difference, shared_settings  # noqa: E402
+from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
+
+from .helpers import short_config  # noqa: E402
+
+SHARED = {"seed": 0, "data": {"task": "tiny-add"}, "train": {"steps": 5}}
+DATA = "ab" * 32
+
+
+def join(name, shared=SHARED, dataset=DATA, step=0):
+    return pack("join", {"name": name, "tokenizer": "t", "shared": shared, "dataset": dataset, "step": step})
+
+
+def kinds(outgoing):
+    return [(identity, frames[1].decode()) for identity, frames in outgoing]
+
+
+# ------------------------------------------------------------------------------------------------- wire
+
+
+@pytest.mark.parametrize("frames, said", [
+    ([b"nope", b"beat", b"{}"], "not a swarm message"),
+    ([MAGIC, b"shell", b"{}"], "unknown kind"),
+    ([MAGIC, b"beat", b"{not json"], "not JSON"),
+    ([MAGIC, b"beat", b"[]"], "not an object"),
+    ([MAGIC, b"beat", b'{"name": "a"}'], "missing"),
+    ([MAGIC, b"beat", b'{"name": "a", "step": 1, "x": 2}'], "unexpected"),
+    ([MAGIC, b"beat", b'{"name": "a", "step": "1"}'], "step is str"),
+    ([MAGIC, b"beat", b'{"name": "a", "step": true}'], "step is bool"),
+    ([MAGIC, b"beat", b'{"name": "a", "step": -1}'], "negative"),
+    ([MAGIC, b"beat", b"[" * 100_000], "header of"),
+    ([MAGIC, b"parcel", b'{"name": "a", "step": 1, "version": 0, "words": 1}', b"x" * 101], "body of 101 bytes"),
+])
+def test_the_wire_refuses_what_is_not_ours_or_breaks_a_schema_or_a_cap(frames, said):
+    with pytest.raises(WireError, match=said):
+        unpack(frames, max_body=100)
+
+
+def test_a_message_round_trips():
+    frames = pack("parcel", {"name": "a", "step": 3, "version": 2, "words": 2}, b"12345678")
+    assert unpack(frames, 8) == ("parcel", {"name": "a", "step": 3, "version": 2, "words": 2}, b"12345678")
+
+
+# ------------------------------------------------------------------------------------------------- decisions
+
+
+def test_the_shared_settings_of_two_members_are_compared_field_by_field():
+    a = shared_settings(short_config())
+    assert first_difference(a, shared_settings(short_config("members.0.lr=0.5", "algorithm.method=tis"))) is None
+    said = first_difference(a, shared_settings(short_config("rollout.group_size=8")))
+    assert said == "rollout.group_size: the swarm says 4, this member 8"
+    assert first_difference(a, shared_settings(short_config("data.task=tiny-add"))).startswith("data.task:")
+
+
+def test_joins_are_checked_and_every_member_hears_of_every_change(tmp_path):
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100, log_path=tmp_path / "log.jsonl")
+    out = coordinator.handle(b"A", join("a"), now=0)
+    assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]
+    out = coordinator.handle(b"B", join("b"), now=1)
+    assert kinds(out)[0] == (b"B", "welcome") and sorted(kinds(out)[1:]) == [(b"A", "members"), (b"B", "members")]
+    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": "t"}, "b": {"step": 0, "tokenizer": "t"}}
+    # refusals: one line naming what differs; the swarm is unchanged
+    other = {**SHARED, "data": {"task": "arith"}}
+    for identity, message, said in [
+        (b"C", join("c", shared=other), "data.task: the swarm says 'tiny-add', this member 'arith'"),
+        (b"C", join("c", dataset="cd" * 32), "data: this member's training set"),
+        (b"C", join("a"), "a live member is already named 'a'"),
+    ]:
+        (reply,) = coordinator.handle(identity, message, now=2)
+        assert reply[1][1] == b"refuse" and json.loads(reply[1][2])["reason"].startswith(said)
+    assert sorted(coordinator.live) == ["a", "b"]
+    events = [json.loads(line)["event"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert events == ["join", "join", "refuse", "refuse", "refuse"]
+
+
+def test_a_parcel_goes_to_every_other_live_member_and_a_stranger_is_told_to_rejoin():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    for identity, name in ((b"A", "a"), (b"B", "b"), (b"C", "c")):
+        coordinator.handle(identity, join(name), now=0)
+    parcel = pack("parcel", {"name": "a", "step": 4, "version": 3, "words": 2}, b"\x01" * 8)
+    out = coordinator.handle(b"A", parcel, now=1)
+    assert sorted(kinds(out)) == [(b"B", "parcel"), (b"C", "parcel")] and out[0][1] == parcel
+    assert coordinator.live["a"].step == 4
+    assert kinds(coordinator.handle(b"X", parcel, now=1)) == [(b"X", "rejoin")]  # claims a, is not a
+    lying = pack("parcel", {"name": "a", "step": 5, "version": 4, "words": 3}, b"\x01" * 8)
+    assert coordinator.handle(b"A", lying, now=1) == []  # announced 3 words, carries 2
+    assert coordinator.refused == 2
+
+
+def test_a_member_not_heard_within_its_lease_is_dropped_and_its_name_may_join_again():
+    coordinator = Coordinator(SHARED, lease_s=5, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    coordinator.handle(b"B", join("b"), now=0)
+    assert coordinator.expire(now=4) == []
+    coordinator.handle(b"A", pack("beat", {"name": "a", "step": 2}), now=4)
+    out = coordinator.expire(now=6)  # b silent for 6 s > 5
+    assert sorted(coordinator.live) == ["a"] and kinds(out) == [(b"A", "members")]
+    assert kinds(coordinator.handle(b"B", pack("beat", {"name": "b", "step": 3}), now=7)) == [(b"B", "rejoin")]
+    assert kinds(coordinator.handle(b"B2", join("b", step=3), now=7))[0] == (b"B2", "welcome")
+    # a name whose holder went silent past its lease is free even before expire() ran
+    coordinator.handle(b"C", join("c"), now=7)
+    assert kinds(coordinator.handle(b"C2", join("c"), now=13))[0] == (b"C2", "welcome")
+
+
+def test_a_member_that_leaves_is_gone_at_once():
+    coordinator = Coordinator(SHARED, lease_s=5, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    coordinator.handle(b"B", join("b"), now=0)
+    out = coordinator.handle(b"B", pack("leave", {"name": "b"}), now=1)
+    assert sorted(coordinator.live) == ["a"] and kinds(out) == [(b"A", "members")]
+
+
+# ------------------------------------------------------------------------------------------------- sockets
+
+
+class Running:
+    """A coordinator serving in a thread."""
+
+    def __init__(self, address="tcp://127.0.0.1:*", lease_s=1.0, log_path=None):
+        self.coordinator = Coordinator(SHARED, lease_s=lease_s, max_body=1 << 20, log_path=log_path)
+        self.stop = threading.Event()
+        bound: list[str] = []
+        self.thread = threading.Thread(target=self.coordinator.serve, args=(address, self.stop, bound), daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not bound:
+            assert time.monotonic() < deadline, "the coordinator did not bind"
+            time.sleep(0.01)
+        self.address = bound[0]
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(10)
+
+
+def until(condition, what, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def client(address, name, got=None, **kw):
+    def on_parcel(sender, step, version, body):
+        if got is not None:
+            got.append((sender, step, version, body))
+
+    c = SwarmClient(address, name, "t", SHARED, DATA, 1 << 20, on_parcel, **kw)
+    c.start(timeout=30)
+    return c
+
+
+def test_over_sockets_members_join_exchange_parcels_and_leave():
+    running = Running()
+    got_a, got_b = [], []
+    a = client(running.address, "a", got_a)
+    b = client(running.address, "b", got_b)
+    try:
+        until(lambda: set(a.members()) == {"a", "b"}, "a to see b")
+        assert a.publish(1, 0, b"\x07" * 12)
+        until(lambda: got_b, "b to get a's parcel")
+        assert got_b == [("a", 1, 0, b"\x07" * 12)] and got_a == []
+        with pytest.raises(JoinRefused, match="a live member is already named 'a'"):
+            client(running.address, "a")
+        b.close()
+        until(lambda: set(a.members()) == {"a"}, "a to see b leave")
+    finally:
+        a.close()
+        running.close()
+
+
+VICTIM = textwrap.dedent("""
+    import sys, time
+    from ftis_engine.openswarm.client import SwarmClient
+    shared, data = {shared!r}, {data!r}
+    c = SwarmClient(sys.argv[1], "victim", "t", shared, data, 1 << 20, lambda *a: None)
+    c.start(timeout=30)
+    print("joined", flush=True)
+    step = 0
+    while True:
+        step += 1
+        c.publish(step, step - 1, b"\\x00" * 8)
+        time.sleep(0.05)
+""").format(shared=SHARED, data=DATA)
+
+
+@pytest.mark.slow
+def test_a_member_killed_with_sigkill_is_dropped_at_its_lease_and_rejoins_under_its_name(tmp_path):
+    running = Running(lease_s=1.0, log_path=tmp_path / "coordinator.jsonl")
+    got = []
+    survivor = client(running.address, "survivor", got)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def start_victim():
+        p = subprocess.Popen([sys.executable, "-c", VICTIM, running.address], stdout=subprocess.PIPE, text=True,
+                             env=env)
+        assert p.stdout.readline().strip() == "joined"
+        return p
+
+    victim = start_victim()
+    try:
+        until(lambda: any(sender == "victim" for sender, *_ in got), "the victim's parcels")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(10)
+        until(lambda: "victim" not in survivor.members(), "the victim's lease to expire")
+        survivor.publish(1, 0, b"\x01" * 4)  # the survivor goes on: still joined, still sending
+        assert survivor.members().keys() == {"survivor"} and survivor.error is None
+        victim = start_victim()  # rejoins under its name (the old holder's lease is over)
+        until(lambda: "victim" in survivor.members(), "the victim to rejoin")
+        events = [(r["event"], r["member"]) for r in map(json.loads, (tmp_path / "coordinator.jsonl").open())]
+        assert events[:4] == [("join", "survivor"), ("join", "victim"), ("expired", "victim"), ("join", "victim")]
+    finally:
+        victim.kill()
+        survivor.close()
+        running.close()
+
+
+@pytest.mark.slow
+def test_a_restarted_coordinator_finds_its_members_again_and_parcels_flow():
+    first = Running(lease_s=2.0)
+    address = first.address
+    got = []
+    a = client(address, "a")
+    b = client(address, "b", got)
+    try:
+        until(lambda: set(b.members()) == {"a", "b"}, "both joined")
+        first.close()  # the coordinator is gone; members keep going
+        a.publish(1, 0, b"\x02" * 4)  # nowhere to go: dropped, counted, never queued without bound
+        second = Running(address=address, lease_s=2.0)  # back on the same address, knowing nobody
+        try:
+            until(lambda: set(second.coordinator.live) == {"a", "b"}, "both members to rejoin")
+            until(lambda: a.publish(2, 1, b"\x03" * 4) and any(step == 2 for _, step, _, _ in got), "a parcel "
+                  "through the new coordinator", timeout=30)
+            assert a.joins >= 2 and b.joins >= 2
+        finally:
+            second.close()
+    finally:
+        a.close(leave=False)
+        b.close(leave=False)
+
+
+# ------------------------------------------------------------------------------------------------- the command
+
+
+def test_swarm_serve_refuses_a_config_with_members_or_a_bad_address_in_one_line(tmp_path):
+    from .helpers import ROOT, TINY
+
+    for args, said in [
+        (["--config", str(TINY), "--bind", "tcp://127.0.0.1:0"], "error: members: a swarm config has none"),
+        (["--config", str(ROOT / "configs/swarm/swarm.yaml"), "--bind", "localhost:5555"],
+         "error: --bind: 'localhost:5555' is not an address"),
+    ]:
+        done = subprocess.run([sys.executable, "-m", "ftis_engine", "swarm", "serve", *args, "--output-dir",
+                               str(tmp_path)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stderr.startswith(said) and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_path):
+    from ftis_engine.config import load_config
+    from ftis_engine.openswarm.coordinator import load_swarm_config
+
+    from .helpers import ROOT
+
+    swarm_yaml = ROOT / "configs/swarm/swarm.yaml"
+    shared = shared_settings(load_swarm_config(swarm_yaml))
+    assert first_difference(shared, shared_settings(load_config(ROOT / "configs/tiny.yaml", [
+        "swarm.mode=async", "swarm.max_lead=2", "swarm.max_staleness=4"]))) is None  # the tiny default agrees
+    serve = subprocess.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
+                              "--bind", "tcp://127.0.0.1:*", "--output-dir", str(tmp_path)],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        line = serve.stderr.readline()
+        assert line.startswith("coordinator listening on tcp://127.0.0.1:"), line
+        address = line.split()[3]
+        member = SwarmClient(address, "tiny-s", "t", shared, DATA, 1 << 20, lambda *a: None)
+        member.start(timeout=30)
+        assert serve.stderr.readline().startswith("join: tiny-s")
+        member.close()
+        assert serve.stderr.readline().startswith("leave: tiny-s")
+        serve.send_signal(signal.SIGINT)
+        out, err = serve.communicate(timeout=30)
+        assert serve.returncode == 0 and err.startswith("coordinator stopped: 0 parcels relayed"), err
+        events = [json.loads(line)["event"] for line in (tmp_path / "coordinator.jsonl").read_text().splitlines()]
+        assert events == ["join", "leave"]
+    finally:
+        serve.kill()
