@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import sys
 
 import torch
 
@@ -44,3 +45,12 @@ def random_items(vocab: int, n_groups: int = 3, per_group: int = 4, seed: int = 
                               finish_reason="length", policy_version=0)
             items.append(TrainItem(rollout, prompt, float(torch.randn(1, generator=g)), group))
     return items
+
+
+def with_default_sigint(argv: list[str]) -> list[str]:
+    """A command line that runs `argv` with SIGINT at its default (Python's KeyboardInterrupt), whatever this
+    process inherited: a background job of a non-interactive shell (a CI script's `cmd &`) starts with SIGINT
+    ignored, and Python then installs no handler, so a test's SIGINT would do nothing."""
+    launcher = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execv(sys.argv[1], sys.argv[1:])")
+    return [sys.executable, "-c", launcher, *argv]

@@ -453,7 +453,9 @@ def test_one_ctrl_c_or_sigterm_stops_a_study_and_its_run_and_a_rerun_resumes_it(
 
     command = [sys.executable, "-m", "ftis_engine", "study", "--config", str(ROOT / "configs" / "study" / "paper.yaml"),
                "--quick", "--jobs", "1", "--output-dir", str(tmp_path / "study")]
-    study = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from .helpers import with_default_sigint
+
+    study = subprocess.Popen(with_default_sigint(command), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     logs = tmp_path / "study" / "logs"
     deadline = time.time() + 240
     while time.time() < deadline and not any("run directory:" in p.read_text(errors="replace")

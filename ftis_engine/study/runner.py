@@ -63,12 +63,14 @@ class Launcher:
                 self._running.discard(process)
 
     def stop(self) -> None:
-        """No further run starts; every run in flight gets SIGINT (as Ctrl-C), then SIGKILL after GRACE_S."""
+        """No further run starts; every run in flight gets SIGTERM (a run stops on it as on Ctrl-C: its handler is
+        installed whatever the run inherited, where SIGINT may be ignored, as in a background job of a script),
+        then SIGKILL after GRACE_S."""
         with self._lock:
             self._stopping.set()
             running = list(self._running)
         for process in running:
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.GRACE_S
         for process in running:
             try:
