@@ -80,6 +80,9 @@ def train(
     dry_run: bool = typer.Option(False, "--dry-run", metavar="", help="Print the resolved config and exit."),
     max_restarts: int | None = typer.Option(None, "--max-restarts", min=0,
                                                help="--nproc: elastic restarts (default swarm.max_restarts)."),
+    join: str | None = typer.Option(None, "--join", metavar="ADDRESS",
+                                    help="Train this config's one member in the open swarm whose coordinator is at "
+                                         "ADDRESS (tcp://HOST:PORT; ftis-engine swarm serve)."),
 ) -> None:
     """Train the members of a config together."""
     cfg = _load(config, set_, output_dir)
@@ -87,6 +90,9 @@ def train(
         typer.echo(dump_config(cfg), nl=False)
         return
     run_dir = run_directory(cfg)
+    if join is not None:
+        _train_joined(cfg, run_dir, join, resume, nproc)
+        return
     if nproc > 1 or under_torchrun():
         from .launch import launch_distributed
 
@@ -107,6 +113,44 @@ def train(
             swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
             run_training(swarm, start_step)
     except KeyboardInterrupt:
+        raise Interrupted(interrupted_hint(run_dir)) from None
+    typer.echo(f"run directory: {run_dir}", err=True)
+
+
+def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int) -> None:
+    """train --join: one member in an open swarm (openswarm/member.py)."""
+    try:
+        import zmq  # noqa: F401
+    except ImportError:
+        raise UsageFailure("--join: pyzmq is not installed (pip install pyzmq)") from None
+    from .models import vocabulary_hash
+    from .openswarm.client import JoinRefused
+    from .openswarm.member import JoinError, OpenExchange, check_joinable, dataset_hash
+    from .progress import Progress
+    from .run import train as run_training
+    from .session import RunLock, open_run
+
+    if not address.startswith(("tcp://", "ipc://")):
+        raise UsageFailure(f"--join: {address!r} is not an address like tcp://HOST:PORT")
+    try:
+        check_joinable(cfg, nproc)
+    except JoinError as exc:
+        raise UsageFailure(str(exc)) from None
+    exchange = OpenExchange(address, cfg)
+    try:
+        with RunLock(run_dir):
+            typer.echo(f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)")
+            swarm, start_step = open_run(cfg, run_dir, resume=resume, exchange=exchange, open_peers=exchange.book,
+                                         progress=Progress())
+            exchange.attach(vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task))
+            try:
+                run_training(swarm, start_step)
+            except JoinRefused as exc:
+                raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
+            except TimeoutError as exc:
+                raise UsageFailure(f"--join: {exc}") from None
+    except KeyboardInterrupt:
+        exchange.finish()
         raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
 
@@ -262,7 +306,7 @@ def models_list() -> None:
 
 
 swarm_app = typer.Typer(no_args_is_help=True, help="The open swarm: members as independent jobs around a "
-                                                   "coordinator (in progress: members cannot join a training yet).")
+                                                   "coordinator (ftis-engine train --join).")
 app.add_typer(swarm_app, name="swarm")
 
 
@@ -271,6 +315,7 @@ def swarm_serve(
     config: pathlib.Path = typer.Option(..., "--config", help="YAML swarm config: the shared settings (seed, "
                                         "rollout, data, train.steps, swarm bounds and swarm.lease_s), no members."),
     bind: str = typer.Option(..., "--bind", help="Where members dial in, e.g. tcp://0.0.0.0:5555."),
+    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
     output_dir: pathlib.Path = typer.Option(pathlib.Path("runs/swarm"), "--output-dir",
                                             help="Where coordinator.jsonl (joins, leaves, leases) is written."),
 ) -> None:
@@ -282,7 +327,7 @@ def swarm_serve(
         raise UsageFailure("swarm serve: pyzmq is not installed (pip install pyzmq)") from None
     from .openswarm.coordinator import Coordinator, load_swarm_config, max_parcel_bytes, shared_settings
 
-    cfg = load_swarm_config(config)
+    cfg = load_swarm_config(config, set_)
     if not bind.startswith(("tcp://", "ipc://")):
         raise UsageFailure(f"--bind: {bind!r} is not an address like tcp://HOST:PORT")
     output_dir.mkdir(parents=True, exist_ok=True)

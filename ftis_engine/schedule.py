@@ -62,6 +62,14 @@ class Schedule:
         """(member, sampler index or None) of every rank (config.rank_roles)."""
         return rank_roles(self.config)
 
+    def member_name(self, member: int) -> str:
+        return self.config.members[member].name
+
+    def wire_member(self, member: int) -> int:
+        """The member index a member's rollouts carry on the wire: its index in the run's config (an open swarm's
+        peer carries its own config's, 0)."""
+        return member
+
     @property
     def num_members(self) -> int:
         return len(self.config.members)

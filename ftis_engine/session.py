@@ -338,7 +338,8 @@ def check_before_launch(config: RunConfig, distributed: bool) -> list:
 
 def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, first_start: bool = True,
              checkpoint: pathlib.Path | None = None, exchange: Exchange | None = None,
-             local_rank: int | None = None, progress: Progress | None = None, shard=None) -> tuple[Swarm, int]:
+             local_rank: int | None = None, progress: Progress | None = None, shard=None,
+             open_peers=None) -> tuple[Swarm, int]:
     """This process's Swarm and the step to start after (0: a fresh run).
 
     resume: continue from the newest complete checkpoint every rank has (train --resume, or an elastic restart).
@@ -347,6 +348,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     exchange: this process's transport (None: every member lives in this process); the members it holds are
     its rank's (a member's rank, or a sampler's) or all of them.
     shard: this rank's part of a member on several ranks (placement.Shard).
+    open_peers: a member in an open swarm (openswarm.member.PeerBook): its schedule deals by member name.
     """
     if exchange is None:
         if config.swarm.mode == "async" and checkpoint is None:
@@ -436,7 +438,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     except BaseException:
         close_generators(members)
         raise
-    schedule = Schedule(config, tuple(train_indices))
+    if open_peers is None:
+        schedule = Schedule(config, tuple(train_indices))
+    else:
+        from .openswarm.member import OpenSchedule
+
+        schedule = OpenSchedule(config, tuple(train_indices), open_peers)
     receivers = {m.index: Admission(config, schedule, RolloutChecker(
         task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens, foreign[m.index],
         foreign_limit(config, m, longest_prompt)), m.index, start_step) for m in members}

@@ -287,9 +287,11 @@ def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_p
     shared = shared_settings(load_swarm_config(swarm_yaml))
     assert first_difference(shared, shared_settings(load_config(ROOT / "configs/tiny.yaml", [
         "swarm.mode=async", "swarm.max_lead=2", "swarm.max_staleness=4"]))) is None  # the tiny default agrees
-    serve = subprocess.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
-                              "--bind", "tcp://127.0.0.1:*", "--output-dir", str(tmp_path)],
-                             stderr=subprocess.PIPE, text=True)
+    from .helpers import with_default_sigint
+
+    serve = subprocess.Popen(with_default_sigint([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config",
+                                                  str(swarm_yaml), "--bind", "tcp://127.0.0.1:*", "--output-dir",
+                                                  str(tmp_path)]), stderr=subprocess.PIPE, text=True)
     try:
         line = serve.stderr.readline()
         assert line.startswith("coordinator listening on tcp://127.0.0.1:"), line
@@ -306,3 +308,158 @@ def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_p
         assert events == ["join", "leave"]
     finally:
         serve.kill()
+
+
+# ------------------------------------------------------------------------------------------------- members training
+
+
+def _member_args(tmp_path, name, address, steps, *extra, resume=False):
+    from .helpers import ROOT
+
+    args = [sys.executable, "-m", "ftis_engine", "train", "--config", str(ROOT / "configs/swarm" / f"{name}.yaml"),
+            "--join", address, "--output-dir", str(tmp_path / "members")]
+    for override in (f"train.steps={steps}", "rollout.group_size=4", "rollout.prompts_per_step=2", "eval.every=0",
+                     "eval.max_samples=16", "checkpoint.every=2", "swarm.timeout_s=120", *extra):
+        args += ["--set", override]
+    return args + (["--resume"] if resume else [])
+
+
+def _shared_for(steps):
+    from ftis_engine.config import load_config
+
+    from .helpers import ROOT
+
+    return shared_settings(load_config(ROOT / "configs/swarm/tiny-s.yaml", [
+        f"train.steps={steps}", "rollout.group_size=4", "rollout.prompts_per_step=2"]))
+
+
+def _train_records(tmp_path, name):
+    path = tmp_path / "members" / name / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
+
+
+class Members:
+    """Member jobs (train --join subprocesses) of one test; all killed at the end."""
+
+    def __init__(self, tmp_path, address, steps):
+        self.tmp_path, self.address, self.steps, self.procs = tmp_path, address, steps, {}
+
+    def start(self, name, resume=False):
+        log = open(self.tmp_path / f"{name}.{len(self.procs)}.log", "w")
+        self.procs[name] = subprocess.Popen(_member_args(self.tmp_path, name, self.address, self.steps,
+                                                         resume=resume), stdout=log, stderr=subprocess.STDOUT)
+        return self.procs[name]
+
+    def close(self):
+        for p in self.procs.values():
+            p.kill()
+
+
+@pytest.mark.slow
+def test_two_members_started_apart_train_on_each_others_rollouts_by_name(tmp_path):
+    """Two member jobs of the shipped configs: each admits the other's parcels (dealt by its name and step,
+    re-scored, no rejection) and trains on them; each leaves at its end with exit code 0 (said, not by its lease
+    running out: the lease is longer than the test)."""
+    coordinator = Coordinator(_shared_for(8), lease_s=600.0, max_body=1 << 22, log_path=tmp_path / "coordinator.jsonl")
+    running = Running.__new__(Running)
+    running.coordinator, running.stop = coordinator, threading.Event()
+    bound: list[str] = []
+    running.thread = threading.Thread(target=coordinator.serve, args=("tcp://127.0.0.1:*", running.stop, bound),
+                                      daemon=True)
+    running.thread.start()
+    until(lambda: bound, "the coordinator to bind")
+    members = Members(tmp_path, bound[0], steps=8)
+    try:
+        a, b = members.start("tiny-s"), members.start("tiny-m-lora")
+        assert a.wait(600) == 0 and b.wait(600) == 0, (tmp_path / "tiny-s.0.log").read_text()[-2000:]
+        for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
+            records = _train_records(tmp_path, me)
+            assert [r["step"] for r in records] == list(range(1, 9))
+            assert all(r["rejected_batches"] == 0 for r in records)
+            used = [k for r in records for k in r["received_sha256"]]
+            assert used and all(k.startswith(f"{peer}@") for k in used), used
+        until(lambda: coordinator.live == {}, "both to leave")
+        events = [(r["event"], r["member"]) for r in map(json.loads, (tmp_path / "coordinator.jsonl").open())]
+        assert sorted(e for e in events if e[0] != "join") == [("leave", "tiny-m-lora"), ("leave", "tiny-s")]
+    finally:
+        members.close()
+        running.close()
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_and_a_newcomer_is_trained_on(tmp_path):
+    """tiny-s and tiny-m-lora train; tiny-m-lora is killed with SIGKILL after step 4: tiny-s goes on (no stop, no
+    gap) once its lease expires; tiny-m-lora comes back with --resume --join from its own checkpoint and trains on
+    tiny-s's rollouts again, tiny-s on its; tiny-l joins mid-run and both old members train on its rollouts.
+    Tiny steps take a fraction of a second, so a metronome (a live member of the same tokenizer that never sends
+    rollouts) holds the members within swarm.max_lead=2 of the step the test lets it publish."""
+    steps = 30
+    coordinator = Coordinator(_shared_for(steps), lease_s=2.0, max_body=1 << 22,
+                              log_path=tmp_path / "coordinator.jsonl")
+    running = Running.__new__(Running)
+    running.coordinator, running.stop = coordinator, threading.Event()
+    bound: list[str] = []
+    running.thread = threading.Thread(target=coordinator.serve, args=("tcp://127.0.0.1:*", running.stop, bound),
+                                      daemon=True)
+    running.thread.start()
+    until(lambda: bound, "the coordinator to bind")
+    members = Members(tmp_path, bound[0], steps)
+    metronome = None
+
+    def steps_of(name):
+        return len(_train_records(tmp_path, name))
+
+    try:
+        a = members.start("tiny-s")
+        until(lambda: "tiny-s" in coordinator.live, "tiny-s to join", timeout=300)
+        metronome = SwarmClient(bound[0], "metronome", coordinator.live["tiny-s"].tokenizer, _shared_for(steps),
+                                coordinator.dataset, 1 << 22, lambda *args: None)
+        metronome.start(timeout=30)
+        b = members.start("tiny-m-lora")
+        metronome.step = 3  # the members may step up to 5
+        until(lambda: steps_of("tiny-m-lora") >= 5, "tiny-m-lora's step 5", timeout=300)
+        os.kill(b.pid, signal.SIGKILL)
+        b.wait(10)
+        killed_at = steps_of("tiny-m-lora")
+        until(lambda: "tiny-m-lora" not in coordinator.live, "tiny-m-lora's lease to expire")
+        metronome.step = 8
+        until(lambda: steps_of("tiny-s") >= 10, "tiny-s to step on without it", timeout=300)
+        b = members.start("tiny-m-lora", resume=True)
+        until(lambda: "tiny-m-lora" in coordinator.live, "tiny-m-lora to rejoin", timeout=300)
+        metronome.step = 12
+        until(lambda: steps_of("tiny-s") >= 14, "tiny-s's step 14", timeout=300)
+        c = members.start("tiny-l")
+        until(lambda: "tiny-l" in coordinator.live, "tiny-l to join", timeout=300)
+        metronome.step = steps
+        for p in (a, b, c):
+            assert p.wait(900) == 0, [f.read_text()[-1500:] for f in tmp_path.glob("*.log")]
+        tiny_s = _train_records(tmp_path, "tiny-s")
+        assert [r["step"] for r in tiny_s] == list(range(1, steps + 1))  # never stopped, no gap
+        assert all(r["rejected_batches"] == 0 for name in ("tiny-s", "tiny-m-lora", "tiny-l")
+                   for r in _train_records(tmp_path, name))
+        resumed = [r for r in _train_records(tmp_path, "tiny-m-lora")[killed_at:]]
+        assert any(k.startswith("tiny-s@") for r in resumed for k in r["received_sha256"])
+        back = [int(k.split("@")[1]) for r in tiny_s for k in r["received_sha256"] if k.startswith("tiny-m-lora@")]
+        assert back and max(back) > killed_at  # its rollouts after the rejoin
+        for old in ("tiny-s", "tiny-m-lora"):
+            assert any(k.startswith("tiny-l@") for r in _train_records(tmp_path, old) for k in r["received_sha256"])
+        events = [(r["event"], r["member"]) for r in map(json.loads, (tmp_path / "coordinator.jsonl").open())]
+        assert ("expired", "tiny-m-lora") in events and events.count(("join", "tiny-m-lora")) == 2
+        assert ("join", "tiny-l") in events
+    finally:
+        if metronome is not None:
+            metronome.close()
+        members.close()
+        running.close()
+
+
+def test_a_member_config_that_cannot_join_is_refused_in_one_line(tmp_path):
+    from .helpers import TINY
+
+    done = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--join",
+                           "tcp://127.0.0.1:1", "--output-dir", str(tmp_path)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and done.stderr.startswith("error: members: a member joining an open swarm has "
+                                                           "exactly one member"), done.stderr

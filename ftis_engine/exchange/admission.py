@@ -33,6 +33,7 @@ max_staleness (at most max_staleness + 1 budgets wait), else it is dropped and c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -247,18 +248,27 @@ class Admission:
         self.checker = checker
         self.receiver = receiver
         self.start_step = start_step  # the step a resumed run restarted after (a sampler may hold its version)
-        asynchronous = config.swarm.mode == "async"
-        self.budget = schedule.peer_budget(receiver) if asynchronous else None
-        self.shares = {rank: schedule.step_sequences(rank) for rank in schedule.senders(receiver)}
+        self.asynchronous = config.swarm.mode == "async"
         self.pool: list[Group] = []
         self._seen: dict[tuple[int, int], int] = {}  # (sender rank, step) -> version, within the staleness window
         self._order = 0
+
+    @property
+    def budget(self) -> int | None:
+        """Async: the most peer sequences an update takes (None: sync, all of them). Asked of the schedule at each
+        use: an open swarm's peers come and go."""
+        return self.schedule.peer_budget(self.receiver) if self.asynchronous else None
+
+    @property
+    def shares(self) -> dict[int, int]:
+        """Each sender's share of a step (the round-robin's first pass)."""
+        return {rank: self.schedule.step_sequences(rank) for rank in self.schedule.senders(self.receiver)}
 
     def sender_name(self, rank: int) -> str:
         member, sampler = self.schedule.roles[rank] if 0 <= rank < len(self.schedule.roles) else (None, None)
         if member is None:
             return f"rank {rank}"
-        name = self.config.members[member].name
+        name = self.schedule.member_name(member)
         return name if sampler is None else f"{name}/sampler-{sampler}"
 
     def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0) -> Received:
@@ -287,6 +297,12 @@ class Admission:
         if parcel.step < 1 or (sampler is None and parcel.step > cfg.train.steps):
             raise RolloutError(f"parcel of step {parcel.step}, outside 1..train.steps={cfg.train.steps}")
         rollouts = decode(parcel.buffer)
+        claimed = self.schedule.wire_member(member)  # the member index the sender's rollouts carry
+        if claimed != member:  # an open swarm's peer numbers itself 0 in its own config: renumbered as this one does
+            if any(r.member != claimed for r in rollouts):
+                raise RolloutError(f"a sequence claims member {next(r.member for r in rollouts if r.member != claimed)}"
+                                   f", a peer's rollouts carry {claimed}")
+            rollouts = [dataclasses.replace(r, member=member) for r in rollouts]
         if self.checker.is_foreign(member) and not cfg.members[self.receiver].accept_foreign:
             out.foreign_refused += len(rollouts)  # no fault: this member trains on its own tokenizer's text only
             return
@@ -334,13 +350,14 @@ class Admission:
         fresh = [g for g in self.pool if (step - 1) - g.version <= cfg.max_staleness
                  and (cfg.max_delay_s is None or now - g.made_at <= cfg.max_delay_s)]
         out.surplus_dropped += sum(g.size for g in self.pool) - sum(g.size for g in fresh)  # aged while waiting
-        chosen = fresh if self.budget is None else self._choose(fresh, self.budget)
+        budget = self.budget
+        chosen = fresh if budget is None else self._choose(fresh, budget)
         taken = {id(g) for g in chosen}
         # what is left waits only if it can still be used fresh at the next step, and at most max_staleness + 1
         # budgets of it (the freshest)
         rest = sorted((g for g in fresh if id(g) not in taken and step - g.version <= cfg.max_staleness),
                       key=lambda g: (-g.version, g.order))
-        room, self.pool = (self.budget or 0) * (cfg.max_staleness + 1), []
+        room, self.pool = (budget or 0) * (cfg.max_staleness + 1), []
         for g in rest:
             if g.size <= room:
                 self.pool.append(g)
@@ -356,6 +373,7 @@ class Admission:
     def _choose(self, fresh: list[Group], budget: int) -> list[Group]:
         """At most `budget` sequences of whole groups: round-robin over the senders, each up to its share of a
         step, freshest first; then the freshest of the rest."""
+        shares = self.shares
         queues: dict[int, list[Group]] = defaultdict(list)
         for g in sorted(fresh, key=lambda g: (-g.version, g.order)):
             queues[g.sender].append(g)
@@ -366,7 +384,7 @@ class Admission:
             added = False
             for sender in sorted(queues):
                 queue = queues[sender]
-                if queue and per_sender[sender] + queue[0].size <= self.shares.get(sender, 0) \
+                if queue and per_sender[sender] + queue[0].size <= shares.get(sender, 0) \
                         and total + queue[0].size <= budget:
                     g = queue.pop(0)
                     chosen.append(g)

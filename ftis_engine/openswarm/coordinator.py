@@ -5,7 +5,8 @@ A member joins under its name with its shared settings, its tokenizer's hash and
 in one line naming the first field that differs from the swarm's, when its training set differs from the one the
 swarm has, or when a live member already has its name. It stays in the live set while it is heard from (a
 heartbeat, a parcel) within `lease_s`; a member that leaves says so; one that crashes is dropped when its lease
-expires. Every change goes to every live member as a `members` message (name -> newest step heard). A member whose
+expires. Every change, and every second (or lease / 4), goes to every live member as a `members` message (name ->
+newest step heard: the lead bound's view). A member whose
 message the coordinator cannot place (unknown, e.g. after the coordinator restarted) is told to rejoin.
 
 The decisions (`handle`, `expire`) take the time as an argument and return what to send, so they are tested
@@ -203,7 +204,7 @@ class Coordinator:
                 self._echo(f"coordinator listening on {endpoint} (lease {self.lease_s:g} s)")
             poller = zmq.Poller()
             poller.register(socket, zmq.POLLIN)
-            next_expiry = time.monotonic()
+            next_expiry = next_view = time.monotonic()
             while not stop.is_set():
                 if poller.poll(50):
                     while True:
@@ -216,6 +217,9 @@ class Coordinator:
                 if now >= next_expiry:
                     self._send(socket, self.expire(now))
                     next_expiry = now + min(0.2, self.lease_s / 4)
+                if now >= next_view:  # the members' newest steps, heard from beats too (the lead bound's view)
+                    self._send(socket, self._members())
+                    next_view = now + min(1.0, self.lease_s / 4)
         finally:
             socket.close(0)
             if self._log is not None:
@@ -236,12 +240,14 @@ class Coordinator:
                     self.relayed += 1
 
 
-def load_swarm_config(path: pathlib.Path) -> RunConfig:
+def load_swarm_config(path: pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """A coordinator's config: the swarm's shared settings (SHARED) and swarm.lease_s, in a run config's format
     without `members` (each member brings its own). Checked as a run config is; a ConfigError names the field."""
-    from ..config import ConfigError, read_yaml_mapping, validate_config
+    from ..config import ConfigError, apply_override, read_yaml_mapping, validate_config
 
     raw = read_yaml_mapping(path)
+    for assignment in overrides:
+        apply_override(raw, assignment)
     if "members" in raw:
         raise ConfigError(f"members: a swarm config has none (each member joins with its own config): {path}")
     if raw.get("collaboration", "vertical") != "vertical":

@@ -1,0 +1,283 @@
+"""A member training in an open swarm (`ftis-engine train --config MEMBER.yaml --join tcp://HOST:PORT`).
+
+Its config has exactly one member; the swarm's shared settings must equal the coordinator's. Its exchange
+(OpenExchange) joins the coordinator, publishes each step's parcel and takes its peers' parcels into the same
+receiver (admission) as every other mode; its schedule (OpenSchedule) gives each member its own prompts:
+
+- **Prompts without a global deal.** Member N's step t draws rollout.prompts_per_step prompts, whole groups, from
+  a shuffle seeded by (seed, N) of the training prompts (vertical collaboration). A receiver recomputes a peer's
+  deal from its name and step, so "exactly what was dealt to that peer" keeps its force with membership changing.
+- **Peers by name.** Peers are numbered locally in order of first sight (the member itself is 0); a peer's
+  rollouts carry member 0 (its own config's index) on the wire and are renumbered on arrival.
+- **The lead bound counts live members only.** Before its step t a member waits (at most swarm.timeout_s, then
+  goes on without it, warned) until every live peer it trains on has published step t - max_lead (its parcels,
+  or the step the coordinator heard from it); a peer that left or whose lease expired holds nobody back. A
+  newcomer starts at its step 1: the live members wait for it to come within max_lead of them (max_lead null:
+  nobody waits, and its rollouts are trained on once they are within max_staleness).
+- **Same tokenizer only, for now.** A peer whose tokenizer differs is not trained on (counted in
+  foreign_refused): re-scoring its text needs its tokenizer, which the open swarm does not ship yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ..config import RunConfig
+from ..exchange import Arrivals, Limit, Parcel, wire_bytes_sent
+from ..exchange.async_ import Mailbox, queue_capacity
+from ..exchange.sync import LocalCollectives
+from ..rollouts import max_buffer_words
+from ..schedule import Schedule, mix_seed, prompts_for_step
+from .client import SwarmClient
+from .coordinator import max_parcel_bytes, shared_settings
+
+log = logging.getLogger("ftis_engine.exchange")
+
+
+class JoinError(ValueError):
+    """A config that cannot join an open swarm (the message names the field)."""
+
+
+def check_joinable(config: RunConfig, nproc: int) -> None:
+    if len(config.members) != 1:
+        raise JoinError(f"members: a member joining an open swarm has exactly one member in its config, not "
+                        f"{len(config.members)}")
+    member = config.members[0]
+    if member.ranks > 1 or member.samplers:
+        raise JoinError("members.0.ranks / members.0.samplers: a member on several processes cannot join an open "
+                        "swarm yet; use one rank")
+    if nproc > 1:
+        raise JoinError("--nproc: a member joining an open swarm runs in one process")
+    if config.swarm.mode != "async":
+        raise JoinError("swarm.mode: an open swarm is asynchronous; set swarm.mode=async")
+    if config.collaboration != "vertical":
+        raise JoinError(f"collaboration: an open swarm is vertical, not {config.collaboration!r}")
+
+
+class PeerBook:
+    """What a member knows of its peers: their local numbers (0 is itself, then 1, 2, ... in order of first
+    sight), names, tokenizers and newest published steps, and who is live (the coordinator's last word)."""
+
+    def __init__(self, own_name: str):
+        self.names = [own_name]
+        self._numbers = {own_name: 0}
+        self.published: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.live: Callable[[], list[int]] = lambda: [0]  # the live members' numbers (the exchange's view)
+
+    def number(self, name: str) -> int:
+        with self._lock:
+            if name not in self._numbers:
+                self._numbers[name] = len(self.names)
+                self.names.append(name)
+            return self._numbers[name]
+
+    def name(self, number: int) -> str:
+        return self.names[number]
+
+    def publish(self, name: str, step: int) -> None:
+        with self._lock:
+            self.published[name] = max(self.published.get(name, 0), step)
+
+
+class _Deals(Mapping):
+    """One step's deals, by local member number, computed when asked."""
+
+    def __init__(self, schedule: OpenSchedule, step: int):
+        self.schedule, self.step = schedule, step
+
+    def __getitem__(self, member: int) -> dict[int, int]:
+        return self.schedule.name_deal(self.schedule.peers.name(member), self.step)
+
+    def __iter__(self):
+        return iter(range(len(self.schedule.peers.names)))
+
+    def __len__(self) -> int:
+        return len(self.schedule.peers.names)
+
+
+@dataclass(frozen=True)
+class OpenSchedule(Schedule):
+    """The schedule of a member in an open swarm: every member's prompts from its own stream (see the module)."""
+
+    peers: PeerBook = None  # type: ignore[assignment]
+
+    @property
+    def roles(self) -> list[tuple[int, int | None]]:
+        return [(k, None) for k in range(len(self.peers.names))]
+
+    def member_name(self, member: int) -> str:
+        return self.peers.name(member)
+
+    def wire_member(self, member: int) -> int:
+        return 0  # every member is member 0 of its own config
+
+    @property
+    def num_members(self) -> int:
+        return 1
+
+    def name_deal(self, name: str, step: int) -> dict[int, int]:
+        config = self.config
+        prompts = prompts_for_step(step, list(self.train_indices), config.rollout.prompts_per_step,
+                                   f"{config.seed}-open-{name}", True)
+        return {p: config.rollout.group_size for p in prompts}
+
+    def deal(self, step: int) -> Mapping[int, dict[int, int]]:
+        return _Deals(self, step)
+
+    def dealt_sizes(self, member: int) -> tuple[int, int]:
+        rollout = self.config.rollout
+        return rollout.prompts_per_step, rollout.prompts_per_step * rollout.group_size
+
+    def step_sequences(self, rank: int) -> int:
+        return self.dealt_sizes(rank)[1]
+
+    def sampling_seed(self, step: int, who: int, shard: int = 0) -> int:
+        return mix_seed(self.config.seed, step, zlib.crc32(self.peers.name(who).encode()) % 1_000_003, shard)
+
+    def parcel_limit(self, sender: int, step: int) -> int:
+        if not 0 < sender < len(self.peers.names) or not 1 <= step <= self.config.train.steps:
+            return 0
+        return max_buffer_words(self.step_sequences(sender), self.config.rollout.max_new_tokens)
+
+    def senders(self, receiver: int) -> list[int]:
+        return [k for k in self.peers.live() if k != receiver]
+
+    def peer_budget(self, receiver: int) -> int:
+        configured = self.config.swarm.max_peer_sequences
+        if configured is not None:
+            return configured
+        return sum(self.step_sequences(k) for k in self.senders(receiver))
+
+
+def dataset_hash(task) -> str:
+    """sha256 of the training examples (question and gold answer of each, in order): members of one swarm train on
+    the same set."""
+    digest = hashlib.sha256()
+    for example in task.train:
+        digest.update(example.question.encode())
+        digest.update(b"\x00")
+        digest.update(example.answer.encode())
+        digest.update(b"\x01")
+    return digest.hexdigest()
+
+
+class OpenExchange:
+    """The Exchange of a member in an open swarm (see the module)."""
+
+    rank = 0
+    world_size = 1
+    independent = True
+    broadcast = None
+
+    def __init__(self, address: str, config: RunConfig):
+        self.address = address
+        self.config = config
+        self.name = config.members[0].name
+        self.collectives = LocalCollectives()
+        self.book = PeerBook(self.name)
+        self.book.live = self._live_numbers  # the schedule asks the book, the book the coordinator's last word
+        self.mailbox = Mailbox(queue_capacity(config))
+        self.max_lead = config.swarm.max_lead
+        self.timeout_s = config.swarm.timeout_s
+        self.tokenizer = ""
+        self.dataset = ""
+        self.client: SwarmClient | None = None
+        self._limit: Limit | None = None
+        self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on
+        self.refused = 0  # parcels refused unread (larger than an honest step's)
+
+    def attach(self, tokenizer_hash: str, dataset_digest: str) -> None:
+        self.tokenizer, self.dataset = tokenizer_hash, dataset_digest
+
+    # ------------------------------------------------------------------------------------------- Exchange
+
+    def start(self, limit: Limit, start_step: int = 0) -> None:
+        self._limit = limit
+        self.mailbox.step = max(self.mailbox.step, start_step)
+        self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
+                                  max_parcel_bytes(self.config), self._deliver, step=start_step)
+        self.client.start(timeout=self.timeout_s)
+
+    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
+        buffer = buffers[0].to(torch.int32).contiguous()
+        self.client.check()
+        self.client.publish(step, step - 1, buffer.numpy().tobytes())
+        return {0: wire_bytes_sent(buffer, len(self._live_numbers()) - 1)}
+
+    def receive(self, receiver: int, step: int) -> Arrivals:
+        start = time.perf_counter()
+        self.client.check()
+        lead_wait, lead = 0.0, None
+        published = self._published()
+        if published:
+            lead = step - min(published.values())
+        if self.max_lead is not None and published:
+            need = step - self.max_lead
+            deadline = time.monotonic() + self.timeout_s
+            waited = time.perf_counter()
+            while any(newest < need for newest in self._published().values()):
+                self.client.check()
+                if time.monotonic() > deadline:
+                    behind = sorted(n for n, s in self._published().items() if s < need)
+                    log.warning("%s: live peer(s) %s have not published step %d within swarm.timeout_s=%g s; going "
+                                "on without waiting for them", self.name, behind, need, self.timeout_s)
+                    break
+                time.sleep(0.02)
+            lead_wait = time.perf_counter() - waited
+        newest = None if self.max_lead is None else step - 1 + self.max_lead
+        parcels = self.mailbox.take_due(step, time.time(), newest)
+        return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
+                        lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
+                        outbox_dropped=0)
+
+    def finish(self) -> None:
+        if self.client is not None:
+            self.client.close(leave=True)
+
+    # ------------------------------------------------------------------------------------------- the client's thread
+
+    def _live(self) -> dict[str, dict]:
+        return self.client.members() if self.client is not None else {}
+
+    def _live_numbers(self) -> list[int]:
+        return [self.book.number(name) for name in self._live() if name == self.name or self._same_tokenizer(name)]
+
+    def _same_tokenizer(self, name: str) -> bool:
+        return self._live().get(name, {}).get("tokenizer") == self.tokenizer
+
+    def _published(self) -> dict[str, int]:
+        """Each live peer's newest published step: its parcels, or the coordinator's word."""
+        out = {}
+        for name, view in self._live().items():
+            if name != self.name and view.get("tokenizer") == self.tokenizer:  # the peers it trains on
+                step = view.get("step", 0) if isinstance(view.get("step"), int) else 0
+                out[name] = max(step, self.book.published.get(name, 0))
+        return out
+
+    def _deliver(self, name: str, step: int, version: int, body: bytes) -> None:
+        if not self._same_tokenizer(name):
+            self.foreign_refused += 1
+            return
+        sender = self.book.number(name)
+        words = torch.frombuffer(bytearray(body), dtype=torch.int32)
+        limit = self._limit(sender, step) if self._limit is not None else 0
+        refused = None
+        if words.numel() > limit:
+            refused, words = f"{words.numel()} words, more than the {limit} an honest step {step} holds", words[:0]
+            self.refused += 1
+        self.mailbox.put(Parcel(sender, step, version, words, refused=refused))
+        if refused is None and 1 <= step <= self.config.train.steps and (
+                self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1):
+            self.book.publish(name, step)
+
+
+__all__ = ["JoinError", "OpenExchange", "OpenSchedule", "PeerBook", "check_joinable", "dataset_hash"]
