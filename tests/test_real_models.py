@@ -207,7 +207,7 @@ def test_a_real_members_step_holds_at_most_one_and_a_half_times_its_weights_grad
     from ftis_engine.config import load_config
 
     path = _write(tmp_path, calc_config([{"name": "smol", "model": SMOLLM2, "lr": 1e-6}],
-                                        rollout={"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 32},
+                                        rollout={"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 16},
                                         train={"steps": 2}, checkpoint={"every": 2}))
     states = state_bytes(load_config(path, ["members.0.dtype=float32"]), 0, model_shape(SMOLLM2))
     assert states == 16 * 134_515_008
