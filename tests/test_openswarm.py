@@ -463,3 +463,18 @@ def test_a_member_config_that_cannot_join_is_refused_in_one_line(tmp_path):
                           timeout=120)
     assert done.returncode == 2 and done.stderr.startswith("error: members: a member joining an open swarm has "
                                                            "exactly one member"), done.stderr
+
+
+@pytest.mark.slow
+def test_a_member_whose_shared_settings_differ_is_refused_at_join_in_one_line(tmp_path):
+    running = Running()
+    try:
+        running.coordinator.shared = _shared_for(8)
+        args = _member_args(tmp_path, "tiny-s", running.address, 8, "rollout.group_size=8")
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines()[-1] == ("error: --join: the coordinator refused tiny-s: "
+                                                        "rollout.group_size: the swarm says 4, this member 8")
+        assert "Traceback" not in done.stderr and running.coordinator.live == {}
+    finally:
+        running.close()
