@@ -137,8 +137,8 @@ def test_a_member_that_leaves_is_gone_at_once():
 class Running:
     """A coordinator serving in a thread."""
 
-    def __init__(self, address="tcp://127.0.0.1:*", lease_s=1.0, log_path=None):
-        self.coordinator = Coordinator(SHARED, lease_s=lease_s, max_body=1 << 20, log_path=log_path)
+    def __init__(self, address="tcp://127.0.0.1:*", lease_s=1.0, log_path=None, coordinator=None):
+        self.coordinator = coordinator or Coordinator(SHARED, lease_s=lease_s, max_body=1 << 20, log_path=log_path)
         self.stop = threading.Event()
         bound: list[str] = []
         self.thread = threading.Thread(target=self.coordinator.serve, args=(address, self.stop, bound), daemon=True)
@@ -363,14 +363,8 @@ def test_two_members_started_apart_train_on_each_others_rollouts_by_name(tmp_pat
     re-scored, no rejection) and trains on them; each leaves at its end with exit code 0 (said, not by its lease
     running out: the lease is longer than the test)."""
     coordinator = Coordinator(_shared_for(8), lease_s=600.0, max_body=1 << 22, log_path=tmp_path / "coordinator.jsonl")
-    running = Running.__new__(Running)
-    running.coordinator, running.stop = coordinator, threading.Event()
-    bound: list[str] = []
-    running.thread = threading.Thread(target=coordinator.serve, args=("tcp://127.0.0.1:*", running.stop, bound),
-                                      daemon=True)
-    running.thread.start()
-    until(lambda: bound, "the coordinator to bind")
-    members = Members(tmp_path, bound[0], steps=8)
+    running = Running(coordinator=coordinator)
+    members = Members(tmp_path, running.address, steps=8)
     try:
         a, b = members.start("tiny-s"), members.start("tiny-m-lora")
         assert a.wait(600) == 0 and b.wait(600) == 0, (tmp_path / "tiny-s.0.log").read_text()[-2000:]
@@ -398,14 +392,8 @@ def test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_an
     steps = 30
     coordinator = Coordinator(_shared_for(steps), lease_s=2.0, max_body=1 << 22,
                               log_path=tmp_path / "coordinator.jsonl")
-    running = Running.__new__(Running)
-    running.coordinator, running.stop = coordinator, threading.Event()
-    bound: list[str] = []
-    running.thread = threading.Thread(target=coordinator.serve, args=("tcp://127.0.0.1:*", running.stop, bound),
-                                      daemon=True)
-    running.thread.start()
-    until(lambda: bound, "the coordinator to bind")
-    members = Members(tmp_path, bound[0], steps)
+    running = Running(coordinator=coordinator)
+    members = Members(tmp_path, running.address, steps)
     metronome = None
 
     def steps_of(name):
@@ -414,7 +402,7 @@ def test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_an
     try:
         a = members.start("tiny-s")
         until(lambda: "tiny-s" in coordinator.live, "tiny-s to join", timeout=300)
-        metronome = SwarmClient(bound[0], "metronome", coordinator.live["tiny-s"].tokenizer, _shared_for(steps),
+        metronome = SwarmClient(running.address, "metronome", coordinator.live["tiny-s"].tokenizer, _shared_for(steps),
                                 coordinator.dataset, 1 << 22, lambda *args: None)
         metronome.start(timeout=30)
         b = members.start("tiny-m-lora")
