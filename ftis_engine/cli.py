@@ -119,10 +119,6 @@ def train(
 
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        raise UsageFailure("--join: pyzmq is not installed (pip install pyzmq)") from None
     from .models import vocabulary_hash
     from .openswarm.client import JoinRefused
     from .openswarm.member import JoinError, OpenExchange, check_joinable, dataset_hash
@@ -321,10 +317,6 @@ def swarm_serve(
 ) -> None:
     """Run the open swarm's coordinator in the foreground (Ctrl-C ends it): it checks each joining member's shared
     settings and dataset, keeps the live set by leases and relays every member's parcels to the others."""
-    try:
-        import zmq  # noqa: F401
-    except ImportError:
-        raise UsageFailure("swarm serve: pyzmq is not installed (pip install pyzmq)") from None
     from .openswarm.coordinator import Coordinator, load_swarm_config, max_parcel_bytes, shared_settings
 
     cfg = load_swarm_config(config, set_)
@@ -335,9 +327,9 @@ def swarm_serve(
                               log_path=output_dir / "coordinator.jsonl", echo=lambda line: typer.echo(line, err=True))
     stop = threading.Event()
     bound: list[str] = []
-    try:
-        import zmq
+    import zmq
 
+    try:
         try:
             coordinator.serve(bind, stop, bound)
         except zmq.ZMQError as exc:

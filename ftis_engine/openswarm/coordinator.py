@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import RunConfig, config_differences
+from ..config import RunConfig
 from .wire import WireError, pack, unpack
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
