@@ -396,8 +396,8 @@ class SwarmSettings(_Section):
     )
     lease_s: float = Field(
         10.0, gt=0.0, le=86400.0, allow_inf_nan=False,
-        description="Open swarm (ftis-engine swarm serve): a member not heard from (heartbeats every lease / 4, "
-                    "parcels) for this long is dropped from the live set; the coordinator's setting.")
+        description="Open swarm (ftis-engine swarm serve): a member not heard from (heartbeats every second or "
+                    "lease / 4, parcels) for this long is dropped from the live set; the coordinator's setting.")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="The default group's backend. auto: nccl when members are on GPUs, else gloo; gloo when "
                             "any member sets members.N.device (ranks may share a GPU, which NCCL refuses). A member "

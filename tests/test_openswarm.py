@@ -237,27 +237,56 @@ def test_a_member_killed_with_sigkill_is_dropped_at_its_lease_and_rejoins_under_
 
 
 @pytest.mark.slow
-def test_a_restarted_coordinator_finds_its_members_again_and_parcels_flow():
-    first = Running(lease_s=2.0)
-    address = first.address
+def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_flow(tmp_path):
+    """`swarm serve` killed with SIGKILL and started again on the same address: its members keep going (a parcel
+    meanwhile is dropped, not queued without bound), are told to rejoin by the new coordinator, rejoin, and
+    parcels flow through it."""
+    import socket as sockets
+
+    from ftis_engine.openswarm.coordinator import load_swarm_config
+
+    from .helpers import ROOT
+
+    swarm_yaml = ROOT / "configs/swarm/swarm.yaml"
+    shared = shared_settings(load_swarm_config(swarm_yaml, ["swarm.lease_s=2"]))
+    with sockets.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"tcp://127.0.0.1:{port}"
+
+    def serve(n):
+        log = open(tmp_path / f"serve.{n}.log", "w")
+        return subprocess.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
+                                 "--set", "swarm.lease_s=2", "--bind", address, "--output-dir", str(tmp_path / str(n))],
+                                stderr=log)
+
+    def joined(n):
+        path = tmp_path / str(n) / "coordinator.jsonl"
+        return {r["member"] for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "join"} \
+            if path.is_file() else set()
+
     got = []
-    a = client(address, "a")
-    b = client(address, "b", got)
+    coordinator = serve(0)
+    a = b = None
     try:
+        a = SwarmClient(address, "a", "t", shared, DATA, 1 << 20, lambda *args: None)
+        b = SwarmClient(address, "b", "t", shared, DATA, 1 << 20, lambda *args: got.append(args))
+        a.start(timeout=60)
+        b.start(timeout=60)
         until(lambda: set(b.members()) == {"a", "b"}, "both joined")
-        first.close()  # the coordinator is gone; members keep going
-        a.publish(1, 0, b"\x02" * 4)  # nowhere to go: dropped, counted, never queued without bound
-        second = Running(address=address, lease_s=2.0)  # back on the same address, knowing nobody
-        try:
-            until(lambda: set(second.coordinator.live) == {"a", "b"}, "both members to rejoin")
-            until(lambda: a.publish(2, 1, b"\x03" * 4) and any(step == 2 for _, step, _, _ in got), "a parcel "
-                  "through the new coordinator", timeout=30)
-            assert a.joins >= 2 and b.joins >= 2
-        finally:
-            second.close()
+        coordinator.kill()
+        coordinator.wait(10)
+        a.publish(1, 0, b"\x02" * 4)  # nowhere to go: dropped, never queued without bound
+        coordinator = serve(1)
+        until(lambda: joined(1) == {"a", "b"}, "both members to rejoin the new coordinator", timeout=60)
+        until(lambda: a.publish(2, 1, b"\x03" * 4) and any(step == 2 for _, step, _, _ in got),
+              "a parcel through the new coordinator", timeout=60)
+        assert a.joins >= 2 and b.joins >= 2 and a.error is None and b.error is None
     finally:
-        a.close(leave=False)
-        b.close(leave=False)
+        for client_ in (a, b):
+            if client_ is not None:
+                client_.close(leave=False)
+        coordinator.kill()
 
 
 # ------------------------------------------------------------------------------------------------- the command
@@ -333,6 +362,22 @@ def _shared_for(steps):
         f"train.steps={steps}", "rollout.group_size=4", "rollout.prompts_per_step=2"]))
 
 
+def _member_hashes(steps):
+    """(tokenizer hash, shared settings, training-set hash) that the shipped member configs join with."""
+    from ftis_engine.config import load_config
+    from ftis_engine.members import preflight
+    from ftis_engine.models import vocabulary_hash
+    from ftis_engine.openswarm.member import dataset_hash
+    from ftis_engine.tasks import load_task
+
+    from .helpers import ROOT
+
+    config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", "rollout.group_size=4",
+                                                              "rollout.prompts_per_step=2"])
+    return (vocabulary_hash(preflight(config)[0]), shared_settings(config),
+            dataset_hash(load_task(config.data, config.seed)))
+
+
 def _train_records(tmp_path, name):
     path = tmp_path / "members" / name / "metrics.jsonl"
     if not path.is_file():
@@ -365,9 +410,15 @@ def test_two_members_started_apart_train_on_each_others_rollouts_by_name(tmp_pat
     coordinator = Coordinator(_shared_for(8), lease_s=600.0, max_body=1 << 22, log_path=tmp_path / "coordinator.jsonl")
     running = Running(coordinator=coordinator)
     members = Members(tmp_path, running.address, steps=8)
+    # a member alone has nobody to wait for: a metronome holds both within max_lead=2 of step 0 until both are in
+    metronome = SwarmClient(running.address, "metronome", *_member_hashes(8), 1 << 22, lambda *args: None)
+    metronome.start(timeout=30)
     try:
         a, b = members.start("tiny-s"), members.start("tiny-m-lora")
+        until(lambda: {"tiny-s", "tiny-m-lora"} <= set(metronome.members()), "both to join", timeout=300)
+        metronome.step = 8
         assert a.wait(600) == 0 and b.wait(600) == 0, (tmp_path / "tiny-s.0.log").read_text()[-2000:]
+        metronome.close()
         for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
             records = _train_records(tmp_path, me)
             assert [r["step"] for r in records] == list(range(1, 9))
@@ -376,8 +427,10 @@ def test_two_members_started_apart_train_on_each_others_rollouts_by_name(tmp_pat
             assert used and all(k.startswith(f"{peer}@") for k in used), used
         until(lambda: coordinator.live == {}, "both to leave")
         events = [(r["event"], r["member"]) for r in map(json.loads, (tmp_path / "coordinator.jsonl").open())]
-        assert sorted(e for e in events if e[0] != "join") == [("leave", "tiny-m-lora"), ("leave", "tiny-s")]
+        assert sorted(e for e in events if e[0] != "join") == [("leave", "metronome"), ("leave", "tiny-m-lora"),
+                                                               ("leave", "tiny-s")]
     finally:
+        metronome.close()
         members.close()
         running.close()
 
@@ -400,11 +453,10 @@ def test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_an
         return len(_train_records(tmp_path, name))
 
     try:
-        a = members.start("tiny-s")
-        until(lambda: "tiny-s" in coordinator.live, "tiny-s to join", timeout=300)
-        metronome = SwarmClient(running.address, "metronome", coordinator.live["tiny-s"].tokenizer, _shared_for(steps),
-                                coordinator.dataset, 1 << 22, lambda *args: None)
+        # live before any member starts: a member alone has nobody to wait for and runs its 30 tiny steps in a second
+        metronome = SwarmClient(running.address, "metronome", *_member_hashes(steps), 1 << 22, lambda *args: None)
         metronome.start(timeout=30)
+        a = members.start("tiny-s")
         b = members.start("tiny-m-lora")
         metronome.step = 3  # the members may step up to 5
         until(lambda: steps_of("tiny-m-lora") >= 5, "tiny-m-lora's step 5", timeout=300)

@@ -1,7 +1,7 @@
 """A member's side of the open swarm: one I/O thread owns a ZeroMQ DEALER socket dialled to the coordinator.
 
 It joins (and joins again whenever the coordinator says it does not know it: a restarted coordinator), heartbeats
-every lease / 4, sends the member's parcels and hands the peers' parcels to `on_parcel`. Its routing identity
+every second (at most lease / 4), sends the member's parcels and hands the peers' parcels to `on_parcel`. Its routing identity
 stays the member's across reconnects, so a restarted coordinator sees the same member come back. Parcels that
 cannot go out (no connection: the coordinator is down, or a full queue) are dropped and counted, never queued
 without bound.
@@ -37,6 +37,7 @@ class SwarmClient:
         self._lock = threading.Lock()
         self._joined = threading.Event()
         self._stop = threading.Event()
+        self._leaving = threading.Event()
         self.refused: str | None = None
         self.error: BaseException | None = None
         self.dropped = 0  # parcels not sent (no connection, or a full outbox)
@@ -81,6 +82,7 @@ class SwarmClient:
 
     def close(self, leave: bool = True) -> None:
         """Leave the swarm (say so to the coordinator) and stop the thread."""
+        self._leaving.set()  # no heartbeat or (re)join after this: the coordinator would take one back in
         if leave and self._thread.is_alive():
             self._outbox.put(pack("leave", {"name": self.name}))
             deadline = time.monotonic() + 2.0
@@ -122,6 +124,8 @@ class SwarmClient:
                     if not self._send(socket, frames) and frames[1] == b"parcel":
                         self.dropped += 1
                 now = time.monotonic()
+                if self._leaving.is_set():
+                    continue
                 if not self._joined.is_set() and now - last_join > 2 * self._beat_s:
                     self._send(socket, self._join())  # no answer yet: the coordinator may not be up
                     last_join = now
@@ -153,7 +157,7 @@ class SwarmClient:
             self.malformed += 1
             return
         if kind == "welcome":
-            self._beat_s = header["lease_s"] / 4
+            self._beat_s = min(1.0, header["lease_s"] / 4)  # its step, fresh for the peers' lead bound
             self._set_members(header["members"])
             self._joined.set()
         elif kind == "refuse":
@@ -161,7 +165,7 @@ class SwarmClient:
             self._stop.set()
         elif kind == "members":
             self._set_members(header["members"])
-        elif kind == "rejoin":
+        elif kind == "rejoin" and not self._leaving.is_set():
             self._joined.clear()
             self._send(socket, self._join())
         elif kind == "parcel" and header["name"] != self.name:

@@ -196,7 +196,15 @@ class Coordinator:
         socket.setsockopt(zmq.SNDHWM, 64)
         socket.setsockopt(zmq.LINGER, 0)
         try:
-            socket.bind(address)
+            deadline = time.monotonic() + 5.0
+            while True:  # a coordinator restarted at once may find its old socket's port not yet released
+                try:
+                    socket.bind(address)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline or stop.is_set():
+                        raise
+                    time.sleep(0.1)
             endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
             if bound is not None:
                 bound.append(endpoint)
