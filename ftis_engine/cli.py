@@ -330,13 +330,12 @@ def swarm_serve(
     import zmq
 
     try:
-        try:
-            coordinator.serve(bind, stop, bound)
-        except zmq.ZMQError as exc:
-            if bound:
-                raise
-            raise UsageFailure(f"--bind {bind}: {exc}") from None
-    except KeyboardInterrupt:
+        coordinator.serve(bind, stop, bound)
+    except zmq.ZMQError as exc:
+        if bound:
+            raise
+        raise UsageFailure(f"--bind {bind}: {exc}") from None
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a coordinator ends: the summary line follows
         pass
     typer.echo(f"coordinator stopped: {coordinator.relayed} parcels relayed, {coordinator.undeliverable} "
                f"undeliverable, {coordinator.refused} refused; log: {output_dir / 'coordinator.jsonl'}", err=True)

@@ -539,6 +539,11 @@ def rank_roles(config: RunConfig) -> list[tuple[int, int | None]]:
 
 def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
     """(dotted field, saved value, new value) for every leaf that differs."""
+    return value_differences(saved.model_dump(mode="json"), new.model_dump(mode="json"))
+
+
+def value_differences(old: object, new: object, path: str = "") -> list[tuple[str, object, object]]:
+    """(dotted field, old value, new value) for every leaf of two JSON-like values that differs."""
     out: list[tuple[str, object, object]] = []
 
     def walk(a, b, path: str) -> None:
@@ -551,7 +556,7 @@ def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, obje
         elif a != b:
             out.append((path, a, b))
 
-    walk(saved.model_dump(mode="json"), new.model_dump(mode="json"), "")
+    walk(old, new, path)
     return out
 
 

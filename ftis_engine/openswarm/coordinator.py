@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..config import RunConfig
+from ..config import RunConfig, value_differences
 from .wire import WireError, pack, unpack
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
@@ -47,16 +47,7 @@ def shared_settings(config: RunConfig) -> dict:
 
 def first_difference(swarm: dict, member: dict) -> str | None:
     """'field: the swarm says X, this member Y' for the first shared field that differs, or None."""
-    differences: list[tuple[str, object, object]] = []
-
-    def walk(a, b, path: str) -> None:
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in list(a) + [k for k in b if k not in a]:
-                walk(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
-        elif a != b:
-            differences.append((path, a, b))
-
-    walk(swarm, member, "")
+    differences = value_differences(swarm, member)
     if not differences:
         return None
     field, ours, theirs = differences[0]
@@ -241,8 +232,6 @@ class Coordinator:
                 socket.send_multipart([identity, *frames], zmq.NOBLOCK)
             except (zmq.Again, zmq.ZMQError):  # its queue is full, or its connection is gone
                 self.undeliverable += 1
-                if frames[1] == b"parcel":
-                    continue
             else:
                 if frames[1] == b"parcel":
                     self.relayed += 1
