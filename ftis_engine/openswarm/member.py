@@ -194,6 +194,7 @@ class OpenExchange:
         self._limit: Limit | None = None
         self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on
         self.refused = 0  # parcels refused unread (larger than an honest step's)
+        self._dropped_seen = 0  # the client's dropped parcels already reported
 
     def attach(self, tokenizer_hash: str, dataset_digest: str) -> None:
         self.tokenizer, self.dataset = tokenizer_hash, dataset_digest
@@ -235,9 +236,10 @@ class OpenExchange:
             lead_wait = time.perf_counter() - waited
         newest = None if self.max_lead is None else step - 1 + self.max_lead
         parcels = self.mailbox.take_due(step, time.time(), newest)
+        dropped, self._dropped_seen = self.client.dropped - self._dropped_seen, self.client.dropped
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
-                        outbox_dropped=0)
+                        outbox_dropped=dropped)
 
     def finish(self) -> None:
         if self.client is not None:

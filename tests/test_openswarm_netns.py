@@ -1,0 +1,231 @@
+"""The open swarm across hosts: the coordinator and each member in its own network namespace, joined through a
+router by veth links with real delay and packet loss (tests/netlab.py: tc netem where the kernel has it, else a
+shaper of real packets on a TUN device). Needs root; skipped with the reason where namespaces cannot be made.
+
+Cases: a member killed with kill -9 mid-run while the others keep stepping, then resumed and rejoined; a member
+joining mid-run over a link with 200 ms delay and 5% loss, trained on by both old members; the coordinator killed
+with kill -9 and restarted while members train (they wait, rejoin, go on; nothing trained twice)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("zmq")
+
+from .netlab import Link, NetLab  # noqa: E402
+
+REASON = NetLab.unavailable()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(REASON is not None, reason=f"network namespaces: {REASON}")]
+
+PORT = 5555
+OVERRIDES = ("rollout.group_size=4", "rollout.prompts_per_step=2")
+
+
+def serve(lab, tmp_path, steps, n, lease_s):
+    """`ftis-engine swarm serve` on the coord host (its n-th start), logging to tmp_path/coord.n."""
+    from .helpers import ROOT
+
+    args = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(ROOT / "configs/swarm/swarm.yaml"),
+            "--bind", f"tcp://{lab.address('coord')}:{PORT}", "--output-dir", str(tmp_path / f"coord.{n}")]
+    for override in (f"train.steps={steps}", *OVERRIDES, f"swarm.lease_s={lease_s}"):
+        args += ["--set", override]
+    return lab.popen("coord", args, stderr=open(tmp_path / f"coord.{n}.log", "w"))
+
+
+def coordinator_events(tmp_path, n=0):
+    path = tmp_path / f"coord.{n}" / "coordinator.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def live(tmp_path, n=0):
+    events = coordinator_events(tmp_path, n)
+    return set(events[-1]["live"]) if events else set()
+
+
+class Members:
+    """Member jobs (train --join) on their hosts; killed with the lab."""
+
+    def __init__(self, lab, tmp_path, steps):
+        self.lab, self.tmp_path, self.steps, self.started = lab, tmp_path, steps, 0
+        self.address = f"tcp://{lab.address('coord')}:{PORT}"
+
+    def start(self, name, resume=False):
+        from .test_openswarm import _member_args
+
+        self.started += 1
+        log = open(self.tmp_path / f"{name}.{self.started}.log", "w")
+        return self.lab.popen(name, _member_args(self.tmp_path, name, self.address, self.steps, resume=resume),
+                              stdout=log, stderr=subprocess.STDOUT)
+
+    def logs(self):
+        return [f.read_text()[-1500:] for f in sorted(self.tmp_path.glob("tiny-*.log"))]
+
+
+def metronome_for(lab, steps):
+    """A live member of the same tokenizer that sends no rollouts, on this test process's own link: the members
+    stay within swarm.max_lead=2 of the step the test lets it publish (tiny steps take a fraction of a second)."""
+    from ftis_engine.openswarm.client import SwarmClient
+
+    from .test_openswarm import _member_hashes
+
+    metronome = SwarmClient(f"tcp://{lab.address('coord')}:{PORT}", "metronome", *_member_hashes(steps), 1 << 22,
+                            lambda *args: None)
+    metronome.start(timeout=60)
+    return metronome
+
+
+PROBE = """
+import socket, sys, time
+mode, address = sys.argv[1], sys.argv[2]
+if mode == "serve-tcp":
+    s = socket.socket(); s.bind((address, 7000)); s.listen(); print("up", flush=True)
+    while True:
+        s.accept()
+elif mode == "serve-udp":
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((address, 7001)); s.settimeout(3)
+    print("up", flush=True); n = 0
+    try:
+        while True:
+            s.recv(100); n += 1
+    except socket.timeout:
+        print(n, flush=True)
+elif mode == "connect":
+    times = []
+    for _ in range(5):
+        t = time.perf_counter(); socket.create_connection((address, 7000), timeout=10).close()
+        times.append(time.perf_counter() - t)
+    print(min(times), flush=True)
+else:
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    for i in range(int(mode)):
+        s.sendto(b"x", (address, 7001)); time.sleep(0.001)
+"""
+
+
+def test_the_lab_gives_each_link_its_delay_and_loss():
+    """The lab's oracle: a TCP connect (one round trip) from a host with a 100 ms link to one with a 0 ms link takes
+    200 ms; of 1,000 datagrams crossing a link with 10% loss, 900 arrive (within five standard deviations)."""
+    with NetLab({"near": Link(), "far": Link(delay_ms=100), "lossy": Link(loss=0.10)}) as lab:
+        up = lab.popen("near", [sys.executable, "-c", PROBE, "serve-tcp", lab.address("near")], stdout=subprocess.PIPE,
+                       text=True)
+        assert up.stdout.readline().strip() == "up"
+
+        def connect_from(host):
+            out = lab.popen(host, [sys.executable, "-c", PROBE, "connect", lab.address("near")],
+                            stdout=subprocess.PIPE, text=True).communicate(timeout=60)[0]
+            return float(out)
+
+        assert 0.19 < connect_from("far") < 0.6 and connect_from("near") < 0.05
+        sink = lab.popen("near", [sys.executable, "-c", PROBE, "serve-udp", lab.address("near")],
+                         stdout=subprocess.PIPE, text=True)
+        assert sink.stdout.readline().strip() == "up"
+        lab.popen("lossy", [sys.executable, "-c", PROBE, "1000", lab.address("near")]).wait(60)
+        received = int(sink.stdout.readline())
+        assert abs(received - 900) <= 5 * (1000 * 0.9 * 0.1) ** 0.5, (received, lab.shaping)
+
+
+def test_across_hosts_a_killed_member_rejoins_and_a_newcomer_over_a_lossy_link_is_trained_on(tmp_path):
+    from .test_openswarm import _train_records, until
+
+    steps = 30
+
+    def steps_of(name):
+        return len(_train_records(tmp_path, name))
+
+    hosts = {"coord": Link(), "tiny-s": Link(), "tiny-m-lora": Link(), "tiny-l": Link(delay_ms=200, loss=0.05)}
+    with NetLab(hosts) as lab:
+        coordinator = serve(lab, tmp_path, steps, 0, lease_s=5)
+        until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
+              "the coordinator", timeout=120)
+        metronome = metronome_for(lab, steps)
+        members = Members(lab, tmp_path, steps)
+        try:
+            a = members.start("tiny-s")
+            b = members.start("tiny-m-lora")
+            metronome.step = 3  # the members may step up to 5
+            until(lambda: steps_of("tiny-m-lora") >= 5, "tiny-m-lora's step 5", timeout=300)
+            os.kill(b.pid, signal.SIGKILL)
+            b.wait(10)
+            killed_at = steps_of("tiny-m-lora")
+            until(lambda: "tiny-m-lora" not in live(tmp_path), "tiny-m-lora's lease to expire")
+            metronome.step = 8
+            until(lambda: steps_of("tiny-s") >= 10, "tiny-s to step on without it", timeout=300)
+            b = members.start("tiny-m-lora", resume=True)
+            until(lambda: "tiny-m-lora" in live(tmp_path), "tiny-m-lora to rejoin", timeout=300)
+            metronome.step = 13
+            until(lambda: steps_of("tiny-s") >= 15, "tiny-s's step 15", timeout=300)
+            c = members.start("tiny-l")  # over 200 ms and 5% loss each way
+            until(lambda: "tiny-l" in live(tmp_path), "tiny-l to join", timeout=300)
+            metronome.step = steps
+            for p in (a, b, c):
+                assert p.wait(900) == 0, members.logs()
+            metronome.close()
+            tiny_s = _train_records(tmp_path, "tiny-s")
+            assert [r["step"] for r in tiny_s] == list(range(1, steps + 1))  # never stopped, no gap
+            for name in ("tiny-s", "tiny-m-lora", "tiny-l"):
+                records = _train_records(tmp_path, name)
+                assert all(r["rejected_batches"] == 0 for r in records), name
+                used = [k for r in records for k in r["received_sha256"]]
+                assert len(used) == len(set(used)), f"{name} trained on a parcel twice"
+            resumed = _train_records(tmp_path, "tiny-m-lora")[killed_at:]
+            assert any(k.startswith("tiny-s@") for r in resumed for k in r["received_sha256"])
+            back = [int(k.split("@")[1]) for r in tiny_s for k in r["received_sha256"] if k.startswith("tiny-m-lora@")]
+            assert back and max(back) > killed_at  # its rollouts after the rejoin
+            for old in ("tiny-s", "tiny-m-lora"):  # the newcomer's rollouts crossed the lossy link and were used
+                assert any(k.startswith("tiny-l@") for r in _train_records(tmp_path, old)
+                           for k in r["received_sha256"]), old
+            events = [(r["event"], r["member"]) for r in coordinator_events(tmp_path)]
+            assert ("expired", "tiny-m-lora") in events and events.count(("join", "tiny-m-lora")) == 2
+            assert ("join", "tiny-l") in events
+        finally:
+            metronome.close()
+
+
+def test_across_hosts_the_coordinator_killed_and_restarted_members_wait_rejoin_and_train_nothing_twice(tmp_path):
+    from .test_openswarm import _train_records, until
+
+    steps = 16
+
+    def steps_of(name):
+        return len(_train_records(tmp_path, name))
+
+    hosts = {"coord": Link(delay_ms=20), "tiny-s": Link(delay_ms=20), "tiny-m-lora": Link(delay_ms=50, loss=0.02)}
+    with NetLab(hosts) as lab:
+        coordinator = serve(lab, tmp_path, steps, 0, lease_s=5)
+        until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
+              "the coordinator", timeout=120)
+        metronome = metronome_for(lab, steps)
+        members = Members(lab, tmp_path, steps)
+        try:
+            a = members.start("tiny-s")
+            b = members.start("tiny-m-lora")
+            metronome.step = 3
+            until(lambda: steps_of("tiny-s") >= 5 and steps_of("tiny-m-lora") >= 5, "both at step 5", timeout=300)
+            coordinator.kill()
+            coordinator.wait(10)
+            down_at = {name: steps_of(name) for name in ("tiny-s", "tiny-m-lora")}
+            metronome.step = steps  # nothing holds them now but the coordinator's absence
+            time.sleep(3)
+            coordinator = serve(lab, tmp_path, steps, 1, lease_s=5)
+            until(lambda: {"tiny-s", "tiny-m-lora"} <= live(tmp_path, 1), "both to rejoin the new coordinator",
+                  timeout=120)
+            for p in (a, b):
+                assert p.wait(900) == 0, members.logs()
+            metronome.close()
+            for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
+                records = _train_records(tmp_path, me)
+                assert [r["step"] for r in records] == list(range(1, steps + 1))  # each step trained once
+                used = [k for r in records for k in r["received_sha256"]]
+                assert len(used) == len(set(used)), f"{me} trained on a parcel twice"
+                after = [k for r in records[down_at[me] + 1:] for k in r["received_sha256"]]
+                assert any(k.startswith(f"{peer}@") for k in after), f"{me} got nothing from {peer} after the restart"
+            assert coordinator.poll() is None  # still serving; the lab kills it
+        finally:
+            metronome.close()
