@@ -102,3 +102,22 @@ def test_the_floor_of_a_recomputing_head_is_8nvd_at_the_measured_matmul_rate():
     assert "floor_frac" not in rows[1] and "floor_frac" not in rows[2]  # not a recomputing head; no rate measured
     rows[0]["tflops"] = 6 * 1000 * 500 * 100 / 10e-3 / 1e12  # what measure() adds: 6 N V d over the time
     assert "| 750% | 1000% |" in kernels.markdown(rows[:1], {"100x1000": 0.004})  # 6NVd of the rate; 8NVd floor
+
+
+@pytest.mark.slow
+def test_open_swarm_benchmark_quick_a_killed_member_redoes_its_steps_since_its_checkpoint(tmp_path):
+    from benchmarks import open_swarm
+    from tests.netlab import NetLab
+
+    reason = NetLab.unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces: {reason}")
+    results = open_swarm.main(["--quick", "--out", str(tmp_path / "open_swarm")])
+    steady, churn = results
+    for result in results:
+        assert all(m["steps"] == 10 and m["rejected_batches"] == 0 for m in result["members"].values())
+    assert steady["events"]["undeliverable"] == 0 and "killed_at" not in steady["events"]
+    events = churn["events"]
+    assert events["killed_at"] >= 3 and churn["members"]["tiny-m-lora"]["redone"] == events["killed_at"] - \
+        events["checkpoint"] >= 0
+    assert "| churn | tiny-m-lora |" in (tmp_path / "open_swarm.md").read_text()
