@@ -97,6 +97,15 @@ class WarmStartSettings(_Section):
     seed: Seed | None = Field(None, description="Seed of the demonstrations; default: the member's init seed.")
 
 
+class AdversarySettings(_Section):
+    kind: Literal["forge-high", "forge-low"] = Field(
+        ..., description="What this member lies about on the wire (studies and tests of dishonest peers; it trains "
+                         "honestly): forge-high claims every token had generation probability e^-20 (its importance "
+                         "weights sit at the cap C), forge-low claims probability 1 (its weights shrink to exp(l)).")
+    rate: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
+                        description="The share of its sent completions that lie (drawn per completion and step).")
+
+
 class MemberSettings(_Section):
     name: str = Field(..., min_length=1, description="A unique name for this member (used in logs and checkpoints: "
                       "a plain file name of letters, digits and _ . + = @ -).")
@@ -149,6 +158,9 @@ class MemberSettings(_Section):
         1, ge=1, description="Processes (GPUs) this member trains on: its model is sharded with FSDP2 over them, each "
                              "generates a share of its prompts and trains on a share of its batch (the gradient "
                              "equals one rank's). --nproc is the sum of every member's ranks and samplers.")
+    adversary: AdversarySettings | None = Field(
+        None, description="Make this member an attacker for studies and tests: its learner ranks lie to its peers "
+                          "as set here (ftis_engine/adversary.py; docs/adversaries.md); null: honest.")
     device: str | None = Field(
         None, description="Place this member (a one-rank member) on this device, e.g. cuda:0, several members "
                           "sharing one GPU; default: one device per rank (train.device).")
@@ -437,6 +449,19 @@ class LoggingSettings(_Section):
         return value
 
 
+class DefenseSettings(_Section):
+    check_claims: bool = Field(
+        True, description="Refuse a parcel whose claimed generation log-probs no sampler can have made: a surprisal "
+                          "beyond what any distribution over the vocabulary gives its samples (false alarm < 1e-9), "
+                          "or branches of one prompt's completions whose claimed probabilities sum above 1.25 "
+                          "(forged log-probs; exchange/admission.py, implausible_claims).")
+    max_peer_share: float | None = Field(
+        None, gt=0.0, le=1.0, allow_inf_nan=False,
+        description="No peer supplies more than this share of an update's sequences (its own and the peers' "
+                    "together): a peer's groups beyond it are left out, its freshest kept (share_capped, per peer "
+                    "in share_capped_by). null: no cap.")
+
+
 class RunConfig(_Section):
     run_name: str = Field("ftis-run", min_length=1, description="Run directory name under the output dir.")
     seed: Seed = Field(0, description="Seeds data order, model init of built-in models, sampling.")
@@ -453,6 +478,8 @@ class RunConfig(_Section):
     swarm: SwarmSettings = Field(default_factory=SwarmSettings, description="Multi-process exchange.")
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints.")
     logging: LoggingSettings = Field(default_factory=LoggingSettings, description="What is logged for a person to read.")
+    defense: DefenseSettings = Field(default_factory=DefenseSettings,
+                                     description="A receiver's guards against dishonest peers, beyond its checks.")
 
     @field_validator("run_name")
     @classmethod

@@ -22,6 +22,7 @@ import torch
 from ftis_kernels import group_advantages
 
 from .batch import TrainItem, pack
+from .adversary import lie
 from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
@@ -41,13 +42,20 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     dealt = swarm.schedule.deal(step)
     memory = {m.index: GpuMemory(m.device) for m in swarm.members}
     own, watches = generate_all(swarm, step, dealt, memory)
-    buffers = {m: encode(rollouts) for m, rollouts in own.items()}
+    wire, forged = {}, {}
+    for m, rollouts in own.items():  # an adversary member (studies, tests) lies in what it sends, never to itself
+        adversary = swarm.config.members[m].adversary
+        wire[m], forged[m] = (rollouts, 0) if adversary is None else lie(adversary.kind, adversary.rate, rollouts,
+                                                                        swarm.config.seed, m, step)
+    buffers = {m: encode(rollouts) for m, rollouts in wire.items()}
     sent = swarm.exchange.send(buffers, step)
     records = []
     for member in swarm.members:
         index, watch = member.index, watches[member.index]
         arrivals = swarm.exchange.receive(index, step)
-        got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences)
+        got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
+                                             own_sequences=len(own[index]) * (member.shard.size if member.shard
+                                                                              else 1))
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
         scored, unscored = drop_unscored(own[index])
         trained = scored + peers
@@ -70,7 +78,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
                               member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
         record.update(reward_terms(swarm, member, own[index]))
         record.update(got.metrics(), unscored_dropped=unscored, in_flight=arrivals.waiting,
-                      outbox_dropped=arrivals.outbox_dropped,
+                      outbox_dropped=arrivals.outbox_dropped, forged_sent=forged[index],
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
                       **memory[index].record())
         records.append(record)

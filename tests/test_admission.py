@@ -4,6 +4,7 @@ update takes (its budget, each peer's share, freshest first, what waits and what
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import pytest
@@ -40,14 +41,16 @@ def _check(checker: RolloutChecker, rollouts: list[Rollout], sender: int = 1, de
 
 
 def _rollouts(sender: int, dealt: dict[int, int], version: int = 0, seed: int = 0) -> list[Rollout]:
-    """Honest rollouts of a deal: random ids, rewards as the receiver scores them."""
+    """Honest rollouts of a deal: ids drawn uniformly from 50 (each claimed at log(1/50), as such a sampler would),
+    rewards as the receiver scores them."""
     g = torch.Generator().manual_seed(seed * 1000 + sender)
     out = []
     for prompt, n in dealt.items():
         for _ in range(n):
             ids = torch.randint(0, 50, (3,), generator=g, dtype=torch.int32)
             reward = TASK.score(DigitTokenizer(), [ids], [TASK.train[prompt]])[0]
-            out.append(Rollout(sender, prompt, ids, -torch.rand(3, generator=g), reward, "stop", version, time.time()))
+            out.append(Rollout(sender, prompt, ids, torch.full((3,), -math.log(50)), reward, "stop", version,
+                               time.time()))
     return out
 
 
@@ -213,17 +216,19 @@ def test_every_parcel_is_checked_against_the_step_it_claims_in_the_order_of_the_
         Parcel(1, 2, 1, honest.buffer),  # claims step 2: its rollouts' versions disagree
         Parcel(1, 3, 1, encode(other)),  # declares version 1 for step 3
         Parcel(1, 999, 998, honest.buffer),  # a step the run never has
-        Parcel(1, 3, 2, honest.buffer),  # step 3 again: a replay
         Parcel(1, 4, 3, torch.zeros(0, dtype=torch.int32), refused="9999 words announced"),  # refused unread
         Parcel(1, 4, 3, encode(_rollouts(1, admission.schedule.deal(3)[1], version=3))),  # step 3's deal
         Parcel(7, 4, 3, honest.buffer),  # no such rank
     ], step=4)
     reasons = [reason for _, reason in bad.rejected]
-    assert bad.rollouts == [] and len(reasons) == 7
+    assert bad.rollouts == [] and len(reasons) == 6
     for reason, expected in zip(reasons, ["differs from its parcel's", "declared for step 3", "outside 1..train.steps",
-                                          "a replay", "refused unread: 9999 words", "was not dealt to member 1",
+                                          "refused unread: 9999 words", "was not dealt to member 1",
                                           "not a rank of this run"]):
         assert expected in reason, (reason, expected)
+    # step 3 again (a copy, or a resumed member's redo): dropped, no fault, never trained on twice
+    again = admission.receive([Parcel(1, 3, 2, honest.buffer), Parcel(1, 3, 2, encode(other))], step=4)
+    assert again.rollouts == [] and again.rejected == [] and again.duplicate_dropped == 16
     future = [Rollout(**{**vars(r), "made_at": time.time() + 3600}) for r in _rollouts(1, admission.schedule.deal(5)[1],
                                                                                         version=4)]
     ahead = admission.receive([Parcel(1, 5, 4, encode(future))], step=5)
@@ -297,3 +302,97 @@ def test_at_most_max_staleness_plus_one_budgets_wait():
 def test_a_budget_smaller_than_one_group_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"^swarm.max_peer_sequences: 3 is less than one group"):
         short_config("swarm.mode=async", "swarm.max_peer_sequences=3")
+
+
+# ----------------------------------------------------------------------------------------------- defenses
+
+
+def test_max_peer_share_leaves_out_a_peers_stalest_groups_beyond_its_share_of_the_update(tmp_path):
+    """Oracle by hand: own 8 sequences; peer 1 sends two steps (4 groups of 4), peer 2 one (2 groups); sync takes
+    all 24 peer sequences, 32 in the update. A share of 0.4: peer 1's 16 is over 0.4 * 32; it loses its stalest
+    group (16 of 28: 12 > 11.2 still over), then another (8 of 24: within 9.6); peer 2's 8 of 24 is within."""
+    config = tmp_path / "three.yaml"
+    config.write_text(TINY.read_text().replace(
+        "algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:"))
+    cfg = load_config(config, [*SHORT, "rollout.prompts_per_step=6", "swarm.max_staleness=4",
+                               "defense.max_peer_share=0.4"])
+    admission = Admission(cfg, Schedule(cfg, tuple(range(100))), _checker(), 0)
+    parcels = [_parcel(admission, 1, 2), _parcel(admission, 1, 3), _parcel(admission, 2, 3)]
+    got = admission.receive(parcels, step=3, own_sequences=8)
+    by_sender = {s: [r.policy_version for r in got.rollouts if r.member == s] for s in (1, 2)}
+    assert by_sender[1] == [2] * 8 and by_sender[2] == [2] * 8  # peer 1 kept its fresher step's two groups
+    assert got.share_capped == {"tiny-m-lora": 8} and got.metrics()["share_capped"] == 8
+    assert got.waiting == 0 and got.surplus_dropped == 0  # capped groups are left out for good, counted once
+    # without the cap everything is taken
+    plain = load_config(config, [*SHORT, "rollout.prompts_per_step=6", "swarm.max_staleness=4"])
+    admission = Admission(plain, Schedule(plain, tuple(range(100))), _checker(), 0)
+    got = admission.receive(parcels, step=3, own_sequences=8)
+    assert len(got.rollouts) == 24 and got.share_capped == {}
+
+
+def test_max_peer_share_holds_in_async_mode_within_the_budget():
+    admission = _admission("defense.max_peer_share=0.25")  # own 8; one peer, budget 8
+    got = admission.receive([_parcel(admission, 1, 2)], step=2, own_sequences=8)
+    # 8 of 16 is over 0.25; one group of 4 is left: 4 of 12 is 0.33, still over; none: 0 of 8
+    assert got.rollouts == [] and got.share_capped == {"tiny-m-lora": 8}
+    # own 20: 8 of 28 is over; one group left, 4 of 24, is within
+    assert admission.receive([_parcel(admission, 1, 3)], step=3, own_sequences=20).share_capped == {"tiny-m-lora": 4}
+
+
+def test_a_share_outside_0_1_is_refused_naming_the_field():
+    for value in ("0", "1.5"):
+        with pytest.raises(ConfigError, match=r"^defense.max_peer_share"):
+            short_config(f"defense.max_peer_share={value}")
+
+
+def _claimed(prompt, ids, logprobs):
+    return Rollout(1, prompt, torch.tensor(ids, dtype=torch.int32), torch.tensor(logprobs, dtype=torch.float32),
+                   0.0, "stop", 0, time.time())
+
+
+def test_the_surprisal_limit_is_chernoffs_bound_at_the_false_alarm_rate():
+    from ftis_engine.exchange.admission import CLAIM_FALSE_ALARM, surprisal_limit
+
+    for n in (1, 2, 16, 1000):
+        c = surprisal_limit(n)
+        assert c > 1 and math.exp(-n * (c - 1 - math.log(c))) == pytest.approx(CLAIM_FALSE_ALARM, rel=1e-6)
+
+
+def test_claims_an_honest_sampler_makes_pass_whatever_its_distribution():
+    """Samplers over 50 ids with random distributions (flat to very peaked) whose claims are the exact log-probs
+    of what they drew: 2,000 groups of 4 completions, never refused."""
+    from ftis_engine.exchange.admission import implausible_claims
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(2000):
+        peak = [0.1, 1.0, 5.0][trial % 3]
+        rollouts = []
+        for j in range(4):
+            ids, claims = [], []
+            for position in range(3):  # each prefix's distribution: a function of the prefix (one sampler)
+                prefix_seed = hash((trial, tuple(ids))) % (1 << 31)
+                logits = torch.randn(50, generator=torch.Generator().manual_seed(prefix_seed)) * peak
+                logp = torch.log_softmax(logits.double(), 0)
+                token = int(torch.multinomial(logp.exp(), 1, generator=g))
+                ids.append(token)
+                claims.append(float(logp[token]))
+            rollouts.append(_claimed(trial % 100, ids, claims))
+        assert implausible_claims(rollouts, 50) is None, trial
+
+
+def test_claims_no_sampler_can_make_are_refused_naming_what_is_wrong():
+    from ftis_engine.exchange.admission import implausible_claims
+
+    # every token claimed at e^-20 over 50 ids: one sequence of 2 tokens already, or a parcel of 1-token ones
+    assert "sequence 0" in implausible_claims([_claimed(0, [1, 2], [-20.0, -20.0])], 50)
+    many = [_claimed(k, [k], [-20.0]) for k in range(16)]
+    assert "its 16 tokens'" in implausible_claims(many, 50)
+    assert implausible_claims([_claimed(0, [1], [-20.0])], 50) is None  # one token: a rare draw, not a proof
+    # branches: after token 1, tokens 2 and 3 claimed at e^-0.1 and e^-0.2 (sum 1.72)
+    said = implausible_claims([_claimed(0, [1, 2], [-0.1, -0.1]), _claimed(0, [1, 3], [-0.1, -0.2])], 50)
+    assert said.startswith("completions of prompt 0 branch into 2 tokens") and "1.72" in said
+    # the same branches claimed at 0.37 and 0.30, or identical completions at probability 1: possible
+    assert implausible_claims([_claimed(0, [1, 2], [-0.1, -1.0]), _claimed(0, [1, 3], [-0.1, -1.2])], 50) is None
+    assert implausible_claims([_claimed(0, [1, 2], [0.0, 0.0]), _claimed(0, [1, 2], [0.0, 0.0])], 50) is None
+    # different prompts never branch from each other
+    assert implausible_claims([_claimed(0, [1], [0.0]), _claimed(1, [2], [0.0])], 50) is None

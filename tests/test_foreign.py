@@ -3,6 +3,8 @@ carried to the op's sequence-level path, refusal, and runs in one and in two pro
 
 from __future__ import annotations
 
+import math
+
 import subprocess
 import sys
 import time
@@ -31,7 +33,7 @@ def _sender_rollouts(texts: list[str], prompt: int, stop: bool = True, member: i
     out = []
     for text in texts:
         ids = BPE(text, add_special_tokens=False)["input_ids"] + ([BPE.eos_token_id] if stop else [])
-        logprobs = -torch.linspace(0.1, 1.0, len(ids))
+        logprobs = -torch.linspace(0.1, 1.0, len(ids)) - math.log(len(texts) + 1)  # branches' claims sum below 1
         reward = TASK.score(BPE, [ids], [TASK.train[prompt]])[0]
         out.append(Rollout(member, prompt, torch.tensor(ids, dtype=torch.int32), logprobs, reward,
                            "stop" if stop else "length", 0, time.time()))

@@ -5,6 +5,7 @@ A user's overrides give a config or one line naming the field."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -38,7 +39,8 @@ def _admission(foreign: bool) -> Admission:
 
 
 def _honest(foreign: bool, texts: list[str]) -> Parcel:
-    """Member 1's honest parcel of step 1: each dealt completion one of `texts` in its tokenizer (+ EOS)."""
+    """Member 1's honest parcel of step 1: each dealt completion one of `texts` in its tokenizer (+ EOS), each
+    token claimed below 1/8 (at most 4 texts branch: the claims of one prefix's branches sum below 1)."""
     tokenizer = BPE if foreign else CHAR
     rollouts = []
     for k, (prompt, n) in enumerate(sorted(SCHEDULE.deal(1)[1].items())):
@@ -46,7 +48,7 @@ def _honest(foreign: bool, texts: list[str]) -> Parcel:
             ids = tokenizer(texts[(k + j) % len(texts)], add_special_tokens=False)["input_ids"][:5]
             ids = ids + [tokenizer.eos_token_id]
             reward = TASK.score(tokenizer, [ids], [TASK.train[prompt]])[0]
-            rollouts.append(Rollout(1, prompt, torch.tensor(ids, dtype=torch.int32), -torch.rand(len(ids)) - 0.01,
+            rollouts.append(Rollout(1, prompt, torch.tensor(ids, dtype=torch.int32), -torch.rand(len(ids)) - math.log(8),
                                     reward, "stop", 0, time.time()))
     return Parcel(1, 1, 0, encode(rollouts))
 

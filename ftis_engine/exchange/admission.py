@@ -12,9 +12,15 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
     5. time      made at most FUTURE_TOLERANCE_S in the future (a clock that far off would defeat max_delay_s)
     6. staleness version more than swarm.max_staleness steps behind the receiver's (or made longer than
                  swarm.max_delay_s ago): dropped, counted in stale_dropped
-    7. replay    a second parcel of the same sender and step
+    7. replay    a second parcel of the same sender and step: dropped, counted in duplicate_dropped, no fault (a
+                 member that resumed from its checkpoint redoes and resends the steps after it; a liar gains nothing
+                 from a copy that is never trained on)
     8. values    the deal of the sender's step or round (prompts, counts), the sender's member, token ids in
                  the vocabulary, lengths, finite non-positive log-probs, finite rewards (validate)
+    8b. claims   generation log-probs no generator can have made (implausible_claims; defense.check_claims):
+                 a claimed surprisal beyond what any distribution over the vocabulary gives its samples, or
+                 completions of one prompt that branch where the claimed probabilities of the branches sum
+                 above 1
     9. re-score  every reward re-computed from the text here equals the sender's claim; a re-score that times
                  out (math-verify) is no verdict: that prompt's group is left out (rescore_timeouts), the rest kept;
                  a reward the sender marked unscored (NaN: its own scoring timed out) leaves its group out too
@@ -97,12 +103,81 @@ def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_t
             raise RolloutError(f"{where}: made before 1970 ({r.made_at:.3f} s since the epoch)")
 
 
+# the false-alarm probability of the surprisal bound, per sequence and per parcel, under any honest generator
+CLAIM_FALSE_ALARM = 1e-9
+# how far above 1 the claimed probabilities of a prefix's branches may sum (an honest sampler's numerics: one
+# group's sequences are forward passes of their own rows, in bf16 on a GPU)
+BRANCH_TOLERANCE = 0.25
+
+
+def surprisal_limit(tokens: int, alpha: float = CLAIM_FALSE_ALARM) -> float:
+    """The c > 1 for which `tokens` honestly sampled tokens have a mean excess surprisal above c with probability
+    at most alpha. A token sampled from any distribution over V ids has P(-log p > log V + s) <= e^-s (the ids
+    with p < e^-(log V + s) hold less than that mass together), whatever came before it: the excesses over log V
+    are dominated by independent Exp(1) draws, and Chernoff's bound for their mean gives
+    P(mean > c) <= exp(-n (c - 1 - ln c))."""
+    target = math.log(1 / alpha) / tokens
+    low, high = 1.0, 2.0
+    while high - 1 - math.log(high) < target:
+        high *= 2
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if mid - 1 - math.log(mid) < target else (low, mid)
+    return high
+
+
+def implausible_claims(rollouts: list[Rollout], vocab_size: int) -> str | None:
+    """What no honest generator's claimed log-probs can show, or None (no model needed; false alarms bounded):
+
+    - surprisal: a sequence's, or the whole parcel's, mean claimed surprisal -log p over log(2 V) above
+      surprisal_limit (a forger claiming every token was improbable, to push its importance weights to the cap);
+    - branches: completions of one prompt share a prefix and then differ: their claimed probabilities of the
+      different next tokens come from one distribution and sum to at most 1 (+ BRANCH_TOLERANCE) (a forger claiming
+      probability 1 for every token)."""
+    floor = math.log(2 * vocab_size)
+    total, count = 0.0, 0
+    for i, r in enumerate(rollouts):
+        excess = float((-r.gen_logprobs.double() - floor).sum())
+        n = r.num_tokens
+        total, count = total + excess, count + n
+        if excess / n > surprisal_limit(n):
+            return (f"sequence {i}: its claimed generation log-probs average {float(r.gen_logprobs.double().mean()):.2f}"
+                    f", a surprisal no sampler over {vocab_size} ids shows (false alarm < {CLAIM_FALSE_ALARM:g})")
+    if count and total / count > surprisal_limit(count):
+        return (f"its {count} tokens' claimed generation log-probs average a surprisal no sampler over {vocab_size} "
+                f"ids shows (false alarm < {CLAIM_FALSE_ALARM:g})")
+    by_prompt: dict[int, list[Rollout]] = {}
+    for r in rollouts:
+        by_prompt.setdefault(r.prompt_index, []).append(r)
+    for prompt, group in by_prompt.items():
+        children: dict[tuple[int, int], tuple[int, float]] = {}  # (node, token) -> (child node, least claim)
+        branches: dict[int, dict[int, float]] = {}  # node -> token -> least claimed log-prob
+        for r in group:
+            node = 0
+            for token, claim in zip(r.completion_ids.tolist(), r.gen_logprobs.double().tolist()):
+                child = children.get((node, token))
+                if child is None:
+                    child = (len(children) + 1, claim)
+                children[(node, token)] = (child[0], min(child[1], claim))
+                branches.setdefault(node, {})[token] = children[(node, token)][1]
+                node = child[0]
+        for node, claims in branches.items():
+            if len(claims) > 1:
+                mass = sum(math.exp(c) for c in claims.values())
+                if mass > 1 + BRANCH_TOLERANCE:
+                    return (f"completions of prompt {prompt} branch into {len(claims)} tokens whose claimed "
+                            f"generation probabilities sum to {mass:.3g} (one distribution's sum to at most 1)")
+    return None
+
+
 class RolloutChecker:
     """Steps 8 and 9 for one receiving member: the values of a peer's rollouts, and their rewards re-scored."""
 
     def __init__(self, task: Task, tokenizer, vocab_size: int, max_new_tokens: int,
-                 foreign: dict[int, object] | None = None, foreign_limit: int | None = None):
+                 foreign: dict[int, object] | None = None, foreign_limit: int | None = None,
+                 check_claims: bool = True):
         self.task = task
+        self.check_claims = check_claims
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
@@ -124,6 +199,10 @@ class RolloutChecker:
         vocab_size = self.vocab_size if sender not in self.foreign else tokenizer_size(tokenizer)
         validate(rollouts, sender=sender, vocab_size=vocab_size, max_new_tokens=self.max_new_tokens,
                  expected=dealt, num_prompts=len(self.task.train))
+        if self.check_claims:
+            problem = implausible_claims(rollouts, vocab_size)
+            if problem is not None:
+                raise RolloutError(problem)
         unscored = {r.prompt_index for r in rollouts if math.isnan(r.reward)}
         claimed = [(i, r) for i, r in enumerate(rollouts) if r.prompt_index not in unscored]
         try:
@@ -213,6 +292,7 @@ class Received:
     rollouts: list[Rollout] = field(default_factory=list)
     rejected: list[tuple[int, str]] = field(default_factory=list)  # (sender rank, reason): failed a check
     stale_dropped: int = 0  # sequences that arrived older than max_staleness steps or max_delay_s seconds
+    duplicate_dropped: int = 0  # sequences of a second parcel of one sender's step (a resumed member redoes steps)
     surplus_dropped: int = 0  # admitted (or queued) sequences that never fitted an update's budget
     rescore_timeouts: int = 0  # sequences left out (whole groups) because their re-score timed out
     unscored_dropped: int = 0  # sequences left out (whole groups) that their sender could not score (NaN reward)
@@ -222,6 +302,7 @@ class Received:
     age_seconds: list[float] = field(default_factory=list)  # per peer rollout trained on, made -> taken
     digests: dict[str, str] = field(default_factory=dict)  # "sender@step" -> buffer digest, per parcel trained on
     waiting: int = 0  # admitted sequences left for a later step
+    share_capped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_peer_share
 
     def metrics(self) -> dict:
         def spread(name: str, values: list) -> dict:
@@ -231,11 +312,13 @@ class Received:
 
         return {**spread("staleness", self.staleness), **spread("staleness_seconds", self.age_seconds),
                 "stale_dropped": self.stale_dropped, "surplus_dropped": self.surplus_dropped,
+                "duplicate_dropped": self.duplicate_dropped,
                 "rescore_timeouts": self.rescore_timeouts, "peer_unscored_dropped": self.unscored_dropped,
                 "foreign_sequences": sum(r.seq_logprob is not None for r in self.rollouts),
                 "foreign_refused": self.foreign_refused, "foreign_dropped": self.foreign_dropped,
                 "peer_sequences": len(self.rollouts), "intake_waiting": self.waiting,
-                "rejected_batches": len(self.rejected), "received_sha256": self.digests}
+                "rejected_batches": len(self.rejected), "received_sha256": self.digests,
+                "share_capped": sum(self.share_capped.values()), "share_capped_by": self.share_capped}
 
 
 class Admission:
@@ -271,9 +354,11 @@ class Admission:
         name = self.schedule.member_name(member)
         return name if sampler is None else f"{name}/sampler-{sampler}"
 
-    def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0) -> Received:
+    def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None
+                ) -> Received:
         """Admit the step's parcels, then take the intake. dropped_unread: sequences the transport dropped from a
-        full queue (counted as surplus)."""
+        full queue (counted as surplus); own_sequences: the receiver's own in this update (default: its dealt
+        share), for defense.max_peer_share."""
         out = Received(surplus_dropped=dropped_unread)
         now = time.time()
         for parcel in parcels:
@@ -283,7 +368,8 @@ class Admission:
                 out.rejected.append((parcel.sender, str(exc)))
                 log.warning("%s: dropped the rollouts of peer %s of its step %d: %s",
                             self.config.members[self.receiver].name, self.sender_name(parcel.sender), parcel.step, exc)
-        self._take(step, now, out)
+        own = own_sequences if own_sequences is not None else self.schedule.step_sequences(self.receiver)
+        self._take(step, now, out, own)
         return out
 
     def _admit(self, parcel: Parcel, step: int, now: float, out: Received) -> None:
@@ -328,7 +414,10 @@ class Admission:
             return
         self._seen = {key: v for key, v in self._seen.items() if (step - 1) - v <= cfg.swarm.max_staleness}
         if (parcel.sender, parcel.step) in self._seen:
-            raise RolloutError(f"a second parcel of step {parcel.step} (a replay)")
+            out.duplicate_dropped += len(rollouts)
+            log.info("%s: dropped a second parcel of peer %s of its step %d (resumed from a checkpoint?)",
+                     self.config.members[self.receiver].name, self.sender_name(parcel.sender), parcel.step)
+            return
         self._seen[(parcel.sender, parcel.step)] = version
         dealt = (self.schedule.deal(parcel.step)[member] if sampler is None
                  else self.schedule.round_deal(parcel.sender, parcel.step))
@@ -345,13 +434,16 @@ class Admission:
             self.pool.append(Group(parcel.sender, version, group, self._order, name, digest))
             self._order += 1
 
-    def _take(self, step: int, now: float, out: Received) -> None:
+    def _take(self, step: int, now: float, out: Received, own: int) -> None:
         cfg = self.config.swarm
         fresh = [g for g in self.pool if (step - 1) - g.version <= cfg.max_staleness
                  and (cfg.max_delay_s is None or now - g.made_at <= cfg.max_delay_s)]
         out.surplus_dropped += sum(g.size for g in self.pool) - sum(g.size for g in fresh)  # aged while waiting
         budget = self.budget
         chosen = fresh if budget is None else self._choose(fresh, budget)
+        capped = self._cap_shares(chosen, own, out)
+        fresh = [g for g in fresh if id(g) not in capped]  # left out for good, not waiting
+        chosen = [g for g in chosen if id(g) not in capped]
         taken = {id(g) for g in chosen}
         # what is left waits only if it can still be used fresh at the next step, and at most max_staleness + 1
         # budgets of it (the freshest)
@@ -369,6 +461,29 @@ class Admission:
             out.rollouts += g.rollouts
             out.staleness += [(step - 1) - g.version] * g.size
             out.age_seconds += [max(0.0, now - r.made_at) for r in g.rollouts]
+
+    def _cap_shares(self, chosen: list[Group], own: int, out: Received) -> set[int]:
+        """defense.max_peer_share: the ids of the groups left out so that no sender supplies more than that share
+        of the update (own sequences and the peers' chosen together). The sender furthest over its cap loses its
+        stalest group (the last admitted of equals) first, until every sender is within it."""
+        share = self.config.defense.max_peer_share
+        capped: set[int] = set()
+        if share is None:
+            return capped
+        while True:
+            kept = [g for g in chosen if id(g) not in capped]
+            total = own + sum(g.size for g in kept)
+            by_sender: dict[int, list[Group]] = defaultdict(list)
+            for g in kept:
+                by_sender[g.sender].append(g)
+            over = {sender: sum(g.size for g in groups) - share * total for sender, groups in by_sender.items()}
+            sender, excess = max(over.items(), key=lambda item: (item[1], -item[0]), default=(None, 0.0))
+            if sender is None or excess <= 1e-9:
+                return capped
+            victim = min(by_sender[sender], key=lambda g: (g.version, -g.order))
+            capped.add(id(victim))
+            name = self.sender_name(sender)
+            out.share_capped[name] = out.share_capped.get(name, 0) + victim.size
 
     def _choose(self, fresh: list[Group], budget: int) -> list[Group]:
         """At most `budget` sequences of whole groups: round-robin over the senders, each up to its share of a
