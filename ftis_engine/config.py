@@ -98,12 +98,14 @@ class WarmStartSettings(_Section):
 
 
 class AdversarySettings(_Section):
-    kind: Literal["forge-high", "forge-low"] = Field(
-        ..., description="What this member lies about on the wire (studies and tests of dishonest peers; it trains "
-                         "honestly): forge-high claims every token had generation probability e^-20 (its importance "
-                         "weights sit at the cap C), forge-low claims probability 1 (its weights shrink to exp(l)).")
+    kind: Literal["forge-high", "forge-low", "long"] = Field(
+        ..., description="What this member does to its peers (studies and tests of dishonest peers): forge-high "
+                         "claims every token had generation probability e^-20 (its importance weights sit at the cap "
+                         "C), forge-low claims probability 1 (its weights shrink to exp(l)); both train honestly. long "
+                         "generates groups with the end of sequence suppressed until rollout.max_new_tokens.")
     rate: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
-                        description="The share of its sent completions that lie (drawn per completion and step).")
+                        description="The share of its completions that lie (forge-*: drawn per completion and step) "
+                                    "or of its prompts' groups made long (long: drawn per prompt and step).")
 
 
 class MemberSettings(_Section):
@@ -455,6 +457,11 @@ class DefenseSettings(_Section):
                           "beyond what any distribution over the vocabulary gives its samples (false alarm < 1e-9), "
                           "or branches of one prompt's completions whose claimed probabilities sum above 1.25 "
                           "(forged log-probs; exchange/admission.py, implausible_claims).")
+    max_length_ratio: float | None = Field(
+        None, gt=1.0, allow_inf_nan=False,
+        description="Leave out a peer's group whose mean completion length is more than this many times the median "
+                    "length of the receiver's own recent completions (the `long` attack: compute spent on needless "
+                    "tokens; length_dropped, per peer in length_dropped_by). null: no guard.")
     max_peer_share: float | None = Field(
         None, gt=0.0, le=1.0, allow_inf_nan=False,
         description="No peer supplies more than this share of an update's sequences (its own and the peers' "

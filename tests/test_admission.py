@@ -396,3 +396,24 @@ def test_claims_no_sampler_can_make_are_refused_naming_what_is_wrong():
     assert implausible_claims([_claimed(0, [1, 2], [0.0, 0.0]), _claimed(0, [1, 2], [0.0, 0.0])], 50) is None
     # different prompts never branch from each other
     assert implausible_claims([_claimed(0, [1], [0.0]), _claimed(1, [2], [0.0])], 50) is None
+
+
+def test_max_length_ratio_leaves_out_a_peers_groups_far_longer_than_the_receivers_own():
+    """The receiver's own completions have 3 tokens; a peer's honest 3-token groups pass a ratio of 1.5 and its
+    8-token groups (the `long` attack) are left out whole, counted per peer; without the guard all pass."""
+    admission = _admission("defense.max_length_ratio=1.5")
+    deal = admission.schedule.deal(2)[1]
+    g = torch.Generator().manual_seed(5)
+    long = [Rollout(1, p, torch.randint(0, 50, (8,), generator=g, dtype=torch.int32), torch.full((8,), -math.log(50)),
+                    0.0, "length", 1, time.time()) for p, n in deal.items() for _ in range(n)]
+    for r in long:
+        r.reward = TASK.score(DigitTokenizer(), [r.completion_ids], [TASK.train[r.prompt_index]])[0]
+    got = admission.receive([_parcel(admission, 1, 1), Parcel(1, 2, 1, encode(long))], step=2,
+                            own_lengths=[3] * 8)
+    assert len(got.rollouts) == 8 and {r.num_tokens for r in got.rollouts} == {3}
+    assert got.length_dropped == {"tiny-m-lora": 8} and got.metrics()["length_dropped"] == 8 and got.rejected == []
+    plain = _admission()
+    got = plain.receive([_parcel(plain, 1, 1), Parcel(1, 2, 1, encode(long))], step=2, own_lengths=[3] * 8)
+    assert len(got.rollouts) + got.waiting == 16 and got.length_dropped == {}  # all admitted (budget 8)
+    with pytest.raises(ConfigError, match=r"^defense.max_length_ratio"):
+        short_config("defense.max_length_ratio=1")

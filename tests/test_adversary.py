@@ -88,3 +88,15 @@ def test_the_claims_check_refuses_every_forged_parcel_and_no_honest_one(tmp_path
         assert runs[("tiny-m-lora", step)]["peer_sequences"] > 0
     warnings = [r.getMessage() for r in caplog.records if "dropped the rollouts of peer tiny-m-lora" in r.getMessage()]
     assert len(warnings) == 2 and all(said in w for w in warnings), warnings
+
+
+def test_a_long_adversary_fills_its_completions_to_the_limit_with_honest_claims(tmp_path):
+    """kind long: every completion of tiny-m-lora runs to rollout.max_new_tokens (its end of sequence suppressed,
+    as part of its sampler: the claims check passes them), where an honest tiny-m-lora stops earlier on average."""
+    honest = _run(tmp_path, "honest", "rollout.max_new_tokens=12")
+    long = _run(tmp_path, "long", "rollout.max_new_tokens=12", "members.1.adversary.kind=long")
+    for step in (1, 2):
+        assert long[("tiny-m-lora", step)]["completion_len_mean"] == 12
+        assert honest[("tiny-m-lora", step)]["completion_len_mean"] < 12
+        assert long[("tiny-s", step)]["rejected_batches"] == 0 and long[("tiny-s", step)]["peer_sequences"] > 0
+        assert long[("tiny-m-lora", step)]["forged_sent"] == 0

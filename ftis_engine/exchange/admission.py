@@ -30,6 +30,10 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
                  left out, foreign_dropped). A receiver with members.N.accept_foreign false refuses the parcels of
                  such a peer once they are decoded (step 3), before any other check (foreign_refused: no fault)
 
+Defenses beyond the checks (defense.*; docs/adversaries.md): a peer group much longer than the receiver's own
+completions is left out (max_length_ratio, length_dropped); no peer supplies more than a share of an update
+(max_peer_share, share_capped).
+
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
 all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
 gives): each sender first, round-robin, up to its share of a step (a fast peer cannot crowd out a slow one), then
@@ -39,9 +43,11 @@ max_staleness (at most max_staleness + 1 budgets wait), else it is dropped and c
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
+import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -60,6 +66,7 @@ FUTURE_TOLERANCE_S = 600.0  # clocks of different nodes may differ by this much
 # a foreign completion may re-encode into at most this many times max_new_tokens here (a character tokenizer
 # spells out a merge of up to a dozen characters; tokenizers of real model families differ by far less)
 FOREIGN_EXPANSION = 16
+OWN_LENGTHS = 256  # the receiver's own recent completion lengths its length guard measures against
 
 
 def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
@@ -303,6 +310,7 @@ class Received:
     digests: dict[str, str] = field(default_factory=dict)  # "sender@step" -> buffer digest, per parcel trained on
     waiting: int = 0  # admitted sequences left for a later step
     share_capped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_peer_share
+    length_dropped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_length_ratio
 
     def metrics(self) -> dict:
         def spread(name: str, values: list) -> dict:
@@ -318,7 +326,8 @@ class Received:
                 "foreign_refused": self.foreign_refused, "foreign_dropped": self.foreign_dropped,
                 "peer_sequences": len(self.rollouts), "intake_waiting": self.waiting,
                 "rejected_batches": len(self.rejected), "received_sha256": self.digests,
-                "share_capped": sum(self.share_capped.values()), "share_capped_by": self.share_capped}
+                "share_capped": sum(self.share_capped.values()), "share_capped_by": self.share_capped,
+                "length_dropped": sum(self.length_dropped.values()), "length_dropped_by": self.length_dropped}
 
 
 class Admission:
@@ -335,6 +344,7 @@ class Admission:
         self.pool: list[Group] = []
         self._seen: dict[tuple[int, int], int] = {}  # (sender rank, step) -> version, within the staleness window
         self._order = 0
+        self._own_lengths: collections.deque[int] = collections.deque(maxlen=OWN_LENGTHS)
 
     @property
     def budget(self) -> int | None:
@@ -354,12 +364,14 @@ class Admission:
         name = self.schedule.member_name(member)
         return name if sampler is None else f"{name}/sampler-{sampler}"
 
-    def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None
-                ) -> Received:
+    def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None,
+                own_lengths: list[int] | None = None) -> Received:
         """Admit the step's parcels, then take the intake. dropped_unread: sequences the transport dropped from a
         full queue (counted as surplus); own_sequences: the receiver's own in this update (default: its dealt
-        share), for defense.max_peer_share."""
+        share), for defense.max_peer_share; own_lengths: its own completions' lengths, for
+        defense.max_length_ratio."""
         out = Received(surplus_dropped=dropped_unread)
+        self._own_lengths.extend(own_lengths or ())
         now = time.time()
         for parcel in parcels:
             try:
@@ -430,7 +442,13 @@ class Admission:
         by_prompt: dict[int, list[Rollout]] = {}
         for r in rollouts:
             by_prompt.setdefault(r.prompt_index, []).append(r)
+        ratio = cfg.defense.max_length_ratio
+        typical = statistics.median(self._own_lengths) if ratio is not None and self._own_lengths else None
         for group in by_prompt.values():
+            if typical is not None and statistics.fmean(r.num_tokens for r in group) > ratio * typical:
+                sender = self.sender_name(parcel.sender)
+                out.length_dropped[sender] = out.length_dropped.get(sender, 0) + len(group)
+                continue
             self.pool.append(Group(parcel.sender, version, group, self._order, name, digest))
             self._order += 1
 

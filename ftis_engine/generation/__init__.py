@@ -32,6 +32,7 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int | None = None
     seed: int = 0
+    min_new_tokens: int = 0  # no end of sequence before this many tokens (the `long` adversary)
 
 
 class Generator(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from ..precision import autocast
@@ -120,6 +120,9 @@ class HFGenerator:
                     chain.append(TopKLogitsWarper(top_k=sampling.top_k))
                 if sampling.top_p < 1.0:
                     chain.append(TopPLogitsWarper(top_p=sampling.top_p))
+                if sampling.min_new_tokens:  # part of the sampler: its claimed log-probs are of what it sampled from
+                    chain.insert(0, MinNewTokensLengthLogitsProcessor(ids.shape[1], sampling.min_new_tokens,
+                                                                      sorted(self.eos_ids), device=self.device))
                 out = self.model.generate(
                     input_ids=ids, attention_mask=mask,
                     generation_config=self._clean_config(sampling.max_new_tokens, do_sample=True),

@@ -3,6 +3,7 @@ them, and tag them with the policy version that made them."""
 
 from __future__ import annotations
 
+import random
 import time
 from typing import TYPE_CHECKING
 
@@ -18,14 +19,17 @@ def generate_rollouts(swarm: Swarm, member: Member, dealt: dict[int, int], versi
     """The member's completions of its dealt prompts ({prompt index: completions}), scored (Task.score), as
     Rollouts of policy `version`, sampled with `seed`."""
     config, task = swarm.config.rollout, swarm.task
-    by_n: dict[int, list[int]] = {}
-    for prompt, n in dealt.items():
-        by_n.setdefault(n, []).append(prompt)
+    adversary = swarm.config.members[member.index].adversary
+    by_n: dict[tuple[int, int], list[int]] = {}
+    for prompt, n in dealt.items():  # a `long` adversary draws a rate share of its prompts to fill to the limit
+        long = adversary is not None and adversary.kind == "long" and \
+            random.Random(f"{seed}-long-{prompt}").random() < adversary.rate
+        by_n.setdefault((n, config.max_new_tokens if long else 0), []).append(prompt)
     rollouts: list[Rollout] = []
     bar = swarm.progress.start(f"{member.name}: generate", sum(dealt.values()))
-    for n, prompts in by_n.items():
+    for (n, least), prompts in by_n.items():
         sampling = SamplingSettings(n=n, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                    top_p=config.top_p, top_k=config.top_k, seed=seed)
+                                    top_p=config.top_p, top_k=config.top_k, seed=seed, min_new_tokens=least)
         groups = member.generator.generate([swarm.prompt(member, p) for p in prompts], sampling,
                                            on_batch=lambda k: swarm.progress.advance(bar, k))
         completions = [(p, c) for p, group in zip(prompts, groups) for c in group]

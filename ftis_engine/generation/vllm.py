@@ -266,7 +266,8 @@ class VLLMGenerator:
         for i in range(len(prompts)):
             extra = {"top_k": sampling.top_k} if sampling.top_k is not None else {}
             params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                                         max_tokens=sampling.max_new_tokens, logprobs=0,
+                                         max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
+                                         logprobs=0,
                                          seed=sampling.seed + i * sampling.n, **extra))
         outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                     lora_request=self._lora_request)
