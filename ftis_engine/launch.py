@@ -30,7 +30,7 @@ DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printe
 
 
 def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int,
-                       evaluate: pathlib.Path | None = None) -> int:
+                       evaluate: pathlib.Path | None = None, join: str | None = None) -> int:
     """Run the swarm in several processes (or, with `evaluate`, greedy pass@1 of that checkpoint: rank 0 prints the
     records as JSON lines); returns the exit code for the command line."""
     if evaluate is not None and any(m.samplers for m in config.members):
@@ -40,7 +40,7 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     target = None if evaluate is None else str(evaluate)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         check_rank_environment(os.environ)
-        return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target)
+        return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target, join)
     if nproc != len(process_roles(config)):
         raise ConfigError(f"--nproc {nproc}: {needed_processes(config)}")
     from .session import RunLock, check_before_launch, check_run_dir
@@ -54,7 +54,7 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
         if any(m.ranks > 1 or m.samplers for m in config.members):
             print(f"rank layout:\n{describe_layout(config)}", flush=True)
-        return _launch(config, run_dir, resume, nproc)
+        return _launch(config, run_dir, resume, nproc, join=join)
 
 
 def check_rank_environment(env) -> None:
@@ -90,7 +90,8 @@ def needed_processes(config: RunConfig) -> str:
             f"{', '.join(parts)})")
 
 
-def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, evaluate: str | None = None) -> int:
+def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, evaluate: str | None = None,
+            join: str | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -104,7 +105,7 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
     try:
-        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate)
+        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
         return INTERRUPTED
     except ChildFailedError as exc:
@@ -143,15 +144,18 @@ def _round_store(rank: int, world: int, timeout: datetime.timedelta):
     return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | None = None) -> int:
+def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | None = None,
+               join: str | None = None) -> int:
     """One rank: join the process group, open the run (session.open_run), train; or, with `evaluate` (a
     checkpoint), evaluate it and let rank 0 print every rank's records. Config errors print one line (an error all
-    ranks found alike: rank 0 alone) and exit 2."""
+    ranks found alike: rank 0 alone) and exit 2. join: the open swarm's coordinator (a member on several ranks:
+    its leader holds the exchange, openswarm/member.py)."""
     from .exchange import Shard as ShardExchange
     from .exchange.async_ import DistributedAsync, Latency
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
     from .members import member_device
+    from .openswarm.client import JoinRefused
     from .placement import (Shard, check_placement, endpoint_ranks, make_groups, member_ranks, weights_backend,
                             weights_group_ranks)
     from .progress import quiet_libraries
@@ -185,7 +189,17 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
         groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout)
         collectives = Collectives(rank, world, device, backend)
         endpoints = len(endpoint_ranks(config))
-        if role.endpoint is None:
+        open_peers = None
+        if join is not None:  # one member in an open swarm, on its own ranks
+            from .openswarm.member import OpenExchange, PeerBook
+
+            if role.endpoint is None:
+                exchange = ShardExchange(collectives, role.member, endpoints, True)
+                open_peers = PeerBook(config.members[0].name)  # a shard's deal is its own name's; it admits nothing
+            else:
+                exchange = OpenExchange(join, config, collectives)
+                open_peers = exchange.book
+        elif role.endpoint is None:
             exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
         elif config.swarm.mode == "async" and evaluate is None:
             broadcast = None
@@ -222,13 +236,22 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank,
-                                     shard=shard)
+                                     shard=shard, open_peers=open_peers)
+        if join is not None and role.endpoint is not None:
+            from .models import vocabulary_hash
+            from .openswarm.member import dataset_hash
+
+            exchange.attach(vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task))
         if role.sampler is None:
             train(swarm, start_step)
         else:
             from .samplers import run_sampler
 
             run_sampler(swarm, start_step)
+    except JoinRefused as exc:
+        sys.stderr.write(f"error: --join: the coordinator refused {config_data['members'][0]['name']}: {exc}\n")
+        sys.stderr.flush()
+        os._exit(CONFIG_ERROR_EXIT)
     except DivergenceError as exc:
         sys.stderr.write(f"error: {exc}\n")
         sys.stderr.flush()

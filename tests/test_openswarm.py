@@ -521,3 +521,66 @@ def test_a_member_whose_shared_settings_differ_is_refused_at_join_in_one_line(tm
         assert "Traceback" not in done.stderr and running.coordinator.live == {}
     finally:
         running.close()
+
+
+@pytest.mark.slow
+def test_a_member_on_two_ranks_joins_and_trains_with_a_one_rank_member(tmp_path):
+    """tiny-s on two ranks (its own process group: FSDP2 over gloo, each rank generating half its prompts; the
+    leader holds the swarm client and hands its shard what it admitted) and tiny-m-lora on one: each trains on the
+    other's rollouts, nothing is rejected, and both end with exit code 0."""
+    steps = 6
+    coordinator = Coordinator(_shared_for(steps), lease_s=600.0, max_body=1 << 22,
+                              log_path=tmp_path / "coordinator.jsonl")
+    running = Running(coordinator=coordinator)
+    metronome = SwarmClient(running.address, "metronome", *_member_hashes(steps), 1 << 22, lambda *args: None)
+    metronome.start(timeout=30)
+    procs = []
+    try:
+        for name, extra in (("tiny-s", ["members.0.ranks=2"]), ("tiny-m-lora", [])):
+            log = open(tmp_path / f"{name}.log", "w")
+            procs.append(subprocess.Popen(_member_args(tmp_path, name, running.address, steps, *extra), stdout=log,
+                                          stderr=subprocess.STDOUT))
+        until(lambda: {"tiny-s", "tiny-m-lora"} <= set(metronome.members()), "both to join", timeout=300)
+        metronome.step = steps
+        for p in procs:
+            assert p.wait(600) == 0, [f.read_text()[-2000:] for f in tmp_path.glob("*.log")]
+        metronome.close()
+        for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
+            records = _train_records(tmp_path, me)
+            assert [r["step"] for r in records] == list(range(1, steps + 1)), me  # the leader reports, once a step
+            assert all(r["rejected_batches"] == 0 for r in records)
+            got = [sorted(r["received_sha256"]) for r in records]
+            # parcels sent before a member joined never reach it (no backlog): the first steps may have none
+            assert sum(any(k.startswith(f"{peer}@") for k in keys) for keys in got) >= 2, (me, got)
+        assert "rank layout" in (tmp_path / "tiny-s.log").read_text()
+    finally:
+        metronome.close()
+        for p in procs:
+            p.kill()
+        running.close()
+
+
+def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease(tmp_path):
+    """The members live when a coordinator died hold their places in a new one on the same log (in every member's
+    view, so the first to rejoin waits for the others) until they rejoin, under a new connection, or their lease
+    runs out; nothing is relayed to a place nobody holds."""
+    log = tmp_path / "coordinator.jsonl"
+    old = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log)
+    old.handle(b"A", join("a"), now=0)
+    old.handle(b"B", join("b", step=2), now=0)
+    old.handle(b"C", join("c"), now=0)
+    old.handle(b"C", pack("leave", {"name": "c"}), now=1)
+    del old  # killed: no goodbye
+    new = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log, now=100)
+    assert sorted(new.live) == ["a", "b"] and new.live["b"].step == 2 and new.live["a"].identity == b""
+    out = new.handle(b"A2", join("a", step=7), now=101)  # a rejoins under a new connection: welcome, not refused
+    assert kinds(out) == [(b"A2", "welcome"), (b"A2", "members")]  # b's place is in its view; b gets nothing
+    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": "t"}
+    parcel = pack("parcel", {"name": "a", "step": 8, "version": 7, "words": 1}, b"\x01" * 4)
+    assert new.handle(b"A2", parcel, now=102) == []  # relayed to nobody: b has not rejoined
+    new.handle(b"A2", pack("beat", {"name": "a", "step": 8}), now=104)
+    assert kinds(new.expire(now=106)) == [(b"A2", "members")] and sorted(new.live) == ["a"]  # b's lease ran out
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    assert events[4:] == ["restored", "rejoin", "expired"]
+    fresh = Coordinator(SHARED, lease_s=5, max_body=100, log_path=tmp_path / "none.jsonl")
+    assert fresh.live == {}

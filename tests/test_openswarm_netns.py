@@ -29,23 +29,24 @@ OVERRIDES = ("rollout.group_size=4", "rollout.prompts_per_step=2")
 
 
 def serve(lab, tmp_path, steps, n, lease_s):
-    """`ftis-engine swarm serve` on the coord host (its n-th start), logging to tmp_path/coord.n."""
+    """`ftis-engine swarm serve` on the coord host (its n-th start; every start writes tmp_path/coord.0, as an
+    operator restarting it would), its stderr in tmp_path/coord.n.log."""
     from .helpers import ROOT
 
     args = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(ROOT / "configs/swarm/swarm.yaml"),
-            "--bind", f"tcp://{lab.address('coord')}:{PORT}", "--output-dir", str(tmp_path / f"coord.{n}")]
+            "--bind", f"tcp://{lab.address('coord')}:{PORT}", "--output-dir", str(tmp_path / "coord.0")]
     for override in (f"train.steps={steps}", *OVERRIDES, f"swarm.lease_s={lease_s}"):
         args += ["--set", override]
     return lab.popen("coord", args, stderr=open(tmp_path / f"coord.{n}.log", "w"))
 
 
-def coordinator_events(tmp_path, n=0):
-    path = tmp_path / f"coord.{n}" / "coordinator.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+def coordinator_events(tmp_path):
+    path = tmp_path / "coord.0" / "coordinator.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.is_file() else []
 
 
-def live(tmp_path, n=0):
-    events = coordinator_events(tmp_path, n)
+def live(tmp_path):
+    events = coordinator_events(tmp_path)
     return set(events[-1]["live"]) if events else set()
 
 
@@ -214,8 +215,13 @@ def test_across_hosts_the_coordinator_killed_and_restarted_members_wait_rejoin_a
             metronome.step = steps  # nothing holds them now but the coordinator's absence
             time.sleep(3)
             coordinator = serve(lab, tmp_path, steps, 1, lease_s=5)
-            until(lambda: {"tiny-s", "tiny-m-lora"} <= live(tmp_path, 1), "both to rejoin the new coordinator",
-                  timeout=120)
+
+            def rejoined():
+                events = coordinator_events(tmp_path)
+                restored = [i for i, r in enumerate(events) if r["event"] == "restored"]
+                return {r["member"] for r in events[restored[0]:] if r["event"] == "rejoin"} if restored else set()
+
+            until(lambda: {"tiny-s", "tiny-m-lora"} <= rejoined(), "both to rejoin the new coordinator", timeout=120)
             for p in (a, b):
                 assert p.wait(900) == 0, members.logs()
             metronome.close()

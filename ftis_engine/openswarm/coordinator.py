@@ -6,8 +6,10 @@ in one line naming the first field that differs from the swarm's, when its train
 swarm has, or when a live member already has its name. It stays in the live set while it is heard from (a
 heartbeat, a parcel) within `lease_s`; a member that leaves says so; one that crashes is dropped when its lease
 expires. Every change, and every second (or lease / 4), goes to every live member as a `members` message (name ->
-newest step heard: the lead bound's view). A member whose
-message the coordinator cannot place (unknown, e.g. after the coordinator restarted) is told to rejoin.
+newest step heard: the lead bound's view). A member whose message the coordinator cannot place (unknown, e.g.
+after the coordinator restarted) is told to rejoin. A coordinator restarted on the log of the one before it
+(the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
+first to rejoin still waits for the others (the lead bound) instead of running ahead alone.
 
 The decisions (`handle`, `expire`) take the time as an argument and return what to send, so they are tested
 without sockets or clocks; `serve` runs them on a ZeroMQ ROUTER socket.
@@ -56,7 +58,7 @@ def first_difference(swarm: dict, member: dict) -> str | None:
 
 @dataclass
 class Live:
-    identity: bytes
+    identity: bytes  # b"": restored from the log of a coordinator that restarted, not yet rejoined
     tokenizer: str
     step: int
     last_seen: float
@@ -68,7 +70,7 @@ Outgoing = list[tuple[bytes, list[bytes]]]  # (routing identity, frames)
 
 class Coordinator:
     def __init__(self, shared: dict, lease_s: float, max_body: int, log_path: pathlib.Path | None = None,
-                 echo=None):
+                 echo=None, now: float | None = None):
         self.shared = shared
         self.lease_s = lease_s
         self.max_body = max_body  # the largest parcel body an honest member can send (bytes)
@@ -77,8 +79,36 @@ class Coordinator:
         self.relayed = 0  # parcels relayed (one per receiver)
         self.undeliverable = 0  # relays a receiver's full queue (or its vanished connection) refused
         self.refused = 0  # messages refused (a malformed one, a join refused, a parcel from no live member)
-        self._log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
         self._echo = echo
+        restored = self._restore(log_path) if log_path is not None else {}
+        self._log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
+        if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
+            now = time.monotonic() if now is None else now
+            for name, (tokenizer, step) in restored.items():
+                self.live[name] = Live(b"", tokenizer, step, now, now)
+            self._record(now, "restored", None, members=sorted(restored))
+
+    @staticmethod
+    def _restore(log_path: pathlib.Path) -> dict[str, tuple[str, int]]:
+        """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
+        newest step logged)); {} for a new log. A member that is gone holds its place for one lease at most."""
+        if not log_path.is_file():
+            return {}
+        tokenizers: dict[str, str] = {}
+        steps: dict[str, int] = {}
+        live: list[str] = []
+        for line in log_path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line the killed coordinator did not finish
+                continue
+            name = record.get("member")
+            if record.get("tokenizer") is not None and name is not None:
+                tokenizers[name] = record["tokenizer"]
+            if isinstance(record.get("step"), int) and name is not None:
+                steps[name] = record["step"]
+            live = record.get("live", live)
+        return {name: (tokenizers[name], steps.get(name, 0)) for name in live if name in tokenizers}
 
     # ---------------------------------------------------------------------------------------------- decisions
 
@@ -116,7 +146,7 @@ class Coordinator:
             return []
         entry.step = max(entry.step, header["step"])
         relay = pack("parcel", header, body)
-        return [(peer.identity, relay) for peer_name, peer in self.live.items() if peer_name != name]
+        return [(peer.identity, relay) for peer_name, peer in self.live.items() if peer_name != name and peer.identity]
 
     def _join(self, identity: bytes, header: dict, now: float) -> Outgoing:
         name = header["name"]
@@ -129,7 +159,7 @@ class Coordinator:
             problem = (f"data: this member's training set (sha256 {header['dataset'][:12]}...) differs from the "
                        f"swarm's ({self.dataset[:12]}...)")
         current = self.live.get(name)
-        if problem is None and current is not None and current.identity != identity:
+        if problem is None and current is not None and current.identity not in (identity, b""):
             if now - current.last_seen <= self.lease_s:
                 problem = f"a live member is already named {name!r}; choose another members.0.name"
             else:  # its lease ran out unnoticed: it is gone
@@ -139,11 +169,12 @@ class Coordinator:
             self._record(now, "refuse", name, reason=problem)
             return [(identity, pack("refuse", {"reason": problem}))]
         self.dataset = self.dataset or header["dataset"]
-        rejoined = name in self.live
+        rejoined = name in self.live and current.identity != b""
         self.live[name] = Live(identity, header["tokenizer"], header["step"], now,
                                current.joined_at if current else now)
         if not rejoined:
-            self._record(now, "join", name, step=header["step"], tokenizer=header["tokenizer"])
+            self._record(now, "join" if current is None or current.identity != b"" else "rejoin", name,
+                         step=header["step"], tokenizer=header["tokenizer"])
         welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
         return [welcome, *self._members()]
 
@@ -163,7 +194,7 @@ class Coordinator:
 
     def _members(self) -> Outgoing:
         message = pack("members", {"members": self._view()})
-        return [(entry.identity, message) for entry in self.live.values()]
+        return [(entry.identity, message) for entry in self.live.values() if entry.identity]
 
     def _record(self, now: float, event: str, name: str | None, **fields) -> None:
         record = {"time": time.time(), "event": event, "member": name, **fields, "live": sorted(self.live)}

@@ -14,6 +14,8 @@ receiver (admission) as every other mode; its schedule (OpenSchedule) gives each
   or the step the coordinator heard from it); a peer that left or whose lease expired holds nobody back. A
   newcomer starts at its step 1: the live members wait for it to come within max_lead of them (max_lead null:
   nobody waits, and its rollouts are trained on once they are within max_staleness).
+- **A member on several ranks** (`--nproc R` for members.0.ranks=R, or torchrun) has its own process group: its
+  leader holds the exchange (this class) and hands the shards what it admitted, as in the one-world modes.
 - **Same tokenizer only, for now.** A peer whose tokenizer differs is not trained on (counted in
   foreign_refused): re-scoring its text needs its tokenizer, which the open swarm does not ship yet.
 """
@@ -51,11 +53,11 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
         raise JoinError(f"members: a member joining an open swarm has exactly one member in its config, not "
                         f"{len(config.members)}")
     member = config.members[0]
-    if member.ranks > 1 or member.samplers:
-        raise JoinError("members.0.ranks / members.0.samplers: a member on several processes cannot join an open "
-                        "swarm yet; use one rank")
-    if nproc > 1:
-        raise JoinError("--nproc: a member joining an open swarm runs in one process")
+    if member.samplers:
+        raise JoinError("members.0.samplers: a member with sampler ranks cannot join an open swarm yet; use its "
+                        "learner ranks only")
+    if nproc > 1 and nproc != member.ranks:
+        raise JoinError(f"--nproc {nproc}: this member runs on members.0.ranks={member.ranks} process(es)")
     if config.swarm.mode != "async":
         raise JoinError("swarm.mode: an open swarm is asynchronous; set swarm.mode=async")
     if config.collaboration != "vertical":
@@ -178,11 +180,12 @@ class OpenExchange:
     independent = True
     broadcast = None
 
-    def __init__(self, address: str, config: RunConfig):
+    def __init__(self, address: str, config: RunConfig, collectives=None):
         self.address = address
         self.config = config
         self.name = config.members[0].name
-        self.collectives = LocalCollectives()
+        # a member on several ranks: its leader's process group (checkpoints and records gather its shards)
+        self.collectives = collectives if collectives is not None else LocalCollectives()
         self.book = PeerBook(self.name)
         self.book.live = self._live_numbers  # the schedule asks the book, the book the coordinator's last word
         self.mailbox = Mailbox(queue_capacity(config))
