@@ -119,9 +119,8 @@ def train(
 
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
-    from .models import vocabulary_hash
     from .openswarm.client import JoinRefused
-    from .openswarm.member import JoinError, OpenExchange, check_joinable, dataset_hash
+    from .openswarm.member import JoinError, OpenExchange, check_joinable
     from .progress import Progress
     from .run import train as run_training
     from .session import RunLock, open_run
@@ -145,7 +144,7 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
             typer.echo(f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)")
             swarm, start_step = open_run(cfg, run_dir, resume=resume, exchange=exchange, open_peers=exchange.book,
                                          progress=Progress())
-            exchange.attach(vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task))
+            exchange.attach(swarm)
             try:
                 run_training(swarm, start_step)
             except JoinRefused as exc:

@@ -238,10 +238,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank,
                                      shard=shard, open_peers=open_peers)
         if join is not None and role.endpoint is not None:
-            from .models import vocabulary_hash
-            from .openswarm.member import dataset_hash
-
-            exchange.attach(vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task))
+            exchange.attach(swarm)
         if role.sampler is None:
             train(swarm, start_step)
         else:

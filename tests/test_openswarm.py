@@ -30,7 +30,8 @@ DATA = "ab" * 32
 
 
 def join(name, shared=SHARED, dataset=DATA, step=0):
-    return pack("join", {"name": name, "tokenizer": "t", "shared": shared, "dataset": dataset, "step": step})
+    return pack("join", {"name": name, "tokenizer": "t", "source": "", "shared": shared, "dataset": dataset,
+                         "step": step})
 
 
 def kinds(outgoing):
@@ -80,7 +81,8 @@ def test_joins_are_checked_and_every_member_hears_of_every_change(tmp_path):
     assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]
     out = coordinator.handle(b"B", join("b"), now=1)
     assert kinds(out)[0] == (b"B", "welcome") and sorted(kinds(out)[1:]) == [(b"A", "members"), (b"B", "members")]
-    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": "t"}, "b": {"step": 0, "tokenizer": "t"}}
+    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": "t", "source": ""},
+                                                   "b": {"step": 0, "tokenizer": "t", "source": ""}}
     # refusals: one line naming what differs; the swarm is unchanged
     other = {**SHARED, "data": {"task": "arith"}}
     for identity, message, said in [
@@ -575,7 +577,7 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     assert sorted(new.live) == ["a", "b"] and new.live["b"].step == 2 and new.live["a"].identity == b""
     out = new.handle(b"A2", join("a", step=7), now=101)  # a rejoins under a new connection: welcome, not refused
     assert kinds(out) == [(b"A2", "welcome"), (b"A2", "members")]  # b's place is in its view; b gets nothing
-    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": "t"}
+    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": "t", "source": ""}
     parcel = pack("parcel", {"name": "a", "step": 8, "version": 7, "words": 1}, b"\x01" * 4)
     assert new.handle(b"A2", parcel, now=102) == []  # relayed to nobody: b has not rejoined
     new.handle(b"A2", pack("beat", {"name": "a", "step": 8}), now=104)
@@ -584,3 +586,50 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     assert events[4:] == ["restored", "rejoin", "expired"]
     fresh = Coordinator(SHARED, lease_s=5, max_body=100, log_path=tmp_path / "none.jsonl")
     assert fresh.live == {}
+
+
+@pytest.mark.slow
+def test_members_of_two_tokenizers_train_on_each_others_text(tmp_path):
+    """tiny-s (the character tokenizer) and tiny-bpe (the same shapes with the BPE tokenizer), each announcing
+    where its tokenizer loads from (builtin:...): each loads the other's, checks its hash and trains on its
+    rollouts re-encoded as text (foreign_sequences), nothing rejected, exit code 0 for both."""
+    steps = 6
+    coordinator = Coordinator(_shared_for(steps), lease_s=600.0, max_body=1 << 22,
+                              log_path=tmp_path / "coordinator.jsonl")
+    running = Running(coordinator=coordinator)
+    metronome = SwarmClient(running.address, "metronome", *_member_hashes(steps), 1 << 22, lambda *args: None,
+                            source="builtin:tiny-s")
+    metronome.start(timeout=30)
+    procs = []
+    try:
+        for name, extra in (("tiny-s", []), ("tiny-bpe", ["members.0.model=builtin:tiny-s-bpe",
+                                                           "members.0.name=tiny-bpe", "run_name=tiny-bpe"])):
+            log = open(tmp_path / f"{name}.log", "w")
+            args = _member_args(tmp_path, "tiny-s", running.address, steps, *extra)
+            procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+        until(lambda: {"tiny-s", "tiny-bpe"} <= set(metronome.members()), "both to join", timeout=300)
+        assert metronome.members()["tiny-bpe"]["source"] == "builtin:tiny-s-bpe"
+        assert metronome.members()["tiny-bpe"]["tokenizer"] != metronome.members()["tiny-s"]["tokenizer"]
+        metronome.step = steps
+        for p in procs:
+            assert p.wait(600) == 0, [f.read_text()[-2000:] for f in tmp_path.glob("*.log")]
+        metronome.close()
+        for me, peer in (("tiny-s", "tiny-bpe"), ("tiny-bpe", "tiny-s")):
+            records = _train_records(tmp_path, me)
+            assert [r["step"] for r in records] == list(range(1, steps + 1)), me
+            assert all(r["rejected_batches"] == 0 and r["foreign_refused"] == 0 for r in records), me
+            assert sum(r["foreign_sequences"] for r in records) > 0, me
+            assert any(k.startswith(f"{peer}@") for r in records for k in r["received_sha256"]), me
+    finally:
+        metronome.close()
+        for p in procs:
+            p.kill()
+        running.close()
+
+
+def test_a_spec_is_shareable_when_it_loads_elsewhere(tmp_path):
+    from ftis_engine.openswarm.member import shareable
+
+    assert shareable("builtin:tiny-s-bpe") and shareable("packaged:smollm2-135m-instruct")
+    assert shareable("Qwen/Qwen2.5-0.5B-Instruct")
+    assert not shareable(str(tmp_path)) and not shareable("./model") and not shareable("/abs/path")

@@ -24,11 +24,14 @@ class JoinRefused(RuntimeError):
 
 class SwarmClient:
     def __init__(self, address: str, name: str, tokenizer: str, shared: dict, dataset: str, max_body: int,
-                 on_parcel: Callable[[str, int, int, bytes], None], step: int = 0, beat_s: float = 1.0):
+                 on_parcel: Callable[[str, int, int, bytes], None], step: int = 0, beat_s: float = 1.0,
+                 source: str = ""):
         self.address = address
         self.name = name
         self.step = step  # the newest step this member has published (sent in joins and beats)
-        self._join_header = {"name": name, "tokenizer": tokenizer, "shared": shared, "dataset": dataset}
+        # source: where peers of another tokenizer can load this member's (builtin:, packaged: or a hub id; "": none)
+        self._join_header = {"name": name, "tokenizer": tokenizer, "source": source, "shared": shared,
+                             "dataset": dataset}
         self._max_body = max_body
         self._on_parcel = on_parcel
         self._beat_s = beat_s  # until the welcome says the lease
@@ -65,7 +68,8 @@ class SwarmClient:
             raise RuntimeError(f"the swarm client failed: {self.error!r}") from self.error
 
     def members(self) -> dict[str, dict]:
-        """The live members (the coordinator's last word): name -> {step, tokenizer}, this member included."""
+        """The live members (the coordinator's last word): name -> {step, tokenizer, source}, this member
+        included."""
         with self._lock:
             return dict(self._members)
 

@@ -63,6 +63,7 @@ class Live:
     step: int
     last_seen: float
     joined_at: float
+    source: str = ""  # where its tokenizer loads from (builtin:, packaged: or a hub id), for peers of another one
 
 
 Outgoing = list[tuple[bytes, list[bytes]]]  # (routing identity, frames)
@@ -84,17 +85,18 @@ class Coordinator:
         self._log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
         if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
             now = time.monotonic() if now is None else now
-            for name, (tokenizer, step) in restored.items():
-                self.live[name] = Live(b"", tokenizer, step, now, now)
+            for name, (tokenizer, step, source) in restored.items():
+                self.live[name] = Live(b"", tokenizer, step, now, now, source)
             self._record(now, "restored", None, members=sorted(restored))
 
     @staticmethod
-    def _restore(log_path: pathlib.Path) -> dict[str, tuple[str, int]]:
+    def _restore(log_path: pathlib.Path) -> dict[str, tuple[str, int, str]]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged)); {} for a new log. A member that is gone holds its place for one lease at most."""
+        newest step logged, tokenizer source)); {} for a new log. A member that is gone holds its place for one lease at most."""
         if not log_path.is_file():
             return {}
         tokenizers: dict[str, str] = {}
+        sources: dict[str, str] = {}
         steps: dict[str, int] = {}
         live: list[str] = []
         for line in log_path.read_text(encoding="utf-8").splitlines():
@@ -105,10 +107,11 @@ class Coordinator:
             name = record.get("member")
             if record.get("tokenizer") is not None and name is not None:
                 tokenizers[name] = record["tokenizer"]
+                sources[name] = record.get("source", "")
             if isinstance(record.get("step"), int) and name is not None:
                 steps[name] = record["step"]
             live = record.get("live", live)
-        return {name: (tokenizers[name], steps.get(name, 0)) for name in live if name in tokenizers}
+        return {name: (tokenizers[name], steps.get(name, 0), sources[name]) for name in live if name in tokenizers}
 
     # ---------------------------------------------------------------------------------------------- decisions
 
@@ -171,10 +174,10 @@ class Coordinator:
         self.dataset = self.dataset or header["dataset"]
         rejoined = name in self.live and current.identity != b""
         self.live[name] = Live(identity, header["tokenizer"], header["step"], now,
-                               current.joined_at if current else now)
+                               current.joined_at if current else now, header["source"][:MAX_NAME * 10])
         if not rejoined:
             self._record(now, "join" if current is None or current.identity != b"" else "rejoin", name,
-                         step=header["step"], tokenizer=header["tokenizer"])
+                         step=header["step"], tokenizer=header["tokenizer"], source=header["source"][:MAX_NAME * 10])
         welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
         return [welcome, *self._members()]
 
@@ -190,7 +193,8 @@ class Coordinator:
         self._record(now, event, name, step=entry.step, silent_s=round(now - entry.last_seen, 3))
 
     def _view(self) -> dict:
-        return {name: {"step": e.step, "tokenizer": e.tokenizer} for name, e in sorted(self.live.items())}
+        return {name: {"step": e.step, "tokenizer": e.tokenizer, "source": e.source}
+                for name, e in sorted(self.live.items())}
 
     def _members(self) -> Outgoing:
         message = pack("members", {"members": self._view()})

@@ -16,8 +16,11 @@ receiver (admission) as every other mode; its schedule (OpenSchedule) gives each
   nobody waits, and its rollouts are trained on once they are within max_staleness).
 - **A member on several ranks** (`--nproc R` for members.0.ranks=R, or torchrun) has its own process group: its
   leader holds the exchange (this class) and hands the shards what it admitted, as in the one-world modes.
-- **Same tokenizer only, for now.** A peer whose tokenizer differs is not trained on (counted in
-  foreign_refused): re-scoring its text needs its tokenizer, which the open swarm does not ship yet.
+- **Peers of another tokenizer.** A member announces where its tokenizer loads from (its `builtin:`, `packaged:` or
+  hub spec; a local path is not shareable); a receiver of another tokenizer loads it on first sight, checks that
+  it hashes to what the peer joined with, and trains on the peer's text re-encoded, as in one world. A peer whose
+  tokenizer cannot be loaded here (a local path, no network, a hash that differs), or any peer of another
+  tokenizer when members.0.accept_foreign is false, is not trained on (foreign_refused) and holds nobody back.
 """
 
 from __future__ import annotations
@@ -160,6 +163,16 @@ class OpenSchedule(Schedule):
         return sum(self.step_sequences(k) for k in self.senders(receiver))
 
 
+def shareable(spec: str) -> bool:
+    """Whether a model or tokenizer spec loads on another machine: builtin:, packaged: or a hub id (not a path)."""
+    import pathlib
+    import re
+
+    if spec.startswith(("builtin:", "packaged:")):
+        return True
+    return bool(re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", spec)) and not pathlib.Path(spec).exists()
+
+
 def dataset_hash(task) -> str:
     """sha256 of the training examples (question and gold answer of each, in order): members of one swarm train on
     the same set."""
@@ -193,14 +206,26 @@ class OpenExchange:
         self.timeout_s = config.swarm.timeout_s
         self.tokenizer = ""
         self.dataset = ""
+        self.source = ""
+        self.checker = None  # the receiver's RolloutChecker: peers' tokenizers are registered in its `foreign`
+        self.foreign: dict[str, object] = {}  # peer name -> its tokenizer, loaded and checked here
+        self._unloadable: set[str] = set()  # peers of another tokenizer that cannot be loaded here
         self.client: SwarmClient | None = None
         self._limit: Limit | None = None
         self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on
         self.refused = 0  # parcels refused unread (larger than an honest step's)
         self._dropped_seen = 0  # the client's dropped parcels already reported
 
-    def attach(self, tokenizer_hash: str, dataset_digest: str) -> None:
-        self.tokenizer, self.dataset = tokenizer_hash, dataset_digest
+    def attach(self, swarm) -> None:
+        """What the member's opened run gives the exchange: its tokenizer's hash and source, its training set's
+        hash and its receiver's checker (where peers' tokenizers go)."""
+        from ..models import vocabulary_hash
+
+        member = self.config.members[0]
+        self.tokenizer, self.dataset = vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task)
+        spec = member.tokenizer or member.model
+        self.source = spec if shareable(spec) else ""
+        self.checker = swarm.receivers[0].checker
 
     # ------------------------------------------------------------------------------------------- Exchange
 
@@ -208,7 +233,7 @@ class OpenExchange:
         self._limit = limit
         self.mailbox.step = max(self.mailbox.step, start_step)
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
-                                  max_parcel_bytes(self.config), self._deliver, step=start_step)
+                                  max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source)
         self.client.start(timeout=self.timeout_s)
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
@@ -220,6 +245,7 @@ class OpenExchange:
     def receive(self, receiver: int, step: int) -> Arrivals:
         start = time.perf_counter()
         self.client.check()
+        self._load_foreign()
         lead_wait, lead = 0.0, None
         published = self._published()
         if published:
@@ -254,22 +280,51 @@ class OpenExchange:
         return self.client.members() if self.client is not None else {}
 
     def _live_numbers(self) -> list[int]:
-        return [self.book.number(name) for name in self._live() if name == self.name or self._same_tokenizer(name)]
+        return [self.book.number(name) for name in self._live() if name == self.name or self._trained_on(name)]
 
-    def _same_tokenizer(self, name: str) -> bool:
-        return self._live().get(name, {}).get("tokenizer") == self.tokenizer
+    def _trained_on(self, name: str) -> bool:
+        """A peer this member trains on: its tokenizer, or one loaded and checked here."""
+        return self._live().get(name, {}).get("tokenizer") == self.tokenizer or name in self.foreign
+
+    def _load_foreign(self) -> None:
+        """Load (main thread) the tokenizers of live peers of another tokenizer not seen before."""
+        if not self.config.members[0].accept_foreign:
+            return
+        from ..models import ModelSpecError, load_tokenizer, vocabulary_hash
+
+        for name, view in self._live().items():
+            announced = view.get("tokenizer")
+            if name == self.name or announced == self.tokenizer or name in self.foreign or name in self._unloadable:
+                continue
+            source, problem = view.get("source") or "", None
+            if not isinstance(source, str) or not shareable(source):
+                problem = "it announced no tokenizer that loads elsewhere (a local path?)"
+            else:
+                try:
+                    tokenizer = load_tokenizer(source)
+                except ModelSpecError as exc:
+                    problem = str(exc)
+                else:
+                    if vocabulary_hash(tokenizer) != announced:
+                        problem = f"{source!r} loads here as another tokenizer than the one it joined with"
+            if problem is not None:
+                self._unloadable.add(name)
+                log.warning("%s: peer %s has another tokenizer and is not trained on: %s", self.name, name, problem)
+                continue
+            self.checker.foreign[self.book.number(name)] = tokenizer
+            self.foreign[name] = tokenizer
 
     def _published(self) -> dict[str, int]:
         """Each live peer's newest published step: its parcels, or the coordinator's word."""
         out = {}
         for name, view in self._live().items():
-            if name != self.name and view.get("tokenizer") == self.tokenizer:  # the peers it trains on
+            if name != self.name and self._trained_on(name):  # the peers it trains on
                 step = view.get("step", 0) if isinstance(view.get("step"), int) else 0
                 out[name] = max(step, self.book.published.get(name, 0))
         return out
 
     def _deliver(self, name: str, step: int, version: int, body: bytes) -> None:
-        if not self._same_tokenizer(name):
+        if not self._trained_on(name):
             self.foreign_refused += 1
             return
         sender = self.book.number(name)

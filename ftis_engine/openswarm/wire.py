@@ -14,7 +14,7 @@ MAX_HEADER = 1 << 16  # a join carries the shared settings: a few KiB
 
 # kind -> {field: type}; every field is required, no other is accepted
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
-    "join": {"name": str, "tokenizer": str, "shared": dict, "dataset": str, "step": int},
+    "join": {"name": str, "tokenizer": str, "source": str, "shared": dict, "dataset": str, "step": int},
     "welcome": {"lease_s": (int, float), "members": dict},
     "refuse": {"reason": str},
     "beat": {"name": str, "step": int},
