@@ -446,7 +446,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         schedule = OpenSchedule(config, tuple(train_indices), open_peers)
     receivers = {m.index: Admission(config, schedule, RolloutChecker(
         task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens, foreign[m.index],
-        foreign_limit(config, m, longest_prompt), config.defense.check_claims), m.index, start_step)
+        foreign_limit(config, m, longest_prompt), config.defense.check_claims,
+        config.rollout.top_k is None and config.rollout.top_p == 1.0), m.index, start_step)
         for m in members}
     if exchange.independent and config.swarm.max_lead is not None \
             and config.swarm.max_lead > config.swarm.max_staleness and exchange.collectives.rank == 0:

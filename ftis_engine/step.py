@@ -54,8 +54,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         index, watch = member.index, watches[member.index]
         arrivals = swarm.exchange.receive(index, step)
         got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
-                                             own_sequences=len(own[index]) * (member.shard.size if member.shard
-                                                                              else 1),
+                                             own_sequences=len(own[index]),  # every shard's: gathered
                                              own_lengths=[r.num_tokens for r in own[index]])
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
         scored, unscored = drop_unscored(own[index])

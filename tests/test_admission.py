@@ -391,6 +391,8 @@ def test_claims_no_sampler_can_make_are_refused_naming_what_is_wrong():
     # branches: after token 1, tokens 2 and 3 claimed at e^-0.1 and e^-0.2 (sum 1.72)
     said = implausible_claims([_claimed(0, [1, 2], [-0.1, -0.1]), _claimed(0, [1, 3], [-0.1, -0.2])], 50)
     assert said.startswith("completions of prompt 0 branch into 2 tokens") and "1.72" in said
+    branching = [_claimed(0, [1, 2], [-0.1, -0.1]), _claimed(0, [1, 3], [-0.1, -0.2])]
+    assert implausible_claims(branching, 50, branches=False) is None  # top-k / top-p: no branch test
     # the same branches claimed at 0.37 and 0.30, or identical completions at probability 1: possible
     assert implausible_claims([_claimed(0, [1, 2], [-0.1, -1.0]), _claimed(0, [1, 3], [-0.1, -1.2])], 50) is None
     assert implausible_claims([_claimed(0, [1, 2], [0.0, 0.0]), _claimed(0, [1, 2], [0.0, 0.0])], 50) is None

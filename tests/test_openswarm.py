@@ -633,3 +633,22 @@ def test_a_spec_is_shareable_when_it_loads_elsewhere(tmp_path):
     assert shareable("builtin:tiny-s-bpe") and shareable("packaged:smollm2-135m-instruct")
     assert shareable("Qwen/Qwen2.5-0.5B-Instruct")
     assert not shareable(str(tmp_path)) and not shareable("./model") and not shareable("/abs/path")
+
+
+def test_check_joinable_names_the_field_of_what_cannot_join():
+    from ftis_engine.openswarm.member import JoinError, check_joinable
+
+    for overrides, nproc, said in [
+        (["swarm.max_restarts=1"], 1, "swarm.max_restarts: a member of an open swarm comes back with --resume"),
+        (["members.0.samplers=1"], 1, "members.0.samplers"),
+        (["members.0.ranks=2"], 3, "--nproc 3: this member runs on members.0.ranks=2"),
+        (["swarm.mode=sync"], 1, "swarm.mode"),
+    ]:
+        from ftis_engine.config import load_config
+
+        from .helpers import ROOT
+
+        config = load_config(ROOT / "configs/swarm/tiny-s.yaml", overrides)
+        with pytest.raises(JoinError, match=f"^{said}"):
+            check_joinable(config, nproc)
+    check_joinable(load_config(ROOT / "configs/swarm/tiny-s.yaml", ["members.0.ranks=2"]), 2)  # fine

@@ -133,14 +133,15 @@ def surprisal_limit(tokens: int, alpha: float = CLAIM_FALSE_ALARM) -> float:
     return high
 
 
-def implausible_claims(rollouts: list[Rollout], vocab_size: int) -> str | None:
+def implausible_claims(rollouts: list[Rollout], vocab_size: int, branches: bool = True) -> str | None:
     """What no honest generator's claimed log-probs can show, or None (no model needed; false alarms bounded):
 
     - surprisal: a sequence's, or the whole parcel's, mean claimed surprisal -log p over log(2 V) above
       surprisal_limit (a forger claiming every token was improbable, to push its importance weights to the cap);
     - branches: completions of one prompt share a prefix and then differ: their claimed probabilities of the
       different next tokens come from one distribution and sum to at most 1 (+ BRANCH_TOLERANCE) (a forger claiming
-      probability 1 for every token)."""
+      probability 1 for every token). Only with branches (no top-k or top-p: a truncation that rounding moves
+      between two rows renormalises their claims by more than rounding)."""
     floor = math.log(2 * vocab_size)
     total, count = 0.0, 0
     for i, r in enumerate(rollouts):
@@ -156,7 +157,7 @@ def implausible_claims(rollouts: list[Rollout], vocab_size: int) -> str | None:
     by_prompt: dict[int, list[Rollout]] = {}
     for r in rollouts:
         by_prompt.setdefault(r.prompt_index, []).append(r)
-    for prompt, group in by_prompt.items():
+    for prompt, group in by_prompt.items() if branches else ():
         children: dict[tuple[int, int], tuple[int, float]] = {}  # (node, token) -> (child node, least claim)
         branches: dict[int, dict[int, float]] = {}  # node -> token -> least claimed log-prob
         for r in group:
@@ -182,9 +183,10 @@ class RolloutChecker:
 
     def __init__(self, task: Task, tokenizer, vocab_size: int, max_new_tokens: int,
                  foreign: dict[int, object] | None = None, foreign_limit: int | None = None,
-                 check_claims: bool = True):
+                 check_claims: bool = True, branches: bool = True):
         self.task = task
         self.check_claims = check_claims
+        self.branches = branches  # the branch test of the claims (sampling without top-k or top-p)
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_new_tokens = max_new_tokens
@@ -207,7 +209,7 @@ class RolloutChecker:
         validate(rollouts, sender=sender, vocab_size=vocab_size, max_new_tokens=self.max_new_tokens,
                  expected=dealt, num_prompts=len(self.task.train))
         if self.check_claims:
-            problem = implausible_claims(rollouts, vocab_size)
+            problem = implausible_claims(rollouts, vocab_size, self.branches)
             if problem is not None:
                 raise RolloutError(problem)
         unscored = {r.prompt_index for r in rollouts if math.isnan(r.reward)}
@@ -481,19 +483,22 @@ class Admission:
             out.age_seconds += [max(0.0, now - r.made_at) for r in g.rollouts]
 
     def _cap_shares(self, chosen: list[Group], own: int, out: Received) -> set[int]:
-        """defense.max_peer_share: the ids of the groups left out so that no sender supplies more than that share
-        of the update (own sequences and the peers' chosen together). The sender furthest over its cap loses its
+        """defense.max_peer_share: the ids of the groups left out so that no peer supplies more than that share
+        of the update (own sequences, its own samplers' and the peers' chosen together). The sender furthest over its cap loses its
         stalest group (the last admitted of equals) first, until every sender is within it."""
         share = self.config.defense.max_peer_share
         capped: set[int] = set()
         if share is None:
             return capped
+        roles = self.schedule.roles
+        mine = {id(g) for g in chosen if roles[g.sender][0] == self.receiver}  # its own samplers' are its own
         while True:
             kept = [g for g in chosen if id(g) not in capped]
             total = own + sum(g.size for g in kept)
             by_sender: dict[int, list[Group]] = defaultdict(list)
             for g in kept:
-                by_sender[g.sender].append(g)
+                if id(g) not in mine:
+                    by_sender[g.sender].append(g)
             over = {sender: sum(g.size for g in groups) - share * total for sender, groups in by_sender.items()}
             sender, excess = max(over.items(), key=lambda item: (item[1], -item[0]), default=(None, 0.0))
             if sender is None or excess <= 1e-9:

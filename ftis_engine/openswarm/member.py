@@ -63,6 +63,9 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
         raise JoinError(f"--nproc {nproc}: this member runs on members.0.ranks={member.ranks} process(es)")
     if config.swarm.mode != "async":
         raise JoinError("swarm.mode: an open swarm is asynchronous; set swarm.mode=async")
+    if config.swarm.max_restarts:
+        raise JoinError("swarm.max_restarts: a member of an open swarm comes back with --resume --join, not by an "
+                        "elastic restart (its name is held until its lease runs out); set it to 0")
     if config.collaboration != "vertical":
         raise JoinError(f"collaboration: an open swarm is vertical, not {config.collaboration!r}")
 
@@ -209,7 +212,8 @@ class OpenExchange:
         self.source = ""
         self.checker = None  # the receiver's RolloutChecker: peers' tokenizers are registered in its `foreign`
         self.foreign: dict[str, object] = {}  # peer name -> its tokenizer, loaded and checked here
-        self._unloadable: set[str] = set()  # peers of another tokenizer that cannot be loaded here
+        self._unloadable: set[tuple[str, str]] = set()  # (peer, tokenizer hash) that cannot be loaded here
+        self._announced: dict[str, str] = {}  # peer -> the tokenizer hash its loaded tokenizer was checked against
         self.client: SwarmClient | None = None
         self._limit: Limit | None = None
         self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on
@@ -265,7 +269,8 @@ class OpenExchange:
             lead_wait = time.perf_counter() - waited
         newest = None if self.max_lead is None else step - 1 + self.max_lead
         parcels = self.mailbox.take_due(step, time.time(), newest)
-        dropped, self._dropped_seen = self.client.dropped - self._dropped_seen, self.client.dropped
+        total = self.client.dropped  # read once: the I/O thread adds to it
+        dropped, self._dropped_seen = total - self._dropped_seen, total
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
                         outbox_dropped=dropped)
@@ -283,8 +288,10 @@ class OpenExchange:
         return [self.book.number(name) for name in self._live() if name == self.name or self._trained_on(name)]
 
     def _trained_on(self, name: str) -> bool:
-        """A peer this member trains on: its tokenizer, or one loaded and checked here."""
-        return self._live().get(name, {}).get("tokenizer") == self.tokenizer or name in self.foreign
+        """A peer this member trains on: its tokenizer, or one loaded and checked here (parcels that arrive before
+        the receiver's next step loads a new peer's tokenizer are not trained on: foreign_refused)."""
+        announced = self._live().get(name, {}).get("tokenizer")
+        return announced == self.tokenizer or (name in self.foreign and self._announced.get(name) == announced)
 
     def _load_foreign(self) -> None:
         """Load (main thread) the tokenizers of live peers of another tokenizer not seen before."""
@@ -294,7 +301,12 @@ class OpenExchange:
 
         for name, view in self._live().items():
             announced = view.get("tokenizer")
-            if name == self.name or announced == self.tokenizer or name in self.foreign or name in self._unloadable:
+            number = self.book.number(name)
+            if name in self.foreign and self._announced.get(name) != announced:  # a new holder of the name
+                del self.foreign[name]
+                self.checker.foreign.pop(number, None)
+            if name == self.name or announced == self.tokenizer or name in self.foreign or \
+                    (name, announced) in self._unloadable:
                 continue
             source, problem = view.get("source") or "", None
             if not isinstance(source, str) or not shareable(source):
@@ -308,11 +320,11 @@ class OpenExchange:
                     if vocabulary_hash(tokenizer) != announced:
                         problem = f"{source!r} loads here as another tokenizer than the one it joined with"
             if problem is not None:
-                self._unloadable.add(name)
+                self._unloadable.add((name, announced))
                 log.warning("%s: peer %s has another tokenizer and is not trained on: %s", self.name, name, problem)
                 continue
-            self.checker.foreign[self.book.number(name)] = tokenizer
-            self.foreign[name] = tokenizer
+            self.checker.foreign[number] = tokenizer
+            self.foreign[name], self._announced[name] = tokenizer, announced
 
     def _published(self) -> dict[str, int]:
         """Each live peer's newest published step: its parcels, or the coordinator's word."""
