@@ -531,30 +531,40 @@ def test_a_member_on_two_ranks_joins_and_trains_with_a_one_rank_member(tmp_path)
     leader holds the swarm client and hands its shard what it admitted) and tiny-m-lora on one: each trains on the
     other's rollouts, nothing is rejected, and both end with exit code 0."""
     steps = 6
+    jobs = {"tiny-s": ("tiny-s", ["members.0.ranks=2"]), "tiny-m-lora": ("tiny-m-lora", [])}
+    _two_members(tmp_path, steps, jobs)
+    for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
+        records = _train_records(tmp_path, me)
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), me  # the leader reports, once a step
+        assert all(r["rejected_batches"] == 0 for r in records)
+        got = [sorted(r["received_sha256"]) for r in records]
+        # parcels sent before a member joined never reach it (no backlog): the first steps may have none
+        assert sum(any(k.startswith(f"{peer}@") for k in keys) for keys in got) >= 2, (me, got)
+    assert "rank layout" in (tmp_path / "tiny-s.log").read_text()
+
+
+def _two_members(tmp_path, steps, jobs, source="", joined=None):
+    """Two member jobs (name -> (its config in configs/swarm, overrides)) around a coordinator in this process; a
+    metronome (tokenizer source `source`) holds them until both have joined, then `joined(metronome)` checks the
+    live members' view and the members are let go; both must end with exit code 0."""
     coordinator = Coordinator(_shared_for(steps), lease_s=600.0, max_body=1 << 22,
                               log_path=tmp_path / "coordinator.jsonl")
     running = Running(coordinator=coordinator)
-    metronome = SwarmClient(running.address, "metronome", *_member_hashes(steps), 1 << 22, lambda *args: None)
+    metronome = SwarmClient(running.address, "metronome", *_member_hashes(steps), 1 << 22, lambda *args: None,
+                            source=source)
     metronome.start(timeout=30)
     procs = []
     try:
-        for name, extra in (("tiny-s", ["members.0.ranks=2"]), ("tiny-m-lora", [])):
+        for name, (config, extra) in jobs.items():
             log = open(tmp_path / f"{name}.log", "w")
-            procs.append(subprocess.Popen(_member_args(tmp_path, name, running.address, steps, *extra), stdout=log,
+            procs.append(subprocess.Popen(_member_args(tmp_path, config, running.address, steps, *extra), stdout=log,
                                           stderr=subprocess.STDOUT))
-        until(lambda: {"tiny-s", "tiny-m-lora"} <= set(metronome.members()), "both to join", timeout=300)
+        until(lambda: set(jobs) <= set(metronome.members()), "both to join", timeout=300)
+        if joined is not None:
+            joined(metronome)
         metronome.step = steps
         for p in procs:
             assert p.wait(600) == 0, [f.read_text()[-2000:] for f in tmp_path.glob("*.log")]
-        metronome.close()
-        for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
-            records = _train_records(tmp_path, me)
-            assert [r["step"] for r in records] == list(range(1, steps + 1)), me  # the leader reports, once a step
-            assert all(r["rejected_batches"] == 0 for r in records)
-            got = [sorted(r["received_sha256"]) for r in records]
-            # parcels sent before a member joined never reach it (no backlog): the first steps may have none
-            assert sum(any(k.startswith(f"{peer}@") for k in keys) for keys in got) >= 2, (me, got)
-        assert "rank layout" in (tmp_path / "tiny-s.log").read_text()
     finally:
         metronome.close()
         for p in procs:
@@ -588,43 +598,29 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     assert fresh.live == {}
 
 
+
 @pytest.mark.slow
 def test_members_of_two_tokenizers_train_on_each_others_text(tmp_path):
     """tiny-s (the character tokenizer) and tiny-bpe (the same shapes with the BPE tokenizer), each announcing
     where its tokenizer loads from (builtin:...): each loads the other's, checks its hash and trains on its
     rollouts re-encoded as text (foreign_sequences), nothing rejected, exit code 0 for both."""
     steps = 6
-    coordinator = Coordinator(_shared_for(steps), lease_s=600.0, max_body=1 << 22,
-                              log_path=tmp_path / "coordinator.jsonl")
-    running = Running(coordinator=coordinator)
-    metronome = SwarmClient(running.address, "metronome", *_member_hashes(steps), 1 << 22, lambda *args: None,
-                            source="builtin:tiny-s")
-    metronome.start(timeout=30)
-    procs = []
-    try:
-        for name, extra in (("tiny-s", []), ("tiny-bpe", ["members.0.model=builtin:tiny-s-bpe",
-                                                           "members.0.name=tiny-bpe", "run_name=tiny-bpe"])):
-            log = open(tmp_path / f"{name}.log", "w")
-            args = _member_args(tmp_path, "tiny-s", running.address, steps, *extra)
-            procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
-        until(lambda: {"tiny-s", "tiny-bpe"} <= set(metronome.members()), "both to join", timeout=300)
-        assert metronome.members()["tiny-bpe"]["source"] == "builtin:tiny-s-bpe"
-        assert metronome.members()["tiny-bpe"]["tokenizer"] != metronome.members()["tiny-s"]["tokenizer"]
-        metronome.step = steps
-        for p in procs:
-            assert p.wait(600) == 0, [f.read_text()[-2000:] for f in tmp_path.glob("*.log")]
-        metronome.close()
-        for me, peer in (("tiny-s", "tiny-bpe"), ("tiny-bpe", "tiny-s")):
-            records = _train_records(tmp_path, me)
-            assert [r["step"] for r in records] == list(range(1, steps + 1)), me
-            assert all(r["rejected_batches"] == 0 and r["foreign_refused"] == 0 for r in records), me
-            assert sum(r["foreign_sequences"] for r in records) > 0, me
-            assert any(k.startswith(f"{peer}@") for r in records for k in r["received_sha256"]), me
-    finally:
-        metronome.close()
-        for p in procs:
-            p.kill()
-        running.close()
+    jobs = {"tiny-s": ("tiny-s", []),
+            "tiny-bpe": ("tiny-s", ["members.0.model=builtin:tiny-s-bpe", "members.0.name=tiny-bpe",
+                                    "run_name=tiny-bpe"])}
+
+    def joined(metronome):
+        view = metronome.members()
+        assert view["tiny-bpe"]["source"] == "builtin:tiny-s-bpe"
+        assert view["tiny-bpe"]["tokenizer"] != view["tiny-s"]["tokenizer"]
+
+    _two_members(tmp_path, steps, jobs, source="builtin:tiny-s", joined=joined)
+    for me, peer in (("tiny-s", "tiny-bpe"), ("tiny-bpe", "tiny-s")):
+        records = _train_records(tmp_path, me)
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), me
+        assert all(r["rejected_batches"] == 0 and r["foreign_refused"] == 0 for r in records), me
+        assert sum(r["foreign_sequences"] for r in records) > 0, me
+        assert any(k.startswith(f"{peer}@") for r in records for k in r["received_sha256"]), me
 
 
 def test_a_spec_is_shareable_when_it_loads_elsewhere(tmp_path):

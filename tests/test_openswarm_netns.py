@@ -69,6 +69,22 @@ class Members:
         return [f.read_text()[-1500:] for f in sorted(self.tmp_path.glob("tiny-*.log"))]
 
 
+def steps_of(tmp_path, name):
+    from .test_openswarm import _train_records
+
+    return len(_train_records(tmp_path, name))
+
+
+def start_swarm(lab, tmp_path, steps):
+    """`swarm serve` on the coord host (lease 5 s), the metronome, and the Members of this lab."""
+    from .test_openswarm import until
+
+    coordinator = serve(lab, tmp_path, steps, 0, lease_s=5)
+    until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
+          "the coordinator", timeout=120)
+    return coordinator, metronome_for(lab, steps), Members(lab, tmp_path, steps)
+
+
 def metronome_for(lab, steps):
     """A live member of the same tokenizer that sends no rollouts, on this test process's own link: the members
     stay within swarm.max_lead=2 of the step the test lets it publish (tiny steps take a fraction of a second)."""
@@ -137,31 +153,24 @@ def test_across_hosts_a_killed_member_rejoins_and_a_newcomer_over_a_lossy_link_i
 
     steps = 30
 
-    def steps_of(name):
-        return len(_train_records(tmp_path, name))
-
     hosts = {"coord": Link(), "tiny-s": Link(), "tiny-m-lora": Link(), "tiny-l": Link(delay_ms=200, loss=0.05)}
     with NetLab(hosts) as lab:
-        coordinator = serve(lab, tmp_path, steps, 0, lease_s=5)
-        until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
-              "the coordinator", timeout=120)
-        metronome = metronome_for(lab, steps)
-        members = Members(lab, tmp_path, steps)
+        coordinator, metronome, members = start_swarm(lab, tmp_path, steps)
         try:
             a = members.start("tiny-s")
             b = members.start("tiny-m-lora")
             metronome.step = 3  # the members may step up to 5
-            until(lambda: steps_of("tiny-m-lora") >= 5, "tiny-m-lora's step 5", timeout=300)
+            until(lambda: steps_of(tmp_path, "tiny-m-lora") >= 5, "tiny-m-lora's step 5", timeout=300)
             os.kill(b.pid, signal.SIGKILL)
             b.wait(10)
-            killed_at = steps_of("tiny-m-lora")
+            killed_at = steps_of(tmp_path, "tiny-m-lora")
             until(lambda: "tiny-m-lora" not in live(tmp_path), "tiny-m-lora's lease to expire")
             metronome.step = 8
-            until(lambda: steps_of("tiny-s") >= 10, "tiny-s to step on without it", timeout=300)
+            until(lambda: steps_of(tmp_path, "tiny-s") >= 10, "tiny-s to step on without it", timeout=300)
             b = members.start("tiny-m-lora", resume=True)
             until(lambda: "tiny-m-lora" in live(tmp_path), "tiny-m-lora to rejoin", timeout=300)
             metronome.step = 13
-            until(lambda: steps_of("tiny-s") >= 15, "tiny-s's step 15", timeout=300)
+            until(lambda: steps_of(tmp_path, "tiny-s") >= 15, "tiny-s's step 15", timeout=300)
             c = members.start("tiny-l")  # over 200 ms and 5% loss each way
             until(lambda: "tiny-l" in live(tmp_path), "tiny-l to join", timeout=300)
             metronome.step = steps
@@ -194,24 +203,18 @@ def test_across_hosts_the_coordinator_killed_and_restarted_members_wait_rejoin_a
 
     steps = 16
 
-    def steps_of(name):
-        return len(_train_records(tmp_path, name))
-
     hosts = {"coord": Link(delay_ms=20), "tiny-s": Link(delay_ms=20), "tiny-m-lora": Link(delay_ms=50, loss=0.02)}
     with NetLab(hosts) as lab:
-        coordinator = serve(lab, tmp_path, steps, 0, lease_s=5)
-        until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
-              "the coordinator", timeout=120)
-        metronome = metronome_for(lab, steps)
-        members = Members(lab, tmp_path, steps)
+        coordinator, metronome, members = start_swarm(lab, tmp_path, steps)
         try:
             a = members.start("tiny-s")
             b = members.start("tiny-m-lora")
             metronome.step = 3
-            until(lambda: steps_of("tiny-s") >= 5 and steps_of("tiny-m-lora") >= 5, "both at step 5", timeout=300)
+            until(lambda: min(steps_of(tmp_path, name) for name in ("tiny-s", "tiny-m-lora")) >= 5, "both at step 5",
+                  timeout=300)
             coordinator.kill()
             coordinator.wait(10)
-            down_at = {name: steps_of(name) for name in ("tiny-s", "tiny-m-lora")}
+            down_at = {name: steps_of(tmp_path, name) for name in ("tiny-s", "tiny-m-lora")}
             metronome.step = steps  # nothing holds them now but the coordinator's absence
             time.sleep(3)
             coordinator = serve(lab, tmp_path, steps, 1, lease_s=5)
