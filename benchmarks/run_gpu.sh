@@ -11,9 +11,10 @@
 set -uo pipefail
 out="${RESULTS:-benchmarks/results/gpu}"
 mkdir -p "$out"
-if [ -d .whl ]; then  # Liger-Kernel and Cut Cross-Entropy carried as wheels (pure Python)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+if [ -d .whl ]; then  # Liger-Kernel, Cut Cross-Entropy, torchao... carried as wheels (kept in /tmp/site while warm)
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
 fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site
 # the packages from the working tree without installing it (ftis_kernels lives in kernels/)
 mkdir -p /tmp/ftis-src && ln -sfn "$PWD/kernels" /tmp/ftis-src/ftis_kernels && ln -sfn "$PWD/ftis_engine" /tmp/ftis-src/ftis_engine
 export PYTHONPATH="$PWD:/tmp/ftis-src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
@@ -34,10 +35,26 @@ for stage in "${stages[@]}"; do
     kernels) python3 benchmarks/kernels.py --dims 1536 --tokens 4096 16384 65536 --output "$out/kernels" ;;
     kernels-16k) python3 benchmarks/kernels.py --dims 1536 --tokens 16384 --output "$out/kernels" ;;
     update) python3 benchmarks/update.py --output "$out/update" ;;
-    grid-1.5b|grid-3b)  # every attention with every way of running the layers, the fused path; merged into
-      python3 benchmarks/update.py --models "${stage#grid-}" --paths fused --repeats 3 \
-        --attn sdpa flex_attention varlen --layers eager liger compile liger+compile \
-        --output "$out/update-$stage" --update-step "$out/update_step.json" ;;
+    grid-1.5b|grid-3b)  # the landed precision (float32 masters, bf16 autocast), fused path: sdpa eager as the
+      # before, then varlen and flex_attention with every way of running the layers; the memory-saving mode (bfloat16
+      # masters) with varlen and liger+compile. Merged into update_step.json after every run; GRID_LIMIT s at most.
+      m="${stage#grid-}"
+      timeout -k 10 "${GRID_LIMIT:-480}" bash -c "
+        python3 benchmarks/update.py --models $m --paths fused --repeats 3 --attn sdpa --layers eager \
+          --output $out/update-$stage-sdpa --update-step $out/update_step.json;
+        python3 benchmarks/update.py --models $m --paths fused --repeats 3 --attn varlen flex_attention \
+          --layers eager liger compile liger+compile --output $out/update-$stage --update-step $out/update_step.json;
+        python3 benchmarks/update.py --models $m --paths fused --repeats 3 --masters bfloat16 --attn varlen \
+          --layers liger+compile --output $out/update-$stage-bf16 --update-step $out/update_step.json" ;;
+    varlen-1.5b|varlen-3b)  # torch's varlen kernel with float32 masters (fixed after grid-1.5b) and bf16 masters
+      m="${stage#varlen-}"
+      timeout -k 10 "${GRID_LIMIT:-480}" bash -c "
+        python3 benchmarks/update.py --models $m --paths fused --repeats 3 --attn sdpa varlen --layers eager \
+          --output $out/update-$stage-eager --update-step $out/update_step.json;
+        python3 benchmarks/update.py --models $m --paths fused --repeats 3 --attn varlen --layers compile liger \
+          --output $out/update-$stage --update-step $out/update_step.json;
+        python3 benchmarks/update.py --models $m --paths fused --repeats 3 --masters bfloat16 --attn varlen \
+          --layers compile --output $out/update-$stage-bf16 --update-step $out/update_step.json" ;;
     exchange) python3 benchmarks/exchange.py --processes 2 --output "$out/exchange-gpu.json" ;;
     *) echo "unknown stage $stage"; false ;;
   esac 2>&1 | tee "$out/$stage.log"

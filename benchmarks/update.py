@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from ftis_engine import layers  # noqa: E402
+from ftis_engine import layers, precision  # noqa: E402
 from ftis_engine.config import MemberSettings, TrainSettings  # noqa: E402
 from ftis_engine.errors import first_line  # noqa: E402
 from ftis_engine.members import Member, attention_implementation, enable_checkpointing  # noqa: E402
@@ -63,20 +63,24 @@ LAYERS = [mode for mode in layers.CHOICES if mode != "auto"]
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype, attn: str, checkpointing: bool = False,
-          layer_mode: str = "eager"):
+          layer_mode: str = "eager", master: str = "float32"):
+    """A member as the trainer builds one: parameters in the master dtype (float32 masters under bf16 autocast, the
+    landed mixed precision; or bfloat16 parameters stepped by torchao's stochastic-rounding AdamW, the
+    memory-saving mode), computing in `dtype`."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     attn = attention_implementation(attn, device)  # registers varlen with transformers
     layer_mode = layers.resolve(layer_mode, device)
+    master_dtype = precision.master_dtype(master) if dtype != torch.float32 else torch.float32
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6, attn_implementation=attn)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(dtype)
+        model = Qwen2ForCausalLM(config).to(master_dtype)
     model.train()
     layers.fuse(model, layer_mode)  # as the trainer does: Liger first, then recompute, then compilation
     if checkpointing:  # activations of one layer at a time: what RL trainers run 1.5B+ models with
         enable_checkpointing(model)
     layers.compile_layers(model, layer_mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = precision.make_optimizer(list(model.parameters()), "adamw", 1e-6, (0.9, 0.999), 0.0, master_dtype)
     settings = MemberSettings(name=f"qwen2.5-{shape}", model="benchmark")
     return Member(0, settings, model, None, optimizer, None, device, dtype)
 
@@ -95,8 +99,9 @@ def batch(vocab: int, sequences: int, prompt_len: int, completion_len: int, seed
 def logits_path_loss(member: Member, packed) -> torch.Tensor:
     """The model's own logits for the packed row, log_softmax, the same F-TIS objective."""
     device = member.device
-    out = member.model(input_ids=packed.input_ids[None].to(device), position_ids=packed.position_ids[None].to(device),
-                       use_cache=False)
+    with member.autocast():
+        out = member.model(input_ids=packed.input_ids[None].to(device),
+                           position_ids=packed.position_ids[None].to(device), use_cache=False)
     logits = out.logits[0, packed.target_rows.to(device)].float() / CONFIG.temperature
     logp = torch.log_softmax(logits, -1)
     token = logp.gather(1, packed.targets[:, None].to(device)).squeeze(1)
@@ -126,11 +131,13 @@ def model_flops_per_token(member: Member, context: int) -> float:
     return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
 
 
-def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dtype, peak_tflops: float | None) -> dict:
+def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dtype, peak_tflops: float | None,
+            master: str = "float32") -> dict:
     row = {"model": shape, "attention": attn, "layers": layer_mode, "path": path, "sequences": args.sequences,
+           "precision": f"{master} masters, {str(dtype).removeprefix('torch.')} compute",
            "prompt_len": args.prompt_len, "completion_len": args.completion_len, "checkpointing": args.checkpointing}
     try:
-        member = build(shape, device, dtype, attn, args.checkpointing, layer_mode)
+        member = build(shape, device, dtype, attn, args.checkpointing, layer_mode, master)
         packed = pack(batch(member.model.config.vocab_size, args.sequences, args.prompt_len, args.completion_len))
         tokens = packed.input_ids.numel()
         start = time.perf_counter()
@@ -190,6 +197,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--layers", nargs="+", default=["eager"], choices=LAYERS,
                         help="how the decoder layers run (train.layers): each one is measured")
     parser.add_argument("--paths", nargs="+", default=["fused", "logits"], choices=["fused", "logits"])
+    parser.add_argument("--masters", nargs="+", default=["float32"], choices=["float32", "bfloat16"],
+                        help="what the parameters are held in on a GPU: float32 masters under bf16 autocast (the "
+                             "trainer's default) and/or bfloat16 (members.N.master_dtype=bfloat16: torchao's AdamW)")
     parser.add_argument("--strict", action="store_true", help="stop at the first configuration that fails")
     parser.add_argument("--update-step", type=pathlib.Path, default=None,
                         help="merge the runs into this JSON list (default on a GPU: update_step.json beside --output)")
@@ -206,44 +216,48 @@ def main(argv=None) -> list[dict]:
     if args.quick:
         args.models, args.sequences, args.prompt_len, args.completion_len, args.repeats = ["tiny"], 4, 16, 24, 2
     peak = args.peak_tflops if device.type == "cuda" else None
+    meta = {"command": "python benchmarks/update.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "torch": torch.__version__, "cpus": os.cpu_count(), "peak_tflops": peak}
+    target = args.update_step or (args.output.parent / "update_step.json" if device.type == "cuda" else None)
     rows = []
+    masters = args.masters if device.type == "cuda" else ["float32"]
     for shape in args.models:
-        for attn in args.attn:
-            for layer_mode in args.layers:
-                for path in args.paths:
-                    rows.append(measure(shape, path, attn, layer_mode, args, device, dtype, peak))
-                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
-    lines = [("| model | attention | layers | path | tokens | tokens/s | achieved TFLOP/s | MFU | peak GiB | "
-              "first update s | speed vs logits | memory vs logits |"), "|---" * 12 + "|"]
+        for master in masters:
+            for attn in args.attn:
+                for layer_mode in args.layers:
+                    for path in args.paths:
+                        rows.append(measure(shape, path, attn, layer_mode, args, device, dtype, peak, master))
+                        print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+                        if target is not None:  # after every run: a call stopped at its limit keeps what it measured
+                            merge_update_step(target, rows[-1:], meta)
+    lines = [("| model | precision | attention | layers | path | tokens | tokens/s | achieved TFLOP/s | MFU | peak GiB | "
+              "first update s | speed vs logits | memory vs logits |"), "|---" * 13 + "|"]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['model']} | {r['attention']} | {r['layers']} | {r['path']} | skipped: {r['skipped']} "
-                         "| | | | | | | |")
+            lines.append(f"| {r['model']} | {r['precision']} | {r['attention']} | {r['layers']} | {r['path']} | "
+                         f"skipped: {r['skipped']} | | | | | | | |")
             continue
         other = next((o for o in rows if o["model"] == r["model"] and o["attention"] == r["attention"]
+                      and o["precision"] == r["precision"]
                       and o["layers"] == r["layers"] and o["path"] == "logits" and "seconds" in o), None)
         speed = f"{other['seconds'] / r['seconds']:.2f}x" if other else "n/a"
         mem = f"{r['peak_gib'] / other['peak_gib']:.2f}" if other and "peak_gib" in r else "n/a"
         mfu = f"{100 * r['mfu']:.1f}%" if "mfu" in r else "n/a"
         peak_gib = f"{r['peak_gib']:.1f}" if "peak_gib" in r else "n/a"
-        lines.append(f"| {r['model']} | {r['attention']} | {r['layers']} | {r['path']} | {r['tokens']} | "
+        lines.append(f"| {r['model']} | {r['precision']} | {r['attention']} | {r['layers']} | {r['path']} | {r['tokens']} | "
                      f"{r['tokens_per_s']:,.0f} | {r['achieved_tflops']:.2f} | {mfu} | {peak_gib} | "
                      f"{r['first_update_s']:.1f} | {speed} | {mem} |")
     table = "\n".join(lines)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/update.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__, "cpus": os.cpu_count(), "peak_tflops": peak}
     args.output.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     args.output.with_suffix(".md").write_text(f"`{meta['command']}` on {meta['device']}\n\n{table}\n")
-    target = args.update_step or (args.output.parent / "update_step.json" if device.type == "cuda" else None)
-    if target is not None:
-        merge_update_step(target, rows, meta)
     return rows
 
 
-KEY = ("device", "model", "attention", "layers", "path", "sequences", "prompt_len", "completion_len", "checkpointing")
+KEY = ("device", "model", "precision", "attention", "layers", "path", "sequences", "prompt_len", "completion_len",
+       "checkpointing")
 
 
 def merge_update_step(path: pathlib.Path, rows: list[dict], meta: dict) -> list[dict]:

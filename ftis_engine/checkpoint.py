@@ -20,6 +20,7 @@ import shutil
 import torch
 
 from .placement import full_state_dict, local
+from . import precision
 from .precision import master_dtype
 from .update import DivergenceError, weights_finite
 
@@ -95,8 +96,8 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
 def apply_step_size(member) -> None:
     """A restored optimizer's learning rate and weight decay are the config's (a resume may lower them after a
     divergence; load_state_dict would bring back the saved ones)."""
+    precision.set_lr(member.optimizer, member.settings.lr)
     for group in member.optimizer.param_groups:
-        group["lr"] = member.settings.lr
         group["weight_decay"] = member.settings.weight_decay
 
 

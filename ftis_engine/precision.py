@@ -51,6 +51,21 @@ def make_optimizer(params: list[torch.nn.Parameter], kind: str, lr: float, betas
     return cls(params, lr=lr, betas=betas, weight_decay=weight_decay)
 
 
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate. torchao's AdamW keeps it as a tensor (so that its compiled step
+    does not recompile when it changes) and refuses a float in its place: fill that tensor instead."""
+    for group in optimizer.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+
+def get_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The first parameter group's learning rate, as a float (torchao's AdamW holds it as a tensor)."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
 def compute_dtype(setting: str, device: torch.device) -> torch.dtype:
     """members.N.dtype: auto is bfloat16 on a GPU and float32 on the CPU; bfloat16 on the CPU computes in bf16
     under CPU autocast (the GPU's precision, tested where no GPU is)."""

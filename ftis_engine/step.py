@@ -28,6 +28,7 @@ from .generation import sample
 from .members import Member
 from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
 from .rewards import RewardTimeout
+from . import precision
 from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .schedule import learning_rate
@@ -75,7 +76,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         watch.seconds["lead_wait_seconds"] += arrivals.lead_wait_seconds
         watch.seconds["exchange_seconds"] += arrivals.seconds
         record = train_record(step, member.name, own[index], trained, stats, watch,
-                              member.optimizer.param_groups[0]["lr"], sent[index], buffer_digest(buffers[index]))
+                              precision.get_lr(member.optimizer), sent[index], buffer_digest(buffers[index]))
         record.update(reward_terms(swarm, member, own[index]))
         record.update(got.metrics(), unscored_dropped=unscored, in_flight=arrivals.waiting,
                       outbox_dropped=arrivals.outbox_dropped, forged_sent=forged[index],
@@ -190,8 +191,8 @@ def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> d
     train = swarm.config.train
     passes = train.epochs * train.mini_batches
     bar = swarm.progress.start(f"{member.name}: update", passes * sum(it.rollout.num_tokens for it in items))
-    for group in member.optimizer.param_groups:  # the schedule's rate for this step (a pure function of it)
-        group["lr"] = learning_rate(swarm.config, member.index, step)
+    # the schedule's rate for this step (a pure function of it)
+    precision.set_lr(member.optimizer, learning_rate(swarm.config, member.index, step))
     try:
         stats = update_member(member, items, swarm.loss_config, train.micro_batch_tokens, train.backend,
                               on_micro_batch=lambda k: swarm.progress.advance(bar, k), epochs=train.epochs,

@@ -98,3 +98,23 @@ def test_varlen_needs_a_cuda_gpu():
 
     with pytest.raises(ConfigError, match="^train.attn_implementation: varlen"):
         attention_implementation("varlen", torch.device("cpu"))
+
+
+def test_auto_picks_torchs_varlen_kernel_on_a_gpu_where_torch_has_it_and_sdpa_on_the_cpu(monkeypatch):
+    """train.attn_implementation auto: flash_attention_2 where installed, else varlen where this torch has it (2.1x
+    sdpa's update on an H100), else sdpa; on the CPU always sdpa. Decided without a GPU: the choice reads the
+    device's type only."""
+    import importlib.util
+
+    from ftis_engine.members import attention_implementation
+
+    cuda = torch.device("cuda")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real(name, *a))
+    assert attention_implementation("auto", torch.device("cpu")) == "sdpa"
+    monkeypatch.setattr(attention, "available", lambda: True)
+    assert attention_implementation("auto", cuda) == attention.NAME
+    monkeypatch.setattr(attention, "available", lambda: False)
+    assert attention_implementation("auto", cuda) == "sdpa"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real(name, *a))
+    assert attention_implementation("auto", cuda) == "flash_attention_2"

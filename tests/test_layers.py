@@ -118,6 +118,7 @@ def test_a_model_without_a_layers_list_is_not_compiled_and_needs_no_layers():
 def test_auto_is_eager_and_bad_choices_name_the_field(monkeypatch):
     cpu = torch.device("cpu")
     assert layers.resolve("auto", cpu) == "eager"
+    assert layers.resolve("auto", torch.device("cuda")) == "compile"  # measured fastest on an H100 (issue 27)
     assert layers.resolve("compile", cpu) == "compile"
     with pytest.raises(ConfigError, match="^train.layers: 'fast' is not one of"):
         layers.resolve("fast", cpu)
