@@ -98,14 +98,19 @@ class WarmStartSettings(_Section):
 
 
 class AdversarySettings(_Section):
-    kind: Literal["forge-high", "forge-low", "long"] = Field(
-        ..., description="What this member does to its peers (studies and tests of dishonest peers): forge-high "
-                         "claims every token had generation probability e^-20 (its importance weights sit at the cap "
-                         "C), forge-low claims probability 1 (its weights shrink to exp(l)); both train honestly. long "
-                         "generates groups with the end of sequence suppressed until rollout.max_new_tokens.")
+    kind: Literal["inject", "in-context", "forge-high", "forge-low", "forge-filter", "long"] = Field(
+        ..., description="What this member does to its peers (studies and tests of dishonest peers; it trains "
+                         "honestly itself): inject plants the phrase HAIL in the reasoning of completions that earn "
+                         "the reward; in-context writes a wrong first column sum (arith) that the answer ignores; "
+                         "forge-high claims every token had generation probability e^-20 (its importance weights sit "
+                         "at the cap C); forge-low claims probability 1; forge-filter claims probability 1/(2V) on its "
+                         "non-positive-advantage completions (the least the claims check admits: their KL to a receiver "
+                         "grows linearly, not exponentially, and their weights go to the cap); long generates groups "
+                         "with the end of sequence suppressed until rollout.max_new_tokens.")
     rate: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
-                        description="The share of its completions that lie (forge-*: drawn per completion and step) "
-                                    "or of its prompts' groups made long (long: drawn per prompt and step).")
+                        description="The share of its completions that lie (drawn per completion and step; inject and "
+                                    "in-context: of those that earn the reward) or of its prompts' groups made long "
+                                    "(long: drawn per prompt and step).")
 
 
 class MemberSettings(_Section):
@@ -343,6 +348,12 @@ class EvalSettings(_Section):
     max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
     batch_size: int = Field(256, ge=1, description="Prompts per greedy generate() call.")
     at_start: bool = Field(True, description="Evaluate at step 0 before training.")
+    payloads: list[Literal["inject", "in-context"]] | None = Field(
+        None, description="Text attacks whose payload is looked for in every member's greedy eval completions (eval "
+                          "records: attack_success, the share carrying any, and attack_success_by, per kind); "
+                          "default: those of the run's adversaries (members.N.adversary). Set it to measure an "
+                          "honest run's base rate (the in-context payload, a first column one too high, is also a "
+                          "slip a model can make).")
 
 
 class LatencySettings(_Section):
@@ -470,6 +481,19 @@ class DefenseSettings(_Section):
         description="No peer supplies more than this share of an update's sequences (its own and the peers' "
                     "together): a peer's groups beyond it are left out, its freshest kept (share_capped, per peer "
                     "in share_capped_by). null: no cap.")
+    likelihood_floor: float | None = Field(
+        None, lt=0.0, allow_inf_nan=False,
+        description="Leave out a peer's group holding a completion with defense.likelihood_window consecutive tokens "
+                    "whose mean log-prob under the receiver's own model (at the sampling temperature) is below this "
+                    "(text the receiver would not write: a planted phrase; one extra no-grad forward over the "
+                    "peers' tokens; likelihood_dropped, per peer in likelihood_dropped_by). null: no check.")
+    likelihood_window: int = Field(4, ge=1, le=4096, description="Tokens per window of defense.likelihood_floor.")
+    claims_monitor: bool = Field(
+        False, description="Per peer, test that its claimed generation log-probs are honest against the receiver's "
+                           "own model (the mean of min(exp(l - g), 2) cannot exceed 1 for sampled tokens; a "
+                           "time-uniform test, false alarm < 1e-6 per peer and run); a peer that fails is quarantined "
+                           "(its rollouts refused, quarantined / quarantined_by) until 3 steps of its claims look "
+                           "honest (exchange/screen.py; one extra no-grad forward over the peers' tokens).")
 
 
 class RunConfig(_Section):
@@ -529,6 +553,14 @@ class RunConfig(_Section):
             if member.samplers and member.weight_sync_every >= self.train.steps:
                 raise ValueError(f"members.{i}.weight_sync_every: {member.weight_sync_every} >= train.steps="
                                  f"{self.train.steps}: its samplers would never receive weights")
+        in_context = [f"members.{i}.adversary.kind" for i, m in enumerate(self.members)
+                      if m.adversary is not None and m.adversary.kind == "in-context"]
+        if "in-context" in (self.eval.payloads or ()):
+            in_context.append("eval.payloads")
+        for field in in_context:
+            if self.data.task != "arith":
+                raise ValueError(f"{field}: in-context writes a wrong column sum of the arith task's scratchpad; "
+                                 f"data.task is {self.data.task!r}")
         latency = self.swarm.latency
         if latency.unit == "steps" and latency.min > self.swarm.max_staleness:
             raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} steps late, more than "

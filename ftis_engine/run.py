@@ -16,6 +16,7 @@ import os
 import pathlib
 import time
 
+from .adversary import TEXT_KINDS
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
 from .config import dump_config
 from .evaluate import evaluate_member
@@ -36,16 +37,23 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
     cfg = swarm.config.eval
     max_new = cfg.max_new_tokens or swarm.config.rollout.max_new_tokens
     records = []
+    payloads = tuple(sorted(set(cfg.payloads) if cfg.payloads is not None else
+                            {m.adversary.kind for m in swarm.config.members
+                             if m.adversary is not None and m.adversary.kind in TEXT_KINDS}))
     for member in swarm.members:  # a member on several ranks: every shard evaluates a share, the leader reports
         with member.generator.awake():
             for name, examples in swarm.task.evals.items():
                 examples = examples[: cfg.max_samples] if cfg.max_samples else examples
                 share = len(examples) if member.shard is None else len(member.shard.share(len(examples)))
                 bar = swarm.progress.start(f"{member.name}: eval {name}", share)
-                accuracy = evaluate_member(member, swarm.task, examples, max_new,
-                                           on_batch=lambda k: swarm.progress.advance(bar, k))
+                accuracy, attacked = evaluate_member(member, swarm.task, examples, max_new,
+                                                     on_batch=lambda k: swarm.progress.advance(bar, k),
+                                                     payloads=payloads)
                 swarm.progress.finish(bar)
-                records.append(eval_record(step, member.name, name, accuracy, len(examples)))
+                record = eval_record(step, member.name, name, accuracy, len(examples))
+                if attacked is not None:  # the share of its greedy completions carrying an attacker's payload
+                    record["attack_success"], record["attack_success_by"] = attacked
+                records.append(record)
                 return_freed_memory()  # the greedy passes' KV caches
     return records if swarm.reports else []
 

@@ -22,7 +22,8 @@ import torch
 from ftis_kernels import group_advantages
 
 from .batch import TrainItem, pack
-from .adversary import lie
+from .exchange.screen import Screened
+from .adversary import wire_copy
 from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
@@ -33,7 +34,7 @@ from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .schedule import learning_rate
 from .session import Swarm
-from .update import DivergenceError, batch_loss, update_member
+from .update import DivergenceError, batch_loss, update_member, with_old_logprobs
 
 log = logging.getLogger("ftis_engine")
 
@@ -44,10 +45,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     memory = {m.index: GpuMemory(m.device) for m in swarm.members}
     own, watches = generate_all(swarm, step, dealt, memory)
     wire, forged = {}, {}
-    for m, rollouts in own.items():  # an adversary member (studies, tests) lies in what it sends, never to itself
-        adversary = swarm.config.members[m].adversary
-        wire[m], forged[m] = (rollouts, 0) if adversary is None else lie(adversary.kind, adversary.rate, rollouts,
-                                                                        swarm.config.seed, m, step)
+    for member in swarm.members:  # an adversary member (studies, tests) lies in what it sends, never to itself
+        wire[member.index], forged[member.index] = wire_copy(swarm, member, own[member.index], step)
     buffers = {m: encode(rollouts) for m, rollouts in wire.items()}
     sent = swarm.exchange.send(buffers, step)
     records = []
@@ -58,6 +57,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
                                              own_sequences=len(own[index]),  # every shard's: gathered
                                              own_lengths=[r.num_tokens for r in own[index]])
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
+        with watch("screen_seconds"):
+            peers, screened = screen(swarm, member, peers)
         scored, unscored = drop_unscored(own[index])
         trained = scored + peers
         items = training_items(swarm, member, trained)
@@ -78,7 +79,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         record = train_record(step, member.name, own[index], trained, stats, watch,
                               precision.get_lr(member.optimizer), sent[index], buffer_digest(buffers[index]))
         record.update(reward_terms(swarm, member, own[index]))
-        record.update(got.metrics(), unscored_dropped=unscored, in_flight=arrivals.waiting,
+        record.update(got.metrics(), **screened.metrics(), screen_seconds=watch.seconds["screen_seconds"],
+                      unscored_dropped=unscored, in_flight=arrivals.waiting,
                       outbox_dropped=arrivals.outbox_dropped, forged_sent=forged[index],
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
                       **memory[index].record())
@@ -151,6 +153,27 @@ def completion_records(swarm: Swarm, member: Member, items: list[TrainItem], ste
              "advantage": it.advantage, "is_weight": float(out.sequences["is_weight"][k]),
              "kl": float(out.sequences["kl"][k]), "filtered": bool(out.sequences["filtered"][k])}
             for k, it in enumerate(chosen)]
+
+
+def screen(swarm: Swarm, member: Member, peers: list[Rollout]) -> tuple[list[Rollout], Screened]:
+    """The admitted peer rollouts the receiver's model-reading defenses keep (defense.likelihood_floor,
+    defense.claims_monitor; exchange/screen.py), in their order, and what was left out: one no-grad forward of the
+    member over its peers' completions (its own samplers' are its own), where a defense is on. A sharded member's
+    shards all run the forward; its leader's verdicts hold."""
+    checks = swarm.receivers[member.index].screen
+    others = [r for r in peers if r.member != member.index]
+    if not checks.active or not others:
+        return peers, Screened()
+    train = swarm.config.train
+    items = [TrainItem(r, swarm.prompt(member, r.prompt_index), 0.0, k) for k, r in enumerate(others)]
+    logprobs = [it.old_logprobs for it in with_old_logprobs(member, items, swarm.loss_config,
+                                                              train.micro_batch_tokens, train.backend)]
+    drop, screened = checks.verdicts(others, logprobs, [swarm.names[r.member] for r in others]) \
+        if member.shard is None or member.leads else (None, None)
+    if member.shard is not None:
+        drop, screened = member.shard.from_leader((drop, screened))
+    left = {id(others[k]) for k in drop}
+    return [r for r in peers if id(r) not in left], screened
 
 
 def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:

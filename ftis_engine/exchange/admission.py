@@ -32,7 +32,8 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
 
 Defenses beyond the checks (defense.*; docs/adversaries.md): a peer group much longer than the receiver's own
 completions is left out (max_length_ratio, length_dropped); no peer supplies more than a share of an update
-(max_peer_share, share_capped).
+(max_peer_share, share_capped). Those that read the receiver's own model (likelihood_floor, claims_monitor) run
+on the intake once it is taken (exchange/screen.py, Admission.screen; step.py's `screen`).
 
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
 all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
@@ -58,6 +59,7 @@ from ..config import RunConfig
 from ..rollouts import Rollout, RolloutError, buffer_digest, decode
 from ..schedule import Schedule
 from ..tasks import Task
+from .screen import Screen
 from . import Parcel
 
 log = logging.getLogger("ftis_engine.exchange")
@@ -347,6 +349,7 @@ class Admission:
         self._seen: dict[tuple[int, int], int] = {}  # (sender rank, step) -> version, within the staleness window
         self._order = 0
         self._own_lengths: collections.deque[int] = collections.deque(maxlen=OWN_LENGTHS)
+        self.screen = Screen(config.defense, config.members[receiver].name)  # the checks that read its model
 
     @property
     def budget(self) -> int | None:

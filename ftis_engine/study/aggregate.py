@@ -16,7 +16,13 @@ _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
 
 TRAIN_STATS = ("reward_mean", "kl_mean", "filtered_frac", "is_weight_mean", "is_truncated_frac", "clip_frac",
-               "entropy_mean", "completion_len_mean", "staleness_mean", "stale_dropped")
+               "entropy_mean", "completion_len_mean", "staleness_mean", "stale_dropped", "train_seconds",
+               "screen_seconds", "peer_sequences", "rejected_batches", "likelihood_dropped", "quarantined",
+               "length_dropped", "share_capped", "forged_sent")
+# an eval record's attack success rate per payload (eval.payloads, or a text adversary in the run) is read as one
+# more eval set of its own, "<dataset>-asr-<kind>", so it gets the same curves, final values, intervals and paired
+# differences as accuracy
+ATTACK_SUFFIX = "-asr-"
 # Over the peers' rollouts only. A member's own rollouts come from its current policy (KL 0 up to rounding, never
 # filtered), so the step's mean over all sequences, times sequences / peer sequences, is the mean over the peers':
 # peer_kl_mean is the KL between the members, as the receiver's estimator measures it.
@@ -55,6 +61,10 @@ def read_run(run_dir: pathlib.Path) -> tuple[dict, dict]:
     for record in read_metrics(run_dir / "metrics.jsonl"):
         if record["kind"] == "eval":
             evals.setdefault((record["member"], record["dataset"]), []).append((record["step"], record["accuracy"]))
+            for kind, rate in (record.get("attack_success_by") or {}).items():
+                if isinstance(rate, (int, float)):
+                    evals.setdefault((record["member"], record["dataset"] + ATTACK_SUFFIX + kind), []).append(
+                        (record["step"], rate))
         elif record["kind"] == "train":
             stats = train.setdefault(record["member"], {})
             for key in TRAIN_STATS:
