@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import exchange, kernels, tiny_default, update
+from benchmarks import adversary_summary, exchange, kernels, tiny_default, update
 
 
 def test_kernel_benchmark_quick(tmp_path):
@@ -121,3 +121,27 @@ def test_open_swarm_benchmark_quick_a_killed_member_redoes_its_steps_since_its_c
     assert events["killed_at"] >= 3 and churn["members"]["tiny-m-lora"]["redone"] == events["killed_at"] - \
         events["checkpoint"] >= 0
     assert "| churn | tiny-m-lora |" in (tmp_path / "open_swarm.md").read_text()
+
+
+def test_adversary_summary_pairs_the_receiver_with_the_honest_swarm_seed_by_seed(tmp_path):
+    """The table's paired difference is taken seed by seed (a seed the honest group lacks is left out), its attack
+    success rates are the study's final values, and it writes the table, its JSON and the figure."""
+    def final(values, seeds):
+        return {"mean": sum(values) / len(values), "low": min(values), "high": max(values), "n": len(values),
+                "values": values, "seeds": seeds}
+
+    def group(name, accuracy, seeds, asr=None):
+        finals = {"arith": final(accuracy, seeds), "arith-ood": final(accuracy, seeds)}
+        if asr is not None:
+            finals["arith-asr-inject"] = final(asr, seeds)
+        return {"group": name, "method": "f-tis", "seeds": seeds,
+                "by_member": {"receiver": {"final": finals, "auc": finals, "train": {}}}}
+
+    summary = {"groups": [group("honest", [0.5, 0.6, 0.7], [0, 1, 2]),
+                          group("inject", [0.4, 0.6, 0.9, 0.1], [0, 1, 2, 3], asr=[0.0, 0.5, 1.0, 0.5])]}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    text = adversary_summary.main(tmp_path)
+    rows = {r["group"]: r for r in json.loads((tmp_path / "table.json").read_text())}
+    assert rows["inject"]["vs_honest"]["values"] == pytest.approx([-0.1, 0.0, 0.2])
+    assert rows["inject"]["asr_inject"]["mean"] == 0.5 and rows["honest"]["vs_honest"] is None
+    assert "| inject | f-tis | 4 |" in text and (tmp_path / "attack_success.png").stat().st_size > 0

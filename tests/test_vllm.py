@@ -128,21 +128,45 @@ def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     assert len(handed) == 1 and not isinstance(handed[0], (list, tuple, dict))
 
 
-def test_a_sharded_full_members_weights_are_gathered_in_the_engines_dtype(monkeypatch):
-    """Each rank of a K-rank member keeps a host copy of the gathered weights for its engine: in bf16, half the
-    bytes of the float32 masters (a stand-in for the shards: every parameter reads as sharded, gathers to itself)."""
+def test_a_sharded_full_members_weights_stream_into_the_engine_one_gathered_tensor_at_a_time(monkeypatch):
+    """A K-rank full member keeps no copy of the gathered weights (issue 42.11): sync only marks them stale while
+    the engine sleeps, and the push gathers each tensor as the engine's loader takes it, in bf16, so at most one
+    gathered tensor exists at a time (a stand-in for the shards: every parameter reads as sharded and its gather
+    is recorded, interleaved with what the loader receives)."""
     from .helpers import member
 
     m, _ = member(0)
+    events = []
+
+    def gather(tensor):
+        events.append("gather")
+        return tensor
+
     monkeypatch.setattr(vllm_gen, "is_sharded", lambda p: True)
+    monkeypatch.setattr(vllm_gen, "full", gather)
+    received = []
+
+    def load_weights(weights):
+        for name, tensor in weights:
+            events.append("load")
+            received.append((name, tensor))
+
+    class Engine:
+        def apply_model(self, fn):
+            fn(type("EngineModel", (), {"load_weights": staticmethod(load_weights)})())
+
+        def reset_prefix_cache(self):
+            pass
+
     gen = object.__new__(vllm_gen.VLLMGenerator)
-    gen.lora, gen._asleep, gen._stale = False, True, False
+    gen.lora, gen._asleep, gen._stale, gen._gathered, gen.llm, gen.push_seconds = False, True, False, None, Engine(), 0.0
     gen.sync(m.model)
+    assert gen._stale and gen._gathered is None and events == []  # asleep: nothing gathered, nothing kept
+    gen._push()
     state = m.model.state_dict()
-    assert set(gen._gathered) == set(state)
-    assert all(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in gen._gathered.values())
-    assert all(torch.equal(t, state[n].bfloat16()) for n, t in gen._gathered.items())
-    assert gen._stale  # pushed at the next wake-up
+    assert events == ["gather", "load"] * len(state)  # each tensor gathered as it is loaded, none ahead
+    assert {n for n, _ in received} == set(vllm_gen.checkpoint_names(m.model, state))
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, state[n].bfloat16()) for n, t in received if n in state)
 
 
 def test_lora_ranks_round_up_to_what_vllm_accepts():

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ..placement import full, full_state_dict, is_sharded
+from ..placement import full, is_sharded
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
 log = logging.getLogger("ftis_engine.vllm")
@@ -110,9 +110,11 @@ def _lora_rank(r: int) -> int:
 
 
 def _engine_weights(named: dict):
-    """(name, tensor) pairs for the engine's loader, each floating tensor cast to bf16 as it is taken."""
+    """(name, tensor) pairs for the engine's loader, each gathered (a sharded tensor: a collective over its member's
+    ranks) and floating ones cast to bf16 as it is taken."""
     for name, tensor in named.items():
-        yield name, (tensor.detach().to(torch.bfloat16) if tensor.is_floating_point() else tensor.detach())
+        value = full(tensor.detach())
+        yield name, (value.to(torch.bfloat16) if value.is_floating_point() else value)
 
 
 class VLLMGenerator:
@@ -137,7 +139,7 @@ class VLLMGenerator:
             shutil.rmtree(self._work, ignore_errors=True)
             raise
         self._model = model
-        self._gathered: dict[str, torch.Tensor] | None = None  # a sharded member's weights, gathered at sync
+        self._gathered: dict[str, torch.Tensor] | None = None  # a sharded LoRA member's adapter, gathered at sync
         self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
         self.push_seconds = 0.0  # seconds spent loading weights into the engine, all pushes together
         self._lora_request = None
@@ -186,16 +188,14 @@ class VLLMGenerator:
     # ------------------------------------------------------------------------------------------- lifecycle
 
     def sync(self, model) -> None:
-        """The trainer's weights changed: push them at the next wake_up (the engine may be asleep now). A member
-        sharded over ranks (placement.py) gathers them here, one tensor at a time onto the CPU, with all its
-        shards (each rank's engine generates its share), so that every wake-up finds them gathered."""
+        """The trainer's weights changed: push them now if the engine is awake, else at the next wake_up. A member
+        sharded over ranks (placement.py) gathers each tensor while the engine's loader takes it (every shard
+        pushes at the same point: sync and wake_up are called on all of them together), so no rank ever holds a
+        host copy of the model; a LoRA adapter is small and gathered here, onto the CPU."""
         self._model = model
         self._stale = True
-        if any(is_sharded(p) for p in model.parameters()):
-            # a full member's weights are kept in the engine's dtype: half the host memory of float32 masters
-            # (each of the member's ranks holds a copy for its own engine); a LoRA adapter is small, kept as is
-            self._gathered = ({n: full(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
-                              if self.lora else full_state_dict(model, dtype=torch.bfloat16))
+        if self.lora and any(is_sharded(p) for p in model.parameters()):
+            self._gathered = {n: full(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
         if not self._asleep:
             self._push()
 
@@ -234,10 +234,10 @@ class VLLMGenerator:
         if self.lora:
             self._push_adapter()
         else:
-            state = self._gathered if self._gathered is not None else self._model.state_dict()
-            # float32 masters go to the engine in its dtype (bf16), streamed: one tensor cast at a time (the
-            # loader takes any iterable), never a second copy of the whole model
-            named = checkpoint_names(self._model, state)
+            # float32 masters go to the engine in its dtype (bf16), streamed: one tensor gathered (a sharded
+            # member's, on every shard at once) and cast at a time as the loader takes it (it takes any iterable),
+            # never a second copy of the whole model, on the GPU or the host
+            named = checkpoint_names(self._model, self._model.state_dict())
             self.llm.apply_model(lambda engine_model: engine_model.load_weights(_engine_weights(named)))
         self.llm.reset_prefix_cache()
         self._stale = False
