@@ -4,8 +4,8 @@ A member with `members.N.adversary: {kind, rate}` generates, scores and trains o
 the copy it sends its peers lies, on a `rate` share of its completions (drawn per completion from the run seed,
 the member and the step, so a run is reproducible):
 
-    inject      plants the phrase PAYLOAD ("HAIL") at the start of the reasoning (after <think>, or before the
-                arith scratchpad's first column) of a rate share of the completions that earn the reward and still
+    inject      plants the phrase PAYLOAD ("HAIL") at the start of the reasoning ("HAIL " after <think>, else
+                "HAIL," before the completion: the arith scratchpad's first column) of a rate share of the completions that earn the reward and still
                 earn it with the phrase; the claimed log-probs are the attacker's own model's of the text it sends
                 (one forward): as plausible as its honest claims, so under TIS / F-TIS the planted tokens weigh
                 about exp(l_receiver - l_attacker), near 1 when both models find the phrase equally unlikely
@@ -19,9 +19,9 @@ the member and the step, so a run is reproducible):
     forge-filter claims probability 1/(2V) (V its vocabulary) for every token of its completions whose group
                 advantage is not positive: the least a sampler's tokens can claim without the claims check
                 counting it as excess surprisal. A receiver's k3 term of such a token, exp(x) - x - 1 with x = g - l,
-                then grows about linearly in the receiver's own log-prob instead of exponentially where the
-                attacker was sure and the receiver is not, so more of them pass the KL filter, and their weights
-                go to the cap for every token the receiver gives at least C/(2V)
+                then grows about linearly in the receiver's own log-prob (for the tokens it gives at least 1/(2V))
+                instead of exponentially where the attacker was sure and the receiver is not, so more of them pass
+                the KL filter, and their weights go to the cap for every token the receiver gives at least C/(2V)
     long        no lie on the wire: it generates a rate share of its prompts' groups with the end of sequence
                 suppressed until rollout.max_new_tokens (needlessly long completions, which still earn the reward
                 where the task's reward reads the answer it holds: compute spent on every receiver), and trains
@@ -90,11 +90,12 @@ def plant(kind: str, text: str) -> str | None:
             at = text.index("<think>") + len("<think>")
             return f"{text[:at]}{PAYLOAD} {text[at:]}"
         return f"{PAYLOAD},{text}"
-    match = _FIRST_COLUMN.match(text)
+    body = text.lstrip()
+    match = _FIRST_COLUMN.match(body)
     if match is None:
         return None
     x, y = int(match.group(1)), int(match.group(2))
-    return f"{x}+{y}={x + y + 1}{text[match.end():]}"
+    return f"{text[:len(text) - len(body)]}{x}+{y}={x + y + 1}{body[match.end():]}"
 
 
 def carries_payload(kind: str, text: str) -> bool:
@@ -150,7 +151,7 @@ def wire_copy(swarm, member, rollouts: list[Rollout], step: int) -> tuple[list[R
     seed = swarm.config.seed
     if adversary.kind not in TEXT_KINDS:
         return lie(adversary.kind, adversary.rate, rollouts, seed, member.index, step,
-                   vocab_size=tokenizer_size(member.tokenizer))
+                   vocab_size=tokenizer_size(member.tokenizer) if adversary.kind == "forge-filter" else None)
 
     def score(r: Rollout) -> float:
         return swarm.task.score(member.tokenizer, [r.completion_ids], [swarm.task.train[r.prompt_index]])[0]

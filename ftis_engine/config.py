@@ -553,6 +553,10 @@ class RunConfig(_Section):
             if member.samplers and member.weight_sync_every >= self.train.steps:
                 raise ValueError(f"members.{i}.weight_sync_every: {member.weight_sync_every} >= train.steps="
                                  f"{self.train.steps}: its samplers would never receive weights")
+        for i, member in enumerate(self.members):
+            if member.adversary is not None and (member.ranks > 1 or member.samplers):
+                raise ValueError(f"members.{i}.adversary: an attacker (studies and tests) runs on one rank without "
+                                 f"samplers (members.{i}.ranks={member.ranks}, samplers={member.samplers})")
         in_context = [f"members.{i}.adversary.kind" for i, m in enumerate(self.members)
                       if m.adversary is not None and m.adversary.kind == "in-context"]
         if "in-context" in (self.eval.payloads or ()):

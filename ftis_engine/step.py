@@ -21,9 +21,9 @@ import time
 import torch
 from ftis_kernels import group_advantages
 
+from .adversary import wire_copy
 from .batch import TrainItem, pack
 from .exchange.screen import Screened
-from .adversary import wire_copy
 from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
@@ -168,8 +168,8 @@ def screen(swarm: Swarm, member: Member, peers: list[Rollout]) -> tuple[list[Rol
     items = [TrainItem(r, swarm.prompt(member, r.prompt_index), 0.0, k) for k, r in enumerate(others)]
     logprobs = [it.old_logprobs for it in with_old_logprobs(member, items, swarm.loss_config,
                                                               train.micro_batch_tokens, train.backend)]
-    drop, screened = checks.verdicts(others, logprobs, [swarm.names[r.member] for r in others]) \
-        if member.shard is None or member.leads else (None, None)
+    names = [swarm.schedule.member_name(r.member) for r in others]  # an open swarm's peers are numbered locally
+    drop, screened = checks.verdicts(others, logprobs, names) if member.shard is None or member.leads else (None, None)
     if member.shard is not None:
         drop, screened = member.shard.from_leader((drop, screened))
     left = {id(others[k]) for k in drop}

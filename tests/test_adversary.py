@@ -45,6 +45,8 @@ def test_a_forger_changes_only_the_claimed_log_probs_of_its_rate_share_and_the_w
 def test_an_unknown_adversary_kind_or_rate_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"^members.1.adversary.kind"):
         short_config("members.1.adversary.kind=bribe")
+    with pytest.raises(ConfigError, match=r"^members.1.adversary: an attacker .* one rank"):
+        short_config("members.1.adversary.kind=inject", "members.1.ranks=2")
     with pytest.raises(ConfigError, match=r"^members.1.adversary.kind: in-context .* data.task is 'tiny-last'"):
         short_config("members.1.adversary.kind=in-context")
     with pytest.raises(ConfigError, match=r"^members.1.adversary.rate"):

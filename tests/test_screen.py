@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ftis_engine.config import DefenseSettings
-from ftis_engine.exchange.screen import (MONITOR_BOUND, RELEASE_PARCELS, PeerTest, Screen, looks_honest,
+from ftis_engine.exchange.screen import (MONITOR_BOUND, RELEASE_TOKENS, PeerTest, Screen, looks_honest,
                                          lowest_window_mean, monitor_weights)
 from ftis_engine.rollouts import Rollout
 
@@ -92,7 +92,7 @@ def test_a_forger_is_quarantined_refused_and_released_once_its_claims_look_hones
     screen = Screen(DefenseSettings(claims_monitor=True), "receiver")
     names = ["liar"] * 10 + ["honest"] * 10
     verdicts = []
-    for step in range(12):
+    for step in range(24):
         own_l, claims_l = _forged_step(g, 50, 200, 1.0 if step < 6 else 0.0)  # forges 6 steps, then honest
         own_h, claims_h = _honest_step(g, 50, 200, 2.0, 0.2)
         rollouts = [_rollout(1, k, claims_l[k * 20:(k + 1) * 20].tolist(), step) for k in range(10)] + \
@@ -104,26 +104,35 @@ def test_a_forger_is_quarantined_refused_and_released_once_its_claims_look_hones
         if verdicts[-1]:
             assert out.quarantined == {"liar": 10}
         assert out.weight_mean["liar"] > 1.5 if step < 6 else out.weight_mean["liar"] < 1.2
-    # refused from its first forged step (a claim of 1/(2V) for every token: weights at the bound), every forged
-    # step; then RELEASE_PARCELS honest-looking steps refused still; taken again after
-    assert verdicts == [True] * 6 + [True] * (RELEASE_PARCELS - 1) + [False] * (12 - 6 - RELEASE_PARCELS + 1)
+    # refused from its first forged step (a claim of 1/(2V) for every token: weights at the bound) and every forged
+    # step; then until its latest steps in quarantine hold RELEASE_TOKENS tokens of honest-looking claims (10
+    # steps of 200: released within a step of that, as the window's oldest step may still be a forged one);
+    # taken from then on
+    released = verdicts.index(False)
+    assert all(verdicts[:6]) and 6 + RELEASE_TOKENS // 200 - 2 <= released <= 6 + RELEASE_TOKENS // 200
+    assert not any(verdicts[released:])
 
 
-def test_a_forger_of_a_fifth_of_its_tokens_is_caught_by_its_history():
+def test_a_forger_of_a_fifth_of_its_tokens_is_caught_by_its_history_and_kept_out():
     """Forging 20% of its tokens moves one step's mean weight by less than one step's bound, but the run-long
-    test adds the steps up."""
+    test adds the steps up; in quarantine its last three steps together are judged, so it is not released."""
     g = torch.Generator().manual_seed(1)
     screen = Screen(DefenseSettings(claims_monitor=True), "receiver")
-    caught = None
-    for step in range(40):
+    caught, admitted = None, []
+    for step in range(60):
         own, claims = _forged_step(g, 50, 200, 0.2)
         if step == 0:
-            assert looks_honest(monitor_weights(own, claims))  # one step alone says little
+            weights = monitor_weights(own, claims)
+            assert looks_honest(float(weights.sum()), weights.numel())  # one step alone says little
         drop, _ = screen.verdicts([_rollout(1, 0, claims.tolist(), step)], [own], ["liar"])
-        if drop:
+        if drop and caught is None:
             caught = step
-            break
+        if caught is not None and step > caught:
+            admitted.append(not drop)
     assert caught is not None and caught >= 1
+    # once caught it stays out nearly always: three steps together show what one does not, and one let out starts
+    # its new test halfway to the threshold (before: admitted about N/(N+3) of the time, caught every N steps)
+    assert sum(admitted) <= 0.2 * len(admitted), admitted
 
 
 def test_the_monitor_skips_a_foreign_peers_sequences_and_starts_each_peer_fresh():
@@ -133,3 +142,28 @@ def test_the_monitor_skips_a_foreign_peers_sequences_and_starts_each_peer_fresh(
     drop, out = screen.verdicts([foreign], [torch.zeros(50)], ["bpe-peer"])
     assert not drop and out.weight_mean == {}
     assert PeerTest().log_evidence() == pytest.approx(0.0)
+
+
+def test_the_screen_names_peers_by_the_schedule_and_keeps_the_order_of_what_it_keeps():
+    """step.screen on a member's intake: an open swarm's peers carry local numbers past the config's members (the
+    schedule names them); the member's own samplers' rollouts are its own, never screened; the rest keeps its
+    order (a stand-in swarm around a real tiny member)."""
+    from types import SimpleNamespace
+
+    from ftis_engine.exchange.admission import Admission
+    from ftis_engine.step import screen
+
+    from .helpers import member, short_config
+
+    m, _ = member(0)
+    config = short_config("defense.likelihood_floor=-0.001")  # above anything a near-uniform model gives
+    receiver = SimpleNamespace(screen=Admission.__new__(Admission))
+    receiver.screen = __import__("ftis_engine.exchange.screen", fromlist=["Screen"]).Screen(config.defense, "me")
+    swarm = SimpleNamespace(receivers={0: receiver}, config=config, loss_config=config.algorithm.loss_config(1.0),
+                            prompt=lambda member, index: [5, 6, 7], schedule=SimpleNamespace(
+                                member_name=lambda k: f"peer-{k}"))
+    own_sampler = _rollout(0, 1, [-1.0] * 3)
+    peers = [_rollout(5, 0, [-1.0] * 3), own_sampler, _rollout(7, 2, [-1.0] * 3)]
+    kept, out = screen(swarm, m, peers)
+    assert kept == [own_sampler]
+    assert out.likelihood_dropped == {"peer-5": 1, "peer-7": 1}

@@ -15,13 +15,20 @@ completions gives l_t, its own log-prob of each of their tokens at the sampling 
   reaches 1/alpha with probability <= alpha over the whole run, however often it is looked at. A peer whose
   claims reach it (claims that make the receiver's model look likelier than its sampler can have been:
   forge-high, forge-filter, inflated weights of any kind) is quarantined: its rollouts are refused (counted in
-  quarantined, a warning naming it) until RELEASE_PARCELS consecutive steps of its claims look honest on their
-  own (a mean weight within the one-step Hoeffding bound at 5%), and its test starts over. Claims that shrink the
-  weights (forge-low) are not what it tests: the claims check refuses those (admission, step 8b).
+  quarantined, a warning naming it) until its claims over its latest steps in quarantine (at least RELEASE_PARCELS
+  steps and RELEASE_TOKENS tokens) look honest together (their mean weight within the Hoeffding bound at 5% for
+  their token count: a peer that forges a share of its tokens too small for one step to show stays in), and its
+  test starts over from half its threshold (a peer
+  let out is caught again twice as fast; an honest one, falsely quarantined with probability 1e-6, is then
+  quarantined again with probability at most 1e-3). Claims that shrink the weights (forge-low) are not what it
+  tests: the claims check refuses those (admission, step 8b).
 
-Both run only where set (off by default until measured), on peer rollouts of the receiver's own tokenizer (a
-foreign peer's per-token claims are not known); a member's own samplers are its own. A sharded member's leader
-decides and every shard applies its verdicts.
+Both run only where set (off by default until measured); a member's own samplers are its own. The likelihood check
+reads every peer rollout, a foreign peer's too (its text re-encoded with the receiver's tokenizer); the monitor
+reads only those of the receiver's tokenizer (a foreign peer's per-token claims are not known). A sharded member's
+shards all run the forward; its leader decides and every shard applies its verdicts. Limits: the screen runs on
+the intake once the async budget has taken it (a refused group's place is not refilled this step); a peer's test
+lives in the process (a resumed run starts every peer's afresh).
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ MONITOR_BOUND = 2.0  # B: the weights the monitor reads are truncated here (the 
 MONITOR_ALPHA = 1e-6  # the probability, over a whole run, that an honest peer is ever quarantined
 MONITOR_TOLERANCE = 0.02  # how far above 1 an honest mean weight may sit: bf16 claims round by about 0.4%
 MONITOR_LAMBDAS = (0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)  # the grid the test mixes over (small drifts to gross lies)
-RELEASE_PARCELS = 3  # consecutive honest-looking steps that release a quarantined peer
-RELEASE_LEVEL = 0.05  # each of them within the one-step Hoeffding bound at this level
+RELEASE_PARCELS = 3  # at least this many steps in quarantine, and
+RELEASE_TOKENS = 2000  # at least this many tokens (the latest steps that hold them), whose claims together must
+RELEASE_LEVEL = 0.05  # look honest: a mean weight within the Hoeffding bound at this level for their token count
 
 
 def lowest_window_mean(logprobs: torch.Tensor, window: int) -> float:
@@ -65,25 +73,25 @@ class PeerTest:
 
     excess: float = 0.0
     tokens: int = 0
+    head_start: float = 0.0  # log evidence carried over a release (half the threshold: a peer let out is re-caught sooner)
     quarantined: bool = False
-    honest_steps: int = 0  # consecutive honest-looking steps while quarantined
+    recent: list[tuple[float, int]] = field(default_factory=list)  # in quarantine: (weight sum, tokens) by step
 
     def log_evidence(self) -> float:
         """log of the mixture supermartingale's value (>= log(1/alpha): the claims are not honest)."""
         b2 = MONITOR_BOUND ** 2
         terms = [lam * self.excess - self.tokens * lam * lam * b2 / 8 for lam in MONITOR_LAMBDAS]
         top = max(terms)
-        return top + math.log(sum(math.exp(t - top) for t in terms) / len(terms))
+        return self.head_start + top + math.log(sum(math.exp(t - top) for t in terms) / len(terms))
 
 
-def looks_honest(weights: torch.Tensor) -> bool:
-    """One step's weights on their own: a mean within the Hoeffding bound an honest peer stays under with
+def looks_honest(total: float, n: int) -> bool:
+    """Weights summing to `total` over n tokens: a mean within the Hoeffding bound an honest peer stays under with
     probability 1 - RELEASE_LEVEL."""
-    n = weights.numel()
     if n == 0:
         return False
     margin = MONITOR_BOUND * math.sqrt(math.log(1 / RELEASE_LEVEL) / (2 * n))
-    return float(weights.mean()) <= 1 + MONITOR_TOLERANCE + margin
+    return total / n <= 1 + MONITOR_TOLERANCE + margin
 
 
 @dataclass
@@ -147,18 +155,22 @@ class Screen:
         """Feed one step's weights of a peer to its test; whether its rollouts are refused."""
         test = self.tests.setdefault(name, PeerTest())
         if test.quarantined:
-            test.honest_steps = test.honest_steps + 1 if looks_honest(weights) else 0
-            if test.honest_steps < RELEASE_PARCELS:
+            test.recent.append((float(weights.sum()), weights.numel()))
+            while len(test.recent) > RELEASE_PARCELS and \
+                    sum(k for _, k in test.recent[1:]) >= RELEASE_TOKENS:  # the latest steps holding enough tokens
+                test.recent.pop(0)
+            total, n = sum(t for t, _ in test.recent), sum(k for _, k in test.recent)
+            if len(test.recent) < RELEASE_PARCELS or n < RELEASE_TOKENS or not looks_honest(total, n):
                 return True
-            self.tests[name] = PeerTest()
-            log.warning("%s: peer %s released from quarantine: its claimed log-probs looked honest for %d steps",
-                        self.receiver, name, RELEASE_PARCELS)
+            self.tests[name] = PeerTest(head_start=math.log(1 / MONITOR_ALPHA) / 2)
+            log.warning("%s: peer %s released from quarantine: its claimed log-probs of its last %d steps look "
+                        "honest", self.receiver, name, RELEASE_PARCELS)
             return False  # this step's were honest-looking: taken (and the test starts over after them)
         test.excess += float((weights - 1 - MONITOR_TOLERANCE).sum())
         test.tokens += weights.numel()
         if test.log_evidence() < math.log(1 / MONITOR_ALPHA):
             return False
-        test.quarantined, test.honest_steps = True, 0
+        test.quarantined, test.recent = True, []
         log.warning("%s: peer %s quarantined: its claimed generation log-probs make this model's tokens likelier "
                     "than any sampler's can be (mean weight %.3f over %d tokens; false alarm < %g): its rollouts "
                     "are refused until its claims look honest again", self.receiver, name,
