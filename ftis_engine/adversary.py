@@ -42,10 +42,9 @@ import re
 
 import torch
 
-from .batch import TrainItem
 from .exchange.admission import tokenizer_size
 from .rollouts import Rollout
-from .update import with_old_logprobs
+from .update import rollout_logprobs
 
 FORGED_HIGH = -20.0  # "probability near 0": e^-20
 PAYLOAD = "HAIL"  # the inject attack's phrase: printable, written by every built-in and real tokenizer
@@ -157,10 +156,9 @@ def wire_copy(swarm, member, rollouts: list[Rollout], step: int) -> tuple[list[R
         return swarm.task.score(member.tokenizer, [r.completion_ids], [swarm.task.train[r.prompt_index]])[0]
 
     def own_logprobs(changed: list[Rollout]) -> list[torch.Tensor]:
-        items = [TrainItem(r, swarm.prompt(member, r.prompt_index), 0.0, k) for k, r in enumerate(changed)]
         train = swarm.config.train
-        scored = with_old_logprobs(member, items, swarm.loss_config, train.micro_batch_tokens, train.backend)
-        return [it.old_logprobs for it in scored]
+        return rollout_logprobs(member, changed, [swarm.prompt(member, r.prompt_index) for r in changed],
+                                swarm.loss_config, train.micro_batch_tokens, train.backend)
 
     return plant_payloads(adversary.kind, adversary.rate, rollouts, seed=seed, member=member.index, step=step,
                           tokenizer=member.tokenizer, score=score, own_logprobs=own_logprobs,

@@ -34,7 +34,7 @@ from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
 from .schedule import learning_rate
 from .session import Swarm
-from .update import DivergenceError, batch_loss, update_member, with_old_logprobs
+from .update import DivergenceError, batch_loss, rollout_logprobs, update_member
 
 log = logging.getLogger("ftis_engine")
 
@@ -165,9 +165,8 @@ def screen(swarm: Swarm, member: Member, peers: list[Rollout]) -> tuple[list[Rol
     if not checks.active or not others:
         return peers, Screened()
     train = swarm.config.train
-    items = [TrainItem(r, swarm.prompt(member, r.prompt_index), 0.0, k) for k, r in enumerate(others)]
-    logprobs = [it.old_logprobs for it in with_old_logprobs(member, items, swarm.loss_config,
-                                                              train.micro_batch_tokens, train.backend)]
+    logprobs = rollout_logprobs(member, others, [swarm.prompt(member, r.prompt_index) for r in others],
+                                swarm.loss_config, train.micro_batch_tokens, train.backend)
     names = [swarm.schedule.member_name(r.member) for r in others]  # an open swarm's peers are numbered locally
     drop, screened = checks.verdicts(others, logprobs, names) if member.shard is None or member.leads else (None, None)
     if member.shard is not None:

@@ -244,6 +244,14 @@ def with_old_logprobs(member, items: list[TrainItem], cfg: LossConfig, token_bud
     return sorted(out, key=lambda item: order[id(item.rollout)])
 
 
+def rollout_logprobs(member, rollouts: list, prompts: list[list[int]], cfg: LossConfig, token_budget: int,
+                     backend: str) -> list[torch.Tensor]:
+    """The member's [L] log-probs of each rollout's completion tokens after its prompt (no grad; the update's own
+    forward, as with_old_logprobs): what a receiver's screen and an attacker's claims read."""
+    items = [TrainItem(r, prompt, 0.0, k) for k, (r, prompt) in enumerate(zip(rollouts, prompts, strict=True))]
+    return [it.old_logprobs for it in with_old_logprobs(member, items, cfg, token_budget, backend)]
+
+
 def optimizer_step(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
                    on_micro_batch=None) -> dict[str, float]:
     """One optimizer step of `member` on `items`: gradients, clipping to members.N.grad_clip, Adam step."""

@@ -97,6 +97,19 @@ def test_a_vllm_version_outside_the_supported_range_is_refused(monkeypatch):
     assert "outside the supported range" in vllm_gen.check_available()
 
 
+class _Engine:
+    """A stand-in vllm.LLM for weight pushes: its model's load_weights is the given function."""
+
+    def __init__(self, load_weights):
+        self.load_weights = load_weights
+
+    def apply_model(self, fn):
+        fn(type("EngineModel", (), {"load_weights": staticmethod(self.load_weights)})())
+
+    def reset_prefix_cache(self):
+        """The push resets the prefix cache; a stand-in has none."""
+
+
 def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     """The engine's loader gets every floating tensor in bf16 (the masters stay float32 in the trainer), under the
     names the model saves with (a stand-in engine records what load_weights received)."""
@@ -109,15 +122,8 @@ def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
         handed.append(weights)
         received.extend(weights)
 
-    class Engine:
-        def apply_model(self, fn):
-            fn(type("EngineModel", (), {"load_weights": staticmethod(load_weights)})())
-
-        def reset_prefix_cache(self):
-            pass
-
     gen = object.__new__(vllm_gen.VLLMGenerator)
-    gen.lora, gen._model, gen._gathered, gen.llm, gen.push_seconds = False, m.model, None, Engine(), 0.0
+    gen.lora, gen._model, gen._gathered, gen.llm, gen.push_seconds = False, m.model, None, _Engine(load_weights), 0.0
     gen._push()
     state = m.model.state_dict()
     assert {p.dtype for p in m.model.parameters()} == {torch.float32}
@@ -151,15 +157,8 @@ def test_a_sharded_full_members_weights_stream_into_the_engine_one_gathered_tens
             events.append("load")
             received.append((name, tensor))
 
-    class Engine:
-        def apply_model(self, fn):
-            fn(type("EngineModel", (), {"load_weights": staticmethod(load_weights)})())
-
-        def reset_prefix_cache(self):
-            pass
-
     gen = object.__new__(vllm_gen.VLLMGenerator)
-    gen.lora, gen._asleep, gen._stale, gen._gathered, gen.llm, gen.push_seconds = False, True, False, None, Engine(), 0.0
+    gen.lora, gen._asleep, gen._stale, gen._gathered, gen.llm, gen.push_seconds = False, True, False, None, _Engine(load_weights), 0.0
     gen.sync(m.model)
     assert gen._stale and gen._gathered is None and events == []  # asleep: nothing gathered, nothing kept
     gen._push()
