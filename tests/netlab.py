@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import os
 import random
+import re
 import select
 import shutil
 import struct
@@ -68,7 +69,7 @@ class NetLab:
     def __init__(self, hosts: dict[str, Link], shaping: str = "auto"):
         assert 0 < len(hosts) < HERE
         self.hosts = dict(hosts)
-        tag = f"fs{os.getpid() % 100000}"
+        tag = f"fs{os.getpid()}"  # "fs<pid>l" stays within an interface name's 15 characters
         self.router = f"{tag}-router"
         self.namespaces = {name: f"{tag}-{name}" for name in hosts}
         self.index = {name: i + 1 for i, name in enumerate(hosts)}
@@ -109,7 +110,45 @@ class NetLab:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @staticmethod
+    def clear_stale() -> list[str]:
+        """Delete the namespaces and links that labs of processes no longer alive left behind (a killed test run
+        cannot close its lab, and its route to the hosts' subnet would make every later lab fail); returns what it
+        deleted. A live lab of another process is left alone."""
+        def dead(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:
+                return False
+            return False
+
+        gone = []
+        for line in _ip("netns", "list", check=False).stdout.splitlines():
+            name = line.split()[0] if line.split() else ""
+            m = re.fullmatch(r"fs(\d+)-.+", name)
+            if m and dead(int(m.group(1))):
+                for pid in _ip("netns", "pids", name, check=False).stdout.split():
+                    try:
+                        os.kill(int(pid), 9)
+                    except (ProcessLookupError, ValueError):
+                        pass
+                _ip("netns", "del", name, check=False)
+                gone.append(name)
+        for line in _ip("-o", "link", "show", check=False).stdout.splitlines():
+            m = re.match(r"\d+: (fs(\d+)l)[@:]", line)
+            if m and dead(int(m.group(2))):
+                _ip("link", "del", m.group(1), check=False)
+                gone.append(m.group(1))
+        return gone
+
     def _build(self) -> None:
+        self.clear_stale()
+        taken = [line for line in _ip("route", "show", f"{SUBNET}.0.0/16", check=False).stdout.splitlines() if line]
+        if taken:
+            raise RuntimeError(f"another network lab (a live process) holds {SUBNET}.0.0/16: {taken[0]}; "
+                               "one lab at a time on a machine")
         if self.shaping == "auto":
             self.shaping = "netem" if netem_available() else "tun"
         r = self.router

@@ -148,6 +148,29 @@ def test_the_lab_gives_each_link_its_delay_and_loss():
         assert abs(received - 900) <= 5 * (1000 * 0.9 * 0.1) ** 0.5, (received, lab.shaping)
 
 
+def test_a_lab_left_by_a_killed_run_is_cleared_and_a_new_lab_builds():
+    """A run killed with its lab open leaves namespaces, a link and a route to the hosts' subnet (which made the next
+    lab's `ip route add` fail); the next lab deletes what dead processes left and builds."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    tag = f"fs{dead.pid}"
+    subprocess.run(["ip", "netns", "add", f"{tag}-router"], check=True)
+    subprocess.run(["ip", "link", "add", f"{tag}l", "type", "veth", "peer", "name", "r254", "netns", f"{tag}-router"],
+                   check=True)
+    subprocess.run(["ip", "addr", "add", "10.213.254.2/24", "dev", f"{tag}l"], check=True)
+    subprocess.run(["ip", "link", "set", f"{tag}l", "up"], check=True)
+    subprocess.run(["ip", "route", "add", "10.213.0.0/16", "via", "10.213.254.1"], check=True)
+    try:
+        with NetLab({"a": Link()}) as lab:
+            assert lab.namespaces["a"] in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                         text=True).stdout
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert tag not in names and tag not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
+    finally:
+        subprocess.run(["ip", "netns", "del", f"{tag}-router"], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"{tag}l"], capture_output=True)
+
+
 def test_across_hosts_a_killed_member_rejoins_and_a_newcomer_over_a_lossy_link_is_trained_on(tmp_path):
     from .test_openswarm import _train_records, until
 
