@@ -131,10 +131,11 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         check_joinable(cfg, nproc)
     except JoinError as exc:
         raise UsageFailure(str(exc)) from None
-    if cfg.members[0].ranks > 1 or under_torchrun():  # a member on several ranks: its own process group
+    processes = cfg.members[0].ranks + cfg.members[0].samplers
+    if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
         from .launch import launch_distributed
 
-        code = launch_distributed(cfg, run_dir, resume, cfg.members[0].ranks, join=address)
+        code = launch_distributed(cfg, run_dir, resume, processes, join=address)
         if code == INTERRUPTED:
             raise Interrupted(interrupted_hint(run_dir))
         raise typer.Exit(code)

@@ -186,18 +186,30 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
         timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
         torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
                                              world_size=world, timeout=timeout)
-        groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout)
+        groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout, open_member=join is not None)
         collectives = Collectives(rank, world, device, backend)
         endpoints = len(endpoint_ranks(config))
         open_peers = None
         if join is not None:  # one member in an open swarm, on its own ranks
-            from .openswarm.member import OpenExchange, PeerBook
+            from .exchange.weights import WeightBroadcast
+            from .openswarm.member import OpenExchange, OpenSampler, PeerBook, sampler_name
 
+            broadcast = None
+            if role.member in groups.weights:  # a member with samplers: its leader or one of its samplers
+                nccl = weights_backend(config, device.type, open_member=True) == "nccl"
+                broadcast = WeightBroadcast(groups.weights[role.member], weights_group_ranks(config, role.member)[0],
+                                            device if nccl else torch.device("cpu"))
+            name = config.members[0].name
             if role.endpoint is None:
                 exchange = ShardExchange(collectives, role.member, endpoints, True)
-                open_peers = PeerBook(config.members[0].name)  # a shard's deal is its own name's; it admits nothing
+                open_peers = PeerBook(name)  # a shard's deal is its own name's; it admits nothing
+            elif role.sampler is not None:  # numbered as its member's endpoints: itself, then its samplers
+                exchange = OpenSampler(join, config, collectives, broadcast, role.endpoint, role.sampler)
+                open_peers = PeerBook(name)
+                for k in range(config.members[0].samplers):
+                    open_peers.number(sampler_name(name, k))
             else:
-                exchange = OpenExchange(join, config, collectives)
+                exchange = OpenExchange(join, config, collectives, broadcast)
                 open_peers = exchange.book
         elif role.endpoint is None:
             exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")

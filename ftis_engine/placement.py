@@ -281,14 +281,15 @@ class Groups:
     weights: dict[int, object] = field(default_factory=dict)  # member with samplers -> its weight broadcast group
 
 
-def weights_backend(config: RunConfig, device_type: str) -> str | None:
+def weights_backend(config: RunConfig, device_type: str, open_member: bool = False) -> str | None:
     """The backend of the members' weight broadcast groups (swarm.weights_transport), or None: the links carry the
-    weights. NCCL only between distinct GPUs: ranks that share one (a member's `device`) broadcast over gloo."""
+    weights. NCCL only between distinct GPUs: ranks that share one (a member's `device`) broadcast over gloo. A
+    member of an open swarm (open_member) has no links: its samplers always take its weights by broadcast."""
     transport = config.swarm.weights_transport
     if config.swarm.mode != "async" or not any(m.samplers for m in config.members) or transport == "links":
         return None
     distinct_gpus = device_type == "cuda" and not any(m.device for m in config.members)
-    if transport == "auto":
+    if transport == "auto" and not open_member:
         return "nccl" if distinct_gpus else None
     return "nccl" if distinct_gpus else "gloo"
 
@@ -299,7 +300,7 @@ def weights_group_ranks(config: RunConfig, member: int) -> list[int]:
     return [member_ranks(config, member)[0], *samplers]
 
 
-def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) -> Groups:
+def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta, open_member: bool = False) -> Groups:
     """Every rank calls this right after init_process_group: torch.distributed needs each group created by all
     ranks, in the same order."""
     endpoints = endpoint_ranks(config)
@@ -319,7 +320,7 @@ def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta) ->
             objects = fsdp if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=patience)
             members[i] = (fsdp, objects)
     weights = {}
-    broadcast = weights_backend(config, "cuda" if backend == "nccl" else "cpu")
+    broadcast = weights_backend(config, "cuda" if backend == "nccl" else "cpu", open_member)
     if broadcast is not None:
         for i, member in enumerate(config.members):
             if member.samplers:

@@ -66,7 +66,8 @@ def sampler_ranks(config, member: int) -> list[int]:
 def run_sampler(swarm: Swarm, start_version: int) -> None:
     """A sampler rank's life: rounds of generation until its learner has finished, then leave."""
     exchange, config, schedule = swarm.exchange, swarm.config, swarm.schedule
-    assert isinstance(exchange, DistributedAsync)  # config and launch allow samplers only there
+    # config and launch allow samplers only there, or in an open swarm's member (openswarm.member.OpenSampler)
+    assert isinstance(exchange, DistributedAsync) or type(exchange).__name__ == "OpenSampler"
     member = swarm.members[0]
     rank = exchange.rank  # its endpoint on the links (members' leaders, then samplers): the schedule's numbering
     learner, index = schedule.roles[rank]

@@ -65,6 +65,19 @@ class Schedule:
     def member_name(self, member: int) -> str:
         return self.config.members[member].name
 
+    def sender_label(self, rank: int) -> str:
+        """How records and warnings name a sender: its member's name, a sampler's with /sampler-k."""
+        member, sampler = self.roles[rank]
+        name = self.member_name(member)
+        return name if sampler is None else f"{name}/sampler-{sampler}"
+
+    def sampler_versions(self, member: int, receiver: int, step: int) -> tuple[int | None, int]:
+        """What a receiver at `step` accepts as the policy version of a sampler of `member`: (the member's
+        weight_sync_every, of which a version is a multiple unless it is the resumed step; None: not known here)
+        and the newest version (its own member's: the receiver's last step; another's: the run's last)."""
+        newest = self.config.train.steps - 1 if member != receiver else step - 1
+        return self.config.members[member].weight_sync_every, newest
+
     def wire_member(self, member: int) -> int:
         """The member index a member's rollouts carry on the wire: its index in the run's config (an open swarm's
         peer carries its own config's, 0)."""

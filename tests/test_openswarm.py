@@ -6,6 +6,7 @@ rejoining under its name, and a restarted coordinator finding its members again.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -543,6 +544,34 @@ def test_a_member_on_two_ranks_joins_and_trains_with_a_one_rank_member(tmp_path)
     assert "rank layout" in (tmp_path / "tiny-s.log").read_text()
 
 
+@pytest.mark.slow
+def test_a_member_with_a_sampler_joins_its_sampler_feeds_both_members_and_leaves_with_it(tmp_path):
+    """tiny-s with one sampler rank (its own process group: the learner's weights to the sampler by broadcast over
+    gloo) and tiny-m-lora on one rank: the sampler joins as tiny-s/sampler-0 and publishes its rounds; both members
+    train on them (tiny-s on its own sampler's, as its own), nothing is rejected, the sampler takes weights its
+    learner pushed (a version > 0), is not counted in anyone's lead bound, and leaves when its learner finishes."""
+    steps = 6
+    jobs = {"tiny-s": ("tiny-s", ["members.0.samplers=1", "members.0.weight_sync_every=2"]),
+            "tiny-m-lora": ("tiny-m-lora", [])}
+
+    def joined(metronome):
+        until(lambda: "tiny-s/sampler-0" in metronome.members(), "the sampler to join", timeout=300)
+
+    _two_members(tmp_path, steps, jobs, joined=joined)
+    for me in ("tiny-s", "tiny-m-lora"):
+        records = _train_records(tmp_path, me)
+        assert [r["step"] for r in records] == list(range(1, steps + 1)), me
+        assert all(r["rejected_batches"] == 0 for r in records), me
+        got = [k for r in records for k in r["received_sha256"]]
+        assert any(k.startswith("tiny-s/sampler-0@") for k in got), (me, got)
+    samples = [json.loads(line) for line in (tmp_path / "members/tiny-s/metrics.jsonl").read_text().splitlines()
+               if json.loads(line).get("kind") == "sample"]
+    assert samples and max(r["policy_version"] for r in samples) >= 2, samples  # weights its learner pushed
+    assert {r["weights_transport"] for r in samples} == {"broadcast"}
+    events = [json.loads(line) for line in (tmp_path / "coordinator.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e.get("member") == "tiny-s/sampler-0"] == ["join", "leave"]
+
+
 def _two_members(tmp_path, steps, jobs, source="", joined=None):
     """Two member jobs (name -> (its config in configs/swarm, overrides)) around a coordinator in this process; a
     metronome (tokenizer source `source`) holds them until both have joined, then `joined(metronome)` checks the
@@ -636,8 +665,10 @@ def test_check_joinable_names_the_field_of_what_cannot_join():
 
     for overrides, nproc, said in [
         (["swarm.max_restarts=1"], 1, "swarm.max_restarts: a member of an open swarm comes back with --resume"),
-        (["members.0.samplers=1"], 1, "members.0.samplers"),
-        (["members.0.ranks=2"], 3, "--nproc 3: this member runs on members.0.ranks=2"),
+        (["members.0.samplers=1", "swarm.weights_transport=links"], 2, "swarm.weights_transport"),
+        (["members.0.ranks=2"], 3, "--nproc 3: this member runs on 2 process(es) (members.0.ranks=2 + "
+                                   "members.0.samplers=0)"),
+        (["members.0.samplers=1"], 3, "--nproc 3: this member runs on 2 process(es)"),
         (["swarm.mode=sync"], 1, "swarm.mode"),
     ]:
         from ftis_engine.config import load_config
@@ -645,6 +676,7 @@ def test_check_joinable_names_the_field_of_what_cannot_join():
         from .helpers import ROOT
 
         config = load_config(ROOT / "configs/swarm/tiny-s.yaml", overrides)
-        with pytest.raises(JoinError, match=f"^{said}"):
+        with pytest.raises(JoinError, match=f"^{re.escape(said)}"):
             check_joinable(config, nproc)
     check_joinable(load_config(ROOT / "configs/swarm/tiny-s.yaml", ["members.0.ranks=2"]), 2)  # fine
+    check_joinable(load_config(ROOT / "configs/swarm/tiny-s.yaml", ["members.0.samplers=1"]), 2)

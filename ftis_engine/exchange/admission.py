@@ -363,11 +363,7 @@ class Admission:
         return {rank: self.schedule.step_sequences(rank) for rank in self.schedule.senders(self.receiver)}
 
     def sender_name(self, rank: int) -> str:
-        member, sampler = self.schedule.roles[rank] if 0 <= rank < len(self.schedule.roles) else (None, None)
-        if member is None:
-            return f"rank {rank}"
-        name = self.schedule.member_name(member)
-        return name if sampler is None else f"{name}/sampler-{sampler}"
+        return self.schedule.sender_label(rank) if 0 <= rank < len(self.schedule.roles) else f"rank {rank}"
 
     def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None,
                 own_lengths: list[int] | None = None) -> Received:
@@ -416,11 +412,11 @@ class Admission:
         if any(r.policy_version != version for r in rollouts):
             raise RolloutError(f"a policy version differs from its parcel's ({version})")
         if sampler is not None:  # the versions an honest sampler can hold: its start, then its learner's pushes
-            every = cfg.members[member].weight_sync_every
-            newest = cfg.train.steps - 1 if member != self.receiver else step - 1
-            if version > newest or (version % every and version != self.start_step):
+            every, newest = self.schedule.sampler_versions(member, self.receiver, step)
+            if version > newest or (every is not None and version % every and version != self.start_step):
                 raise RolloutError(f"policy version {version}: a sampler holds the resumed step ({self.start_step}) "
-                                   f"or a multiple of weight_sync_every={every} up to {newest}")
+                                   f"or a multiple of weight_sync_every={every} up to {newest}" if every is not None
+                                   else f"policy version {version}: after the run's last step ({newest})")
         if any(r.made_at > now + FUTURE_TOLERANCE_S for r in rollouts):
             raise RolloutError(f"made more than {FUTURE_TOLERANCE_S:g} s in the future (a clock that far off would "
                                "defeat max_delay_s)")

@@ -76,6 +76,11 @@ class WeightBroadcast:
         except BaseException as exc:  # surfaces in the sampler's loop through check()
             self._error = exc
 
+    @property
+    def done(self) -> bool:
+        """A sampler's side: its learner closed the channel (it finished), and everything it pushed came."""
+        return self._thread is not None and not self._thread.is_alive() and self._error is None
+
     def check(self) -> None:
         if self._error is not None:
             raise TransportError(f"the weights broadcast from rank {self.source} failed: "

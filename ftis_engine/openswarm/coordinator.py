@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 
 from ..config import RunConfig, value_differences
-from .wire import WireError, pack, unpack
+from .wire import SAMPLER_MARK, WireError, pack, unpack
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
 # optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
@@ -149,7 +149,9 @@ class Coordinator:
             return []
         entry.step = max(entry.step, header["step"])
         relay = pack("parcel", header, body)
-        return [(peer.identity, relay) for peer_name, peer in self.live.items() if peer_name != name and peer.identity]
+        # to every other live member; a member's sampler (named <member>/sampler-<k>) only sends
+        return [(peer.identity, relay) for peer_name, peer in self.live.items()
+                if peer_name != name and peer.identity and SAMPLER_MARK not in peer_name]
 
     def _join(self, identity: bytes, header: dict, now: float) -> Outgoing:
         name = header["name"]

@@ -16,6 +16,15 @@ receiver (admission) as every other mode; its schedule (OpenSchedule) gives each
   nobody waits, and its rollouts are trained on once they are within max_staleness).
 - **A member on several ranks** (`--nproc R` for members.0.ranks=R, or torchrun) has its own process group: its
   leader holds the exchange (this class) and hands the shards what it admitted, as in the one-world modes.
+- **A member with samplers** (members.0.samplers=S: `--nproc R+S` or torchrun) takes its learner's weights on its
+  samplers by broadcast in its own process group (NCCL between GPUs, gloo on the CPU), as in one world; each
+  sampler joins the coordinator under `<member>/sampler-<k>` (a name no member can take: `/` is not allowed in
+  one), publishes its rounds there and receives nothing. Its rounds draw from that name's stream, so a receiver
+  checks them like a learner's, with a sampler's version rules: its own member's samplers hold the resumed step or
+  a multiple of its weight_sync_every up to its last step (and are its own rollouts: not screened); another
+  member's hold any version up to the run's last step (their weight_sync_every is not known here). Samplers do
+  not count in the lead bound; a sampler waits (its backpressure) until its learner's newest step, as the
+  coordinator last said, is within max_lead + 1 of its next round, and leaves when its learner finishes.
 - **Peers of another tokenizer.** A member announces where its tokenizer loads from (its `builtin:`, `packaged:` or
   hub spec; a local path is not shareable); a receiver of another tokenizer loads it on first sight, checks that
   it hashes to what the peer joined with, and trains on the peer's text re-encoded, as in one world. A peer whose
@@ -43,6 +52,7 @@ from ..rollouts import max_buffer_words
 from ..schedule import Schedule, mix_seed, prompts_for_step
 from .client import SwarmClient
 from .coordinator import max_parcel_bytes, shared_settings
+from .wire import SAMPLER_MARK
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -56,11 +66,13 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
         raise JoinError(f"members: a member joining an open swarm has exactly one member in its config, not "
                         f"{len(config.members)}")
     member = config.members[0]
-    if member.samplers:
-        raise JoinError("members.0.samplers: a member with sampler ranks cannot join an open swarm yet; use its "
-                        "learner ranks only")
-    if nproc > 1 and nproc != member.ranks:
-        raise JoinError(f"--nproc {nproc}: this member runs on members.0.ranks={member.ranks} process(es)")
+    processes = member.ranks + member.samplers
+    if nproc > 1 and nproc != processes:
+        raise JoinError(f"--nproc {nproc}: this member runs on {processes} process(es) (members.0.ranks="
+                        f"{member.ranks} + members.0.samplers={member.samplers})")
+    if member.samplers and config.swarm.weights_transport == "links":
+        raise JoinError("swarm.weights_transport: a member of an open swarm gives its samplers its weights by "
+                        "broadcast in its own process group (it has no links); set auto or broadcast")
     if config.swarm.mode != "async":
         raise JoinError("swarm.mode: an open swarm is asynchronous; set swarm.mode=async")
     if config.swarm.max_restarts:
@@ -68,6 +80,19 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
                         "elastic restart (its name is held until its lease runs out); set it to 0")
     if config.collaboration != "vertical":
         raise JoinError(f"collaboration: an open swarm is vertical, not {config.collaboration!r}")
+
+
+def sampler_name(member: str, index: int) -> str:
+    """The name a member's sampler joins under (no member name holds a /)."""
+    return f"{member}{SAMPLER_MARK}{index}"
+
+
+def split_sampler(name: str) -> tuple[str, int] | None:
+    """(member name, sampler index) of a sampler's name; None for a member's."""
+    owner, mark, index = name.rpartition(SAMPLER_MARK)
+    if not mark or not owner or not index.isdigit() or len(index) > 6:
+        return None
+    return owner, int(index)
 
 
 class PeerBook:
@@ -120,10 +145,28 @@ class OpenSchedule(Schedule):
 
     @property
     def roles(self) -> list[tuple[int, int | None]]:
-        return [(k, None) for k in range(len(self.peers.names))]
+        """(member, sampler index or None) by local number: a sampler of this member's is member 0 (its rollouts
+        are this member's own), another member's sampler is a member of its own number."""
+        out: list[tuple[int, int | None]] = []
+        own = self.peers.names[0]
+        for k, name in enumerate(list(self.peers.names)):
+            parsed = split_sampler(name)
+            out.append((k, None) if parsed is None else (0 if parsed[0] == own else k, parsed[1]))
+        return out
 
     def member_name(self, member: int) -> str:
         return self.peers.name(member)
+
+    def sender_label(self, rank: int) -> str:
+        return self.peers.name(rank)
+
+    def sampler_versions(self, member: int, receiver: int, step: int) -> tuple[int | None, int]:
+        if member == receiver:
+            return self.config.members[0].weight_sync_every, step - 1
+        return None, self.config.train.steps - 1
+
+    def round_deal(self, rank: int, round_: int) -> dict[int, int]:
+        return self.name_deal(self.peers.name(rank), round_)
 
     def wire_member(self, member: int) -> int:
         return 0  # every member is member 0 of its own config
@@ -152,7 +195,9 @@ class OpenSchedule(Schedule):
         return mix_seed(self.config.seed, step, zlib.crc32(self.peers.name(who).encode()) % 1_000_003, shard)
 
     def parcel_limit(self, sender: int, step: int) -> int:
-        if not 0 < sender < len(self.peers.names) or not 1 <= step <= self.config.train.steps:
+        if not 0 < sender < len(self.peers.names) or step < 1:
+            return 0
+        if split_sampler(self.peers.name(sender)) is None and step > self.config.train.steps:
             return 0
         return max_buffer_words(self.step_sequences(sender), self.config.rollout.max_new_tokens)
 
@@ -196,8 +241,9 @@ class OpenExchange:
     independent = True
     broadcast = None
 
-    def __init__(self, address: str, config: RunConfig, collectives=None):
+    def __init__(self, address: str, config: RunConfig, collectives=None, broadcast=None):
         self.address = address
+        self.broadcast = broadcast  # a member with samplers: its weights to them (exchange.weights.WeightBroadcast)
         self.config = config
         self.name = config.members[0].name
         # a member on several ranks: its leader's process group (checkpoints and records gather its shards)
@@ -275,7 +321,13 @@ class OpenExchange:
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
                         outbox_dropped=dropped)
 
+    def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
+        """This member's new weights (version `step`) to its samplers, by broadcast in its own process group."""
+        self.broadcast.push(flat, version)
+
     def finish(self) -> None:
+        if self.broadcast is not None:
+            self.broadcast.close()  # its samplers' receiving threads end, and the samplers leave
         if self.client is not None:
             self.client.close(leave=True)
 
@@ -330,7 +382,7 @@ class OpenExchange:
         """Each live peer's newest published step: its parcels, or the coordinator's word."""
         out = {}
         for name, view in self._live().items():
-            if name != self.name and self._trained_on(name):  # the peers it trains on
+            if name != self.name and split_sampler(name) is None and self._trained_on(name):  # the members
                 step = view.get("step", 0) if isinstance(view.get("step"), int) else 0
                 out[name] = max(step, self.book.published.get(name, 0))
         return out
@@ -352,4 +404,78 @@ class OpenExchange:
             self.book.publish(name, step)
 
 
-__all__ = ["JoinError", "OpenExchange", "OpenSchedule", "PeerBook", "check_joinable", "dataset_hash"]
+class OpenSampler:
+    """The exchange of a sampler rank of a member in an open swarm (see the module): its learner's weights by
+    broadcast in the member's process group, its rounds to the coordinator under its sampler name."""
+
+    independent = True
+
+    def __init__(self, address: str, config: RunConfig, collectives, broadcast, endpoint: int, index: int):
+        self.address, self.config, self.collectives, self.broadcast = address, config, collectives, broadcast
+        self.rank = endpoint  # its endpoint in its member's config (rank_roles): the schedule's number for it
+        self.member = config.members[0].name
+        self.name = sampler_name(self.member, index)
+        self.max_lead, self.timeout_s = config.swarm.max_lead, config.swarm.timeout_s
+        self.tokenizer = self.dataset = self.source = ""
+        self.client: SwarmClient | None = None
+        self.weights = None
+
+    def attach(self, swarm) -> None:
+        from ..models import vocabulary_hash
+
+        member = self.config.members[0]
+        self.tokenizer, self.dataset = vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task)
+        spec = member.tokenizer or member.model
+        self.source = spec if shareable(spec) else ""
+
+    def start(self, limit: Limit, start_step: int = 0, weights=None) -> None:
+        self.weights = weights
+        self.broadcast.start(weights)
+        self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
+                                  max_parcel_bytes(self.config), lambda *parcel: None, step=start_step,
+                                  source=self.source)
+        self.client.start(timeout=self.timeout_s)
+
+    def check(self) -> None:
+        self.broadcast.check()
+        if self.client is not None:
+            self.client.check()
+
+    def peer_done(self, learner: int) -> bool:
+        """Its learner has finished (closed the weight broadcast)."""
+        return self.broadcast.done
+
+    def wait_taken(self, round_: int) -> float:
+        """Before round `round_`: wait until its learner's newest step (the coordinator's word) is at least
+        round_ - 1 - max_lead, or it finished; at most swarm.timeout_s, then go on, warned. Returns the seconds."""
+        if self.max_lead is None:
+            return 0.0
+        need, start = round_ - 1 - self.max_lead, time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.peer_done(0):
+            self.check()
+            step = self.client.members().get(self.member, {}).get("step", 0)
+            if isinstance(step, int) and step >= need:
+                break
+            if time.monotonic() > deadline:
+                log.warning("%s: its learner has not reached step %d within swarm.timeout_s=%g s; sampling on",
+                            self.name, need, self.timeout_s)
+                break
+            time.sleep(0.02)
+        return time.perf_counter() - start
+
+    def send_parcel(self, buffer: torch.Tensor, round_: int, version: int) -> int:
+        buffer = buffer.to(torch.int32).contiguous()
+        self.client.check()
+        self.client.publish(round_, version, buffer.numpy().tobytes())
+        peers = [n for n in self.client.members() if n != self.name and split_sampler(n) is None]
+        return wire_bytes_sent(buffer, len(peers))
+
+    def finish(self) -> None:
+        self.broadcast.join(self.timeout_s)
+        if self.client is not None:
+            self.client.close(leave=True)
+
+
+__all__ = ["JoinError", "OpenExchange", "OpenSampler", "OpenSchedule", "PeerBook", "check_joinable", "dataset_hash",
+           "sampler_name", "split_sampler"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 MAGIC = b"ftis-swarm/1"
+SAMPLER_MARK = "/sampler-"  # a member's sampler joins as <member>/sampler-<k>: it sends parcels, receives none
 MAX_HEADER = 1 << 16  # a join carries the shared settings: a few KiB
 
 # kind -> {field: type}; every field is required, no other is accepted
