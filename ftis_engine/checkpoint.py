@@ -62,8 +62,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
-    """A member's model (HF format) or adapter, tokenizer, optimizer and RNG state. A member on several ranks:
+def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: dict | None = None) -> None:
+    """A member's model (HF format) or adapter, tokenizer, optimizer and RNG state, and `extra` (file name -> a
+    JSON object, written by the leader: its receiver's screen.json). A member on several ranks:
     every shard calls it; the weights are gathered one tensor at a time and the leader writes them, each shard
     writes its optimizer shard (optimizer.shard-<i>.pt), and the leader writes rng.pt once all have."""
     shard = member.shard
@@ -82,6 +83,8 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool) -> None:
             member.model.save_pretrained(str(directory / "model"), state_dict=state, safe_serialization=True)
     if leader:
         member.tokenizer.save_pretrained(str(directory / "model"))
+        for file, value in (extra or {}).items():
+            (directory / file).write_text(json.dumps(value))
     if save_optimizer and shard is None:
         torch.save(member.optimizer.state_dict(), directory / "optimizer.pt")
     elif save_optimizer:
@@ -136,7 +139,8 @@ class CheckpointWriteError(OSError):
     removed and the newest complete checkpoint stays as it was."""
 
 
-def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimizer: bool) -> pathlib.Path:
+def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimizer: bool,
+                  extras: dict | None = None) -> pathlib.Path:
     """Write the members this process holds into the step's staging directory (every rank may add its own). A
     write that fails (torch.save reports a full disk as a RuntimeError) removes the staging directory and raises
     CheckpointWriteError (weights that turned non-finite still raise DivergenceError)."""
@@ -146,7 +150,7 @@ def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimize
             target = tmp / "members" / member.name
             if target.exists():
                 shutil.rmtree(target)
-            save_member(member, target, save_optimizer)
+            save_member(member, target, save_optimizer, (extras or {}).get(member.name))
     except DivergenceError:
         raise
     except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError: all say "I/O"

@@ -26,6 +26,7 @@ from .checkpoint import (
     STEP_DIR,
     complete_checkpoints,
     latest_checkpoint,
+    member_dir,
     read_state,
     restore_member,
     restore_optimizer_shard,
@@ -449,6 +450,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         foreign_limit(config, m, longest_prompt), config.defense.check_claims,
         config.rollout.top_k is None and config.rollout.top_p == 1.0), m.index, start_step)
         for m in members}
+    if source is not None and checkpoint is None:
+        resume_screens(receivers, members, source, config)
     if exchange.independent and config.swarm.max_lead is not None \
             and config.swarm.max_lead > config.swarm.max_staleness and exchange.collectives.rank == 0:
         log.warning("swarm.max_lead=%d > swarm.max_staleness=%d: a member that far ahead drops its slowest peer's "
@@ -460,6 +463,23 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         loss_config=config.algorithm.loss_config(config.rollout.temperature), start_step=start_step,
     )
     return swarm, start_step
+
+
+def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path, config: RunConfig) -> None:
+    """A resumed member's receiver goes on with the claims monitor's tests its checkpoint holds (screen.json); one
+    that holds none (written before the monitor's state was kept) starts them afresh, warned."""
+    import json
+
+    for member in members:
+        file = member_dir(source, member.name) / "screen.json"
+        if file.is_file():
+            try:
+                receivers[member.index].screen.load_state(json.loads(file.read_text()), str(file))
+            except ValueError as exc:  # json's errors are ValueErrors too
+                raise RunDirError(f"--resume: {first_line(exc)}") from None
+        elif config.defense.claims_monitor:
+            log.warning("%s: %s holds no claims-monitor state (written before it was kept); every peer's test "
+                        "starts afresh", member.name, source)
 
 
 def check_threads(threads: int) -> None:

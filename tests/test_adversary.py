@@ -264,3 +264,40 @@ def test_the_claims_monitor_quarantines_a_filter_forger_and_never_an_honest_peer
     assert any("peer tiny-m-lora quarantined" in r.getMessage() for r in caplog.records)
     honest = _run(tmp_path, "honest-monitor", "defense.claims_monitor=true", *size)
     assert all(r["quarantined"] == 0 and r["peer_sequences"] > 0 for r in honest.values())
+
+
+def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_with_them(tmp_path, caplog):
+    """A checkpoint of a run with the monitor on holds each member's screen.json (the filter forger quarantined);
+    a resume loads it (the forger refused from the first resumed step, no fresh-start warning); one without it
+    (written before the state was kept) warns that the tests start afresh; a malformed one stops the resume with
+    one line naming the file."""
+    import shutil
+
+    from ftis_engine.session import RunDirError
+
+    size = ("rollout.max_new_tokens=16", "rollout.group_size=8", "rollout.prompts_per_step=8", "eval.at_start=false",
+            "eval.every=0", "checkpoint.every=2", "defense.claims_monitor=true", "members.1.adversary.kind=forge-filter")
+    swarm, start = open_run(short_config("train.steps=2", *size), tmp_path / "run")
+    train(swarm, start)
+    screen = tmp_path / "run/checkpoints/step-2/members/tiny-s/screen.json"
+    state = json.loads(screen.read_text())
+    assert state["tests"]["tiny-m-lora"]["quarantined"] is True
+    swarm, start = open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    assert start == 2 and swarm.receivers[0].screen.tests["tiny-m-lora"].quarantined
+    assert json.loads(json.dumps(swarm.receivers[0].screen.state())) == state
+    train(swarm, start)
+    assert not any("starts afresh" in r.getMessage() for r in caplog.records)
+    records = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r["kind"] == "train" and r["member"] == "tiny-s" and r["step"] == 3]
+    assert resumed[-1]["quarantined_by"] == {"tiny-m-lora": resumed[-1]["peer_sequences"]} != {"tiny-m-lora": 0}
+    saved = screen.read_text()
+    screen.unlink()  # as a checkpoint written before the monitor's state was kept
+    for stale in (tmp_path / "run/checkpoints").glob("step-3"):
+        shutil.rmtree(stale)
+    open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    screen.write_text(saved)
+    assert any("holds no claims-monitor state" in r.getMessage() and "starts afresh" in r.getMessage()
+               for r in caplog.records)
+    screen.write_text('{"tests": {"tiny-m-lora": {"tokens": "many"}}}')
+    with pytest.raises(RunDirError, match=r"^--resume: .*step-2/members/tiny-s/screen.json: peer 'tiny-m-lora'"):
+        open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)

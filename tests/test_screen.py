@@ -135,6 +135,36 @@ def test_a_forger_of_a_fifth_of_its_tokens_is_caught_by_its_history_and_kept_out
     assert sum(admitted) <= 0.2 * len(admitted), admitted
 
 
+def test_a_screens_state_goes_through_json_and_the_loaded_screen_goes_on_exactly_as_the_original():
+    """The checkpoint's screen.json: a screen loaded from the state of one that quarantined a forger (and holds
+    evidence on a partial forger) gives the same verdicts on the next steps as the original going on; a fresh one
+    would take the forger's first steps. A malformed state is refused naming where it came from."""
+    import json
+
+    g = torch.Generator().manual_seed(3)
+    original = Screen(DefenseSettings(claims_monitor=True), "receiver")
+
+    def step(screen, claims_and_own):
+        rollouts = [_rollout(1 + k, 0, c.tolist()) for k, (c, _) in enumerate(claims_and_own)]
+        return screen.verdicts(rollouts, [o for _, o in claims_and_own], ["liar", "partial"])[0]
+
+    for _ in range(3):
+        step(original, [_forged_step(g, 50, 200, 1.0)[::-1], _forged_step(g, 50, 200, 0.2)[::-1]])
+    assert original.tests["liar"].quarantined and original.tests["partial"].tokens > 0
+    loaded = Screen(DefenseSettings(claims_monitor=True), "receiver")
+    loaded.load_state(json.loads(json.dumps(original.state())), "screen.json")
+    assert loaded.tests == original.tests
+    fresh = Screen(DefenseSettings(claims_monitor=True), "receiver")
+    for _ in range(6):  # honest-looking claims from now on: the liar's release comes after the same steps
+        claims_and_own = [_forged_step(g, 50, 200, 0.0)[::-1], _forged_step(g, 50, 200, 0.2)[::-1]]
+        assert step(loaded, claims_and_own) == step(original, claims_and_own)
+        assert 0 not in step(fresh, claims_and_own)  # a fresh screen never saw it lie
+    for bad in ({}, {"tests": {"liar": {"excess": "x"}}}, {"tests": {"liar": {"tokens": -1}}},
+                {"tests": {"liar": {"excess": float("nan")}}}, {"tests": {"liar": {"colour": 1}}}):
+        with pytest.raises(ValueError, match="^screen.json: "):
+            Screen(DefenseSettings(claims_monitor=True), "r").load_state(bad, "screen.json")
+
+
 def test_the_monitor_skips_a_foreign_peers_sequences_and_starts_each_peer_fresh():
     screen = Screen(DefenseSettings(claims_monitor=True), "receiver")
     foreign = _rollout(1, 0, [-20.0] * 50)

@@ -26,13 +26,15 @@ completions gives l_t, its own log-prob of each of their tokens at the sampling 
 Both run only where set (off by default until measured); a member's own samplers are its own. The likelihood check
 reads every peer rollout, a foreign peer's too (its text re-encoded with the receiver's tokenizer); the monitor
 reads only those of the receiver's tokenizer (a foreign peer's per-token claims are not known). A sharded member's
-shards all run the forward; its leader decides and every shard applies its verdicts. Limits: the screen runs on
-the intake once the async budget has taken it (a refused group's place is not refilled this step); a peer's test
-lives in the process (a resumed run starts every peer's afresh).
+shards all run the forward; its leader decides and every shard applies its verdicts. Every peer's test goes into
+the member's checkpoint (screen.json) and a resumed run goes on with it: a quarantined peer stays quarantined, and
+the evidence gathered on each peer is kept. Limit: the screen runs on the intake once the async budget has taken it
+(a refused group's place is not refilled this step).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass, field
@@ -116,6 +118,30 @@ class Screen:
         self.defense = defense
         self.receiver = receiver
         self.tests: dict[str, PeerTest] = {}
+
+    def state(self) -> dict:
+        """Every peer's test, for the member's checkpoint (JSON)."""
+        return {"tests": {name: dataclasses.asdict(test) for name, test in self.tests.items()}}
+
+    def load_state(self, state: object, where: str) -> None:
+        """Go on with the tests of a checkpoint's state(); a malformed one raises ValueError naming `where`."""
+        tests = state.get("tests") if isinstance(state, dict) else None
+        if not isinstance(tests, dict):
+            raise ValueError(f"{where}: not a screen state (no 'tests' object)")
+        loaded = {}
+        for name, fields in tests.items():
+            try:
+                test = PeerTest(**fields)
+                numbers = [test.excess, test.head_start] + [x for pair in test.recent for x in pair]
+                if not (isinstance(test.tokens, int) and test.tokens >= 0 and isinstance(test.quarantined, bool)
+                        and all(isinstance(x, (int, float)) and math.isfinite(x) for x in numbers)
+                        and all(len(pair) == 2 for pair in test.recent)):
+                    raise TypeError("a field of the wrong type or value")
+            except TypeError as exc:
+                raise ValueError(f"{where}: peer {name!r}'s test is malformed ({exc})") from None
+            test.recent = [(float(t), int(n)) for t, n in test.recent]
+            loaded[name] = test
+        self.tests = loaded
 
     @property
     def active(self) -> bool:
