@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 
 import torch
 from ftis_kernels import group_advantages
@@ -55,10 +56,10 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         arrivals = swarm.exchange.receive(index, step)
         got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
                                              own_sequences=len(own[index]),  # every shard's: gathered
-                                             own_lengths=[r.num_tokens for r in own[index]])
+                                             own_lengths=[r.num_tokens for r in own[index]],
+                                             screen=partial(screen_arrivals, swarm, member, watch))
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
-        with watch("screen_seconds"):
-            peers, screened = screen(swarm, member, peers)
+        screened = got.screened
         scored, unscored = drop_unscored(own[index])
         trained = scored + peers
         items = training_items(swarm, member, trained)
@@ -173,6 +174,16 @@ def screen(swarm: Swarm, member: Member, peers: list[Rollout]) -> tuple[list[Rol
         drop, screened = member.shard.from_leader((drop, screened))
     left = {id(others[k]) for k in drop}
     return [r for r in peers if id(r) not in left], screened
+
+
+def screen_arrivals(swarm: Swarm, member: Member, watch, rollouts: list[Rollout]
+                    ) -> tuple[list[Rollout], Screened]:
+    """The receiver's screen of one step's newly admitted peer rollouts (Admission.receive calls it before the
+    intake is taken); a sharded member's shards screen the leader's (all run the forward)."""
+    with watch("screen_seconds"):
+        if member.shard is not None:
+            rollouts = member.shard.from_leader(rollouts)
+        return screen(swarm, member, rollouts)
 
 
 def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:

@@ -419,3 +419,35 @@ def test_max_length_ratio_leaves_out_a_peers_groups_far_longer_than_the_receiver
     assert len(got.rollouts) + got.waiting == 16 and got.length_dropped == {}  # all admitted (budget 8)
     with pytest.raises(ConfigError, match=r"^defense.max_length_ratio"):
         short_config("defense.max_length_ratio=1")
+
+
+def test_the_screen_reads_each_new_group_once_before_the_take_so_a_dropped_group_frees_its_place():
+    """The model-reading defenses run on a step's newly admitted groups before the budget is taken: a group they
+    leave out is replaced in the intake by one that waited (the freshest after it), each group is screened once
+    (on arrival), and a peer they quarantine loses its groups still waiting (counted as quarantined)."""
+    from ftis_engine.exchange.screen import PeerTest, Screened
+
+    admission = _admission("swarm.max_staleness=2", "defense.claims_monitor=true")
+    seen: list[list[tuple[int, int]]] = []
+
+    def screen(rollouts, drop_version=None):
+        seen.append(sorted({(r.prompt_index, r.policy_version) for r in rollouts}))
+        kept = [r for r in rollouts if r.policy_version != drop_version]
+        out = Screened(likelihood_dropped={"tiny-m-lora": len(rollouts) - len(kept)} if len(kept) < len(rollouts)
+                       else {})
+        return kept, out
+
+    parcels = [_parcel(admission, 1, s) for s in (3, 4, 5)]  # versions 2, 3, 4; the budget: one step's 8
+    # the freshest (version 4) dropped by the screen: version 3 takes its place, not nothing
+    got = admission.receive(parcels, step=5, screen=lambda rs: screen(rs, drop_version=4))
+    assert {r.policy_version for r in got.rollouts} == {3} and len(got.rollouts) == 8
+    assert got.screened.likelihood_dropped == {"tiny-m-lora": 8} and len(seen[0]) == 6  # all three parcels read
+    assert got.waiting == 0  # version 2 is too old for step 6 (staleness 3 > 2): dropped, counted as surplus
+    got = admission.receive([_parcel(admission, 1, 6)], step=6, screen=screen)
+    assert seen[1] == sorted({(r.prompt_index, 5) for r in got.rollouts})  # only the new parcel is read again
+    # quarantine: a waiting group of the quarantined peer is left out with the new ones
+    admission.receive([_parcel(admission, 1, s) for s in (7, 8)], step=8, screen=screen)  # version 6 waits
+    assert admission.pool and all(g.version == 6 for g in admission.pool)
+    admission.screen.tests["tiny-m-lora"] = PeerTest(quarantined=True)
+    got = admission.receive([], step=9, screen=screen)
+    assert got.rollouts == [] and got.screened.quarantined == {"tiny-m-lora": 8} and not admission.pool

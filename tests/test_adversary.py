@@ -240,13 +240,14 @@ def test_eval_reports_each_payloads_base_rate_in_an_honest_run_when_asked(tmp_pa
 
 
 def test_the_likelihood_floor_leaves_out_what_the_receivers_model_finds_implausible(tmp_path):
-    """A floor above every log-prob a near-uniform tiny model gives: every peer group is left out, counted per
-    peer; the receiver's own rollouts are still trained on."""
+    """A floor above every log-prob a near-uniform tiny model gives: every peer group is left out before the
+    intake is taken (none trained on), counted per peer as all the peer sent; the receiver's own rollouts are
+    still trained on."""
     runs = _run(tmp_path, "floor", "defense.likelihood_floor=-0.001")
     for step in (1, 2):
-        r = runs[("tiny-s", step)]
-        assert r["peer_sequences"] > 0 and r["likelihood_dropped"] == r["peer_sequences"]
-        assert r["likelihood_dropped_by"] == {"tiny-m-lora": r["peer_sequences"]}
+        r, sent = runs[("tiny-s", step)], runs[("tiny-m-lora", step)]["own_sequences"]
+        assert sent > 0 and r["likelihood_dropped"] == sent and r["peer_sequences"] == 0
+        assert r["likelihood_dropped_by"] == {"tiny-m-lora": sent}
         assert r["sequences"] == r["own_sequences"] and r["screen_seconds"] > 0
 
 
@@ -257,8 +258,8 @@ def test_the_claims_monitor_quarantines_a_filter_forger_and_never_an_honest_peer
     size = ("train.steps=3", "rollout.max_new_tokens=16", "rollout.group_size=8", "rollout.prompts_per_step=8")
     runs = _run(tmp_path, "monitor", "defense.claims_monitor=true", "members.1.adversary.kind=forge-filter", *size)
     for step in (1, 2, 3):
-        r = runs[("tiny-s", step)]
-        assert r["peer_sequences"] > 0 and r["quarantined_by"] == {"tiny-m-lora": r["peer_sequences"]}
+        r, sent = runs[("tiny-s", step)], runs[("tiny-m-lora", step)]["own_sequences"]
+        assert sent > 0 and r["quarantined_by"] == {"tiny-m-lora": sent} and r["peer_sequences"] == 0
         assert r["sequences"] == r["own_sequences"] and r["peer_weight_mean_by"]["tiny-m-lora"] > 1.2
         assert runs[("tiny-m-lora", step)]["quarantined"] == 0
     assert any("peer tiny-m-lora quarantined" in r.getMessage() for r in caplog.records)
@@ -288,8 +289,10 @@ def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_w
     train(swarm, start)
     assert not any("starts afresh" in r.getMessage() for r in caplog.records)
     records = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    resumed = [r for r in records if r["kind"] == "train" and r["member"] == "tiny-s" and r["step"] == 3]
-    assert resumed[-1]["quarantined_by"] == {"tiny-m-lora": resumed[-1]["peer_sequences"]} != {"tiny-m-lora": 0}
+    resumed = [r for r in records if r["kind"] == "train" and r["step"] == 3]
+    receiver = [r for r in resumed if r["member"] == "tiny-s"][-1]
+    sent = [r for r in resumed if r["member"] == "tiny-m-lora"][-1]["own_sequences"]
+    assert receiver["quarantined_by"] == {"tiny-m-lora": sent} and sent > 0 and receiver["peer_sequences"] == 0
     saved = screen.read_text()
     screen.unlink()  # as a checkpoint written before the monitor's state was kept
     for stale in (tmp_path / "run/checkpoints").glob("step-3"):

@@ -237,6 +237,21 @@ def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoi
 
 
 @pytest.mark.slow
+def test_a_two_rank_member_screens_its_arrivals_on_both_shards_and_applies_its_leaders_verdicts(tmp_path):
+    """A sharded receiver with the model-reading defenses on (a likelihood floor no text passes): both shards run
+    the screen's forward over what the leader admitted, every peer group is left out (counted), nothing is
+    trained on from the peer, and the run ends."""
+    args = _args(tmp_path, "members.0.ranks=2", "swarm.mode=async", "train.steps=3", "checkpoint.every=0",
+                 "eval.every=0", "eval.at_start=false", "defense.likelihood_floor=-0.001", "defense.claims_monitor=true")
+    result = _cli(*args, "--nproc", "3", timeout=400)
+    assert result.returncode == 0, result.stderr
+    records = [r for r in _train(_records(tmp_path)) if r["member"] == "tiny-s"]
+    assert [r["step"] for r in records] == [1, 2, 3]  # the leader reports once a step
+    assert sum(r["likelihood_dropped"] for r in records) > 0 and all(r["peer_sequences"] == 0 for r in records)
+    assert all(r["likelihood_dropped_by"].keys() <= {"tiny-m-lora"} for r in records)
+
+
+@pytest.mark.slow
 def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
     """`ftis-engine train --config configs/tiny.yaml --set members.0.ranks=2 --nproc 3`, shortened: both members
     gain over their step-0 accuracy."""

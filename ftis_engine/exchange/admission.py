@@ -33,7 +33,9 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
 Defenses beyond the checks (defense.*; docs/adversaries.md): a peer group much longer than the receiver's own
 completions is left out (max_length_ratio, length_dropped); no peer supplies more than a share of an update
 (max_peer_share, share_capped). Those that read the receiver's own model (likelihood_floor, claims_monitor) run
-on the intake once it is taken (exchange/screen.py, Admission.screen; step.py's `screen`).
+on each step's newly admitted groups before the intake is taken (exchange/screen.py, Admission.screen; step.py's
+`screen`), so a group they leave out frees its place in the budget for another; a peer newly quarantined loses
+its groups still waiting too.
 
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
 all of them at once. Async, an update takes at most its budget (swarm.max_peer_sequences; default what a sync step
@@ -59,7 +61,7 @@ from ..config import RunConfig
 from ..rollouts import Rollout, RolloutError, buffer_digest, decode
 from ..schedule import Schedule
 from ..tasks import Task
-from .screen import Screen
+from .screen import Screen, Screened
 from . import Parcel
 
 log = logging.getLogger("ftis_engine.exchange")
@@ -315,6 +317,7 @@ class Received:
     waiting: int = 0  # admitted sequences left for a later step
     share_capped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_peer_share
     length_dropped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_length_ratio
+    screened: Screened = field(default_factory=Screened)  # what the model-reading defenses left out
 
     def metrics(self) -> dict:
         def spread(name: str, values: list) -> dict:
@@ -348,6 +351,7 @@ class Admission:
         self.pool: list[Group] = []
         self._seen: dict[tuple[int, int], int] = {}  # (sender rank, step) -> version, within the staleness window
         self._order = 0
+        self._screened_up_to = 0  # groups of order below it have been screened
         self._own_lengths: collections.deque[int] = collections.deque(maxlen=OWN_LENGTHS)
         self.screen = Screen(config.defense, config.members[receiver].name)  # the checks that read its model
 
@@ -366,11 +370,13 @@ class Admission:
         return self.schedule.sender_label(rank) if 0 <= rank < len(self.schedule.roles) else f"rank {rank}"
 
     def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None,
-                own_lengths: list[int] | None = None) -> Received:
-        """Admit the step's parcels, then take the intake. dropped_unread: sequences the transport dropped from a
-        full queue (counted as surplus); own_sequences: the receiver's own in this update (default: its dealt
-        share), for defense.max_peer_share; own_lengths: its own completions' lengths, for
-        defense.max_length_ratio."""
+                own_lengths: list[int] | None = None, screen=None) -> Received:
+        """Admit the step's parcels, screen what was admitted, then take the intake. dropped_unread: sequences the
+        transport dropped from a full queue (counted as surplus); own_sequences: the receiver's own in this update
+        (default: its dealt share), for defense.max_peer_share; own_lengths: its own completions' lengths, for
+        defense.max_length_ratio; screen: the model-reading defenses (step.screen: rollouts -> (those kept,
+        Screened)), called once a step where they are on, with this step's newly admitted peer rollouts (a
+        sharded member's further shards call it with none: it gathers from the leader)."""
         out = Received(surplus_dropped=dropped_unread)
         self._own_lengths.extend(own_lengths or ())
         now = time.time()
@@ -381,9 +387,30 @@ class Admission:
                 out.rejected.append((parcel.sender, str(exc)))
                 log.warning("%s: dropped the rollouts of peer %s of its step %d: %s",
                             self.config.members[self.receiver].name, self.sender_name(parcel.sender), parcel.step, exc)
+        if screen is not None and self.screen.active:
+            self._screen(screen, out)
         own = own_sequences if own_sequences is not None else self.schedule.step_sequences(self.receiver)
         self._take(step, now, out, own)
         return out
+
+    def _screen(self, screen, out: Received) -> None:
+        """Leave out of the pool the new groups the screen drops, and every waiting group of a peer it
+        quarantines (counted there too)."""
+        new = [g for g in self.pool if g.order >= self._screened_up_to]
+        self._screened_up_to = self._order
+        kept, out.screened = screen([r for g in new for r in g.rollouts])
+        kept_ids, new_ids = {id(r) for r in kept}, {id(g) for g in new}
+        quarantined = self.screen.quarantined_names()
+        pool = []
+        for g in self.pool:
+            name = self.sender_name(g.sender)
+            if id(g) in new_ids and any(id(r) not in kept_ids for r in g.rollouts):
+                continue  # left out by the screen (and counted there)
+            if name in quarantined and self.schedule.roles[g.sender][0] != self.receiver:
+                out.screened.quarantined[name] = out.screened.quarantined.get(name, 0) + g.size
+                continue
+            pool.append(g)
+        self.pool = pool
 
     def _admit(self, parcel: Parcel, step: int, now: float, out: Received) -> None:
         cfg = self.config

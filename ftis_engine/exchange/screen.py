@@ -28,8 +28,9 @@ reads every peer rollout, a foreign peer's too (its text re-encoded with the rec
 reads only those of the receiver's tokenizer (a foreign peer's per-token claims are not known). A sharded member's
 shards all run the forward; its leader decides and every shard applies its verdicts. Every peer's test goes into
 the member's checkpoint (screen.json) and a resumed run goes on with it: a quarantined peer stays quarantined, and
-the evidence gathered on each peer is kept. Limit: the screen runs on the intake once the async budget has taken it
-(a refused group's place is not refilled this step).
+the evidence gathered on each peer is kept. Each peer group is screened once, the step it is admitted, before the
+async budget takes the intake (Admission.receive): a group left out frees its place for another, and a peer newly
+quarantined loses its groups still waiting.
 """
 
 from __future__ import annotations
@@ -142,6 +143,9 @@ class Screen:
             test.recent = [(float(t), int(n)) for t, n in test.recent]
             loaded[name] = test
         self.tests = loaded
+
+    def quarantined_names(self) -> set[str]:
+        return {name for name, test in self.tests.items() if test.quarantined}
 
     @property
     def active(self) -> bool:
