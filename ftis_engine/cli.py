@@ -261,16 +261,22 @@ def study(
     output_dir: pathlib.Path | None = typer.Option(
         None, "--output-dir", help="Where runs, summary.json, report.md and figures go (default: "
         "runs/study-<name>[-quick])."),
+    groups: str | None = typer.Option(
+        None, "--groups", help="Comma-separated group names (after grid expansion): run and report only these and "
+        "the groups they are paired with (baseline, alone), e.g. a study's amendment."),
 ) -> None:
     """Run a grid of train runs (separate processes, finished ones skipped) and aggregate them over seeds."""
     from .study import load_study, run_study
 
+    only = [g.strip() for g in groups.split(",") if g.strip()] if groups is not None else None
+    if only is not None and not only:
+        raise UsageFailure("--groups: name at least one group")
     spec = load_study(config)
     out = output_dir or pathlib.Path("runs") / f"study-{spec.study}{'-quick' if quick else ''}"
     command = " ".join(["ftis-engine study --config", str(config)] + (["--quick"] if quick else [])
-                       + ([f"--jobs {jobs}"] if jobs else []))
+                       + ([f"--jobs {jobs}"] if jobs else []) + ([f"--groups {','.join(only)}"] if only else []))
     try:
-        summary = run_study(spec, out, quick=quick, jobs=jobs, command=command)
+        summary = run_study(spec, out, quick=quick, jobs=jobs, command=command, only=only)
     except RuntimeError as exc:
         _fail(f"{exc}; rerun the same command to retry them (finished runs are kept)", code=1)
     typer.echo(f"{len(summary['groups'])} groups in {out}: summary.json, report.md, "

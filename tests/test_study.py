@@ -71,6 +71,28 @@ def test_grid_groups_are_named_from_their_values_and_carry_them():
     assert (run.seed, run.config.seed, str(run.run_dir)) == (1, 1, "/out/runs/pair-f-tis/seed-1")
 
 
+def test_groups_runs_the_named_groups_and_those_they_are_paired_with():
+    """--groups: the adversary study's amendment plans its seven groups and, transitively, the groups they are
+    paired with (honest, in-context, alone); every run of a kept group is as the full plan has it."""
+    spec = load_study(ROOT / "configs" / "study" / "adversary.yaml")
+    full = {g.name: g for g in plan(spec, pathlib.Path("/out"), quick=False)}
+    part2 = ["inject-likelihood", "in-context-likelihood", "forge-filter-monitor", "long-length",
+             "in-context-nois", "in-context-tis", "in-context-gepo"]
+    groups = plan(spec, pathlib.Path("/out"), quick=False, only=part2)
+    assert {g.name for g in groups} == set(part2) | {"honest", "in-context", "alone"}
+    for group in groups:
+        assert [r.config for r in group.runs] == [r.config for r in full[group.name].runs]
+    with pytest.raises(StudyError, match=r"^--groups: unknown group 'inject-likelyhood'"):
+        plan(spec, pathlib.Path("/out"), quick=False, only=["inject-likelyhood"])
+
+
+def test_the_study_command_refuses_an_unknown_group_in_one_line(tmp_path):
+    result = cli("study", "--config", str(write_study(tmp_path, MINIMAL)), "--groups", "pair-vis",
+                 "--output-dir", str(tmp_path / "out"))
+    assert result.returncode == 2 and "--groups: unknown group 'pair-vis'" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
 def test_quick_keeps_its_groups_and_seeds_and_applies_its_overrides():
     spec = study_module.StudyConfig.model_validate(
         {**MINIMAL, "quick": {"seeds": [7], "groups": ["pair-nois"], "set": {"train.steps": 1}}})

@@ -104,13 +104,37 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
     return out
 
 
-def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool) -> list[Group]:
+def with_pairs(study: StudyConfig, names: list[str]) -> set[str]:
+    """The groups named (--groups) and every group they are paired with, transitively: baseline, alone,
+    also_alone. Raises StudyError on a name the study does not have."""
+    expanded = {name: (group, {k: overrides[k] for k in group.grid})
+                for _, name, group, overrides in expand_groups(study, quick=False)}
+    unknown = [name for name in names if name not in expanded]
+    if unknown:
+        raise StudyError(f"--groups: unknown group {unknown[0]!r} (the study's groups: {', '.join(expanded)})")
+    chosen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in chosen or name not in expanded:
+            continue  # an unknown pair is named by plan()
+        chosen.add(name)
+        group, combo = expanded[name]
+        todo += [n for n in (baseline_name(group, combo), group.alone, *group.also_alone) if n is not None]
+    return chosen
+
+
+def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool, only: list[str] | None = None) -> list[Group]:
     """Every run of the study with its validated config; nothing is written. Raises StudyError naming the field.
-    --quick validates the whole study first: a quick run passes only when the full one would start."""
-    if quick:
+    --quick validates the whole study first: a quick run passes only when the full one would start. only
+    (--groups): those groups and the groups they are paired with."""
+    if quick or only:
         plan(study, output_dir, quick=False)
+    chosen = with_pairs(study, only) if only else None
     groups = []
     for i, name, group, overrides in expand_groups(study, quick):
+        if chosen is not None and name not in chosen:
+            continue
         runs = []
         for seed in study.quick.seeds if quick else group.seeds or study.seeds:
             raw = copy.deepcopy(study.base)

@@ -110,10 +110,11 @@ def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None
 
 
 def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = False, jobs: int | None = None,
-              command: str = "", progress: bool = True) -> dict:
-    """Plan, run what is not finished (`jobs` at once), aggregate; returns the summary. Raises StudyError on a bad
-    config and RuntimeError naming the failed runs' logs (after the others have finished)."""
-    groups = plan(study, output_dir, quick)
+              command: str = "", progress: bool = True, only: list[str] | None = None) -> dict:
+    """Plan, run what is not finished (`jobs` at once), aggregate; returns the summary. only: those groups and
+    the groups they are paired with (--groups). Raises StudyError on a bad config and RuntimeError naming the failed
+    runs' logs (after the others have finished)."""
+    groups = plan(study, output_dir, quick, only)
     runs = [run for group in groups for run in group.runs]
     for run in runs:
         check_reuse(run)
