@@ -13,20 +13,15 @@ smaller embedding): random stand-ins for GPU measurements where nothing can be d
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
-import logging
-import os
 import pathlib
-import socket
 import string
-import sys
-import urllib.parse
 
 import torch
 
 from .errors import first_line
+from .hub import hub_reachable
 
 BUILTIN_PREFIX = "builtin:"
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
@@ -179,31 +174,6 @@ def vocabulary_hash(tokenizer) -> str:
     """sha256 of the token -> id mapping: members that share it exchange token ids; others exchange text."""
     items = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
-
-
-@functools.cache
-def hub_reachable() -> bool:
-    """Whether the HF hub answers (one TCP connect, 3 s at most, once per process). When it does not, the hub
-    libraries are switched to offline mode: cached models and datasets still load, and what is not cached fails
-    at once with one line instead of after a minute of retries. Skipped (assumed reachable) behind a proxy."""
-    import huggingface_hub.constants as hub
-
-    if hub.HF_HUB_OFFLINE:
-        return False
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
-        return True
-    url = urllib.parse.urlparse(hub.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=3).close()
-        return True
-    except OSError:
-        hub.HF_HUB_OFFLINE = True
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # datasets reads them at import
-        if "datasets" in sys.modules:
-            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
-        logging.getLogger("ftis_engine").warning("the HF hub (%s) cannot be reached: using the local cache only",
-                                                 url.hostname)
-        return False
 
 
 def _from_hub(spec: str) -> bool:

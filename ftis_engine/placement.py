@@ -128,7 +128,8 @@ def model_shape(spec: str) -> dict | None:
     try:
         from transformers import AutoConfig
 
-        from .models import _from_hub, hub_reachable, source
+        from .hub import hub_reachable
+        from .models import _from_hub, source
 
         where = source(spec)
         try:  # the cache or a local folder first; a hub model's config (a few kB) from the hub when it answers

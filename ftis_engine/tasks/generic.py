@@ -29,7 +29,7 @@ def _examples(rows, data, where) -> list[Example]:
 
 
 def _hf_rows(data, split: str, field: str) -> list[tuple[int, dict]]:
-    from ..models import hub_reachable
+    from ..hub import hub_reachable
 
     hub_reachable()  # offline: at once from the cache or a local directory
     import datasets

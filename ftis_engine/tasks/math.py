@@ -76,7 +76,7 @@ def load_rows(name: str, path: str | None, field: str) -> list[tuple[int, dict]]
     if path is not None:
         numbered = read_jsonl(path, field, (q_field, a_field))
     else:
-        from ..models import hub_reachable
+        from ..hub import hub_reachable
 
         hub_reachable()  # offline: fail at once from the cache instead of retrying
         import datasets

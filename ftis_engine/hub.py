@@ -1,0 +1,36 @@
+"""The HF hub probe: whether the hub answers, once per process; offline mode when it does not. Its own module so
+that models.py and tasks/ both use it without importing each other."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import socket
+import sys
+import urllib.parse
+
+
+@functools.cache
+def hub_reachable() -> bool:
+    """Whether the HF hub answers (one TCP connect, 3 s at most, once per process). When it does not, the hub
+    libraries are switched to offline mode: cached models and datasets still load, and what is not cached fails
+    at once with one line instead of after a minute of retries. Skipped (assumed reachable) behind a proxy."""
+    import huggingface_hub.constants as hub
+
+    if hub.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urllib.parse.urlparse(hub.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=3).close()
+        return True
+    except OSError:
+        hub.HF_HUB_OFFLINE = True
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # datasets reads them at import
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+        logging.getLogger("ftis_engine").warning("the HF hub (%s) cannot be reached: using the local cache only",
+                                                 url.hostname)
+        return False
