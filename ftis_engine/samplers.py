@@ -28,6 +28,7 @@ from .members import trainable_parameters
 from .metrics import MetricsLogger, mean_reward
 from .placement import full
 from .rollouts import encode
+from .schedule import learner_version
 from .session import Swarm
 
 log = logging.getLogger("ftis_engine")
@@ -74,7 +75,7 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
     process_rank = torch.distributed.get_rank()  # which process it is (differs once a member has several ranks)
     exchange.collectives.barrier()  # as train() does: the run directory is ready
     # a learner pushes no weights after its last step (version train.steps - 1)
-    slot = WeightSlot(learner, weights_words(member.model), start_version, config.train.steps - 1)
+    slot = WeightSlot(learner, weights_words(member.model), start_version, learner_version(config.train.steps))
     exchange.start(schedule.parcel_limit, start_version, weights=slot)
     logger = MetricsLogger(swarm.run_dir, tensorboard=False, shared=True)
     version, round_ = start_version, start_version  # rounds number on from a resumed step (the log stays ordered)

@@ -19,6 +19,17 @@ from .rollouts import max_buffer_words
 _SEED_MODULUS = 2**31 - 1
 
 
+def learner_version(step: int) -> int:
+    """The policy version a learner's rollouts of `step` carry: its weights after step - 1 (0: the start's)."""
+    return step - 1
+
+
+def staleness(step: int, version: int) -> int:
+    """How many steps behind a receiver at `step` (whose own rollouts are learner_version(step)) a rollout of
+    policy `version` is: 0 on-policy, negative for one ahead of it."""
+    return learner_version(step) - version
+
+
 def mix_seed(*parts: int) -> int:
     """One seed from several integers (the run seed, a step, a member, a rank), in [0, 2^31 - 1)."""
     value = 0
@@ -75,7 +86,7 @@ class Schedule:
         """What a receiver at `step` accepts as the policy version of a sampler of `member`: (the member's
         weight_sync_every, of which a version is a multiple unless it is the resumed step; None: not known here)
         and the newest version (its own member's: the receiver's last step; another's: the run's last)."""
-        newest = self.config.train.steps - 1 if member != receiver else step - 1
+        newest = learner_version(self.config.train.steps) if member != receiver else learner_version(step)
         return self.config.members[member].weight_sync_every, newest
 
     def wire_member(self, member: int) -> int:

@@ -33,7 +33,7 @@ from .rewards import RewardTimeout
 from . import precision
 from .rollouts import Rollout, buffer_digest, encode
 from .samplers import flatten_weights, sampler_ranks
-from .schedule import learning_rate
+from .schedule import learner_version, learning_rate
 from .session import Swarm
 from .update import DivergenceError, batch_loss, rollout_logprobs, update_member
 
@@ -106,7 +106,7 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
         seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
         watch, pushed = watches[member.index], push_seconds(member.generator)
         with watch("gen_seconds"), member.generator.awake():
-            own[member.index] = sample.generate_rollouts(swarm, member, mine, step - 1, seed)
+            own[member.index] = sample.generate_rollouts(swarm, member, mine, learner_version(step), seed)
             memory[member.index].note()  # the engine is awake: its weights and KV cache are on the GPU
             return_freed_memory()  # generation's KV cache
         pushed = push_seconds(member.generator) - pushed

@@ -59,7 +59,7 @@ import torch
 
 from ..config import RunConfig
 from ..rollouts import Rollout, RolloutError, buffer_digest, decode
-from ..schedule import Schedule
+from ..schedule import Schedule, learner_version, staleness
 from ..tasks import Task
 from .screen import Screen, Screened
 from . import Parcel
@@ -433,7 +433,7 @@ class Admission:
             out.foreign_refused += len(rollouts)  # no fault: this member trains on its own tokenizer's text only
             return
         version = parcel.version
-        if sampler is None and version != parcel.step - 1:
+        if sampler is None and version != learner_version(parcel.step):
             raise RolloutError(f"policy version {version} declared for step {parcel.step} (a learner's rollouts of "
                                f"step t are version t - 1)")
         if any(r.policy_version != version for r in rollouts):
@@ -447,12 +447,12 @@ class Admission:
         if any(r.made_at > now + FUTURE_TOLERANCE_S for r in rollouts):
             raise RolloutError(f"made more than {FUTURE_TOLERANCE_S:g} s in the future (a clock that far off would "
                                "defeat max_delay_s)")
-        staleness = (step - 1) - version
+        behind = staleness(step, version)
         age = max(0.0, now - min((r.made_at for r in rollouts), default=now))
-        if staleness > cfg.swarm.max_staleness or (cfg.swarm.max_delay_s is not None and age > cfg.swarm.max_delay_s):
+        if behind > cfg.swarm.max_staleness or (cfg.swarm.max_delay_s is not None and age > cfg.swarm.max_delay_s):
             out.stale_dropped += len(rollouts)
             return
-        self._seen = {key: v for key, v in self._seen.items() if (step - 1) - v <= cfg.swarm.max_staleness}
+        self._seen = {key: v for key, v in self._seen.items() if staleness(step, v) <= cfg.swarm.max_staleness}
         if (parcel.sender, parcel.step) in self._seen:
             out.duplicate_dropped += len(rollouts)
             log.info("%s: dropped a second parcel of peer %s of its step %d (resumed from a checkpoint?)",
@@ -482,7 +482,7 @@ class Admission:
 
     def _take(self, step: int, now: float, out: Received, own: int) -> None:
         cfg = self.config.swarm
-        fresh = [g for g in self.pool if (step - 1) - g.version <= cfg.max_staleness
+        fresh = [g for g in self.pool if staleness(step, g.version) <= cfg.max_staleness
                  and (cfg.max_delay_s is None or now - g.made_at <= cfg.max_delay_s)]
         out.surplus_dropped += sum(g.size for g in self.pool) - sum(g.size for g in fresh)  # aged while waiting
         budget = self.budget
@@ -493,7 +493,7 @@ class Admission:
         taken = {id(g) for g in chosen}
         # what is left waits only if it can still be used fresh at the next step, and at most max_staleness + 1
         # budgets of it (the freshest)
-        rest = sorted((g for g in fresh if id(g) not in taken and step - g.version <= cfg.max_staleness),
+        rest = sorted((g for g in fresh if id(g) not in taken and staleness(step + 1, g.version) <= cfg.max_staleness),
                       key=lambda g: (-g.version, g.order))
         room, self.pool = (budget or 0) * (cfg.max_staleness + 1), []
         for g in rest:
@@ -505,7 +505,7 @@ class Admission:
         for g in sorted(chosen, key=lambda g: (g.version, g.sender, g.order)):
             out.digests[g.parcel] = g.digest
             out.rollouts += g.rollouts
-            out.staleness += [(step - 1) - g.version] * g.size
+            out.staleness += [staleness(step, g.version)] * g.size
             out.age_seconds += [max(0.0, now - r.made_at) for r in g.rollouts]
 
     def _cap_shares(self, chosen: list[Group], own: int, out: Received) -> set[int]:

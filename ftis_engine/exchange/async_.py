@@ -26,6 +26,7 @@ import torch
 
 from ..config import LatencySettings, RunConfig, rank_roles
 from ..rollouts import claimed_sequences
+from ..schedule import learner_version
 from . import Arrivals, Limit, Parcel, wire_bytes_sent
 from .links import DATA, TAKEN, WEIGHTS, Links
 from .sync import Collectives, LocalCollectives
@@ -129,7 +130,7 @@ class LocalAsync:
         for sender, buffer in buffers.items():
             for receiver, box in self.mailboxes.items():
                 if receiver != sender:
-                    box.put(self.latency.schedule(Parcel(sender, step, step - 1, buffer), receiver))
+                    box.put(self.latency.schedule(Parcel(sender, step, learner_version(step), buffer), receiver))
         return {m: wire_bytes_sent(b, len(self.mailboxes) - 1) for m, b in buffers.items()}
 
     def receive(self, receiver: int, step: int) -> Arrivals:
@@ -224,7 +225,7 @@ class DistributedAsync:
     # -- the training loop's side
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
-        return {self.rank: self.send_parcel(buffers[self.rank], step, step - 1)}
+        return {self.rank: self.send_parcel(buffers[self.rank], step, learner_version(step))}
 
     def send_parcel(self, buffer: torch.Tensor, step: int, version: int) -> int:
         """Queue a parcel (a learner's step, or a sampler's round made with weights of `version`) to every
@@ -250,7 +251,7 @@ class DistributedAsync:
                     ready, self.timeout_s, f"peer rank(s) {behind} to publish step {need} (swarm.max_lead="
                                            f"{self.max_lead}, this member's step {step})")
         self.links.check()
-        newest = None if self.max_lead is None else step - 1 + self.max_lead
+        newest = None if self.max_lead is None else learner_version(step) + self.max_lead
         parcels = self.mailbox.take_due(step, time.time(), newest)
         for parcel in parcels:  # tell each own sampler the newest of its rounds taken (its backpressure)
             if parcel.sender in self._taken and parcel.step > self._taken[parcel.sender]:

@@ -14,6 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..schedule import learner_version
 from . import Arrivals, Limit, Parcel, wire_bytes_sent
 
 
@@ -58,7 +59,7 @@ class LocalSync:
         return {m: wire_bytes_sent(b, len(buffers) - 1) for m, b in buffers.items()}
 
     def receive(self, receiver: int, step: int) -> Arrivals:
-        return Arrivals([Parcel(sender, sent_step, sent_step - 1, buffer)
+        return Arrivals([Parcel(sender, sent_step, learner_version(sent_step), buffer)
                          for sender, (sent_step, buffer) in sorted(self._sent.items()) if sender != receiver])
 
     def finish(self) -> None:
@@ -143,13 +144,13 @@ class DistributedSync:
             limit = self._limit(src, step) if self._limit is not None else size
             if not 1 <= size <= limit:
                 if src != self.rank:
-                    parcels.append(Parcel(src, step, step - 1, torch.zeros(0, dtype=torch.int32),
+                    parcels.append(Parcel(src, step, learner_version(step), torch.zeros(0, dtype=torch.int32),
                                           refused=f"{size} words announced, an honest parcel holds 1..{limit}"))
                 continue
             tensor = own if src == self.rank else torch.empty(size, dtype=torch.int32, device=device)
             dist.broadcast(tensor, group=self.group, group_src=src)  # src: the endpoint, its rank in the group
             if src != self.rank:
-                parcels.append(Parcel(src, step, step - 1, tensor.cpu()))
+                parcels.append(Parcel(src, step, learner_version(step), tensor.cpu()))
         return parcels
 
     def receive(self, receiver: int, step: int) -> Arrivals:

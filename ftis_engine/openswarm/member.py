@@ -49,7 +49,7 @@ from ..exchange import Arrivals, Limit, Parcel, wire_bytes_sent
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
 from ..rollouts import max_buffer_words
-from ..schedule import Schedule, mix_seed, prompts_for_step
+from ..schedule import Schedule, learner_version, mix_seed, prompts_for_step
 from .client import SwarmClient
 from .coordinator import max_parcel_bytes, shared_settings
 from .wire import SAMPLER_MARK
@@ -162,8 +162,8 @@ class OpenSchedule(Schedule):
 
     def sampler_versions(self, member: int, receiver: int, step: int) -> tuple[int | None, int]:
         if member == receiver:
-            return self.config.members[0].weight_sync_every, step - 1
-        return None, self.config.train.steps - 1
+            return self.config.members[0].weight_sync_every, learner_version(step)
+        return None, learner_version(self.config.train.steps)
 
     def round_deal(self, rank: int, round_: int) -> dict[int, int]:
         return self.name_deal(self.peers.name(rank), round_)
@@ -289,7 +289,7 @@ class OpenExchange:
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[0].to(torch.int32).contiguous()
         self.client.check()
-        self.client.publish(step, step - 1, buffer.numpy().tobytes())
+        self.client.publish(step, learner_version(step), buffer.numpy().tobytes())
         return {0: wire_bytes_sent(buffer, len(self._live_numbers()) - 1)}
 
     def receive(self, receiver: int, step: int) -> Arrivals:
@@ -313,7 +313,7 @@ class OpenExchange:
                     break
                 time.sleep(0.02)
             lead_wait = time.perf_counter() - waited
-        newest = None if self.max_lead is None else step - 1 + self.max_lead
+        newest = None if self.max_lead is None else learner_version(step) + self.max_lead
         parcels = self.mailbox.take_due(step, time.time(), newest)
         total = self.client.dropped  # read once: the I/O thread adds to it
         dropped, self._dropped_seen = total - self._dropped_seen, total
