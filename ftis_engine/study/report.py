@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import textwrap
 
 from .config import FigureSettings, StudyConfig
 from .plan import Group
@@ -142,7 +143,8 @@ def _paired_table(groups: list[dict], datasets: list[str], key: str, intro: str)
 
 def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> list[pathlib.Path]:
     """One PNG per figure (default: one per member set): a column per member, a row per eval set, a line per
-    group with its 95% band over seeds."""
+    group with its 95% band over seeds. A study run with --groups draws only the figures whose groups it ran all
+    of (a figure with half its lines would read as the whole comparison); --quick draws what it has."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +159,7 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
     written = []
     for figure in figures:
         chosen = [groups[name] for name in figure.groups if name in groups]
-        if not chosen:
+        if not chosen or (summary.get("only") and len(chosen) < len(figure.groups)):
             continue
         members = figure.members or list(dict.fromkeys(m for g in chosen for m in g["by_member"]))
         datasets = figure.datasets or sorted({d for g in chosen for m in g["by_member"].values() for d in m["curve"]})
@@ -167,7 +169,7 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
             written.append(_distance_figure(plt, figure, chosen, members[0], datasets, out_dir))
             continue
         fig, axes = plt.subplots(len(datasets), len(members), figsize=(5.2 * len(members), 3.6 * len(datasets)),
-                                 squeeze=False)
+                                 squeeze=False, layout="constrained")
         for row, dataset in enumerate(datasets):
             for col, member in enumerate(members):
                 ax = axes[row][col]
@@ -178,11 +180,12 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
                     label = f"{g['group']} (n={len(g['seeds'])})"
                     ax.plot(curve["steps"], curve["mean"], marker="o", markersize=3, color=f"C{k % 10}", label=label)
                     ax.fill_between(curve["steps"], curve["low"], curve["high"], color=f"C{k % 10}", alpha=0.15)
-                ax.set(title=f"{member}: {dataset}", xlabel="step", ylabel="greedy pass@1")
+                ax.set(title=f"{member}: {dataset}", xlabel="step",
+                       ylabel="attack success rate" if "-asr-" in dataset else "greedy pass@1")
                 ax.grid(alpha=0.3)
                 ax.legend(fontsize=7)
-        fig.suptitle(f"{figure.title or figure.name} (mean over seeds, 95% band)")
-        fig.tight_layout()
+        title = f"{figure.title or figure.name} (mean over seeds, 95% band)"
+        fig.suptitle(textwrap.fill(title, width=int(11 * 5.2 * len(members))))  # about 11 characters an inch
         path = out_dir / f"{figure.name}.png"
         fig.savefig(path, dpi=100)
         plt.close(fig)

@@ -124,11 +124,11 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
     with RunLock(output_dir, kind="study"):
-        return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress)
+        return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress, only)
 
 
 def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Run], output_dir: pathlib.Path,
-         quick: bool, jobs: int | None, command: str, progress: bool) -> dict:
+         quick: bool, jobs: int | None, command: str, progress: bool, only: list[str] | None = None) -> dict:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     launcher = Launcher(dict(os.environ))
@@ -151,6 +151,8 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
                 launcher.stop()
                 raise
     summary = aggregate(study, groups, quick=quick, command=command)
+    if only:
+        summary["only"] = list(only)
     summary["seconds"] = round(time.perf_counter() - started, 1)
     write_outputs(study, groups, summary, output_dir)
     if failed:
