@@ -499,8 +499,8 @@ def test_one_ctrl_c_or_sigterm_stops_a_study_and_its_run_and_a_rerun_resumes_it(
 
 
 def test_a_study_run_with_groups_draws_only_the_figures_it_ran_every_group_of(tmp_path):
-    """The adversary study's part 2 (run with --groups): of its five figures, the two whose groups it ran all of
-    are drawn; without the --groups mark, every figure with a group in the summary is (half-drawn ones too)."""
+    """The adversary study's part 2 (run with --groups): of its figures, the two whose groups it ran all of are
+    drawn; without the --groups mark, every figure with a group in the summary is (half-drawn ones too)."""
     from ftis_engine.study import draw_figures
 
     spec = load_study(ROOT / "configs" / "study" / "adversary.yaml")
@@ -510,4 +510,5 @@ def test_a_study_run_with_groups_draws_only_the_figures_it_ran_every_group_of(tm
     assert sorted(p.stem for p in drawn) == ["each-defense", "in-context-methods"]
     del summary["only"]
     drawn = draw_figures(spec, summary, tmp_path / "all")
-    assert sorted(p.stem for p in drawn) == ["each-defense", "in-context-methods", "inject-methods", "receiver-attacks"]
+    assert sorted(p.stem for p in drawn) == ["each-defense", "honest-defenses", "in-context-methods", "inject-methods",
+                                             "receiver-attacks"]
