@@ -554,8 +554,18 @@ def test_a_member_with_a_sampler_joins_its_sampler_feeds_both_members_and_leaves
     jobs = {"tiny-s": ("tiny-s", ["members.0.samplers=1", "members.0.weight_sync_every=2"]),
             "tiny-m-lora": ("tiny-m-lora", [])}
 
+    def sampled_version():
+        path = tmp_path / "members/tiny-s/metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return max((r.get("policy_version", -1) for r in map(json.loads, lines) if r.get("kind") == "sample"),
+                   default=-1)
+
     def joined(metronome):
         until(lambda: "tiny-s/sampler-0" in metronome.members(), "the sampler to join", timeout=300)
+        # held by the metronome (max_lead 2) the members stop at step 2 + 2: the learner has pushed version 2 and
+        # the sampler samples with it before they go on (a loaded machine cannot let the learner finish first)
+        metronome.step = 2
+        until(lambda: sampled_version() >= 2, "a sampler round on pushed weights", timeout=300)
 
     _two_members(tmp_path, steps, jobs, joined=joined)
     for me in ("tiny-s", "tiny-m-lora"):
