@@ -479,8 +479,9 @@ class DefenseSettings(_Section):
     max_peer_share: float | None = Field(
         None, gt=0.0, le=1.0, allow_inf_nan=False,
         description="No peer supplies more than this share of an update's sequences (its own and the peers' "
-                    "together): a peer's groups beyond it are left out, its freshest kept (share_capped, per peer "
-                    "in share_capped_by). null: no cap.")
+                    "together, as trained on: after likelihood_floor and claims_monitor have left theirs out): a "
+                    "peer's groups beyond it are left out, its freshest kept (share_capped, per peer in "
+                    "share_capped_by). null: no cap.")
     likelihood_floor: float | None = Field(
         None, lt=0.0, allow_inf_nan=False,
         description="Leave out a peer's group holding a completion with defense.likelihood_window consecutive tokens "

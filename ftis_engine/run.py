@@ -181,7 +181,8 @@ def warn_if_alone(swarm: Swarm, peer_sequences: dict[str, int], steps: int) -> N
         elif not latency.is_zero and latency.min >= steps:
             cause = f"swarm.latency delays every delivery {latency.min:g} steps, the run has {steps}"
         else:
-            cause = "every peer rollout was stale, rejected, or arrived after this member's last step"
+            cause = ("every peer rollout was stale, rejected, left out by a defense (defense.*), or arrived after "
+                     "this member's last step")
         log.warning("%s trained on no peer rollout in its %d steps: it trained alone (%s)", name, steps, cause)
 
 

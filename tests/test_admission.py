@@ -451,3 +451,23 @@ def test_the_screen_reads_each_new_group_once_before_the_take_so_a_dropped_group
     admission.screen.tests["tiny-m-lora"] = PeerTest(quarantined=True)
     got = admission.receive([], step=9, screen=screen)
     assert got.rollouts == [] and got.screened.quarantined == {"tiny-m-lora": 8} and not admission.pool
+
+
+def test_a_quarantined_peer_loses_its_samplers_waiting_groups_too():
+    """The screen judges a member's samplers' rollouts under the member's name: once it is quarantined, a group of
+    its sampler still waiting in the pool is left out with its learner's, counted under the member's name."""
+    from ftis_engine.exchange.admission import Group
+    from ftis_engine.exchange.screen import PeerTest, Screened
+
+    config = short_config("swarm.mode=async", "train.steps=100", "members.1.samplers=1", "defense.claims_monitor=true")
+    admission = Admission(config, Schedule(config, tuple(range(100))), _checker(), 0)
+    sampler = next(rank for rank, (member, k) in enumerate(admission.schedule.roles) if member == 1 and k is not None)
+    learner = next(rank for rank, (member, k) in enumerate(admission.schedule.roles) if member == 1 and k is None)
+    rollouts = _rollouts(1, {0: 4, 1: 4}, version=4, seed=1)
+    admission.pool = [Group(sampler, 4, rollouts[:4], 0, f"{sampler}@5", "a"),
+                      Group(learner, 4, rollouts[4:], 1, f"{learner}@5", "b")]
+    admission._order = admission._screened_up_to = 2  # both screened on arrival already
+    assert admission.sender_name(sampler) == "tiny-m-lora/sampler-0"
+    admission.screen.tests["tiny-m-lora"] = PeerTest(quarantined=True)
+    got = admission.receive([], step=5, screen=lambda rs: (rs, Screened()))
+    assert got.rollouts == [] and not admission.pool and got.screened.quarantined == {"tiny-m-lora": 8}

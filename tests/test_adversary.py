@@ -239,7 +239,7 @@ def test_eval_reports_each_payloads_base_rate_in_an_honest_run_when_asked(tmp_pa
         short_config("eval.payloads=[in-context]")
 
 
-def test_the_likelihood_floor_leaves_out_what_the_receivers_model_finds_implausible(tmp_path):
+def test_the_likelihood_floor_leaves_out_what_the_receivers_model_finds_implausible(tmp_path, caplog):
     """A floor above every log-prob a near-uniform tiny model gives: every peer group is left out before the
     intake is taken (none trained on), counted per peer as all the peer sent; the receiver's own rollouts are
     still trained on."""
@@ -249,6 +249,7 @@ def test_the_likelihood_floor_leaves_out_what_the_receivers_model_finds_implausi
         assert sent > 0 and r["likelihood_dropped"] == sent and r["peer_sequences"] == 0
         assert r["likelihood_dropped_by"] == {"tiny-m-lora": sent}
         assert r["sequences"] == r["own_sequences"] and r["screen_seconds"] > 0
+    assert any("tiny-s trained on no peer rollout" in m and "left out by a defense" in m for m in caplog.messages)
 
 
 def test_the_claims_monitor_quarantines_a_filter_forger_and_never_an_honest_peer(tmp_path, caplog):

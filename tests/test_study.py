@@ -82,6 +82,10 @@ def test_groups_runs_the_named_groups_and_those_they_are_paired_with():
     assert {g.name for g in groups} == set(part2) | {"honest", "in-context", "alone"}
     for group in groups:
         assert [r.config for r in group.runs] == [r.config for r in full[group.name].runs]
+    # a group that names no alone group is paired with its member set's first (families.yaml: families-alone)
+    families = load_study(ROOT / "configs" / "study" / "families.yaml")
+    assert {g.name for g in plan(families, pathlib.Path("/out"), quick=False, only=["families-tis"])} == {
+        "families-tis", "families-nois", "families-alone"}
     with pytest.raises(StudyError, match=r"^--groups: unknown group 'inject-likelyhood'"):
         plan(spec, pathlib.Path("/out"), quick=False, only=["inject-likelyhood"])
 

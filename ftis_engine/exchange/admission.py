@@ -374,9 +374,11 @@ class Admission:
         """Admit the step's parcels, screen what was admitted, then take the intake. dropped_unread: sequences the
         transport dropped from a full queue (counted as surplus); own_sequences: the receiver's own in this update
         (default: its dealt share), for defense.max_peer_share; own_lengths: its own completions' lengths, for
-        defense.max_length_ratio; screen: the model-reading defenses (step.screen: rollouts -> (those kept,
-        Screened)), called once a step where they are on, with this step's newly admitted peer rollouts (a
-        sharded member's further shards call it with none: it gathers from the leader)."""
+        defense.max_length_ratio; screen: the model-reading defenses (step.screen_arrivals: rollouts -> (those
+        kept, Screened)), called once a step where they are on, with this step's newly admitted peer rollouts (a
+        sharded member's further shards call it with none: it gathers from the leader). The share cap
+        (defense.max_peer_share) then counts the update as it will be trained on: with a peer screened out, the
+        others' shares grow and may be capped."""
         out = Received(surplus_dropped=dropped_unread)
         self._own_lengths.extend(own_lengths or ())
         now = time.time()
@@ -403,10 +405,11 @@ class Admission:
         quarantined = self.screen.quarantined_names()
         pool = []
         for g in self.pool:
-            name = self.sender_name(g.sender)
+            member = self.schedule.roles[g.sender][0]
+            name = self.schedule.member_name(member)  # as the screen names a peer: its samplers' groups are its own
             if id(g) in new_ids and any(id(r) not in kept_ids for r in g.rollouts):
                 continue  # left out by the screen (and counted there)
-            if name in quarantined and self.schedule.roles[g.sender][0] != self.receiver:
+            if name in quarantined and member != self.receiver:
                 out.screened.quarantined[name] = out.screened.quarantined.get(name, 0) + g.size
                 continue
             pool.append(g)

@@ -23,7 +23,7 @@ completions gives l_t, its own log-prob of each of their tokens at the sampling 
   quarantined again with probability at most 1e-3). Claims that shrink the weights (forge-low) are not what it
   tests: the claims check refuses those (admission, step 8b).
 
-Both run only where set (off by default until measured); a member's own samplers are its own. The likelihood check
+Both run only where set (off by default: docs/adversaries.md's study); a member's own samplers are its own. The likelihood check
 reads every peer rollout, a foreign peer's too (its text re-encoded with the receiver's tokenizer); the monitor
 reads only those of the receiver's tokenizer (a foreign peer's per-token claims are not known). A sharded member's
 shards all run the forward; its leader decides and every shard applies its verdicts. Every peer's test goes into

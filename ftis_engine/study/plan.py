@@ -105,10 +105,15 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
 
 
 def with_pairs(study: StudyConfig, names: list[str]) -> set[str]:
-    """The groups named (--groups) and every group they are paired with, transitively: baseline, alone,
-    also_alone. Raises StudyError on a name the study does not have."""
+    """The groups named (--groups) and every group they are paired with, transitively: baseline, alone (a
+    collaborating group without one: its member set's first alone group, as the aggregate pairs it), also_alone.
+    Raises StudyError on a name the study does not have."""
     expanded = {name: (group, {k: overrides[k] for k in group.grid})
                 for _, name, group, overrides in expand_groups(study, quick=False)}
+    first_alone: dict[str, str] = {}
+    for name, (group, _) in expanded.items():
+        if group.collaboration == "alone":
+            first_alone.setdefault(group.members, name)
     unknown = [name for name in names if name not in expanded]
     if unknown:
         raise StudyError(f"--groups: unknown group {unknown[0]!r} (the study's groups: {', '.join(expanded)})")
@@ -120,7 +125,9 @@ def with_pairs(study: StudyConfig, names: list[str]) -> set[str]:
             continue  # an unknown pair is named by plan()
         chosen.add(name)
         group, combo = expanded[name]
-        todo += [n for n in (baseline_name(group, combo), group.alone, *group.also_alone) if n is not None]
+        alone = group.alone if group.alone is not None or group.collaboration == "alone" else \
+            first_alone.get(group.members)
+        todo += [n for n in (baseline_name(group, combo), alone, *group.also_alone) if n is not None]
     return chosen
 
 
