@@ -51,16 +51,20 @@ def _causal_lm(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _layers(model) -> list[torch.nn.Module] | None:
+def find_decoder_layers(model) -> list[torch.nn.Module] | None:
+    """The decoder layers of a causal LM (or of the model a LoRA wrapper holds): its decoder's `layers`
+    (`get_decoder()`, else `<base model>.layers`: Llama, Qwen, Mistral and their kin); None where it has none.
+    The one rule for every user (compilation here, FSDP2 sharding in placement.py)."""
     causal_lm = _causal_lm(model)
-    layers = getattr(getattr(causal_lm, causal_lm.base_model_prefix, causal_lm), "layers", None)
+    decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else \
+        getattr(causal_lm, causal_lm.base_model_prefix, causal_lm)
+    layers = getattr(decoder, "layers", None)
     return None if layers is None else list(layers)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
-    """The decoder layers of a causal LM (or of the model a LoRA wrapper holds), where `<base model>.layers` holds
-    them (Llama, Qwen, Mistral and their kin)."""
-    layers = _layers(model)
+    """find_decoder_layers, or a ConfigError naming train.layers where there are none."""
+    layers = find_decoder_layers(model)
     if layers is None:
         raise ConfigError(f"{FIELD}: cannot find the decoder layers of {type(_causal_lm(model)).__name__}")
     return layers
@@ -123,4 +127,4 @@ def compile_layers(model, choice: str) -> None:
 
 def compiled(model) -> bool:
     """Whether compile_layers() compiled `model`'s layers (False for a model whose layers it cannot find)."""
-    return any(getattr(layer.forward, "__func__", None) is _grad_compiled_forward for layer in _layers(model) or [])
+    return any(getattr(layer.forward, "__func__", None) is _grad_compiled_forward for layer in find_decoder_layers(model) or [])

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, RunConfig, rank_roles
+from .layers import find_decoder_layers
 
 log = logging.getLogger("ftis_engine")
 
@@ -394,11 +395,6 @@ class ShardedPolicy(torch.nn.Module):
         return out.loss, out
 
 
-def decoder_layers(causal_lm) -> list[torch.nn.Module]:
-    layers = getattr(causal_lm.get_decoder(), "layers", None)
-    return list(layers) if layers is not None else []
-
-
 def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, shard: Shard,
                 device: torch.device, dtype: torch.dtype) -> ShardedPolicy:
     """fully_shard every decoder layer, then the root. The shards hold the float32 master weights; with a bf16
@@ -406,7 +402,7 @@ def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, 
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    layers = decoder_layers(causal_lm)
+    layers = find_decoder_layers(causal_lm)
     if not layers:
         raise ConfigError(f"members.{index}.ranks: the model has no decoder `layers` list to shard; use ranks: 1")
     mesh = DeviceMesh.from_group(shard.group, device.type)
