@@ -71,18 +71,16 @@ def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
-    """auto: this process's GPU (by local rank under --nproc/torchrun) when CUDA is available, else CPU."""
+    """train.device for this process. auto: its GPU (by local rank under --nproc/torchrun) when CUDA is available,
+    else CPU; cuda without an index: the local rank's GPU; otherwise as placement.check_device checks it."""
+    from .placement import check_device
+
     if spec == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", (local_rank or 0) % torch.cuda.device_count())
         return torch.device("cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise ConfigError(f"train.device: unknown device {spec!r}") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device: {spec!r} requested but CUDA is not available")
-    if device.type == "cuda" and local_rank is not None and device.index is None:
+    device = check_device("train.device", spec)
+    if device.type == "cuda" and local_rank is not None and torch.device(spec).index is None:
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
     return device
 

@@ -161,6 +161,24 @@ def test_a_members_device_wins_over_train_device():
         member_device(config, 0, None)
 
 
+def test_train_device_and_a_members_device_are_parsed_by_one_rule_naming_their_field():
+    import torch
+
+    from ftis_engine.config import ConfigError
+    from ftis_engine.members import resolve_device
+    from ftis_engine.placement import check_device
+
+    assert resolve_device("cpu", 1) == check_device("members.0.device", "cpu") == torch.device("cpu")
+    assert resolve_device("auto", 0) == torch.device("cpu")  # no CUDA here
+    for spec, says in (("cuda:1", "CUDA is not available"), ("meta", "is not a device to train on"),
+                       ("gpu", "unknown device")):
+        for field, parse in (("train.device", lambda s: resolve_device(s, 0)),
+                             ("members.0.device", lambda s: check_device("members.0.device", s))):
+            with pytest.raises(ConfigError, match=rf"^{field}: .*{says}") as refused:
+                parse(spec)
+            assert f"'{spec}'" in str(refused.value)
+
+
 def test_a_member_placed_on_a_device_trains_there_in_one_process(tmp_path):
     """A smoke test of the path (on a CPU machine the only device is the CPU)."""
     result = _cli(*_args(tmp_path, "members.1.device=cpu", "train.steps=1", "checkpoint.every=0"))
