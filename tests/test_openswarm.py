@@ -598,7 +598,12 @@ def _two_members(tmp_path, steps, jobs, source="", joined=None):
             log = open(tmp_path / f"{name}.log", "w")
             procs.append(subprocess.Popen(_member_args(tmp_path, config, running.address, steps, *extra), stdout=log,
                                           stderr=subprocess.STDOUT))
-        until(lambda: set(jobs) <= set(metronome.members()), "both to join", timeout=300)
+        def both_joined():
+            ended = [name for name, p in zip(jobs, procs) if p.poll() is not None]
+            assert not ended, (f"{ended} ended before joining", [f.read_text()[-2000:] for f in tmp_path.glob("*.log")])
+            return set(jobs) <= set(metronome.members())
+
+        until(both_joined, "both to join", timeout=300)
         if joined is not None:
             joined(metronome)
         metronome.step = steps
