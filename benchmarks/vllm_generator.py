@@ -32,12 +32,13 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def build(model: str, generator: str, max_new_tokens: int, utilization: float):
     from ftis_engine.config import load_config
-    from ftis_engine.members import build_member, preflight
+    from ftis_engine.members import build_member
+    from ftis_engine.preflight import check_members
 
     cfg = load_config(TINY, [f"members.0.model={model}", f"members.0.generator={generator}", "members.0.lora=null",
                              f"members.0.vllm.gpu_memory_utilization={utilization}", "train.device=cuda",
                              f"rollout.max_new_tokens={max_new_tokens}", "data.max_prompt_tokens=64"])
-    tokenizers = preflight(cfg, members=[0])
+    tokenizers = check_members(cfg, members=[0])
     return build_member(0, cfg, tokenizers[0], torch.device("cuda"))
 
 

@@ -19,7 +19,7 @@ import shutil
 
 import torch
 
-from .placement import full_state_dict, local
+from .fsdp import full_state_dict, local
 from . import precision
 from .precision import master_dtype
 from .update import DivergenceError, weights_finite

@@ -104,7 +104,8 @@ def train(
         raise typer.Exit(code)
     from .progress import Progress
     from .run import train as run_training
-    from .session import RunLock, open_run
+    from .rundir import RunLock
+    from .session import open_run
 
     try:
         with RunLock(run_dir):  # one run at a time in a run directory
@@ -123,7 +124,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     from .openswarm.member import JoinError, OpenExchange, check_joinable
     from .progress import Progress
     from .run import train as run_training
-    from .session import RunLock, open_run
+    from .rundir import RunLock
+    from .session import open_run
 
     if not address.startswith(("tcp://", "ipc://")):
         raise UsageFailure(f"--join: {address!r} is not an address like tcp://HOST:PORT")
@@ -185,7 +187,8 @@ def evaluate(
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from .checkpoint import latest_checkpoint
     from .run import evaluate_all
-    from .session import eval_config, open_run
+    from .rundir import eval_config
+    from .session import open_run
 
     checkpoint = checkpoint.resolve()  # `--checkpoint .` from inside it: its run directory is two levels up
     if not (checkpoint / "state.json").is_file():

@@ -602,15 +602,6 @@ def _check_step_size(config: RunConfig) -> None:
                          f"than the {MAX_STEP_ROLLOUT_BYTES // 2**30} GiB a step may hold")
 
 
-def rank_roles(config: RunConfig) -> list[tuple[int, int | None]]:
-    """(member, sampler index) of every rank: ranks 0..M-1 are the members' learners (sampler index None), then
-    each member's members.N.samplers sampler ranks, in member order."""
-    roles: list[tuple[int, int | None]] = [(i, None) for i in range(len(config.members))]
-    for i, member in enumerate(config.members):
-        roles += [(i, k) for k in range(member.samplers)]
-    return roles
-
-
 def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
     """(dotted field, saved value, new value) for every leaf that differs."""
     return value_differences(saved.model_dump(mode="json"), new.model_dump(mode="json"))

@@ -1,4 +1,4 @@
-"""Multi-process runs over torch.distributed: one process per member rank and sampler (placement.py).
+"""Multi-process runs over torch.distributed: one process per member rank and sampler (layout.py).
 
 `ftis-engine train --nproc N` starts N local workers through torch.distributed's elastic agent (what torchrun
 uses); the same config runs under `torchrun` too (single- or multi-node), the ranks coming from the environment.
@@ -20,7 +20,8 @@ import torch
 
 from .config import ConfigError, RunConfig, validate_config
 from .errors import first_line
-from .placement import describe_layout, process_roles
+from .layout import (describe_layout, describe_role, endpoint_ranks, member_ranks, process_roles, weights_group_ranks,
+                     world_size)
 
 log = logging.getLogger("ftis_engine.launch")
 
@@ -41,9 +42,10 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         check_rank_environment(os.environ)
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target, join)
-    if nproc != len(process_roles(config)):
+    if nproc != world_size(config):
         raise ConfigError(f"--nproc {nproc}: {needed_processes(config)}")
-    from .session import RunLock, check_before_launch, check_run_dir
+    from .rundir import RunLock, check_run_dir
+    from .preflight import check_before_launch
 
     if evaluate is not None:  # reads the checkpoint, writes nothing: no lock, no run directory checks
         check_before_launch(config, distributed=True)
@@ -86,7 +88,7 @@ def needed_processes(config: RunConfig) -> str:
     samplers = sum(m.samplers for m in config.members)
     if samplers:
         parts.append(f"{samplers} sampler rank(s)")
-    return (f"the config needs {len(process_roles(config))} processes (one per member rank and sampler: "
+    return (f"the config needs {world_size(config)} processes (one per member rank and sampler: "
             f"{', '.join(parts)})")
 
 
@@ -119,9 +121,7 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         for rank, failure in sorted(failures.items()):
             how = f"signal {-failure.exitcode}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
             role = roles[rank] if rank < len(roles) else None
-            who = f"rank {rank}" if role is None else config.members[role.member].name + (
-                f" sampler {role.sampler}" if role.sampler is not None else
-                f" shard {role.shard + 1}" if config.members[role.member].ranks > 1 else "")
+            who = f"rank {rank}" if role is None else describe_role(config, role)
             parts.append(f"rank {rank} ({who}) failed with {how}")
         restarts = config.swarm.max_restarts
         tried = f" after {restarts} restart(s)" if restarts else ""
@@ -154,10 +154,10 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     from .exchange.async_ import DistributedAsync, Latency
     from .exchange.links import PeerLost, TransportError
     from .exchange.sync import Collectives, DistributedSync
-    from .members import member_device
+    from .preflight import member_device
     from .openswarm.client import JoinRefused
-    from .placement import (Shard, check_placement, endpoint_ranks, make_groups, member_ranks, weights_backend,
-                            weights_group_ranks)
+    from .fsdp import Shard, make_groups, weights_backend
+    from .preflight import check_placement
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run

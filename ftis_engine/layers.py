@@ -54,7 +54,7 @@ def _causal_lm(model):
 def find_decoder_layers(model) -> list[torch.nn.Module] | None:
     """The decoder layers of a causal LM (or of the model a LoRA wrapper holds): its decoder's `layers`
     (`get_decoder()`, else `<base model>.layers`: Llama, Qwen, Mistral and their kin); None where it has none.
-    The one rule for every user (compilation here, FSDP2 sharding in placement.py)."""
+    The one rule for every user (compilation here, FSDP2 sharding in fsdp.py)."""
     causal_lm = _causal_lm(model)
     decoder = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else \
         getattr(causal_lm, causal_lm.base_model_prefix, causal_lm)

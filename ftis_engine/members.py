@@ -16,7 +16,7 @@ from . import layers, precision
 from .config import ConfigError, MemberSettings, RunConfig
 from .errors import first_line
 from .generation import Generator
-from .models import ModelSpecError, check_model_spec, load_model, load_tokenizer
+from .models import ModelSpecError, load_model, load_tokenizer
 
 
 @dataclass
@@ -29,8 +29,8 @@ class Member:
     generator: Generator
     device: torch.device
     dtype: torch.dtype  # the compute dtype (members.N.dtype); trainable parameters are float32 whatever it is
-    shard: object | None = None  # placement.Shard: this rank's part of a member on several ranks (None: one rank)
-    policy: torch.nn.Module | None = None  # placement.ShardedPolicy: the FSDP2 root the update runs through
+    shard: object | None = None  # fsdp.Shard: this rank's part of a member on several ranks (None: one rank)
+    policy: torch.nn.Module | None = None  # fsdp.ShardedPolicy: the FSDP2 root the update runs through
     reference: torch.nn.Module | None = None  # algorithm.beta > 0, full member: a frozen copy of its initial weights
 
     @property
@@ -68,21 +68,6 @@ class Member:
 def trainable_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """What a member trains (and pushes to its samplers): every parameter, or a LoRA member's adapter."""
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def resolve_device(spec: str, local_rank: int | None = None) -> torch.device:
-    """train.device for this process. auto: its GPU (by local rank under --nproc/torchrun) when CUDA is available,
-    else CPU; cuda without an index: the local rank's GPU; otherwise as placement.check_device checks it."""
-    from .placement import check_device
-
-    if spec == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", (local_rank or 0) % torch.cuda.device_count())
-        return torch.device("cpu")
-    device = check_device("train.device", spec)
-    if device.type == "cuda" and local_rank is not None and torch.device(spec).index is None:
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-    return device
 
 
 def resolve_dtype(settings: MemberSettings, device: torch.device) -> torch.dtype:
@@ -125,50 +110,6 @@ def enable_checkpointing(model) -> None:
         enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
-def check_generator_placement(config: RunConfig, distributed: bool) -> None:
-    """vLLM engines join the process's torch.distributed world: one engine per process, and in a multi-process
-    run every rank builds one (all members use vllm) or none does."""
-    vllm = [i for i, m in enumerate(config.members) if m.generator == "vllm"]
-    if not distributed and len(vllm) > 1:
-        raise ConfigError(f"members.{vllm[1]}.generator: one vLLM engine per process; run one process per member "
-                          f"with --nproc {len(config.members)} (or torchrun)")
-    if distributed and 0 < len(vllm) < len(config.members):
-        other = next(i for i in range(len(config.members)) if i not in vllm)
-        raise ConfigError(f"members.{other}.generator: in a multi-process run either every member uses vllm or "
-                          "none does (the engines set up their process groups together)")
-
-
-def preflight(config: RunConfig, members: list[int] | None = None) -> list[object]:
-    """Check the model, tokenizer and generator of every member (or of `members`) before anything is written.
-    Returns the tokenizers (None for members not checked). Raises ConfigError naming the member field."""
-    chosen = [i for i in range(len(config.members)) if members is None or i in members]
-    for i in chosen:  # the generators first: checking them needs no download
-        if config.members[i].generator == "vllm":
-            from .generation.vllm import check_available
-
-            problem = check_available()
-            if problem:
-                raise ConfigError(f"members.{i}.generator: {problem}")
-    for i in chosen:
-        settings = config.members[i]
-        if settings.master_dtype != "float32":
-            problem = precision.check_low_memory_optimizer(i, settings.optimizer, settings.weight_decay)
-            if problem:
-                raise ConfigError(problem)
-    tokenizers = []
-    for i, member in enumerate(config.members):
-        if i not in chosen:
-            tokenizers.append(None)
-            continue
-        try:
-            context = check_model_spec(member.model)
-        except ModelSpecError as exc:
-            raise ConfigError(f"members.{i}.model: {exc}") from None
-        check_context(config, i, context)
-        tokenizers.append(load_member_tokenizer(config, i))
-    return tokenizers
 
 
 def load_member_tokenizer(config: RunConfig, index: int):
@@ -215,21 +156,11 @@ def make_optimizer(settings: MemberSettings, params: list[torch.nn.Parameter]) -
                                     settings.weight_decay, precision.master_dtype(settings.master_dtype))
 
 
-def member_device(config: RunConfig, index: int, local_rank: int | None) -> torch.device:
-    """members.N.device when set, else this rank's device by train.device (by member index in one process)."""
-    placed = config.members[index].device
-    if placed is not None:
-        from .placement import check_device
-
-        return check_device(f"members.{index}.device", placed)
-    return resolve_device(config.train.device, local_rank if local_rank is not None else index)
-
-
 def shard_member(member: Member, shard, config: RunConfig) -> None:
     """Spread a built (and restored) member over its ranks: FSDP2 over its model, a fresh optimizer over the
     shards, and for the HF generator a plain replica to sample from (vLLM engines hold their own weights and
     take them gathered, one tensor at a time)."""
-    from .placement import broadcast_weights, replica, shard_model
+    from .fsdp import broadcast_weights, replica, shard_model
 
     settings = config.members[member.index]
     broadcast_weights(member.model, shard)  # every shard starts from the leader's bits (a GPU warm start may differ)

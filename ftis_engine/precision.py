@@ -3,7 +3,7 @@
 
 Why: a bf16 weight near 0.02 has a spacing of 1.2e-4 between representable values, and an Adam step at lr 1e-6 is
 under 1% of that: with bf16 parameters almost every update rounds away. With float32 masters every step lands, and
-the matrix work still runs in bf16 (autocast on one rank; FSDP2's MixedPrecisionPolicy on several, placement.py).
+the matrix work still runs in bf16 (autocast on one rank; FSDP2's MixedPrecisionPolicy on several, fsdp.py).
 A LoRA member's frozen base may stay in the compute dtype: it is never stepped. Where float32 masters do not fit,
 members.N.master_dtype=bfloat16 is the memory-saving mode: bf16 weights and states, stepped by torchao's AdamW with
 stochastic rounding.

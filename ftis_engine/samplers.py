@@ -21,12 +21,11 @@ import time
 
 import torch
 
-from .config import rank_roles
 from .exchange.async_ import DistributedAsync, WeightSlot
 from .generation import sample
 from .members import trainable_parameters
 from .metrics import MetricsLogger, mean_reward
-from .placement import full
+from .fsdp import full
 from .rollouts import encode
 from .schedule import learner_version
 from .session import Swarm
@@ -58,10 +57,6 @@ def load_weights(model, words: torch.Tensor) -> None:
     for p in trainable_parameters(model):
         p.copy_(values[offset : offset + p.numel()].view_as(p).to(p.dtype))
         offset += p.numel()
-
-
-def sampler_ranks(config, member: int) -> list[int]:
-    return [rank for rank, (m, k) in enumerate(rank_roles(config)) if m == member and k is not None]
 
 
 def run_sampler(swarm: Swarm, start_version: int) -> None:

@@ -13,7 +13,8 @@ import math
 import random
 from dataclasses import dataclass
 
-from .config import RunConfig, rank_roles
+from .config import RunConfig
+from .layout import endpoint_roles
 from .rollouts import max_buffer_words
 
 _SEED_MODULUS = 2**31 - 1
@@ -70,8 +71,8 @@ class Schedule:
 
     @property
     def roles(self) -> list[tuple[int, int | None]]:
-        """(member, sampler index or None) of every rank (config.rank_roles)."""
-        return rank_roles(self.config)
+        """(member, sampler index or None) of every endpoint (layout.endpoint_roles): the schedule's ranks."""
+        return endpoint_roles(self.config)
 
     def member_name(self, member: int) -> str:
         return self.config.members[member].name

@@ -32,7 +32,8 @@ from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, tr
 from .rewards import RewardTimeout
 from . import precision
 from .rollouts import Rollout, buffer_digest, encode
-from .samplers import flatten_weights, sampler_ranks
+from .layout import sampler_endpoints
+from .samplers import flatten_weights
 from .schedule import learner_version, learning_rate
 from .session import Swarm
 from .update import DivergenceError, batch_loss, rollout_logprobs, update_member
@@ -251,4 +252,4 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
         flat = flatten_weights(member.model) if channel is None else flatten_weights(member.model, channel.dtype,
                                                                                      channel.device)
         if member.leads:
-            swarm.exchange.push_weights(sampler_ranks(swarm.config, member.index), flat, step)
+            swarm.exchange.push_weights(sampler_endpoints(swarm.config, member.index), flat, step)

@@ -22,9 +22,8 @@ from ftis_kernels import (
     rejection_scale,
 )
 
-from . import layers
 from .batch import PackedBatch, TrainItem, micro_batches, mini_batches, pack
-from .placement import full, local
+from .fsdp import full, local
 
 
 def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
@@ -44,7 +43,7 @@ def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
 def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num_sequences: int | None = None,
                num_tokens: int | None = None) -> LossOutput:
     """LossOutput of one packed micro-batch, normalised by the whole batch's counts when given (default: its own).
-    A sharded member runs it through its FSDP2 root (placement.ShardedPolicy), which gathers the head for it. The
+    A sharded member runs it through its FSDP2 root (fsdp.ShardedPolicy), which gathers the head for it. The
     head runs in the member's compute dtype: under autocast the op casts its operands as a linear layer would (the
     float32 master weight's cast widens dW on the way back) and computes in float32."""
     device = member.device
@@ -283,44 +282,3 @@ def weights_finite(params: list[torch.Tensor], shard=None) -> bool:
     return finite if shard is None else shard.all_true(finite)
 
 
-def check_model(member) -> None:
-    """Fail fast on a model the fused path would get wrong: (1) packed sequences must be isolated (two short
-    sequences packed in one row give the hidden states they give alone); (2) the model's logits must be
-    lm_head(final hidden state), with no soft-capping or scaling that the fused head would leave out."""
-    from ftis_kernels import fused_linear_token_logprobs
-
-    from .config import ConfigError
-
-    body, head = member.body_and_head()
-    gen = torch.Generator().manual_seed(0)
-    vocab = member.vocab_size
-    a, b = torch.randint(0, vocab, (5,), generator=gen), torch.randint(0, vocab, (3,), generator=gen)
-    device = member.device
-    tolerance = 1e-3 if member.dtype == torch.float32 else 5e-2
-    with torch.no_grad():
-        # compiled layers run while autograd is on (layers.py): the check runs them as the update does
-        with torch.set_grad_enabled(layers.compiled(member.model)), member.autocast():
-            alone = torch.cat([body(input_ids=x[None].to(device), use_cache=False).last_hidden_state[0].detach()
-                               for x in (a, b)])
-            packed = body(input_ids=torch.cat([a, b])[None].to(device),
-                          position_ids=torch.cat([torch.arange(5), torch.arange(3)])[None].to(device),
-                          use_cache=False).last_hidden_state[0].detach()
-        error = float((packed.float() - alone.float()).abs().max() / alone.float().abs().max().clamp(min=1e-6))
-        if error > tolerance:
-            import transformers
-
-            raise ConfigError(
-                f"members.{member.index}.model: packed sequences are not isolated by transformers "
-                f"{transformers.__version__} with attn_implementation={member.causal_lm.config._attn_implementation} "
-                f"(relative error {error:.3g}); use a transformers version that detects packing from position_ids"
-            )
-        with member.autocast():
-            logits = member.causal_lm(input_ids=a[None].to(device), use_cache=False).logits[0].float()
-            fused = fused_linear_token_logprobs(alone[:5], head.weight, b[:1].repeat(5).to(device), bias=head.bias)
-        expected = torch.log_softmax(logits, -1).gather(1, b[:1].repeat(5)[:, None].to(device)).squeeze(1)
-    gap = float((fused - expected).abs().max())
-    if gap > (1e-3 if member.dtype == torch.float32 else 0.1):
-        raise ConfigError(
-            f"members.{member.index}.model: its logits are not lm_head(hidden) (log-prob gap {gap:.3g}; soft-capping "
-            "or logit scaling?): the fused loss would score tokens differently from the model that samples them"
-        )

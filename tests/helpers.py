@@ -8,7 +8,8 @@ import sys
 import torch
 
 from ftis_engine.config import load_config
-from ftis_engine.members import build_member, preflight
+from ftis_engine.members import build_member
+from ftis_engine.preflight import check_members
 from ftis_engine.batch import TrainItem
 from ftis_engine.rollouts import Rollout
 
@@ -28,7 +29,7 @@ def short_config(*overrides: str, **kwargs):
 
 def member(index: int = 0, *overrides: str):
     cfg = short_config(*overrides)
-    tokenizers = preflight(cfg)
+    tokenizers = check_members(cfg)
     return build_member(index, cfg, tokenizers[index], torch.device("cpu")), cfg
 
 

@@ -1,7 +1,7 @@
 """One rank of tests/test_placement.py's equivalence check (gloo, started like torchrun).
 
 Every rank builds the same member and the same batch; rank 0 also steps an unsharded twin on the whole batch.
-Then the member is sharded over all ranks (placement.shard_member) and steps on the same batch; rank 0 writes the
+Then the member is sharded over all ranks (members.shard_member, over fsdp.py) and steps on the same batch; rank 0 writes the
 largest difference between the two updated models (and the two steps' loss and stats) to the JSON file given.
 """
 
@@ -18,8 +18,9 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from ftis_engine import layers
-from ftis_engine.members import build_member, preflight, shard_member
-from ftis_engine.placement import Shard, full, full_state_dict
+from ftis_engine.members import build_member, shard_member
+from ftis_engine.preflight import check_members
+from ftis_engine.fsdp import Shard, full, full_state_dict
 from ftis_engine.update import accumulate_gradients, update_member
 from tests.helpers import random_items, short_config
 
@@ -29,7 +30,7 @@ def one_case(index: int, method: str, out: dict, layer_mode: str = "eager", dtyp
     Both compute in `dtype` (bfloat16: autocast on the twin, FSDP2's MixedPrecisionPolicy on the shards)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = short_config(f"algorithm.method={method}", "train.micro_batch_tokens=40", f"members.{index}.dtype={dtype}")
-    tokenizer = preflight(cfg, members=[index])[index]
+    tokenizer = check_members(cfg, members=[index])[index]
     loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
     member = build_member(index, cfg.model_copy(update={"train": cfg.train.model_copy(update={"layers": layer_mode})}),
                           tokenizer, torch.device("cpu"))

@@ -206,14 +206,14 @@ def test_ctrl_c_in_a_study_says_to_rerun_it_not_to_resume(monkeypatch, capsys, t
 
 
 def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):
-    from ftis_engine import members
+    from ftis_engine import preflight
     from ftis_engine.config import ConfigError, load_config
 
-    monkeypatch.setattr(members, "check_model_spec", lambda spec: pytest.fail("a model was looked up first"))
+    monkeypatch.setattr(preflight, "check_model_spec", lambda spec: pytest.fail("a model was looked up first"))
     monkeypatch.setattr("ftis_engine.generation.vllm.check_available", lambda: "vLLM is not installed (hint)")
     cfg = load_config(TINY, ["members.0.generator=vllm", "members.0.model=Some/HubModel"])
     with pytest.raises(ConfigError, match="members.0.generator: vLLM is not installed"):
-        members.preflight(cfg)
+        preflight.check_members(cfg)
 
 
 def test_the_step_line_has_the_loss_in_three_digits_and_the_time_left():

@@ -113,14 +113,14 @@ def test_a_config_saved_as_utf16_or_with_a_utf8_mark_loads_and_other_bytes_are_o
 
 
 def test_a_completion_longer_than_the_models_context_is_refused_before_anything_runs(tmp_path):
-    from ftis_engine.members import preflight
+    from ftis_engine.preflight import check_members
     from ftis_engine.session import open_run
 
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1024 new tokens exceed members.0.model's "
                                           r"context of 1024 tokens"):
-        preflight(load_config(TINY, ["rollout.max_new_tokens=1024"]))  # cannot fit after any prompt
+        check_members(load_config(TINY, ["rollout.max_new_tokens=1024"]))  # cannot fit after any prompt
     with pytest.raises(ConfigError, match=r"^eval.max_new_tokens: 2000 new tokens"):
-        preflight(load_config(TINY, ["eval.max_new_tokens=2000"]))
+        check_members(load_config(TINY, ["eval.max_new_tokens=2000"]))
     # after the data is read: the longest prompt the run uses (a few tokens here) plus the completion
     config = load_config(TINY, ["rollout.max_new_tokens=1020", "eval.max_samples=4"])
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1020 new tokens after the longest prompt of \d+ "
@@ -227,7 +227,7 @@ def test_an_empty_text_override_is_the_empty_text_and_null_clears():
 def test_more_threads_than_cores_is_refused_where_the_run_runs_not_in_the_config():
     import os
 
-    from ftis_engine.session import check_threads
+    from ftis_engine.preflight import check_threads
 
     config = load_config(TINY, ["train.threads=100000"])  # a config made on a bigger machine stays valid
     assert config.train.threads == 100000

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ftis_engine.config import ConfigError
-from ftis_engine.update import check_model
+from ftis_engine.preflight import check_model
 
 from .helpers import member
 

@@ -369,7 +369,7 @@ def _shared_for(steps):
 def _member_hashes(steps):
     """(tokenizer hash, shared settings, training-set hash) that the shipped member configs join with."""
     from ftis_engine.config import load_config
-    from ftis_engine.members import preflight
+    from ftis_engine.preflight import check_members
     from ftis_engine.models import vocabulary_hash
     from ftis_engine.openswarm.member import dataset_hash
     from ftis_engine.tasks import load_task
@@ -378,7 +378,7 @@ def _member_hashes(steps):
 
     config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", "rollout.group_size=4",
                                                               "rollout.prompts_per_step=2"])
-    return (vocabulary_hash(preflight(config)[0]), shared_settings(config),
+    return (vocabulary_hash(check_members(config)[0]), shared_settings(config),
             dataset_hash(load_task(config.data, config.seed)))
 
 

@@ -1,4 +1,4 @@
-"""Placement: the process layout, a member on several ranks (FSDP2 over gloo) and bad placements."""
+"""Placement: a member on several ranks (FSDP2 over gloo) and bad placements."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import sys
 
 import pytest
 
-from ftis_engine.config import rank_roles
-from ftis_engine.placement import Role, describe_layout, endpoint_ranks, member_ranks, process_roles
 from ftis_engine.update import shard_items
 
 from .helpers import TINY, random_items, short_config
@@ -20,26 +18,6 @@ HERE = pathlib.Path(__file__).resolve().parent
 
 
 # ------------------------------------------------------------------------------------------------- the layout
-
-
-def test_a_members_ranks_sit_side_by_side_and_the_exchange_sees_one_endpoint_per_member():
-    config = short_config("swarm.mode=async", "members.0.ranks=3", "members.1.ranks=2", "members.1.samplers=1")
-    roles = process_roles(config)
-    assert roles == [Role(0, None, 0, 0), Role(0, None, 1, None), Role(0, None, 2, None), Role(1, None, 0, 1),
-                     Role(1, None, 1, None), Role(1, 0, 0, 2)]
-    assert endpoint_ranks(config) == [0, 3, 5]  # rank_roles' endpoints: member 0, member 1, member 1's sampler
-    assert rank_roles(config) == [(0, None), (1, None), (1, 0)]
-    assert member_ranks(config, 0) == [0, 1, 2] and member_ranks(config, 1) == [3, 4]
-    layout = describe_layout(config)
-    assert "rank 0: tiny-s: shard 1/3 (leader)" in layout and "rank 4: tiny-m-lora: shard 2/2" in layout
-    assert "rank 5: tiny-m-lora: sampler 0" in layout
-
-
-def test_one_rank_members_keep_the_old_layout():
-    config = short_config("swarm.mode=async", "members.1.samplers=2")
-    roles = process_roles(config)
-    assert [(r.member, r.sampler) for r in roles] == rank_roles(config)
-    assert [r.endpoint for r in roles] == list(range(len(roles))) == endpoint_ranks(config)
 
 
 def test_a_batch_is_split_over_shards_in_whole_groups_every_item_once_and_balanced():
@@ -93,7 +71,7 @@ def test_the_parameter_count_behind_the_memory_plan_is_exact():
 
     from ftis_engine.config import LoraSettings
     from ftis_engine.models import load_model
-    from ftis_engine.placement import model_shape, parameter_counts
+    from ftis_engine.preflight import model_shape, parameter_counts
 
     for spec in ("builtin:tiny-s", "builtin:tiny-m", "builtin:tiny-l"):
         model = load_model(spec, 101, torch.float32, 0, "sdpa")
@@ -111,7 +89,7 @@ def test_the_parameter_count_behind_the_memory_plan_is_exact():
 
 def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_lower():
     from ftis_engine.config import ConfigError
-    from ftis_engine.placement import check_memory_plan
+    from ftis_engine.preflight import check_memory_plan
 
     # the paper's pair, full fine-tunes with 16k-token micro-batches and no recompute: the activations alone
     # (about 36 and 58 GiB) do not fit beside the weights and Adam states: no vLLM share could make room
@@ -135,7 +113,7 @@ def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_low
     check_memory_plan(short_config(*fits, "members.0.vllm.gpu_memory_utilization=0.3",
                                    "members.1.vllm.gpu_memory_utilization=0.3"), [0, 1], "cuda:0", 150_754_820_096)
     # a LoRA adapter or a second rank shrinks a member's share of the plan
-    from ftis_engine.placement import model_shape, training_bytes
+    from ftis_engine.preflight import model_shape, training_bytes
 
     full, lora = (short_config(*fits, *extra) for extra in ([], ["members.1.lora.r=16"]))
     shape = model_shape("builtin:shape-3b")
@@ -153,7 +131,7 @@ def test_a_member_on_several_ranks_without_processes_is_refused(tmp_path):
 
 
 def test_a_members_device_wins_over_train_device():
-    from ftis_engine.members import member_device
+    from ftis_engine.preflight import member_device
 
     config = short_config("train.device=cuda", "members.1.device=cpu")  # CUDA is not there: only member 0 fails
     assert member_device(config, 1, None).type == "cpu"
@@ -165,8 +143,8 @@ def test_train_device_and_a_members_device_are_parsed_by_one_rule_naming_their_f
     import torch
 
     from ftis_engine.config import ConfigError
-    from ftis_engine.members import resolve_device
-    from ftis_engine.placement import check_device
+    from ftis_engine.preflight import resolve_device
+    from ftis_engine.preflight import check_device
 
     assert resolve_device("cpu", 1) == check_device("members.0.device", "cpu") == torch.device("cpu")
     assert resolve_device("auto", 0) == torch.device("cpu")  # no CUDA here
@@ -287,7 +265,7 @@ def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
 
 def test_the_shipped_one_gpu_pair_fits_an_80_gb_gpu_by_the_memory_plan():
     from ftis_engine.config import load_config
-    from ftis_engine.placement import check_memory_plan
+    from ftis_engine.preflight import check_memory_plan
 
     config = load_config(pathlib.Path(TINY).parents[0] / "gpu" / "pair-shapes.yaml", [])
     assert [m.device for m in config.members] == ["cuda:0", "cuda:0"]
@@ -302,7 +280,7 @@ def test_a_model_whose_config_cannot_be_read_is_named_when_the_memory_plan_leave
     says so, naming the member, instead of skipping it silently."""
     import logging
 
-    from ftis_engine.placement import check_memory_plan, model_shape
+    from ftis_engine.preflight import check_memory_plan, model_shape
 
     assert model_shape("nobody/no-such-model-anywhere") is None
     config = short_config("members.0.model=nobody/no-such-model-anywhere", "members.0.device=cuda:0",

@@ -106,7 +106,7 @@ def test_own_rollouts_importance_ratio_is_one_when_generation_and_update_both_co
 def test_the_memory_plan_counts_exactly_the_bytes_a_member_holds_in_each_precision():
     """state_bytes (the memory plan's weights, gradients and Adam states) against the tensors a member holds after
     one step, for float32 and bf16 masters, full and LoRA."""
-    from ftis_engine.placement import model_shape, state_bytes
+    from ftis_engine.preflight import model_shape, state_bytes
 
     for index, master in ((0, "float32"), (1, "float32"), (0, "bfloat16")):
         extra = [f"members.{index}.optimizer=adamw"] if master == "bfloat16" else []
@@ -143,7 +143,7 @@ def test_bf16_masters_step_with_stochastic_rounding_and_move_as_float32_masters_
 
 def test_bf16_masters_need_bf16_compute_and_a_decoupled_optimizer():
     from ftis_engine.config import ConfigError
-    from ftis_engine.members import preflight
+    from ftis_engine.preflight import check_members
 
     with pytest.raises(ConfigError, match=r"^members.0.master_dtype: bfloat16 masters compute in bfloat16; set "
                                           r"members.0.dtype=bfloat16"):
@@ -151,7 +151,7 @@ def test_bf16_masters_need_bf16_compute_and_a_decoupled_optimizer():
     from .helpers import short_config
 
     with pytest.raises(ConfigError, match=r"^members.0.master_dtype: .*set members.0.optimizer=adamw"):
-        preflight(short_config("members.0.master_dtype=bfloat16", "members.0.weight_decay=0.1"))
+        check_members(short_config("members.0.master_dtype=bfloat16", "members.0.weight_decay=0.1"))
 
 
 @pytest.mark.slow

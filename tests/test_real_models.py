@@ -72,12 +72,13 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def smol_member(smollm2, calc_config, tmp_path_factory):
     """A built SmolLM2 member (full fine-tune, float32 on CPU) with its task."""
     from ftis_engine.config import load_config
-    from ftis_engine.members import build_member, preflight
+    from ftis_engine.members import build_member
+    from ftis_engine.preflight import check_members
     from ftis_engine.tasks import load_task
 
     path = _write(tmp_path_factory.mktemp("smol"), calc_config([{"name": "smol", "model": SMOLLM2, "lr": 1e-6}]))
     config = load_config(path, [])
-    member = build_member(0, config, preflight(config)[0], torch.device("cpu"))
+    member = build_member(0, config, check_members(config)[0], torch.device("cpu"))
     return member, config, load_task(config.data, 0, config.eval.datasets)
 
 
@@ -203,7 +204,7 @@ def test_a_real_members_step_holds_at_most_one_and_a_half_times_its_weights_grad
     eval) stays under 1.5 x (float32 weights + gradients + Adam states = 16 B x 134.5 M = 2.15 GB) + 1 GiB for the
     interpreter, torch, transformers and the data. Before freed memory was handed back after each phase, two steps
     of this kind reached 6.9 GB."""
-    from ftis_engine.placement import model_shape, state_bytes
+    from ftis_engine.preflight import model_shape, state_bytes
     from ftis_engine.config import load_config
 
     path = _write(tmp_path, calc_config([{"name": "smol", "model": SMOLLM2, "lr": 1e-6}],

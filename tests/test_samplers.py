@@ -1,4 +1,4 @@
-"""Decoupled samplers (samplers.py): which ranks they are, and the weights a learner pushes to them (its trainable
+"""Decoupled samplers (samplers.py): the weights a learner pushes to them (its trainable
 parameters only, bit-exact). Their behaviour in a run: tests/test_async_swarm.py."""
 
 from __future__ import annotations
@@ -6,14 +6,9 @@ from __future__ import annotations
 import torch
 
 from ftis_engine.members import trainable_parameters
-from ftis_engine.samplers import flatten_weights, load_weights, sampler_ranks, weights_words
+from ftis_engine.samplers import flatten_weights, load_weights, weights_words
 
 from .helpers import member, short_config
-
-
-def test_sampler_ranks_follow_the_learners_in_member_order():
-    config = short_config("swarm.mode=async", "members.0.samplers=2", "members.1.samplers=1")
-    assert sampler_ranks(config, 0) == [2, 3] and sampler_ranks(config, 1) == [4]
 
 
 def test_a_push_carries_exactly_the_trainable_weights_and_loads_bit_exact():
@@ -34,7 +29,8 @@ def test_a_push_carries_exactly_the_trainable_weights_and_loads_bit_exact():
 
 
 def test_weights_go_by_broadcast_between_distinct_gpus_and_by_the_links_otherwise():
-    from ftis_engine.placement import weights_backend, weights_group_ranks
+    from ftis_engine.layout import weights_group_ranks
+    from ftis_engine.fsdp import weights_backend
 
     samplers = ["swarm.mode=async", "members.0.samplers=2", "members.1.samplers=1"]
     config = short_config(*samplers)

@@ -8,18 +8,10 @@ import shutil
 
 import pytest
 
-from ftis_engine import run, session
+from ftis_engine import run, rundir, session
 from ftis_engine.config import ConfigError
-from ftis_engine.session import (
-    AgreedError,
-    RunDirError,
-    RunLock,
-    check_fresh_run,
-    check_resume_config,
-    foreign_tokenizers,
-    eval_config,
-    open_run,
-)
+from ftis_engine.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
+from ftis_engine.session import AgreedError, foreign_tokenizers, open_run
 
 from .helpers import short_config
 
@@ -195,7 +187,7 @@ def test_resume_refuses_a_config_that_changes_the_run_but_not_its_length_or_cade
                             ("rollout.group_size=3", "rollout.group_size"), ("algorithm.method=tis", "algorithm.method")):
         with pytest.raises(RunDirError, match=f"--resume: the config differs .* in {field} ") as caught:
             check_resume_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
-        assert all(key in str(caught.value) for key in session.RESUMABLE)  # the message lists what may change
+        assert all(key in str(caught.value) for key in rundir.RESUMABLE)  # the message lists what may change
 
 
 def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(trained):

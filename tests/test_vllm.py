@@ -12,7 +12,7 @@ import torch
 
 from ftis_engine.config import ConfigError, load_config
 from ftis_engine.generation import vllm as vllm_gen
-from ftis_engine.members import check_generator_placement
+from ftis_engine.preflight import check_generator_placement
 
 from .helpers import TINY
 
@@ -234,7 +234,8 @@ def _vllm_member(tmp_path, lora: bool = False):
     when `lora`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ftis_engine.members import build_member, preflight
+    from ftis_engine.members import build_member
+    from ftis_engine.preflight import check_members
     from ftis_engine.models import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-s")
@@ -251,7 +252,7 @@ def _vllm_member(tmp_path, lora: bool = False):
     if not lora:
         overrides.append("members.1.lora=null")
     cfg = load_config(TINY, overrides)
-    tokenizers = preflight(cfg, members=[1])
+    tokenizers = check_members(cfg, members=[1])
     return build_member(1, cfg, tokenizers[1], torch.device("cuda"))
 
 

@@ -121,7 +121,7 @@ class Alone:
 
 
 class Shard:
-    """A member's further rank (placement.py): it takes no part in the exchange (its leader sends the member's
+    """A member's further rank (fsdp.py): it takes no part in the exchange (its leader sends the member's
     rollouts and hands it what it admitted); the run's start and checkpoints still gather every rank."""
 
     def __init__(self, collectives: Collectives, member: int, endpoints: int, independent: bool):

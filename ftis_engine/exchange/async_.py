@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from ..config import LatencySettings, RunConfig, rank_roles
+from ..config import LatencySettings, RunConfig
+from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
 from . import Arrivals, Limit, Parcel, wire_bytes_sent
@@ -184,14 +185,12 @@ class DistributedAsync:
                  group=None, broadcast=None):
         self.collectives = collectives
         self.rank = collectives.rank if endpoint is None else endpoint  # its endpoint: rank in the links' group
-        roles = rank_roles(config)
-        self.world_size = len(roles)  # the endpoints (placement.py): a member's further ranks never exchange
+        roles = endpoint_roles(config)
+        self.world_size = len(roles)  # the endpoints (layout.py): a member's further ranks never exchange
         self.member, self.sampler = roles[self.rank]
-        learners = [r for r, (_, k) in enumerate(roles) if k is None]
-        self.targets = [r for r in learners if r != self.rank]  # rollouts go to the learners only
+        self.targets = [r for r in learner_endpoints(config) if r != self.rank]  # rollouts go to the learners only
         self.lead_peers = self.targets if self.sampler is None else []
-        self.own_samplers = [r for r, (m, k) in enumerate(roles) if m == self.member and k is not None
-                             ] if self.sampler is None else []
+        self.own_samplers = sampler_endpoints(config, self.member) if self.sampler is None else []
         self.learner = self.member  # a sampler's learner is its member's rank
         self.max_lead = config.swarm.max_lead
         self.steps = config.train.steps

@@ -124,7 +124,7 @@ class Links:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int, group=None):
         # a group of its own: its point-to-point traffic never interleaves with the default group's collectives
-        # (group: the endpoints' gloo group, placement.make_groups; a peer is its rank in the group: its endpoint)
+        # (group: the endpoints' gloo group, fsdp.make_groups; a peer is its rank in the group: its endpoint)
         self.group = group if group is not None else dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.rank = rank

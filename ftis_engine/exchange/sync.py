@@ -102,7 +102,7 @@ class Collectives:
 
 class DistributedSync:
     """One member per endpoint over torch.distributed (NCCL between GPUs, gloo on CPU). `group` holds just the
-    endpoints, its ranks numbered as they are (placement.py), when members have further ranks (None: every process
+    endpoints, its ranks numbered as they are (layout.py), when members have further ranks (None: every process
     is an endpoint and its rank is its endpoint)."""
 
     independent = False

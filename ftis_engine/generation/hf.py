@@ -47,7 +47,7 @@ class HFGenerator:
         self.device = device
         self.dtype = dtype  # the member's compute dtype: sampling runs in it, as the update does (autocast)
         self.batch_size = batch_size
-        self.replica = replica  # a sharded member's plain copy (placement.py), synced from the shards
+        self.replica = replica  # a sharded member's plain copy (fsdp.py), synced from the shards
         self.eos_ids = eos_token_ids(model, tokenizer)
 
     @torch.no_grad()
@@ -56,7 +56,7 @@ class HFGenerator:
         parameters gathered from the shards, one at a time (every shard of the member calls this)."""
         if not self.replica:
             return
-        from ..placement import full
+        from ..fsdp import full
 
         mine = dict(self.model.named_parameters())
         for name, param in model.named_parameters():

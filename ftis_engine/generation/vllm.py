@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from ..placement import full, is_sharded
+from ..fsdp import full, is_sharded
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
 log = logging.getLogger("ftis_engine.vllm")
@@ -189,7 +189,7 @@ class VLLMGenerator:
 
     def sync(self, model) -> None:
         """The trainer's weights changed: push them now if the engine is awake, else at the next wake_up. A member
-        sharded over ranks (placement.py) gathers each tensor while the engine's loader takes it (every shard
+        sharded over ranks (fsdp.py) gathers each tensor while the engine's loader takes it (every shard
         pushes at the same point: sync and wake_up are called on all of them together), so no rank ever holds a
         host copy of the model; a LoRA adapter is small and gathered here, onto the CPU."""
         self._model = model

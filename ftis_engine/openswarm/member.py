@@ -412,7 +412,7 @@ class OpenSampler:
 
     def __init__(self, address: str, config: RunConfig, collectives, broadcast, endpoint: int, index: int):
         self.address, self.config, self.collectives, self.broadcast = address, config, collectives, broadcast
-        self.rank = endpoint  # its endpoint in its member's config (rank_roles): the schedule's number for it
+        self.rank = endpoint  # its endpoint in its member's config (layout.endpoint_roles): the schedule's number for it
         self.member = config.members[0].name
         self.name = sampler_name(self.member, index)
         self.max_lead, self.timeout_s = config.swarm.max_lead, config.swarm.timeout_s

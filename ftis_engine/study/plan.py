@@ -205,7 +205,7 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool, only: list[s
 def check_reuse(run: Run) -> None:
     """A run directory already there must hold this very run: the same config in everything but where it lives.
     One that holds nothing to continue (no complete checkpoint, not finished) starts over whatever it says."""
-    from ..session import holds_run
+    from ..rundir import holds_run
 
     saved = run.run_dir / "config.yaml"
     if not saved.is_file() or not holds_run(run.run_dir):

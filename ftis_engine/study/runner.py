@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from ..checkpoint import latest_checkpoint
 from ..config import ConfigError, dump_config
 from ..members import check_warm_start
-from ..session import RunLock, check_before_launch
+from ..rundir import RunLock
+from ..preflight import check_before_launch
 from ..tasks import TaskError, load_task
 from .aggregate import aggregate
 from .config import StudyConfig, StudyError

@@ -1,0 +1,95 @@
+"""The process layout: which process rank is which member's shard or sampler (pure arithmetic on the config).
+
+Decided here and nowhere else (`members.N.ranks`, `members.N.samplers`): every member's ranks side by side in
+member order (its first rank is its leader), then the sampler ranks, in member order. Rank order is node order
+under torchrun, so a member's ranks share a node whenever its K fits one.
+
+Two numberings: *process ranks* (every process, `process_roles`) and *endpoints* (`endpoint_roles`: every
+member's leader, then the samplers), which is how the exchange, the schedule and the receivers number senders:
+one endpoint per member whatever its ranks. `endpoint_ranks` maps endpoints to process ranks. A run whose members
+all have one rank has process rank = endpoint. The world size (`--nproc`) is the sum of every member's ranks and
+samplers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import RunConfig
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one process does: learner (sampler None) or sampler of a member, which shard of it, and the
+    exchange endpoint it is (None: a member's further shard, which its leader exchanges for)."""
+
+    member: int
+    sampler: int | None
+    shard: int  # 0 for the leader and for samplers
+    endpoint: int | None
+
+
+def endpoint_roles(config: RunConfig) -> list[tuple[int, int | None]]:
+    """(member, sampler index) of every exchange endpoint: endpoints 0..M-1 are the members' learners (sampler
+    index None), then each member's members.N.samplers samplers, in member order."""
+    roles: list[tuple[int, int | None]] = [(i, None) for i in range(len(config.members))]
+    for i, member in enumerate(config.members):
+        roles += [(i, k) for k in range(member.samplers)]
+    return roles
+
+
+def process_roles(config: RunConfig) -> list[Role]:
+    """Every process rank's role: each member's shards in member order, then the samplers."""
+    endpoints = {role: e for e, role in enumerate(endpoint_roles(config))}
+    roles = [Role(i, None, shard, endpoints[(i, None)] if shard == 0 else None)
+             for i, member in enumerate(config.members) for shard in range(member.ranks)]
+    roles += [Role(i, k, 0, endpoints[(i, k)])
+              for i, member in enumerate(config.members) for k in range(member.samplers)]
+    return roles
+
+
+def world_size(config: RunConfig) -> int:
+    """How many processes the config needs: one per member rank and per sampler."""
+    return sum(m.ranks + m.samplers for m in config.members)
+
+
+def endpoint_ranks(config: RunConfig) -> list[int]:
+    """The process rank of every exchange endpoint (in endpoint_roles order)."""
+    ranks = {role.endpoint: r for r, role in enumerate(process_roles(config)) if role.endpoint is not None}
+    return [ranks[e] for e in range(len(ranks))]
+
+
+def member_ranks(config: RunConfig, member: int) -> list[int]:
+    """The process ranks of a member's learner, leader first (shard order)."""
+    return [r for r, role in enumerate(process_roles(config)) if role.member == member and role.sampler is None]
+
+
+def learner_endpoints(config: RunConfig) -> list[int]:
+    """The endpoints of the members' learners (0..M-1)."""
+    return [e for e, (_, sampler) in enumerate(endpoint_roles(config)) if sampler is None]
+
+
+def sampler_endpoints(config: RunConfig, member: int) -> list[int]:
+    """The endpoints of a member's samplers, in sampler order."""
+    return [e for e, (m, k) in enumerate(endpoint_roles(config)) if m == member and k is not None]
+
+
+def weights_group_ranks(config: RunConfig, member: int) -> list[int]:
+    """A member's weight broadcast group (process ranks): its leader's rank, then its samplers' ranks."""
+    samplers = [r for r, role in enumerate(process_roles(config)) if role.member == member and role.sampler is not None]
+    return [member_ranks(config, member)[0], *samplers]
+
+
+def describe_role(config: RunConfig, role: Role) -> str:
+    """A process as people name it: the member, a sampler of it, or a shard of a member on several ranks."""
+    member = config.members[role.member]
+    if role.sampler is not None:
+        return f"{member.name}: sampler {role.sampler}"
+    if member.ranks > 1:
+        return f"{member.name}: shard {role.shard + 1}/{member.ranks}" + (" (leader)" if role.shard == 0 else "")
+    return member.name
+
+
+def describe_layout(config: RunConfig) -> str:
+    """One line per rank: what it runs (printed at start)."""
+    return "\n".join(f"  rank {rank}: {describe_role(config, role)}" for rank, role in enumerate(process_roles(config)))

@@ -1,0 +1,199 @@
+"""A run directory: one run (or study) at a time in it (`RunLock`), a new run never into one that holds a run,
+and what a resumed run (`--resume`) or an evaluation (`eval --checkpoint`) may change of the config it continues.
+Every refusal is a RunDirError, one line naming the field or path."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import socket
+import time
+
+from .checkpoint import complete_checkpoints, latest_checkpoint, read_state
+from .config import ConfigError, RunConfig, config_differences, validate_config
+
+
+class RunDirError(ConfigError):
+    """A run directory or checkpoint that cannot be used as asked."""
+
+
+def holds_run(run_dir: pathlib.Path) -> bool:
+    """A run is kept there: it wrote a complete checkpoint, or it finished (final_eval.json). A run that stopped
+    before its first checkpoint left nothing to continue from: its directory does not block a rerun (which moves
+    its metrics aside, run.train)."""
+    return bool(complete_checkpoints(run_dir)) or (run_dir / "final_eval.json").is_file()
+
+
+def has_logged(run_dir: pathlib.Path) -> bool:
+    """Something of a run is there: a checkpoint, its end, or a non-empty metrics log."""
+    metrics = run_dir / "metrics.jsonl"
+    return holds_run(run_dir) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
+    """A new run never writes into a directory that holds one (that needs --resume), and --resume needs something
+    of a run there (without a checkpoint it starts over)."""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.exists() and not metrics.is_file():
+        raise RunDirError(f"run_name: {metrics} is not a file (a run's metrics log is); move it away")
+    if holds_run(run_dir) and not resume:
+        raise RunDirError(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
+                          "another run_name/--output-dir")
+    if resume and not has_logged(run_dir):
+        raise RunDirError(f"--resume: {run_dir} holds no run to continue (no metrics and no checkpoint); drop "
+                          "--resume to start it")
+
+
+# the fields a resumed run may change: how long it runs, how often it evaluates and checkpoints, where and how
+# fast the processes run; everything else would make the resumed run a different run than the one it continues
+RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
+             "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s",
+             "logging.report_to", "logging.project")
+# and, to go on after a divergence, a member's step size: its learning rate, gradient clip and weight decay (the
+# restored optimizer takes them from the config, not from its saved state)
+RESUMABLE_MEMBER = ("lr", "grad_clip", "weight_decay")
+
+
+def resumable(field: str) -> bool:
+    parts = field.split(".")
+    return field.startswith(RESUMABLE) or (len(parts) == 3 and parts[0] == "members" and parts[2] in RESUMABLE_MEMBER)
+# the member fields that make the model eval loads (with the run's seed: a built-in model is rebuilt from it)
+MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype", "warm_start")
+
+
+def _saved_config(run_dir: pathlib.Path, what: str) -> RunConfig | None:
+    from .config import load_config
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        raise RunDirError(f"{what}: the run's {path} is not a valid config ({exc})") from None
+
+
+def _describe(changes: list[tuple[str, object, object]]) -> str:
+    shown = ", ".join(f"{k} ({a!r} -> {b!r})" for k, a, b in changes[:3])
+    return shown + (f" and {len(changes) - 3} more" if len(changes) > 3 else "")
+
+
+def _checkpoint_config(run_dir: pathlib.Path) -> RunConfig | None:
+    """The config the newest complete checkpoint recorded in its state.json (None when it holds none)."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        return None
+    try:
+        recorded = read_state(found[1]).get("config")
+        return validate_config(recorded) if isinstance(recorded, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def check_run_dir(run_dir: pathlib.Path, config: RunConfig, resume: bool) -> None:
+    """Before any model is loaded: a fresh run needs an unused directory; --resume needs a run there, continued
+    with a config that changes only what RESUMABLE allows."""
+    check_fresh_run(run_dir, resume)
+    if resume:
+        check_resume_config(run_dir, config)
+
+
+def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
+    """--resume continues the run in run_dir: its config.yaml (or, when that is gone, the config its newest
+    checkpoint recorded) may change only in RESUMABLE fields; with neither, the resume is refused."""
+    if latest_checkpoint(run_dir) is None:
+        return  # nothing to continue from: the run starts over with this config (run.train)
+    saved = _saved_config(run_dir, "--resume") or _checkpoint_config(run_dir)
+    if saved is None:
+        raise RunDirError(f"--resume: {run_dir} has no config.yaml and its newest checkpoint records no config, so "
+                          "nothing tells whether this config continues that run; restore its config.yaml")
+    changes = [c for c in config_differences(saved, config) if not resumable(c[0])]
+    if changes:
+        allowed = ", ".join([f"{key}*" if key.endswith(".") else key for key in RESUMABLE]
+                            + [f"members.N.{key}" for key in RESUMABLE_MEMBER])
+        raise RunDirError(f"--resume: the config differs from the run's config.yaml in {_describe(changes)}; a resumed "
+                          f"run may change only {allowed} (start a new run_name for anything else)")
+
+
+def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list[str] | tuple[str, ...] = ()
+                ) -> RunConfig:
+    """The config eval builds the members from: the run's own config.yaml (beside its checkpoints, with
+    `overrides`), or the given one. Either must build the models the run trained (seed, members' model,
+    tokenizer, LoRA, init seed, dtype)."""
+    from .config import load_config
+
+    saved = _saved_config(run_dir, "--checkpoint")
+    given = "--config" if config is not None else "--set"  # what the user changed the run's config with
+    if config is None:
+        if saved is None:
+            raise RunDirError(f"--checkpoint: {run_dir} has no config.yaml; pass the run's config with --config")
+        if not overrides:
+            return saved
+        config = load_config(run_dir / "config.yaml", overrides)
+    if saved is not None:
+        changes = [c for c in config_differences(saved, config) if c[0] == "seed" or (
+            c[0].startswith("members.") and c[0].split(".")[2] in MEMBER_MODEL_KEYS)]
+        if changes:
+            raise RunDirError(f"{given}: builds other models than the run trained ({_describe(changes)}, against "
+                              f"{run_dir / 'config.yaml'}); drop {given} to use the run's own")
+    return config
+
+
+class RunLock:
+    """Holds a directory for one run (train, or an --nproc launcher for its ranks) or one study: `<dir>/.lock`,
+    locked with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A
+    second one into the same directory stops with one line naming the holder. A directory this lock created and
+    that was left empty is removed again, so a run that fails before its first step leaves nothing behind."""
+
+    # kind -> (the field a message names, what to choose instead)
+    KINDS = {"run": ("run_name", "another run_name/--output-dir"), "study": ("--output-dir", "another --output-dir")}
+
+    def __init__(self, run_dir: pathlib.Path, kind: str = "run"):
+        self.run_dir = run_dir
+        self.kind = kind
+        self._fd: int | None = None
+        self._created = False
+        self._top: pathlib.Path | None = None
+
+    def __enter__(self) -> "RunLock":
+        field, instead = self.KINDS[self.kind]
+        self._top = next((d for d in reversed([self.run_dir, *self.run_dir.parents]) if not d.exists()), None)
+        self._created = self._top is not None
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            where = "output_dir" if self.kind == "run" else field
+            raise RunDirError(f"{where}: cannot write to {self.run_dir} ({exc.strerror or type(exc).__name__})"
+                              ) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"{field}: {self.run_dir} is in use by another {self.kind} ({holder}); wait for it to "
+                              f"end or choose {instead}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is None:
+            return
+        leftover = sorted(p.name for p in self.run_dir.iterdir())
+        empty = [[".lock"], [".lock", "metrics.jsonl"]] if self.kind == "run" else [[".lock"]]
+        if self._created and leftover in empty and not has_logged(self.run_dir):
+            for name in leftover:
+                (self.run_dir / name).unlink()
+            for directory in [self.run_dir, *self.run_dir.parents]:  # up to the first one this lock created
+                if any(directory.iterdir()):
+                    break
+                directory.rmdir()
+                if directory == self._top:
+                    break
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
