@@ -21,7 +21,8 @@ import time
 
 import torch
 
-from .exchange.async_ import DistributedAsync, WeightSlot
+from .exchange import WeightSlot
+from .exchange.async_ import DistributedAsync
 from .generation import sample
 from .members import trainable_parameters
 from .metrics import MetricsLogger, mean_reward

@@ -105,12 +105,12 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
             prompts = sorted(mine)
             mine = {prompts[k]: mine[prompts[k]] for k in shard.share(len(prompts))}
         seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
-        watch, pushed = watches[member.index], push_seconds(member.generator)
+        watch, pushed = watches[member.index], member.generator.push_seconds
         with watch("gen_seconds"), member.generator.awake():
             own[member.index] = sample.generate_rollouts(swarm, member, mine, learner_version(step), seed)
             memory[member.index].note()  # the engine is awake: its weights and KV cache are on the GPU
             return_freed_memory()  # generation's KV cache
-        pushed = push_seconds(member.generator) - pushed
+        pushed = member.generator.push_seconds - pushed
         watch.seconds["gen_seconds"] -= pushed
         watch.seconds["sync_seconds"] += pushed
         if shard is not None:  # the member's rollouts, on every shard, in shard order
@@ -196,11 +196,6 @@ def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
     return kept, len(rollouts) - len(kept)
 
 
-def push_seconds(generator) -> float:
-    """Seconds a generator has spent loading weights into its engine so far (0 for one that shares the trainer's)."""
-    return getattr(generator, "push_seconds", 0.0)
-
-
 def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:
     """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G)."""
     rewards = torch.tensor([r.reward for r in rollouts])
@@ -248,8 +243,6 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     settings = swarm.config.members[member.index]
     if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
         # a sharded member: gathered by every shard, pushed by its leader; a broadcast takes its dtype and device
-        channel = getattr(swarm.exchange, "broadcast", None)
-        flat = flatten_weights(member.model) if channel is None else flatten_weights(member.model, channel.dtype,
-                                                                                     channel.device)
+        flat = flatten_weights(member.model, *swarm.exchange.weights_format())
         if member.leads:
             swarm.exchange.push_weights(sampler_endpoints(swarm.config, member.index), flat, step)

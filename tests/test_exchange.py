@@ -10,7 +10,8 @@ import torch
 
 from ftis_engine.config import LatencySettings
 from ftis_engine.exchange import Alone, Parcel
-from ftis_engine.exchange.async_ import Latency, LocalAsync, Mailbox, WeightSlot
+from ftis_engine.exchange import WeightSlot
+from ftis_engine.exchange.async_ import Latency, LocalAsync, Mailbox
 from ftis_engine.exchange.links import DATA, DONE, PING, TAKEN, WEIGHTS, Outbox
 from ftis_engine.exchange.sync import LocalSync
 from ftis_engine.rollouts import Rollout, encode

@@ -17,6 +17,7 @@ transport's `collectives`: sync.Collectives for both distributed transports, syn
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -70,16 +71,17 @@ class Collectives(Protocol):
 
 
 class Exchange(Protocol):
-    """What the step loop and the run's start need from a transport."""
+    """What the step loop, the samplers and the run's start need from a transport."""
 
     rank: int
     world_size: int
     independent: bool  # ranks never synchronise after the start (async across processes)
     collectives: Collectives
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         """Begin exchanging (after every rank has opened the run): limit(sender, step) bounds what a receiver
-        allocates for a peer's parcel; start_step is the step the run (re)starts after."""
+        allocates for a peer's parcel; start_step is the step the run (re)starts after; weights: a sampler's slot
+        for its learner's weights (None for a learner)."""
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         """Send each local member's buffer of `step` to its peers; returns the bytes each put on the wire."""
@@ -87,8 +89,56 @@ class Exchange(Protocol):
     def receive(self, receiver: int, step: int) -> Arrivals:
         """The parcels that local member `receiver` may use at `step`."""
 
+    def weights_format(self) -> tuple[torch.dtype, torch.device]:
+        """How push_weights takes a learner's flat trainable weights (samplers.flatten_weights): float32 (as int32
+        words) on the CPU for the links, or a weight broadcast's dtype and device."""
+
+    def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
+        """Send a learner's weights of `version` (flat, in weights_format) to its samplers (their endpoints)."""
+
     def finish(self) -> None:
         """Leave the exchange (async: say DONE to every peer and drain what they still send)."""
+
+
+class WithoutSamplers:
+    """The weight side of the Exchange protocol for a transport that has no samplers (config allows them only in
+    async mode across processes): nothing to start, and a push is a bug."""
+
+    def weights_format(self) -> tuple[torch.dtype, torch.device]:
+        return torch.float32, torch.device("cpu")
+
+    def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
+        raise RuntimeError(f"{type(self).__name__} has no samplers to push weights to")
+
+
+class WeightSlot:
+    """A sampler's inbox for its learner's weights: accepted only from that learner (`source`), exactly `words`
+    long, of a version newer than the one it holds and at most `last_version` (an honest learner pushes none after
+    its last step). The newest replaces one not yet taken: a sampler skips versions it missed."""
+
+    def __init__(self, source: int, words: int, version: int, last_version: int):
+        self.source = source
+        self.words = words
+        self.version = version  # the newest version received (or the start's)
+        self.last_version = last_version
+        self._newest: tuple[int, torch.Tensor] | None = None
+        self._lock = threading.Lock()
+
+    def limit(self, peer: int, version: int) -> int:
+        with self._lock:
+            fits = peer == self.source and self.words > 0 and self.version < version <= self.last_version
+        return self.words if fits else 0
+
+    def put(self, version: int, words: torch.Tensor) -> None:
+        with self._lock:
+            if version > self.version and words.numel() == self.words:
+                self._newest, self.version = (version, words), version
+
+    def take(self) -> tuple[int, torch.Tensor] | None:
+        """The newest weights that arrived since the last call (version, flat words), or None."""
+        with self._lock:
+            newest, self._newest = self._newest, None
+        return newest
 
 
 def wire_bytes_sent(buffer: torch.Tensor, receivers: int) -> int:
@@ -96,7 +146,7 @@ def wire_bytes_sent(buffer: torch.Tensor, receivers: int) -> int:
     return 4 * buffer.numel() if receivers > 0 else 0
 
 
-class Alone:
+class Alone(WithoutSamplers):
     """collaboration: alone. Nothing goes on the wire and nothing arrives; the start's and checkpoints'
     collectives (and, async, the DONE handshake) still go through the transport underneath."""
 
@@ -107,7 +157,7 @@ class Alone:
         self.independent = transport.independent
         self.collectives = transport.collectives
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self.transport.start(limit, start_step)
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
@@ -120,7 +170,7 @@ class Alone:
         self.transport.finish()
 
 
-class Shard:
+class Shard(WithoutSamplers):
     """A member's further rank (fsdp.py): it takes no part in the exchange (its leader sends the member's
     rollouts and hands it what it admitted); the run's start and checkpoints still gather every rank."""
 
@@ -130,7 +180,7 @@ class Shard:
         self.world_size = endpoints
         self.independent = independent
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         """The leader exchanges."""
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:

@@ -28,7 +28,7 @@ from ..config import LatencySettings, RunConfig
 from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
-from . import Arrivals, Limit, Parcel, wire_bytes_sent
+from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 from .links import DATA, TAKEN, WEIGHTS, Links
 from .sync import Collectives, LocalCollectives
 
@@ -111,7 +111,7 @@ class Mailbox:
             return sum(len(box) for box in self._parcels.values())
 
 
-class LocalAsync:
+class LocalAsync(WithoutSamplers):
     """Every member in this process, stepping together: a parcel goes straight into each peer's mailbox, delayed
     by the latency only (the lead bound never binds: nobody is ahead)."""
 
@@ -124,7 +124,7 @@ class LocalAsync:
         self.latency = latency
         self.mailboxes = {m: Mailbox(capacity) for m in members}
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         """Nothing to allocate for: the buffers are this process's own."""
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
@@ -143,36 +143,6 @@ class LocalAsync:
 
     def finish(self) -> None:
         """Nothing crosses a process: what is still in a mailbox is simply not used."""
-
-
-class WeightSlot:
-    """A sampler's inbox for its learner's weights: accepted only from that learner (`source`), exactly `words`
-    long, of a version newer than the one it holds and at most `last_version` (an honest learner pushes none after
-    its last step). The newest replaces one not yet taken: a sampler skips versions it missed."""
-
-    def __init__(self, source: int, words: int, version: int, last_version: int):
-        self.source = source
-        self.words = words
-        self.version = version  # the newest version received (or the start's)
-        self.last_version = last_version
-        self._newest: tuple[int, torch.Tensor] | None = None
-        self._lock = threading.Lock()
-
-    def limit(self, peer: int, version: int) -> int:
-        with self._lock:
-            fits = peer == self.source and self.words > 0 and self.version < version <= self.last_version
-        return self.words if fits else 0
-
-    def put(self, version: int, words: torch.Tensor) -> None:
-        with self._lock:
-            if version > self.version and words.numel() == self.words:
-                self._newest, self.version = (version, words), version
-
-    def take(self) -> tuple[int, torch.Tensor] | None:
-        """The newest weights that arrived since the last call (version, flat words), or None."""
-        with self._lock:
-            newest, self._newest = self._newest, None
-        return newest
 
 
 class DistributedAsync:
@@ -262,6 +232,12 @@ class DistributedAsync:
                             outbox_dropped=outbox_dropped - self._outbox_dropped)
         self._outbox_dropped = outbox_dropped
         return arrivals
+
+    def weights_format(self) -> tuple[torch.dtype, torch.device]:
+        """float32 words on the CPU for the links; a weight broadcast's own dtype and device."""
+        if self.broadcast is None:
+            return torch.float32, torch.device("cpu")
+        return self.broadcast.dtype, self.broadcast.device
 
     def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
         """Queue a learner's weights (flat int32 words) of `version` to its samplers; an unsent copy is replaced.

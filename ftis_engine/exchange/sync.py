@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import learner_version
-from . import Arrivals, Limit, Parcel, wire_bytes_sent
+from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 
 
 class LocalCollectives:
@@ -40,7 +40,7 @@ class LocalCollectives:
         """No process group to tear down."""
 
 
-class LocalSync:
+class LocalSync(WithoutSamplers):
     """Every member lives in this process: every buffer is already here."""
 
     world_size = 1
@@ -51,7 +51,7 @@ class LocalSync:
         self.collectives = LocalCollectives()
         self._sent: dict[int, tuple[int, torch.Tensor]] = {}
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         """Nothing to allocate for: the buffers are this process's own."""
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
@@ -100,7 +100,7 @@ class Collectives:
             dist.destroy_process_group()
 
 
-class DistributedSync:
+class DistributedSync(WithoutSamplers):
     """One member per endpoint over torch.distributed (NCCL between GPUs, gloo on CPU). `group` holds just the
     endpoints, its ranks numbered as they are (layout.py), when members have further ranks (None: every process
     is an endpoint and its rank is its endpoint)."""
@@ -116,7 +116,7 @@ class DistributedSync:
         self._limit: Limit | None = None
         self._arrivals = Arrivals()
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self._limit = limit
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:

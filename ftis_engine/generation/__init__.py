@@ -38,6 +38,9 @@ class SamplingSettings:
 class Generator(Protocol):
     """What the step loop needs from a member's sampler."""
 
+    push_seconds: float  # seconds spent loading the trainer's weights into an engine, every sync so far (0 for
+    # a generator that samples from the trainer's own parameters)
+
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings,
                  on_batch: Callable[[int], None] | None = None) -> list[list[Completion]]:
         """sampling.n completions of each prompt (token ids), each with the sampler's log-probs."""

@@ -48,6 +48,7 @@ class HFGenerator:
         self.dtype = dtype  # the member's compute dtype: sampling runs in it, as the update does (autocast)
         self.batch_size = batch_size
         self.replica = replica  # a sharded member's plain copy (fsdp.py), synced from the shards
+        self.push_seconds = 0.0  # nothing loads as it wakes (a replica copies in sync, which the step times)
         self.eos_ids = eos_token_ids(model, tokenizer)
 
     @torch.no_grad()

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RunConfig
-from ..exchange import Arrivals, Limit, Parcel, wire_bytes_sent
+from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
 from ..rollouts import max_buffer_words
@@ -279,7 +279,7 @@ class OpenExchange:
 
     # ------------------------------------------------------------------------------------------- Exchange
 
-    def start(self, limit: Limit, start_step: int = 0) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self._limit = limit
         self.mailbox.step = max(self.mailbox.step, start_step)
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
@@ -320,6 +320,12 @@ class OpenExchange:
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
                         outbox_dropped=dropped)
+
+    def weights_format(self) -> tuple[torch.dtype, torch.device]:
+        """The weight broadcast's dtype and device (a member without samplers pushes nothing)."""
+        if self.broadcast is None:
+            return torch.float32, torch.device("cpu")
+        return self.broadcast.dtype, self.broadcast.device
 
     def push_weights(self, samplers: list[int], flat: torch.Tensor, version: int) -> None:
         """This member's new weights (version `step`) to its samplers, by broadcast in its own process group."""
@@ -404,7 +410,7 @@ class OpenExchange:
             self.book.publish(name, step)
 
 
-class OpenSampler:
+class OpenSampler(WithoutSamplers):
     """The exchange of a sampler rank of a member in an open swarm (see the module): its learner's weights by
     broadcast in the member's process group, its rounds to the coordinator under its sampler name."""
 
@@ -428,7 +434,7 @@ class OpenSampler:
         spec = member.tokenizer or member.model
         self.source = spec if shareable(spec) else ""
 
-    def start(self, limit: Limit, start_step: int = 0, weights=None) -> None:
+    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self.weights = weights
         self.broadcast.start(weights)
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
