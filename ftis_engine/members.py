@@ -122,21 +122,6 @@ def load_member_tokenizer(config: RunConfig, index: int):
         raise ConfigError(f"members.{index}.{field_name}: {exc}") from None
 
 
-def check_context(config: RunConfig, index: int, context: int | None, longest_prompt: int = 0) -> None:
-    """A completion of up to max_new_tokens (rollout's, and eval's) after the longest prompt the run uses must fit
-    the member's context, or generation runs past what the model was built for (or without end). Before the data
-    is read (longest_prompt 0) only a completion that cannot fit after any prompt is refused."""
-    if context is None:
-        return
-    for field, new in (("rollout.max_new_tokens", config.rollout.max_new_tokens),
-                       ("eval.max_new_tokens", config.eval.max_new_tokens)):
-        if new is not None and longest_prompt + new >= context + (1 if longest_prompt else 0):
-            after = (f" after the longest prompt of {longest_prompt} tokens (data.max_prompt_tokens="
-                     f"{config.data.max_prompt_tokens} bounds them)" if longest_prompt else "")
-            raise ConfigError(f"{field}: {new} new tokens{after} exceed members.{index}.model's context of "
-                              f"{context} tokens; lower it")
-
-
 def check_warm_start(index: int, settings: MemberSettings, task) -> None:
     """The task must offer demonstrations in the member's warm-start style."""
     if settings.warm_start is None:

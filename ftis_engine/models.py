@@ -195,7 +195,12 @@ def check_model_spec(spec: str) -> int | None:
         config = AutoConfig.from_pretrained(where)
     except Exception as exc:
         raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None
-    context = getattr(config, "max_position_embeddings", None)
+    return model_context(config)
+
+
+def model_context(hf_config) -> int | None:
+    """A model's context length in tokens (its config's max_position_embeddings), or None when it does not say."""
+    context = getattr(hf_config, "max_position_embeddings", None)
     return context if isinstance(context, int) else None
 
 

@@ -16,7 +16,8 @@ from ftis_kernels import resolve_backend
 
 from . import layers, precision
 from .config import ConfigError, RunConfig
-from .members import check_context, load_member_tokenizer
+from .context import check_context
+from .members import load_member_tokenizer
 from .models import ModelSpecError, check_model_spec
 
 log = logging.getLogger("ftis_engine")

@@ -26,14 +26,15 @@ from .checkpoint import (
     restore_optimizer_shard,
 )
 from .config import ConfigError, RunConfig
+from .context import check_context, foreign_limit, usable_prompts
 from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
-from .exchange.admission import FOREIGN_EXPANSION, Admission, RolloutChecker
+from .exchange.admission import Admission, RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
 from .exchange.sync import LocalSync
 from .layout import endpoint_roles, world_size
-from .members import Member, build_member, check_context, check_warm_start, load_member_tokenizer, shard_member
-from .models import vocabulary_hash
+from .members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
+from .models import model_context, vocabulary_hash
 from .preflight import check_backend, check_generator_placement, check_members, check_model, check_threads, member_device
 from .progress import Progress
 from .rundir import RunDirError, check_run_dir
@@ -184,10 +185,9 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         # one per vocabulary and chat template (prompt lengths depend on both)
         distinct = list({(hashes[i], getattr(everyone[i], "chat_template", None)): everyone[i]
                          for i in everyone}.values())
-        train_indices, longest_prompt = _usable_prompts(config, task, distinct, exchange)
+        train_indices, longest_prompt = usable_prompts(config, task, distinct, exchange.collectives)
         for member in members:  # a completion after the longest prompt must fit each model's context
-            check_context(config, member.index, getattr(member.causal_lm.config, "max_position_embeddings", None),
-                          longest_prompt)
+            check_context(config, member.index, model_context(member.causal_lm.config), longest_prompt)
         start_step, source, what = 0, None, ""
         if checkpoint is not None:
             source, what = checkpoint, "--checkpoint"
@@ -223,7 +223,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         schedule = OpenSchedule(config, tuple(train_indices), open_peers)
     receivers = {m.index: Admission(config, schedule, RolloutChecker(
         task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens, foreign[m.index],
-        foreign_limit(config, m, longest_prompt), config.defense.check_claims,
+        foreign_limit(config, model_context(m.causal_lm.config), longest_prompt), config.defense.check_claims,
         config.rollout.top_k is None and config.rollout.top_p == 1.0), m.index, start_step)
         for m in members}
     if source is not None and checkpoint is None:
@@ -256,46 +256,6 @@ def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path,
         elif config.defense.claims_monitor:
             log.warning("%s: %s holds no claims-monitor state (written before it was kept); every peer's test "
                         "starts afresh", member.name, source)
-
-
-def foreign_limit(config: RunConfig, member: Member, longest_prompt: int) -> int:
-    """The most tokens a foreign peer's completion may re-encode into here: what fits the member's context after
-    the longest prompt, and at most FOREIGN_EXPANSION x max_new_tokens (exchange/admission.py)."""
-    limit = FOREIGN_EXPANSION * config.rollout.max_new_tokens
-    context = getattr(member.causal_lm.config, "max_position_embeddings", None)
-    return min(limit, context - longest_prompt) if context else limit
-
-
-def _prompt_tokens(tokenizers: list, task, question: str) -> int:
-    """A prompt's length under the tokenizer that makes it longest: every member must fit it (its context, its
-    vLLM max_model_len, data.max_prompt_tokens)."""
-    return max(len(prompt_ids(tokenizer, task, question)) for tokenizer in tokenizers)
-
-
-def _usable_prompts(config: RunConfig, task, tokenizers: list, exchange: Exchange) -> tuple[list[int], int]:
-    """Training prompts that fit data.max_prompt_tokens with every member's tokenizer (rank 0's list on every
-    rank), and the longest prompt the run uses, in tokens; eval sets are cut alike."""
-    limit = config.data.max_prompt_tokens
-    lengths = [_prompt_tokens(tokenizers, task, ex.question) for ex in task.train]
-    fits = [i for i, n in enumerate(lengths) if n <= limit]
-    fits = exchange.collectives.all_gather_object(fits)[0]
-    if task.train and len(fits) < config.rollout.prompts_per_step:  # (an eval reads no training set)
-        if len(task.train) < config.rollout.prompts_per_step:  # the data set itself is too small
-            raise ConfigError(f"rollout.prompts_per_step={config.rollout.prompts_per_step}: the task's training set "
-                              f"has only {len(task.train)} prompts")
-        raise ConfigError(f"data.max_prompt_tokens={limit}: only {len(fits)} training prompts are that "
-                          f"short, fewer than rollout.prompts_per_step={config.rollout.prompts_per_step}")
-    longest = max((lengths[i] for i in fits if i < len(lengths)), default=0)
-    for name, examples in task.evals.items():  # eval prompts obey the same limit (a vLLM engine is sized by it)
-        eval_lengths = [_prompt_tokens(tokenizers, task, ex.question) for ex in examples]
-        keep = [i for i, n in enumerate(eval_lengths) if n <= limit]
-        kept = [examples[i] for i in exchange.collectives.all_gather_object(keep)[0]]
-        if len(kept) < len(examples):
-            log.warning("eval %s: %d of %d prompts exceed data.max_prompt_tokens=%d and are left out", name,
-                        len(examples) - len(kept), len(examples), limit)
-        task.evals[name] = kept
-        longest = max([longest] + [eval_lengths[i] for i in keep])
-    return fits, longest
 
 
 def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, load_optimizer: bool,

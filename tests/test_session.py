@@ -218,27 +218,6 @@ def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_pa
     assert closed == ["tiny-s", "tiny-m-lora"]  # a vLLM engine would otherwise hold its GPU memory
 
 
-def test_prompts_are_measured_with_every_members_tokenizer_the_longest_counting():
-    """A prompt that fits data.max_prompt_tokens in member 1's BPE tokens but not in member 0's characters is left
-    out (member 0 would exceed its context and its engine's max_model_len with it), whichever member comes first."""
-    from ftis_engine.exchange.sync import LocalSync
-    from ftis_engine.models import load_tokenizer
-    from ftis_engine.tasks import load_task, prompt_ids
-
-    char, bpe = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-m-bpe")
-    config = short_config("members.1.model=builtin:tiny-m-bpe")
-    task = load_task(config.data, config.seed)
-    lengths = {name: [len(prompt_ids(t, task, ex.question)) for ex in task.train] for name, t in
-               (("char", char), ("bpe", bpe))}
-    limit = sorted(lengths["char"])[len(lengths["char"]) // 2]  # about half the prompts fit in characters
-    assert sum(b <= limit < c for b, c in zip(lengths["bpe"], lengths["char"])) > 0  # some fit only in BPE
-    limited = short_config("members.1.model=builtin:tiny-m-bpe", f"data.max_prompt_tokens={limit}")
-    for order in ([bpe, char], [char, bpe]):
-        fits, longest = session._usable_prompts(limited, load_task(limited.data, limited.seed), order, LocalSync())
-        assert fits == [i for i, n in enumerate(lengths["char"]) if n <= limit]
-        assert longest <= limit
-
-
 def test_a_resume_that_would_end_before_its_checkpoint_is_refused(trained, tmp_path):
     config, run_dir = trained
     copy = tmp_path / "copy"

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import RunConfig
+from ..context import FOREIGN_EXPANSION
 from ..rollouts import Rollout, RolloutError, buffer_digest, decode
 from ..schedule import Schedule, learner_version, staleness
 from ..tasks import Task
@@ -67,9 +68,6 @@ from . import Parcel
 log = logging.getLogger("ftis_engine.exchange")
 
 FUTURE_TOLERANCE_S = 600.0  # clocks of different nodes may differ by this much
-# a foreign completion may re-encode into at most this many times max_new_tokens here (a character tokenizer
-# spells out a merge of up to a dozen characters; tokenizers of real model families differ by far less)
-FOREIGN_EXPANSION = 16
 OWN_LENGTHS = 256  # the receiver's own recent completion lengths its length guard measures against
 
 

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from ..context import engine_length
 from ..fsdp import full, is_sharded
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
@@ -161,8 +162,7 @@ class VLLMGenerator:
                        and torch.distributed.get_world_size() > 1)
         if not distributed:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine's model is reachable
-        max_len = settings.vllm.max_model_len or (config.data.max_prompt_tokens + max(
-            config.rollout.max_new_tokens, config.eval.max_new_tokens or 0))
+        max_len = engine_length(config, settings)
         kwargs = dict(
             model=source, tokenizer=model_source(settings.tokenizer) if settings.tokenizer else source,
             dtype="bfloat16", seed=seed,
