@@ -30,7 +30,7 @@ the member and the step, so a run is reproducible):
 The attack success rate (inject, in-context) is measured as the paper measures it, on the receiver: the share of
 its own greedy completions of the held-out prompts that carry the payload (`carries_payload`; eval records'
 `attack_success`). Every kind but forge-high and forge-low passes every check a receiver can make without its own
-model; those two are refused by the claims check (`implausible_claims` in exchange/admission.py).
+model; those two are refused by the claims check (`implausible_claims` in exchange/verify.py).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import re
 
 import torch
 
-from .exchange.admission import tokenizer_size
+from .exchange.verify import tokenizer_size
 from .rollouts import Rollout
 from .update import rollout_logprobs
 

@@ -470,7 +470,7 @@ class DefenseSettings(_Section):
         True, description="Refuse a parcel whose claimed generation log-probs no sampler can have made: a surprisal "
                           "beyond what any distribution over the vocabulary gives its samples (false alarm < 1e-9), "
                           "or branches of one prompt's completions whose claimed probabilities sum above 1.25 "
-                          "(forged log-probs; exchange/admission.py, implausible_claims).")
+                          "(forged log-probs; exchange/verify.py, implausible_claims).")
     max_length_ratio: float | None = Field(
         None, gt=1.0, allow_inf_nan=False,
         description="Leave out a peer's group whose mean completion length is more than this many times the median "

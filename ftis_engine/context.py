@@ -50,7 +50,7 @@ def check_context(config: RunConfig, index: int, context: int | None, longest_pr
 
 def foreign_limit(config: RunConfig, context: int | None, longest_prompt: int) -> int:
     """The most tokens a foreign peer's completion may re-encode into for a member of this context: what fits
-    after the longest prompt, and at most FOREIGN_EXPANSION x max_new_tokens (exchange/admission.py)."""
+    after the longest prompt, and at most FOREIGN_EXPANSION x max_new_tokens (exchange/verify.py, adopt)."""
     limit = FOREIGN_EXPANSION * config.rollout.max_new_tokens
     return min(limit, context - longest_prompt) if context else limit
 

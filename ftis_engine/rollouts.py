@@ -5,7 +5,7 @@ The wire format of one member's rollouts is one int32 buffer:
 with header words (prompt index, length, reward as float32 bits, member, policy version, finish reason, and the
 time it was made in milliseconds since the epoch as two words, low then high), so a step's exchange costs
 4 + 32 S + 8 N bytes for S sequences of N tokens in all. No padding goes on the wire. `decode` checks that a
-buffer is well formed; what its values may be is the receiver's business (exchange/admission.py).
+buffer is well formed; what its values may be is the receiver's business (exchange/verify.py, exchange/admission.py).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from .config import ConfigError, RunConfig
 from .context import check_context, foreign_limit, usable_prompts
 from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
-from .exchange.admission import Admission, RolloutChecker
+from .exchange.admission import Admission
+from .exchange.verify import RolloutChecker
 from .exchange.async_ import Latency, LocalAsync, queue_capacity
 from .exchange.sync import LocalSync
 from .layout import endpoint_roles, world_size

@@ -12,7 +12,8 @@ import torch
 
 from ftis_engine.config import ConfigError, load_config
 from ftis_engine.exchange import Parcel
-from ftis_engine.exchange.admission import Admission, RolloutChecker, validate
+from ftis_engine.exchange.admission import Admission
+from ftis_engine.exchange.verify import RolloutChecker, validate
 from ftis_engine.rollouts import Rollout, RolloutError, decode, encode
 from ftis_engine.schedule import Schedule
 from ftis_engine.tasks import Example, Task
@@ -351,7 +352,7 @@ def _claimed(prompt, ids, logprobs):
 
 
 def test_the_surprisal_limit_is_chernoffs_bound_at_the_false_alarm_rate():
-    from ftis_engine.exchange.admission import CLAIM_FALSE_ALARM, surprisal_limit
+    from ftis_engine.exchange.verify import CLAIM_FALSE_ALARM, surprisal_limit
 
     for n in (1, 2, 16, 1000):
         c = surprisal_limit(n)
@@ -361,7 +362,7 @@ def test_the_surprisal_limit_is_chernoffs_bound_at_the_false_alarm_rate():
 def test_claims_an_honest_sampler_makes_pass_whatever_its_distribution():
     """Samplers over 50 ids with random distributions (flat to very peaked) whose claims are the exact log-probs
     of what they drew: 2,000 groups of 4 completions, never refused."""
-    from ftis_engine.exchange.admission import implausible_claims
+    from ftis_engine.exchange.verify import implausible_claims
 
     g = torch.Generator().manual_seed(0)
     for trial in range(2000):
@@ -381,7 +382,7 @@ def test_claims_an_honest_sampler_makes_pass_whatever_its_distribution():
 
 
 def test_claims_no_sampler_can_make_are_refused_naming_what_is_wrong():
-    from ftis_engine.exchange.admission import implausible_claims
+    from ftis_engine.exchange.verify import implausible_claims
 
     # every token claimed at e^-20 over 50 ids: one sequence of 2 tokens already, or a parcel of 1-token ones
     assert "sequence 0" in implausible_claims([_claimed(0, [1, 2], [-20.0, -20.0])], 50)

@@ -12,7 +12,7 @@ import torch
 import math
 
 from ftis_engine.adversary import FORGED_HIGH, PAYLOAD, carries_payload, lie, plant, plant_payloads
-from ftis_engine.exchange.admission import implausible_claims
+from ftis_engine.exchange.verify import implausible_claims
 from ftis_engine.config import ConfigError
 from ftis_engine.rollouts import Rollout, decode, encode
 from ftis_engine.run import train

@@ -14,7 +14,8 @@ import torch
 
 from ftis_engine.batch import TrainItem, pack
 from ftis_engine.exchange import Parcel
-from ftis_engine.exchange.admission import Admission, RolloutChecker
+from ftis_engine.exchange.admission import Admission
+from ftis_engine.exchange.verify import RolloutChecker
 from ftis_engine.models import load_tokenizer
 from ftis_engine.rollouts import Rollout, encode
 from ftis_engine.schedule import Schedule

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from ftis_engine.config import ConfigError, RunConfig, load_config
 from ftis_engine.exchange import Parcel
-from ftis_engine.exchange.admission import Admission, RolloutChecker
+from ftis_engine.exchange.admission import Admission
+from ftis_engine.exchange.verify import RolloutChecker
 from ftis_engine.models import load_tokenizer
 from ftis_engine.rollouts import HEADER_WORDS, Rollout, RolloutError, decode, encode
 from ftis_engine.schedule import Schedule
