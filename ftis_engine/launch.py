@@ -8,7 +8,6 @@ rank and each resumes from the newest complete checkpoint that all ranks have.
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -20,8 +19,7 @@ import torch
 
 from .config import ConfigError, RunConfig, validate_config
 from .errors import first_line
-from .layout import (describe_layout, describe_role, endpoint_ranks, member_ranks, process_roles, weights_group_ranks,
-                     world_size)
+from .layout import describe_layout, describe_role, process_roles, world_size
 
 log = logging.getLogger("ftis_engine.launch")
 
@@ -131,38 +129,21 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
     return 0
 
 
-def _round_store(rank: int, world: int, timeout: datetime.timedelta):
-    """The rendezvous store under a prefix unique to this launch and restart round. torch's env:// default keys
-    every round alike, so after an elastic restart a rank can read the address a dead rank published in the
-    previous round and fail to connect."""
-    from torch.distributed import PrefixStore, TCPStore
-
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it (torchrun, --nproc)
-    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                     is_master=rank == 0 and not agent_store, timeout=timeout)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "manual")
-    return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
-
-
 def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | None = None,
                join: str | None = None) -> int:
     """One rank: join the process group, open the run (session.open_run), train; or, with `evaluate` (a
     checkpoint), evaluate it and let rank 0 print every rank's records. Config errors print one line (an error all
     ranks found alike: rank 0 alone) and exit 2. join: the open swarm's coordinator (a member on several ranks:
     its leader holds the exchange, openswarm/member.py)."""
-    from .exchange import Shard as ShardExchange
-    from .exchange.async_ import DistributedAsync, Latency
     from .exchange.links import PeerLost, TransportError
-    from .exchange.sync import Collectives, DistributedSync
-    from .preflight import member_device
     from .openswarm.client import JoinRefused
-    from .fsdp import Shard, make_groups, weights_backend
     from .preflight import check_placement
     from .progress import quiet_libraries
     from .run import train
     from .session import AgreedError, open_run
     from .tasks import TaskError
     from .update import DivergenceError
+    from .wiring import connect
 
     quiet_libraries()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -171,67 +152,11 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     exchange = None
     try:
         config = validate_config(config_data)
-        roles = process_roles(config)
-        if world != len(roles):
+        if world != world_size(config):
             raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
-        role = roles[rank]
         check_placement(config)  # under torchrun nothing checked it before the processes started
-        device = member_device(config, role.member, local_rank)
-        shared = any(m.device for m in config.members)  # ranks may share a GPU: NCCL refuses that
-        backend = config.swarm.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" and not shared else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
-        torch.distributed.init_process_group(backend, store=_round_store(rank, world, timeout), rank=rank,
-                                             world_size=world, timeout=timeout)
-        groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout, open_member=join is not None)
-        collectives = Collectives(rank, world, device, backend)
-        endpoints = len(endpoint_ranks(config))
-        open_peers = None
-        if join is not None:  # one member in an open swarm, on its own ranks
-            from .exchange.weights import WeightBroadcast
-            from .openswarm.member import OpenExchange, OpenSampler, PeerBook, sampler_name
-
-            broadcast = None
-            if role.member in groups.weights:  # a member with samplers: its leader or one of its samplers
-                nccl = weights_backend(config, device.type, open_member=True) == "nccl"
-                broadcast = WeightBroadcast(groups.weights[role.member], weights_group_ranks(config, role.member)[0],
-                                            device if nccl else torch.device("cpu"))
-            name = config.members[0].name
-            if role.endpoint is None:
-                exchange = ShardExchange(collectives, role.member, endpoints, True)
-                open_peers = PeerBook(name)  # a shard's deal is its own name's; it admits nothing
-            elif role.sampler is not None:  # numbered as its member's endpoints: itself, then its samplers
-                exchange = OpenSampler(join, config, collectives, broadcast, role.endpoint, role.sampler)
-                open_peers = PeerBook(name)
-                for k in range(config.members[0].samplers):
-                    open_peers.number(sampler_name(name, k))
-            else:
-                exchange = OpenExchange(join, config, collectives, broadcast)
-                open_peers = exchange.book
-        elif role.endpoint is None:
-            exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
-        elif config.swarm.mode == "async" and evaluate is None:
-            broadcast = None
-            if role.member in groups.weights:  # this member's leader or one of its samplers
-                from .exchange.weights import WeightBroadcast
-
-                weights_group = groups.weights[role.member]
-                nccl = weights_backend(config, device.type) == "nccl"  # the backend make_groups gave the group
-                broadcast = WeightBroadcast(weights_group, weights_group_ranks(config, role.member)[0],
-                                            device if nccl else torch.device("cpu"))
-            exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
-                                        endpoint=role.endpoint, group=groups.links, broadcast=broadcast)
-        else:
-            exchange = DistributedSync(collectives, endpoint=role.endpoint, group=groups.endpoints,
-                                       endpoints=endpoints)
-        shard = None
-        if role.sampler is None and role.member in groups.members:
-            fsdp, objects = groups.members[role.member]
-            shard = Shard(role.shard, config.members[role.member].ranks, member_ranks(config, role.member), fsdp,
-                          objects)
+        connection = connect(config, rank, world, local_rank, join, evaluating=evaluate is not None)
+        exchange, shard, role = connection.exchange, connection.shard, connection.role
         if evaluate is not None:
             from .run import evaluate_all
 
@@ -248,7 +173,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
         # a restart resumes by design; a first start must not write into another run
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank,
-                                     shard=shard, open_peers=open_peers)
+                                     shard=shard, open_peers=connection.open_peers)
         if join is not None and role.endpoint is not None:
             exchange.attach(swarm)
         if role.sampler is None:

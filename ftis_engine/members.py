@@ -25,7 +25,7 @@ class Member:
     settings: MemberSettings
     model: torch.nn.Module  # a transformers PreTrainedModel, or a peft PeftModel around one
     tokenizer: object
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None only while a member built for a shard awaits shard_member
     generator: Generator
     device: torch.device
     dtype: torch.dtype  # the compute dtype (members.N.dtype); trainable parameters are float32 whatever it is
@@ -142,11 +142,14 @@ def make_optimizer(settings: MemberSettings, params: list[torch.nn.Parameter]) -
 
 
 def shard_member(member: Member, shard, config: RunConfig) -> None:
-    """Spread a built (and restored) member over its ranks: FSDP2 over its model, a fresh optimizer over the
-    shards, and for the HF generator a plain replica to sample from (vLLM engines hold their own weights and
-    take them gathered, one tensor at a time)."""
+    """Spread a member built for this shard (build_member(..., shard=shard)) and restored over its ranks: FSDP2
+    over its model, then its optimizer over the shards (built once, here), and for the HF generator a plain
+    replica of the leader's weights to sample from (vLLM engines hold their own weights and take them gathered,
+    one tensor at a time)."""
     from .fsdp import broadcast_weights, replica, shard_model
 
+    if member.optimizer is not None:
+        raise ValueError(f"members.{member.index}: build it with build_member(..., shard=shard) to shard it")
     settings = config.members[member.index]
     broadcast_weights(member.model, shard)  # every shard starts from the leader's bits (a GPU warm start may differ)
     if settings.generator == "hf":
@@ -182,10 +185,12 @@ def member_init_seed(config: RunConfig, index: int) -> int:
 
 
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None,
-                 trains: bool = True) -> Member:
+                 trains: bool = True, shard=None) -> Member:
     """Load the model in float32 (random init for built-ins), warm-start it on the task's demonstrations if asked,
     wrap it in LoRA if asked (the frozen base then in the compute dtype, the adapter float32), build its optimizer
-    (over float32 master weights) and generator. trains=False (eval, a sampler rank): no KL reference copy."""
+    (over float32 master weights) and generator. trains=False (eval, a sampler rank): no KL reference copy.
+    shard: this rank's part of a member on several ranks (fsdp.Shard): its optimizer is built over the shards, by
+    shard_member once the weights are restored."""
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
     master = precision.master_dtype(settings.master_dtype)
@@ -229,7 +234,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         if settings.lora is not None:
             model.enable_input_require_grads()
     layers.compile_layers(model, layer_mode)
-    optimizer = make_optimizer(settings, trainable_parameters(model))
+    optimizer = make_optimizer(settings, trainable_parameters(model)) if shard is None else None
     if settings.generator == "vllm":
         from .generation.vllm import VLLMGenerator
 

@@ -31,8 +31,6 @@ from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import Admission
 from .exchange.verify import RolloutChecker
-from .exchange.async_ import Latency, LocalAsync, queue_capacity
-from .exchange.sync import LocalSync
 from .layout import endpoint_roles, world_size
 from .members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
 from .models import model_context, vocabulary_hash
@@ -41,6 +39,7 @@ from .progress import Progress
 from .rundir import RunDirError, check_run_dir
 from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
+from .wiring import connect_local
 
 log = logging.getLogger("ftis_engine")
 
@@ -130,11 +129,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     open_peers: a member in an open swarm (openswarm.member.PeerBook): its schedule deals by member name.
     """
     if exchange is None:
-        if config.swarm.mode == "async" and checkpoint is None:
-            exchange = LocalAsync(list(range(len(config.members))), Latency(config.swarm.latency, config.seed),
-                                  queue_capacity(config))
-        else:
-            exchange = LocalSync()
+        exchange = connect_local(config, evaluating=checkpoint is not None).exchange
     distributed = exchange.collectives.world_size > 1
     if not distributed and checkpoint is None and any(m.samplers for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.samplers)
@@ -174,45 +169,23 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     task = load_task(config.data, config.seed, config.eval.datasets, with_train=checkpoint is None)
     for i in local:
         check_warm_start(i, config.members[i], task)
+    # one per vocabulary and chat template (prompt lengths depend on both)
+    distinct = list({(hashes[i], getattr(everyone[i], "chat_template", None)): everyone[i]
+                     for i in everyone}.values())
+    train_indices, longest_prompt = usable_prompts(config, task, distinct, exchange.collectives)
+    source, what = restore_source(config, run_dir, checkpoint, resume, exchange.collectives)
+    start_step = checkpoint_step(config, source, what) if source is not None else 0
+    if source is not None and checkpoint is None and not config.checkpoint.save_optimizer:
+        log.warning("--resume: checkpoint.save_optimizer is false, so %s holds no optimizer state: Adam's "
+                    "moments restart from zero (the resumed run is not the run that went through)", source)
+    sampler = distributed and endpoint_roles(config)[exchange.rank][1] is not None
     members: list[Member] = []
     try:  # a member or checkpoint that fails closes the generators already built (a vLLM engine holds a GPU)
-        for i in local:
-            sampler = distributed and endpoint_roles(config)[exchange.rank][1] is not None
+        for i in local:  # each member finished (checked, restored, sharded) before the next is built
             member = build_member(i, config, tokenizers[i], devices[i], task,
-                                  trains=checkpoint is None and not sampler)
+                                  trains=checkpoint is None and not sampler, shard=shard)
             members.append(member)
-            if checkpoint is None:  # eval (--checkpoint) only generates: the update's checks (and compiles) are moot
-                check_model(member)
-        # one per vocabulary and chat template (prompt lengths depend on both)
-        distinct = list({(hashes[i], getattr(everyone[i], "chat_template", None)): everyone[i]
-                         for i in everyone}.values())
-        train_indices, longest_prompt = usable_prompts(config, task, distinct, exchange.collectives)
-        for member in members:  # a completion after the longest prompt must fit each model's context
-            check_context(config, member.index, model_context(member.causal_lm.config), longest_prompt)
-        start_step, source, what = 0, None, ""
-        if checkpoint is not None:
-            source, what = checkpoint, "--checkpoint"
-        elif resume:
-            found = latest_checkpoint(run_dir)
-            agreed = exchange.collectives.all_agree(found[0] if found else 0)
-            if agreed:
-                source, what = run_dir / "checkpoints" / f"step-{agreed}", "--resume: checkpoint"
-            if agreed > config.train.steps:  # it would evaluate step `agreed`'s weights and call them the end
-                raise RunDirError(f"train.steps: {config.train.steps} is below step {agreed} of the checkpoint a "
-                                  f"resume continues from; a resume can only go on (set train.steps >= {agreed}), or "
-                                  "evaluate that checkpoint with ftis-engine eval --checkpoint")
-        optimizer = checkpoint is None and config.checkpoint.save_optimizer
-        if source is not None:  # a sharded member restores its weights whole, then shards them
-            if checkpoint is None and not config.checkpoint.save_optimizer:
-                log.warning("--resume: checkpoint.save_optimizer is false, so %s holds no optimizer state: Adam's "
-                            "moments restart from zero (the resumed run is not the run that went through)", source)
-            start_step = restore(members, config, source, load_optimizer=optimizer and shard is None,
-                                 load_rng=checkpoint is None, what=what)
-        if shard is not None:
-            for member in members:
-                shard_member(member, shard, config)
-                if source is not None and optimizer:
-                    restore_shard(member, source, what)
+            finish_member(member, config, longest_prompt, source, what, shard, evaluating=checkpoint is not None)
     except BaseException:
         close_generators(members)
         raise
@@ -259,9 +232,43 @@ def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path,
                         "starts afresh", member.name, source)
 
 
-def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, load_optimizer: bool,
-            what: str, load_rng: bool = True) -> int:
-    """Load every local member from `checkpoint`; returns its step. `what` names the argument in errors."""
+def finish_member(member: Member, config: RunConfig, longest_prompt: int, source: pathlib.Path | None, what: str,
+                  shard, evaluating: bool) -> None:
+    """A member just built (build_member, for `shard` when it has several ranks), finished in one pass: checked
+    against the fused path and its context, restored from `source` (weights; optimizer and RNG unless
+    evaluating), then sharded over its ranks (shard: this rank's part, fsdp.Shard), its optimizer built once."""
+    if not evaluating:  # eval (--checkpoint) only generates: the update's checks (and compiles) are moot
+        check_model(member)
+    check_context(config, member.index, model_context(member.causal_lm.config), longest_prompt)
+    optimizer = not evaluating and config.checkpoint.save_optimizer
+    if source is not None:  # a sharded member restores its weights whole, then shards them
+        restore_into(member, source, what, load_optimizer=optimizer and shard is None, load_rng=not evaluating)
+    if shard is not None:
+        shard_member(member, shard, config)
+        if source is not None and optimizer:
+            restore_shard(member, source, what)
+
+
+def restore_source(config: RunConfig, run_dir: pathlib.Path, checkpoint: pathlib.Path | None, resume: bool,
+                   collectives) -> tuple[pathlib.Path | None, str]:
+    """The checkpoint to restore (None: a fresh start) and how errors name it: the given one (eval), or on
+    --resume the newest complete checkpoint every rank has (a collective)."""
+    if checkpoint is not None:
+        return checkpoint, "--checkpoint"
+    if not resume:
+        return None, ""
+    found = latest_checkpoint(run_dir)
+    agreed = collectives.all_agree(found[0] if found else 0)
+    if agreed > config.train.steps:  # it would evaluate step `agreed`'s weights and call them the end
+        raise RunDirError(f"train.steps: {config.train.steps} is below step {agreed} of the checkpoint a "
+                          f"resume continues from; a resume can only go on (set train.steps >= {agreed}), or "
+                          "evaluate that checkpoint with ftis-engine eval --checkpoint")
+    return (run_dir / "checkpoints" / f"step-{agreed}", "--resume: checkpoint") if agreed else (None, "")
+
+
+def checkpoint_step(config: RunConfig, checkpoint: pathlib.Path, what: str) -> int:
+    """The step of `checkpoint` from its state.json, which must name this config's members and its directory's
+    step. `what` names the argument in errors."""
     try:
         state = read_state(checkpoint)
         step = int(state["step"])
@@ -276,15 +283,18 @@ def restore(members: list[Member], config: RunConfig, checkpoint: pathlib.Path, 
     names = [m.name for m in config.members]
     if state.get("members") != names:
         raise RunDirError(f"{what} {checkpoint}: holds members {state.get('members')}, the config has {names}")
-    for member in members:
-        try:
-            restore_member(member, checkpoint, load_optimizer=load_optimizer, load_rng=load_rng)
-        except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
-            _replaced(checkpoint, what)
-            raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "
-                              f"({describe_load_error(exc)})") from None
-        member.generator.sync(member.model)
     return step
+
+
+def restore_into(member: Member, checkpoint: pathlib.Path, what: str, load_optimizer: bool, load_rng: bool) -> None:
+    """Load a member from `checkpoint` (weights; optimizer and RNG state when asked), its generator synced."""
+    try:
+        restore_member(member, checkpoint, load_optimizer=load_optimizer, load_rng=load_rng)
+    except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
+        _replaced(checkpoint, what)
+        raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "
+                          f"({describe_load_error(exc)})") from None
+    member.generator.sync(member.model)
 
 
 def restore_shard(member: Member, checkpoint: pathlib.Path, what: str) -> None:

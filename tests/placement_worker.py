@@ -32,8 +32,10 @@ def one_case(index: int, method: str, out: dict, layer_mode: str = "eager", dtyp
     cfg = short_config(f"algorithm.method={method}", "train.micro_batch_tokens=40", f"members.{index}.dtype={dtype}")
     tokenizer = check_members(cfg, members=[index])[index]
     loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
+    group = dist.new_group(list(range(world)), backend="gloo")
+    shard = Shard(rank, world, list(range(world)), group, group)
     member = build_member(index, cfg.model_copy(update={"train": cfg.train.model_copy(update={"layers": layer_mode})}),
-                          tokenizer, torch.device("cpu"))
+                          tokenizer, torch.device("cpu"), shard=shard)
     items = random_items(member.vocab_size, n_groups=5, per_group=3, seed=7)  # uneven groups over the ranks
     budget = cfg.train.micro_batch_tokens
     twin = None
@@ -43,8 +45,7 @@ def one_case(index: int, method: str, out: dict, layer_mode: str = "eager", dtyp
         twin_grads = {n: p.grad.clone() for n, p in twin.model.named_parameters() if p.requires_grad}
         before = {n: p.detach().clone() for n, p in twin.model.named_parameters() if p.requires_grad}
         twin_stats = update_member(twin, items, loss_config, budget, "torch")
-    group = dist.new_group(list(range(world)), backend="gloo")
-    shard_member(member, Shard(rank, world, list(range(world)), group, group), cfg)
+    shard_member(member, shard, cfg)
     accumulate_gradients(member, items, loss_config, budget, "torch")
     grads = {n: full(p.grad).clone() for n, p in member.model.named_parameters() if p.requires_grad}
     stats = update_member(member, items, loss_config, budget, "torch")
