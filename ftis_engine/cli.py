@@ -121,11 +121,12 @@ def train(
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from .openswarm.client import JoinRefused
-    from .openswarm.member import JoinError, OpenExchange, check_joinable
+    from .openswarm.member import JoinError, check_joinable
     from .progress import Progress
     from .run import train as run_training
     from .rundir import RunLock
     from .session import open_run
+    from .wiring import connect_local
 
     if not address.startswith(("tcp://", "ipc://")):
         raise UsageFailure(f"--join: {address!r} is not an address like tcp://HOST:PORT")
@@ -141,11 +142,12 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         if code == INTERRUPTED:
             raise Interrupted(interrupted_hint(run_dir))
         raise typer.Exit(code)
-    exchange = OpenExchange(address, cfg)
+    connection = connect_local(cfg, join=address)
+    exchange = connection.exchange
     try:
         with RunLock(run_dir):
             typer.echo(f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)")
-            swarm, start_step = open_run(cfg, run_dir, resume=resume, exchange=exchange, open_peers=exchange.book,
+            swarm, start_step = open_run(cfg, run_dir, resume=resume, exchange=exchange, open_peers=connection.open_peers,
                                          progress=Progress())
             exchange.attach(swarm)
             try:

@@ -4,7 +4,8 @@ world under `--nproc` or torchrun, a member of an open swarm's own ranks include
 
 Which transport a rank gets (layout.py says which rank it is):
 
-    one process              LocalSync, or LocalAsync in async mode (eval: LocalSync)
+    one process              LocalSync, or LocalAsync in async mode (eval: LocalSync); OpenExchange for an open
+                             swarm's member on one process
     a member's further shard exchange.Shard (its leader exchanges for it), and its fsdp.Shard
     a learner or sampler     DistributedAsync in async mode (its weight broadcast group when it has samplers),
                              else DistributedSync
@@ -35,11 +36,17 @@ class Connection:
     role: Role | None = None  # None: every member in this process
 
 
-def connect_local(config: RunConfig, evaluating: bool = False) -> Connection:
-    """Every member in this process: they step together (async: deliveries delayed by swarm.latency only)."""
+def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None) -> Connection:
+    """Every member in this process: they step together (async: deliveries delayed by swarm.latency only); or,
+    with join (the coordinator's address), this config's one member in an open swarm, on one process."""
     from .exchange.async_ import Latency, LocalAsync, queue_capacity
     from .exchange.sync import LocalSync
 
+    if join is not None:
+        from .openswarm.member import OpenExchange
+
+        exchange = OpenExchange(join, config)
+        return Connection(exchange, open_peers=exchange.book)
     if config.swarm.mode == "async" and not evaluating:
         return Connection(LocalAsync(list(range(len(config.members))), Latency(config.swarm.latency, config.seed),
                                      queue_capacity(config)))
