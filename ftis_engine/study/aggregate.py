@@ -9,7 +9,7 @@ from typing import Any
 
 from ..metrics import read_metrics
 from .config import StudyConfig
-from .plan import Group
+from .plan import Group, first_alone_groups, paired_alone
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -143,12 +143,10 @@ def paired_difference(a: dict, b: dict) -> dict[str, Any] | None:
 def add_paired_differences(groups: list[dict]) -> None:
     """Each collaborating group's members get `vs_alone`: per metric and dataset, the paired difference with the
     same member in its alone group (its `alone`, else its member set's first alone group)."""
-    alone, by_name = {}, {g["group"]: g for g in groups}
+    by_name = {g["group"]: g for g in groups}
+    first = first_alone_groups([(g["group"], g["collaboration"], g["member_set"]) for g in groups])
     for g in groups:
-        if g["collaboration"] == "alone":
-            alone.setdefault(g["member_set"], g)
-    for g in groups:
-        own_alone = by_name.get(g["alone"]) if g.get("alone") else alone.get(g["member_set"])
+        own_alone = by_name.get(paired_alone(g.get("alone") or None, g["member_set"], first))
         for key, base in (("vs_alone", own_alone), ("vs_baseline", by_name.get(g.get("baseline")))):
             for member, diffs in _member_differences(g, base).items():
                 g["by_member"][member][key] = diffs

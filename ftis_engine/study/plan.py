@@ -104,16 +104,29 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
     return out
 
 
+def first_alone_groups(groups: list[tuple[str, str, str]]) -> dict[str, str]:
+    """member set -> its first alone group's name, from (name, collaboration, member set) in the study's order: the
+    alone group that a group without its own `alone` is paired with (paired_alone)."""
+    first: dict[str, str] = {}
+    for name, collaboration, member_set in groups:
+        if collaboration == "alone":
+            first.setdefault(member_set, name)
+    return first
+
+
+def paired_alone(alone: str | None, member_set: str, first: dict[str, str]) -> str | None:
+    """The alone group a group is paired with: its own `alone`, else its member set's first alone group."""
+    return alone if alone is not None else first.get(member_set)
+
+
 def with_pairs(study: StudyConfig, names: list[str]) -> set[str]:
     """The groups named (--groups) and every group they are paired with, transitively: baseline, alone (a
     collaborating group without one: its member set's first alone group, as the aggregate pairs it), also_alone.
     Raises StudyError on a name the study does not have."""
     expanded = {name: (group, {k: overrides[k] for k in group.grid})
                 for _, name, group, overrides in expand_groups(study, quick=False)}
-    first_alone: dict[str, str] = {}
-    for name, (group, _) in expanded.items():
-        if group.collaboration == "alone":
-            first_alone.setdefault(group.members, name)
+    first_alone = first_alone_groups([(name, group.collaboration, group.members)
+                                      for name, (group, _) in expanded.items()])
     unknown = [name for name in names if name not in expanded]
     if unknown:
         raise StudyError(f"--groups: unknown group {unknown[0]!r} (the study's groups: {', '.join(expanded)})")
@@ -125,8 +138,7 @@ def with_pairs(study: StudyConfig, names: list[str]) -> set[str]:
             continue  # an unknown pair is named by plan()
         chosen.add(name)
         group, combo = expanded[name]
-        alone = group.alone if group.alone is not None or group.collaboration == "alone" else \
-            first_alone.get(group.members)
+        alone = group.alone if group.collaboration == "alone" else paired_alone(group.alone, group.members, first_alone)
         todo += [n for n in (baseline_name(group, combo), alone, *group.also_alone) if n is not None]
     return chosen
 
