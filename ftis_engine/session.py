@@ -126,7 +126,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     exchange: this process's transport (None: every member lives in this process); the members it holds are
     its rank's (a member's rank, or a sampler's) or all of them.
     shard: this rank's part of a member on several ranks (fsdp.Shard).
-    open_peers: a member in an open swarm (openswarm.member.PeerBook): its schedule deals by member name.
+    open_peers: a member in an open swarm (openswarm.schedule.PeerBook): its schedule deals by member name.
     """
     if exchange is None:
         exchange = connect_local(config, evaluating=checkpoint is not None).exchange
@@ -192,7 +192,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if open_peers is None:
         schedule = Schedule(config, tuple(train_indices))
     else:
-        from .openswarm.member import OpenSchedule
+        from .openswarm.schedule import OpenSchedule
 
         schedule = OpenSchedule(config, tuple(train_indices), open_peers)
     receivers = {m.index: Admission(config, schedule, RolloutChecker(

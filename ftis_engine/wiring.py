@@ -28,7 +28,7 @@ from .layout import Role, endpoint_ranks, member_ranks, process_roles, weights_g
 @dataclass
 class Connection:
     """What one process exchanges through: its transport, its part of a member on several ranks (None: the member
-    is whole here), and for an open swarm's member the book that numbers its peers (openswarm.member.PeerBook)."""
+    is whole here), and for an open swarm's member the book that numbers its peers (openswarm.schedule.PeerBook)."""
 
     exchange: Exchange
     shard: object | None = None  # fsdp.Shard
@@ -99,7 +99,8 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
                                     device if nccl else torch.device("cpu"))
     open_peers = None
     if join is not None:  # one member in an open swarm, on its own ranks
-        from .openswarm.member import OpenExchange, OpenSampler, PeerBook, sampler_name
+        from .openswarm.member import OpenExchange, OpenSampler
+        from .openswarm.schedule import PeerBook, sampler_name
 
         name = config.members[0].name
         if role.endpoint is None:

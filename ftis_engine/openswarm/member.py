@@ -2,7 +2,7 @@
 
 Its config has exactly one member; the swarm's shared settings must equal the coordinator's. Its exchange
 (OpenExchange) joins the coordinator, publishes each step's parcel and takes its peers' parcels into the same
-receiver (admission) as every other mode; its schedule (OpenSchedule) gives each member its own prompts:
+receiver (admission) as every other mode; its schedule (openswarm/schedule.py) gives each member its own prompts:
 
 - **Prompts without a global deal.** Member N's step t draws rollout.prompts_per_step prompts, whole groups, from
   a shuffle seeded by (seed, N) of the training prompts (vertical collaboration). A receiver recomputes a peer's
@@ -36,11 +36,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import threading
 import time
-import zlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
@@ -48,11 +44,10 @@ from ..config import RunConfig
 from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
-from ..rollouts import max_buffer_words
-from ..schedule import Schedule, learner_version, mix_seed, prompts_for_step
+from ..schedule import learner_version
 from .client import SwarmClient
 from .coordinator import max_parcel_bytes, shared_settings
-from .wire import SAMPLER_MARK
+from .schedule import PeerBook, sampler_name, split_sampler
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -80,135 +75,6 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
                         "elastic restart (its name is held until its lease runs out); set it to 0")
     if config.collaboration != "vertical":
         raise JoinError(f"collaboration: an open swarm is vertical, not {config.collaboration!r}")
-
-
-def sampler_name(member: str, index: int) -> str:
-    """The name a member's sampler joins under (no member name holds a /)."""
-    return f"{member}{SAMPLER_MARK}{index}"
-
-
-def split_sampler(name: str) -> tuple[str, int] | None:
-    """(member name, sampler index) of a sampler's name; None for a member's."""
-    owner, mark, index = name.rpartition(SAMPLER_MARK)
-    if not mark or not owner or not index.isdigit() or len(index) > 6:
-        return None
-    return owner, int(index)
-
-
-class PeerBook:
-    """What a member knows of its peers: their local numbers (0 is itself, then 1, 2, ... in order of first
-    sight), names, tokenizers and newest published steps, and who is live (the coordinator's last word)."""
-
-    def __init__(self, own_name: str):
-        self.names = [own_name]
-        self._numbers = {own_name: 0}
-        self.published: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.live: Callable[[], list[int]] = lambda: [0]  # the live members' numbers (the exchange's view)
-
-    def number(self, name: str) -> int:
-        with self._lock:
-            if name not in self._numbers:
-                self._numbers[name] = len(self.names)
-                self.names.append(name)
-            return self._numbers[name]
-
-    def name(self, number: int) -> str:
-        return self.names[number]
-
-    def publish(self, name: str, step: int) -> None:
-        with self._lock:
-            self.published[name] = max(self.published.get(name, 0), step)
-
-
-class _Deals(Mapping):
-    """One step's deals, by local member number, computed when asked."""
-
-    def __init__(self, schedule: OpenSchedule, step: int):
-        self.schedule, self.step = schedule, step
-
-    def __getitem__(self, member: int) -> dict[int, int]:
-        return self.schedule.name_deal(self.schedule.peers.name(member), self.step)
-
-    def __iter__(self):
-        return iter(range(len(self.schedule.peers.names)))
-
-    def __len__(self) -> int:
-        return len(self.schedule.peers.names)
-
-
-@dataclass(frozen=True)
-class OpenSchedule(Schedule):
-    """The schedule of a member in an open swarm: every member's prompts from its own stream (see the module)."""
-
-    peers: PeerBook = None  # type: ignore[assignment]
-
-    @property
-    def roles(self) -> list[tuple[int, int | None]]:
-        """(member, sampler index or None) by local number: a sampler of this member's is member 0 (its rollouts
-        are this member's own), another member's sampler is a member of its own number."""
-        out: list[tuple[int, int | None]] = []
-        own = self.peers.names[0]
-        for k, name in enumerate(list(self.peers.names)):
-            parsed = split_sampler(name)
-            out.append((k, None) if parsed is None else (0 if parsed[0] == own else k, parsed[1]))
-        return out
-
-    def member_name(self, member: int) -> str:
-        return self.peers.name(member)
-
-    def sender_label(self, rank: int) -> str:
-        return self.peers.name(rank)
-
-    def sampler_versions(self, member: int, receiver: int, step: int) -> tuple[int | None, int]:
-        if member == receiver:
-            return self.config.members[0].weight_sync_every, learner_version(step)
-        return None, learner_version(self.config.train.steps)
-
-    def round_deal(self, rank: int, round_: int) -> dict[int, int]:
-        return self.name_deal(self.peers.name(rank), round_)
-
-    def wire_member(self, member: int) -> int:
-        return 0  # every member is member 0 of its own config
-
-    @property
-    def num_members(self) -> int:
-        return 1
-
-    def name_deal(self, name: str, step: int) -> dict[int, int]:
-        config = self.config
-        prompts = prompts_for_step(step, list(self.train_indices), config.rollout.prompts_per_step,
-                                   f"{config.seed}-open-{name}", True)
-        return {p: config.rollout.group_size for p in prompts}
-
-    def deal(self, step: int) -> Mapping[int, dict[int, int]]:
-        return _Deals(self, step)
-
-    def dealt_sizes(self, member: int) -> tuple[int, int]:
-        rollout = self.config.rollout
-        return rollout.prompts_per_step, rollout.prompts_per_step * rollout.group_size
-
-    def step_sequences(self, rank: int) -> int:
-        return self.dealt_sizes(rank)[1]
-
-    def sampling_seed(self, step: int, who: int, shard: int = 0) -> int:
-        return mix_seed(self.config.seed, step, zlib.crc32(self.peers.name(who).encode()) % 1_000_003, shard)
-
-    def parcel_limit(self, sender: int, step: int) -> int:
-        if not 0 < sender < len(self.peers.names) or step < 1:
-            return 0
-        if split_sampler(self.peers.name(sender)) is None and step > self.config.train.steps:
-            return 0
-        return max_buffer_words(self.step_sequences(sender), self.config.rollout.max_new_tokens)
-
-    def senders(self, receiver: int) -> list[int]:
-        return [k for k in self.peers.live() if k != receiver]
-
-    def peer_budget(self, receiver: int) -> int:
-        configured = self.config.swarm.max_peer_sequences
-        if configured is not None:
-            return configured
-        return sum(self.step_sequences(k) for k in self.senders(receiver))
 
 
 def shareable(spec: str) -> bool:
@@ -483,5 +349,4 @@ class OpenSampler(WithoutSamplers):
             self.client.close(leave=True)
 
 
-__all__ = ["JoinError", "OpenExchange", "OpenSampler", "OpenSchedule", "PeerBook", "check_joinable", "dataset_hash",
-           "sampler_name", "split_sampler"]
+__all__ = ["JoinError", "OpenExchange", "OpenSampler", "check_joinable", "dataset_hash"]
