@@ -17,7 +17,7 @@ from .api import (
     resolve_backend,
     token_logprobs,
 )
-from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossOutput, NonFiniteInputError, combine_stats, rejection_scale
+from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossInputs, LossOutput, NonFiniteInputError, combine_stats, rejection_scale
 from .epilogue import group_advantages
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "KL_REDUCTIONS",
     "LossConfig",
+    "LossInputs",
     "LossOutput",
     "NonFiniteInputError",
     "combine_stats",

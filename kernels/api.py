@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 
-from .config import LossConfig, LossOutput, NonFiniteInputError
+from .config import OPTIONAL_INPUTS, LossConfig, LossInputs, LossOutput, NonFiniteInputError
 from .epilogue import ftis_objective
 from .reference import chunked_token_logprobs
 
@@ -66,6 +67,28 @@ def _autocast_operands(device: torch.device, *tensors: torch.Tensor | None) -> t
                                                                             torch.bfloat16) else t for t in tensors)
 
 
+def _split_options(targets, gen_logprobs, advantages, cu_seqlens, options: dict) -> tuple[LossInputs, dict]:
+    """The call's LossInputs (the required four and the optional inputs among `options`), and the rest of
+    `options`: LossConfig overrides."""
+    fields = {f.name for f in dataclasses.fields(LossConfig)}
+    unknown = sorted(k for k in options if k not in OPTIONAL_INPUTS and k not in fields)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: neither an input of the loss ({', '.join(OPTIONAL_INPUTS)}) nor a LossConfig "
+                        "field")
+    optional = {k: v for k, v in options.items() if k in OPTIONAL_INPUTS}
+    overrides = {k: v for k, v in options.items() if k not in OPTIONAL_INPUTS}
+    return LossInputs(targets, gen_logprobs, advantages, cu_seqlens, **optional), overrides
+
+
+def _only_inputs(options: dict) -> dict:
+    """A module's keyword arguments: inputs only (its LossConfig is its own)."""
+    other = sorted(set(options) - set(OPTIONAL_INPUTS))
+    if other:
+        raise ValueError(f"{other[0]}: not an input of the loss (inputs: {', '.join(OPTIONAL_INPUTS)}); a module's "
+                        "loss options are its config's")
+    return options
+
+
 def _resolve_config(config: LossConfig | None, overrides: dict) -> LossConfig:
     if config is None:
         config = LossConfig()
@@ -98,11 +121,13 @@ def _check_logprobs(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: log-probabilities must be <= 0, found a positive value")
 
 
-def _check_inputs(
-    x: torch.Tensor, x_name: str, vocab: int, targets, gen_logprobs, advantages, cu_seqlens,
-    old_logprobs, group_ids, cfg: LossConfig, backend: str, gen_seq_logprobs=None, ref_logprobs=None,
-) -> torch.Tensor:
+def _check_inputs(x: torch.Tensor, x_name: str, vocab: int, inputs: LossInputs, cfg: LossConfig, backend: str
+                  ) -> torch.Tensor:
     """Validate the per-token and per-sequence inputs; returns the [N] bool mask of counted tokens."""
+    targets, gen_logprobs, advantages, cu_seqlens = (inputs.targets, inputs.gen_logprobs, inputs.advantages,
+                                                     inputs.cu_seqlens)
+    old_logprobs, group_ids, gen_seq_logprobs, ref_logprobs = (inputs.old_logprobs, inputs.group_ids,
+                                                               inputs.gen_seq_logprobs, inputs.ref_logprobs)
     n = x.shape[0]
     device = x.device
     counted = _check_targets(targets, n, vocab, x_name, device, cfg.ignore_index)
@@ -206,17 +231,17 @@ def _check_finite_logprobs(x: torch.Tensor, x_name: str, counted: torch.Tensor, 
                                   f"{x_name})")
 
 
-def _loss(x, x_name, weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs,
-          group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs=None, ref_logprobs=None) -> LossOutput:
-    num_sequences = _check_count("num_sequences", num_sequences, advantages.numel(), "sequences")
+def _loss(x, x_name, weight, bias, inputs: LossInputs, counted, cfg, backend) -> LossOutput:
+    num_sequences = _check_count("num_sequences", inputs.num_sequences, inputs.advantages.numel(), "sequences")
+    num_tokens = inputs.num_tokens
     if num_tokens is not None:
         num_tokens = _check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
-    logprobs, entropy = _token_logprobs(x, weight, bias, targets, counted, cfg.temperature, backend)
+    logprobs, entropy = _token_logprobs(x, weight, bias, inputs.targets, counted, cfg.temperature, backend)
     _check_finite_logprobs(x, x_name, counted, logprobs)
     loss, (sums, counts), per_sequence = ftis_objective(
-        logprobs, entropy, gen_logprobs, advantages, cu_seqlens, counted, cfg, old_logprobs, group_ids,
-        num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs,
-        ref_logprobs=ref_logprobs,
+        logprobs, entropy, inputs.gen_logprobs, inputs.advantages, inputs.cu_seqlens, counted, cfg,
+        inputs.old_logprobs, inputs.group_ids, num_sequences=num_sequences, num_tokens=num_tokens,
+        gen_seq_logprobs=inputs.gen_seq_logprobs, ref_logprobs=inputs.ref_logprobs,
     )
     stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
     return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts,
@@ -234,51 +259,27 @@ def ftis_loss(
     cu_seqlens: torch.Tensor,
     *,
     config: LossConfig | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    group_ids: torch.Tensor | None = None,
     backend: str = "auto",
-    num_sequences: int | None = None,
-    num_tokens: int | None = None,
-    gen_seq_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    **overrides,
+    **options,
 ) -> LossOutput:
     """F-TIS loss of packed completions from logits.
 
     logits: [N, V] bf16/fp16/fp32 (fp64 on the torch backend); row j predicts targets[j].
-    targets: [N] int, ids in [0, V) or config.ignore_index. gen_logprobs, old_logprobs: [N] fp32, <= 0.
-    advantages: [S] fp32. cu_seqlens: [S+1] int32, 0 = cu[0] < cu[1] < ... < cu[S] = N: every sequence has at
-    least one row (an empty completion has nothing to train on: leave it out), so N >= S >= 1.
-    group_ids: [S] int (gepo: the groups E_k is taken over; default one group).
-    config / **overrides: LossConfig and field overrides (e.g. method="tis").
+    targets, gen_logprobs, advantages, cu_seqlens and the optional inputs in `options` (old_logprobs, group_ids,
+    num_sequences, num_tokens, gen_seq_logprobs, ref_logprobs): as LossInputs documents them.
+    config / the other `options`: LossConfig and field overrides (e.g. method="tis").
     backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (chunked PyTorch), "auto".
-    num_sequences, num_tokens: when this call is one micro-batch of a larger batch (gradient accumulation), the
-    whole batch's sequences and counted tokens: the loss is then divided as the whole batch's is, so the
-    micro-batches' gradients add up to the whole batch's. Split gepo batches at group boundaries (E_k is taken
-    over the groups within the call). None: this call's own counts.
-    gen_seq_logprobs: [S] fp32 or None. A finite value is the generator's log-probability of the whole sequence,
-    for a sequence whose per-token generation log-probs are unknown (another tokenizer made it, and the targets are
-    its text re-encoded): its gen_logprobs entries are ignored and every term that uses them sees the sequence's
-    log-ratio spread evenly over its tokens, log(pi/pi_gen)_t = (sum_t l_t - gen_seq) / |y|: its IS weight is the
-    geometric-mean ratio (is_level token or geometric) or the sequence ratio (sequence), its KL and rejection
-    terms are built from that same log-ratio. NaN: the sequence's own per-token gen_logprobs (the default).
-    ref_logprobs: [N] fp32, <= 0, or None: the reference policy's log-probs of the targets (the initial weights).
-    With config.beta > 0 (required then) each counted token's loss term subtracts beta * KL_ref,t (the
-    ref_kl_estimator of x = ref_t - l_t: k3 exp(x) - x - 1, TRL's beta term and verl's low_var_kl), normalised as
-    the policy term; ref_kl_mean reports its mean whenever ref_logprobs are given.
     Returns LossOutput(loss, logprobs, stats, stat_sums, stat_counts); `combine_stats` merges micro-batches'
     stats. NaN or inf in the logits raises ValueError. The gradient w.r.t. logits is the only N x V allocation.
     """
+    inputs, overrides = _split_options(targets, gen_logprobs, advantages, cu_seqlens, options)
     cfg = _resolve_config(config, overrides)
     _require_tensor("logits", logits)
     backend = resolve_backend(backend, logits.device)
     _check_matrix("logits", logits, backend)
-    counted = _check_inputs(logits, "logits", logits.shape[1], targets, gen_logprobs, advantages, cu_seqlens,
-                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs, ref_logprobs)
+    counted = _check_inputs(logits, "logits", logits.shape[1], inputs, cfg, backend)
     with torch.autocast(logits.device.type, enabled=False):  # the logits as given; arithmetic float32
-        return _loss(logits, "logits", None, None, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs,
-                     ref_logprobs)
+        return _loss(logits, "logits", None, None, inputs, counted, cfg, backend)
 
 
 def fused_linear_ftis_loss(
@@ -291,36 +292,28 @@ def fused_linear_ftis_loss(
     *,
     bias: torch.Tensor | None = None,
     config: LossConfig | None = None,
-    old_logprobs: torch.Tensor | None = None,
-    group_ids: torch.Tensor | None = None,
     backend: str = "auto",
-    num_sequences: int | None = None,
-    num_tokens: int | None = None,
-    gen_seq_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    **overrides,
+    **options,
 ) -> LossOutput:
     """F-TIS loss of packed completions from hidden states and the lm_head, without any N x V tensor.
 
     hidden: [N, d]; weight: [V, d] (the lm_head / tied embedding); bias: [V] or None; all the same dtype,
-    bf16/fp16/fp32 (fp64 on the torch backend). Other arguments as in `ftis_loss`.
+    bf16/fp16/fp32 (fp64 on the torch backend). Other arguments as in `ftis_loss` (the inputs: LossInputs).
     The loss is differentiable w.r.t. hidden, weight and bias (gradients only for those that require them).
     NaN or inf in hidden, weight or bias raises ValueError (found through the log-probs, at no extra pass).
     Inside an autocast region the three are first cast to autocast's dtype, as a linear layer's would be (float32
     master weights under bf16 autocast: a bf16 head, gradients back in float32); the arithmetic stays float32.
     """
+    inputs, overrides = _split_options(targets, gen_logprobs, advantages, cu_seqlens, options)
     cfg = _resolve_config(config, overrides)
     _require_tensor("hidden", hidden)
     backend = resolve_backend(backend, hidden.device)
     _require_tensor("weight", weight)
     hidden, weight, bias = _autocast_operands(hidden.device, hidden, weight, bias)
     _check_linear(hidden, weight, bias, backend)
-    counted = _check_inputs(hidden, "hidden", weight.shape[0], targets, gen_logprobs, advantages, cu_seqlens,
-                            old_logprobs, group_ids, cfg, backend, gen_seq_logprobs, ref_logprobs)
+    counted = _check_inputs(hidden, "hidden", weight.shape[0], inputs, cfg, backend)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _loss(hidden, "hidden", weight, bias, targets, gen_logprobs, advantages, cu_seqlens, counted, cfg,
-                     old_logprobs, group_ids, backend, num_sequences, num_tokens, gen_seq_logprobs,
-                     ref_logprobs)
+        return _loss(hidden, "hidden", weight, bias, inputs, counted, cfg, backend)
 
 
 def _check_linear(hidden, weight, bias, backend: str) -> None:
@@ -390,20 +383,17 @@ class FTISLoss(torch.nn.Module):
             raise ValueError(f"backend: unknown value {backend!r}; expected one of {', '.join(BACKENDS)}")
         self.backend = backend
 
-    def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, old_logprobs=None, group_ids=None,
-                num_sequences=None, num_tokens=None, gen_seq_logprobs=None, ref_logprobs=None):
+    def forward(self, logits, targets, gen_logprobs, advantages, cu_seqlens, **inputs) -> LossOutput:
+        """As ftis_loss, with this module's config and backend; inputs: LossInputs' optional fields."""
         return ftis_loss(logits, targets, gen_logprobs, advantages, cu_seqlens, config=self.config,
-                         old_logprobs=old_logprobs, group_ids=group_ids, backend=self.backend,
-                         num_sequences=num_sequences, num_tokens=num_tokens, gen_seq_logprobs=gen_seq_logprobs,
-                         ref_logprobs=ref_logprobs)
+                         backend=self.backend, **_only_inputs(inputs))
 
 
 class FusedLinearFTISLoss(FTISLoss):
     """nn.Module form of `fused_linear_ftis_loss`: forward(hidden, weight, targets, ..., bias=None)."""
 
-    def forward(self, hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=None, old_logprobs=None,
-                group_ids=None, num_sequences=None, num_tokens=None, gen_seq_logprobs=None, ref_logprobs=None):
+    def forward(self, hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=None, **inputs
+                ) -> LossOutput:
+        """As fused_linear_ftis_loss, with this module's config and backend; inputs: LossInputs' optional fields."""
         return fused_linear_ftis_loss(hidden, weight, targets, gen_logprobs, advantages, cu_seqlens, bias=bias,
-                                      config=self.config, old_logprobs=old_logprobs, group_ids=group_ids,
-                                      backend=self.backend, num_sequences=num_sequences, num_tokens=num_tokens,
-                                      gen_seq_logprobs=gen_seq_logprobs, ref_logprobs=ref_logprobs)
+                                      config=self.config, backend=self.backend, **_only_inputs(inputs))

@@ -214,6 +214,53 @@ class LossConfig:
         return dataclasses.replace(self, **overrides)
 
 
+@dataclass(frozen=True)
+class LossInputs:
+    """What the loss is computed on besides the logits (or the hidden states and the head): one field per input,
+    the one declaration that ftis_loss, fused_linear_ftis_loss and their modules share (their keyword arguments
+    beyond the four required ones are the optional fields here). N rows (tokens) of S packed sequences.
+
+    targets: [N] int, ids in [0, V) or config.ignore_index; row j predicts targets[j].
+    gen_logprobs: [N] fp32, <= 0: the generator's log-probs of the targets.
+    advantages: [S] fp32.
+    cu_seqlens: [S+1] int32, 0 = cu[0] < cu[1] < ... < cu[S] = N: every sequence has at least one row (an empty
+        completion has nothing to train on: leave it out), so N >= S >= 1.
+    old_logprobs: [N] fp32, <= 0, or None: the log-probs under the policy the update started from (PPO's old
+        policy, from a step's second optimizer step on).
+    group_ids: [S] int or None (gepo: the groups E_k is taken over; default one group).
+    num_sequences, num_tokens: when the call is one micro-batch of a larger batch (gradient accumulation), the
+        whole batch's sequences and counted tokens: the loss is then divided as the whole batch's is, so the
+        micro-batches' gradients add up to the whole batch's. Split gepo batches at group boundaries (E_k is taken
+        over the groups within the call). None: the call's own counts.
+    gen_seq_logprobs: [S] fp32 or None. A finite value is the generator's log-probability of the whole sequence,
+        for a sequence whose per-token generation log-probs are unknown (another tokenizer made it, and the
+        targets are its text re-encoded): its gen_logprobs entries are ignored and every term that uses them sees
+        the sequence's log-ratio spread evenly over its tokens, log(pi/pi_gen)_t = (sum_t l_t - gen_seq) / |y|:
+        its IS weight is the geometric-mean ratio (is_level token or geometric) or the sequence ratio (sequence),
+        its KL and rejection terms are built from that same log-ratio. NaN: the sequence's own per-token
+        gen_logprobs (the default).
+    ref_logprobs: [N] fp32, <= 0, or None: the reference policy's log-probs of the targets (the initial weights).
+        With config.beta > 0 (required then) each counted token's loss term subtracts beta * KL_ref,t (the
+        ref_kl_estimator of x = ref_t - l_t: k3 exp(x) - x - 1, TRL's beta term and verl's low_var_kl),
+        normalised as the policy term; ref_kl_mean reports its mean whenever ref_logprobs are given.
+    """
+
+    targets: torch.Tensor
+    gen_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    cu_seqlens: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    group_ids: torch.Tensor | None = None
+    num_sequences: int | None = None
+    num_tokens: int | None = None
+    gen_seq_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+# the keyword arguments of the op's functions and modules that are inputs (the rest are LossConfig overrides)
+OPTIONAL_INPUTS = tuple(f.name for f in dataclasses.fields(LossInputs) if f.default is None)
+
+
 @dataclass
 class LossOutput:
     """Result of the fused op.

@@ -355,6 +355,36 @@ def test_module_wrappers_match_the_functions():
     assert float(c.loss) == pytest.approx(float(a.loss), rel=1e-5)
 
 
+def test_every_optional_input_reaches_the_op_alike_through_the_functions_and_the_modules():
+    """The op's inputs are declared once (LossInputs): its optional fields are the keyword inputs of both functions
+    and both modules, which compute the same loss from them; any other keyword is refused naming it."""
+    from ftis_kernels.config import OPTIONAL_INPUTS
+
+    assert set(OPTIONAL_INPUTS) == {f.name for f in dataclasses.fields(ftis_kernels.LossInputs)} - {
+        "targets", "gen_logprobs", "advantages", "cu_seqlens"}
+    problem = make_problem(seed=5)
+    cfg = LossConfig(method="f-tis", beta=0.1)  # (group_ids: only gepo reads them; checked all the same)
+    n, s = problem.targets.numel(), problem.adv.numel()
+    inputs = dict(old_logprobs=problem.gen - 0.01, group_ids=torch.arange(s) % 2, num_sequences=s + 1,
+                  num_tokens=n + 3, gen_seq_logprobs=torch.full((s,), float("nan")), ref_logprobs=problem.gen - 0.02)
+    assert set(inputs) == set(OPTIONAL_INPUTS)
+    args = (problem.targets, problem.gen, problem.adv, problem.cu)
+    hidden, weight = problem.hidden.float(), problem.weight.float()
+    bias = problem.bias.float()
+    fused = ftis_kernels.fused_linear_ftis_loss(hidden, weight, *args, bias=bias, config=cfg, backend="torch", **inputs)
+    module = ftis_kernels.FusedLinearFTISLoss(cfg, backend="torch")(hidden, weight, *args, bias=bias, **inputs)
+    assert torch.equal(fused.loss, module.loss)
+    plain = ftis_kernels.ftis_loss(problem.logits().float(), *args, config=cfg, backend="torch", **inputs)
+    assert float(plain.loss) == pytest.approx(float(fused.loss), rel=1e-5)
+    without = ftis_kernels.fused_linear_ftis_loss(hidden, weight, *args, bias=bias, config=cfg, backend="torch",
+                                                  ref_logprobs=inputs["ref_logprobs"])
+    assert not torch.equal(without.loss, fused.loss)  # the inputs were used
+    with pytest.raises(ValueError, match=r"^old_logprob: neither an input of the loss \(old_logprobs, "):
+        ftis_kernels.fused_linear_ftis_loss(hidden, weight, *args, backend="torch", old_logprob=problem.gen)
+    with pytest.raises(ValueError, match=r"^method: not an input of the loss .* a module's loss options are its "):
+        ftis_kernels.FTISLoss(cfg)(problem.logits().float(), *args, method="tis")
+
+
 def test_overrides_replace_config_fields():
     problem = make_problem(seed=9)
     logits = problem.logits().float()
