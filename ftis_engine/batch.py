@@ -126,3 +126,20 @@ def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool =
             batches.append(list(unit))
             used = size
     return batches
+
+
+def shard_items(items: list[TrainItem], index: int, size: int) -> list[TrainItem]:
+    """Shard `index` of `size`'s part of a member's batch: whole groups (GEPO's group term and horizontal groups
+    stay on one rank), dealt to the rank with the fewest tokens so far, largest first. Every shard computes the
+    same split from the same items."""
+    groups: dict[int, list[TrainItem]] = {}
+    for item in items:
+        groups.setdefault(item.group, []).append(item)
+    load = [0] * size
+    mine: list[TrainItem] = []
+    for group in sorted(groups.values(), key=lambda g: (-sum(it.num_input_tokens for it in g), g[0].group)):
+        rank = min(range(size), key=lambda r: (load[r], r))
+        load[rank] += sum(it.num_input_tokens for it in group)
+        if rank == index:
+            mine += group
+    return mine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.batch import micro_batches, pack
+from ftis_engine.batch import micro_batches, pack, shard_items
 from ftis_engine.update import accumulate_gradients, batch_loss, packed_hidden
 
 from .helpers import member, random_items
@@ -64,3 +64,17 @@ def test_micro_batching_does_not_change_the_gradient(method, normalization, opti
             torch.testing.assert_close(split, one_call, rtol=1e-4, atol=1e-6)
     for whole, split in zip(*grads):
         torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_a_batch_is_split_over_shards_in_whole_groups_every_item_once_and_balanced():
+    items = random_items(100, n_groups=7, per_group=3, seed=1)
+    parts = [shard_items(items, k, 3) for k in range(3)]
+    assert sorted(id(it) for part in parts for it in part) == sorted(id(it) for it in items)
+    for part in parts:  # a group never spans two shards
+        for other in parts:
+            if other is not part:
+                assert not {it.group for it in part} & {it.group for it in other}
+    loads = [sum(it.num_input_tokens for it in part) for part in parts]
+    biggest = max(sum(it.num_input_tokens for it in items if it.group == g) for g in range(7))
+    assert max(loads) - min(loads) <= biggest  # greedy: no shard is more than one group ahead
+    assert [shard_items(items, k, 3) for k in range(3)] == parts  # every shard computes the same split

@@ -9,29 +9,10 @@ import sys
 
 import pytest
 
-from ftis_engine.update import shard_items
-
-from .helpers import TINY, random_items, short_config
+from .helpers import TINY, short_config
 from .test_swarm import _args, _cli, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-# ------------------------------------------------------------------------------------------------- the layout
-
-
-def test_a_batch_is_split_over_shards_in_whole_groups_every_item_once_and_balanced():
-    items = random_items(100, n_groups=7, per_group=3, seed=1)
-    parts = [shard_items(items, k, 3) for k in range(3)]
-    assert sorted(id(it) for part in parts for it in part) == sorted(id(it) for it in items)
-    for part in parts:  # a group never spans two shards
-        for other in parts:
-            if other is not part:
-                assert not {it.group for it in part} & {it.group for it in other}
-    loads = [sum(it.num_input_tokens for it in part) for part in parts]
-    biggest = max(sum(it.num_input_tokens for it in items if it.group == g) for g in range(7))
-    assert max(loads) - min(loads) <= biggest  # greedy: no shard is more than one group ahead
-    assert [shard_items(items, k, 3) for k in range(3)] == parts  # every shard computes the same split
 
 
 # ------------------------------------------------------------------------------------------------- bad placements
