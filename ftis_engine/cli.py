@@ -121,6 +121,7 @@ def train(
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from .openswarm.client import JoinRefused
+    from .layout import world_size
     from .openswarm.member import JoinError, check_joinable
     from .progress import Progress
     from .run import train as run_training
@@ -134,7 +135,7 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         check_joinable(cfg, nproc)
     except JoinError as exc:
         raise UsageFailure(str(exc)) from None
-    processes = cfg.members[0].ranks + cfg.members[0].samplers
+    processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
         from .launch import launch_distributed
 

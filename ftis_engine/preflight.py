@@ -198,7 +198,7 @@ def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device
 
 def check_device(field: str, spec: str) -> torch.device:
     """A device string that exists on this machine (cpu, cuda, cuda:N; "cuda" is cuda:0): the one parser of a
-    configured device (train.device through members.resolve_device, members.N.device); errors name `field`."""
+    configured device (train.device through resolve_device, members.N.device); errors name `field`."""
     try:
         device = torch.device(spec)
     except RuntimeError:

@@ -275,7 +275,7 @@ def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_w
     one line naming the file."""
     import shutil
 
-    from ftis_engine.session import RunDirError
+    from ftis_engine.rundir import RunDirError
 
     size = ("rollout.max_new_tokens=16", "rollout.group_size=8", "rollout.prompts_per_step=8", "eval.at_start=false",
             "eval.every=0", "checkpoint.every=2", "defense.claims_monitor=true", "members.1.adversary.kind=forge-filter")

@@ -201,7 +201,7 @@ def test_a_reward_that_never_returns_stops_at_data_reward_timeout_s_and_naming_i
 
 def test_the_reward_bound_is_a_config_field_that_reaches_the_task_and_may_change_on_resume():
     from ftis_engine.config import RunConfig
-    from ftis_engine.session import resumable
+    from ftis_engine.rundir import resumable
     from ftis_engine.tasks import load_task
 
     data = RunConfig.model_validate({"members": [{"name": "a", "model": "builtin:tiny-s"}],

@@ -73,7 +73,7 @@ def test_a_tracker_that_is_not_installed_is_named_with_its_install_hint(monkeypa
 
 def test_report_to_names_known_trackers_once_and_may_change_on_resume():
     from ftis_engine.config import ConfigError, load_config
-    from ftis_engine.session import resumable
+    from ftis_engine.rundir import resumable
 
     with pytest.raises(ConfigError, match="logging.report_to"):
         load_config(TINY, ["logging.report_to=[wandb, wandb]"])

@@ -49,7 +49,7 @@ class WeightBroadcast:
     # -- a sampler's side
 
     def start(self, slot) -> None:
-        """Receive every push into `slot` (exchange.async_.WeightSlot) until the learner closes the channel."""
+        """Receive every push into `slot` (exchange.WeightSlot) until the learner closes the channel."""
         self._thread = threading.Thread(target=self._receive, args=(slot,), name="weights-broadcast", daemon=True)
         self._thread.start()
 

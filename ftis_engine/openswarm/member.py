@@ -44,6 +44,7 @@ from ..config import RunConfig
 from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
+from ..layout import world_size
 from ..schedule import learner_version
 from .client import SwarmClient
 from .coordinator import max_parcel_bytes, shared_settings
@@ -61,7 +62,7 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
         raise JoinError(f"members: a member joining an open swarm has exactly one member in its config, not "
                         f"{len(config.members)}")
     member = config.members[0]
-    processes = member.ranks + member.samplers
+    processes = world_size(config)
     if nproc > 1 and nproc != processes:
         raise JoinError(f"--nproc {nproc}: this member runs on {processes} process(es) (members.0.ranks="
                         f"{member.ranks} + members.0.samplers={member.samplers})")
