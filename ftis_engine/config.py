@@ -432,7 +432,7 @@ class SwarmSettings(_Section):
                             "on several GPUs shards over NCCL either way.")
     weights_transport: Literal["auto", "links", "broadcast"] = Field(
         "auto", description="How a learner's weights reach its samplers (members.N.samplers). links: float32 over the "
-                            "gloo point-to-point links, through host memory. broadcast: one bf16 broadcast in the "
+                            "async links (ZeroMQ, TCP), through host memory. broadcast: one bf16 broadcast in the "
                             "member's own group, NCCL GPU to GPU (gloo on CPU or when members set a device). auto: "
                             "broadcast when the ranks are on distinct GPUs (NCCL), else links.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")

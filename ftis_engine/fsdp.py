@@ -30,7 +30,7 @@ class Groups:
     """The process groups of a multi-process run beyond the default one, created by every rank in one order."""
 
     endpoints: object | None  # the exchange's endpoints, group rank = endpoint (None: every rank is one)
-    links: object | None  # async: the point-to-point links' gloo group over the endpoints (group rank = endpoint)
+    links: object | None  # async: the endpoints' gloo group (group rank = endpoint): gathers the links' addresses
     members: dict[int, tuple[object, object]]  # member with K > 1 ranks -> (FSDP group, gloo group for objects)
     weights: dict[int, object] = field(default_factory=dict)  # member with samplers -> its weight broadcast group
 

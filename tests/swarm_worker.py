@@ -52,16 +52,16 @@ def main() -> None:
             return honest_generate(*a, **k)
 
         sample.generate_rollouts = generate_rollouts
-    elif mode == "async-junk":  # async mode: between its honest messages, pings with bodies and unknown kinds
+    elif mode == "async-junk":  # async mode: between its honest messages, TAKENs with a body and unknown kinds
         from ftis_engine.exchange import links
 
         honest_take, calls = links.Outbox.take, [0]
 
-        def take(self, timeout):
+        def take(self):
             calls[0] += 1
             if calls[0] % 2 == 0:
-                return (links.PING if calls[0] % 4 == 0 else 9), 1, 0, torch.arange(5000, dtype=torch.int32)
-            return honest_take(self, timeout)
+                return (links.TAKEN if calls[0] % 4 == 0 else 9), 1, 0, torch.arange(50, dtype=torch.int32)
+            return honest_take(self)
 
         links.Outbox.take = take
     elif mode == "handler-error":  # async mode: the receiving side's own code fails on the first parcel

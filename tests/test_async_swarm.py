@@ -146,14 +146,16 @@ def test_a_corrupt_peer_parcel_is_dropped_and_the_stream_goes_on(tmp_path, mode)
     assert [code for code, _, _ in results] == [0, 0], results
     records = _train(_records(tmp_path))
     honest = [r for r in records if r["member"] == "tiny-s"]
-    assert sum(r["rejected_batches"] for r in honest) >= 1
+    if mode == "ids":  # read, checked and refused by admission
+        assert sum(r["rejected_batches"] for r in honest) >= 1
+    # oversized (4 MB more than any honest parcel): over the links' cap, never read (ZeroMQ closes the connection)
     assert all(r["peer_sequences"] == 0 and r["received_sha256"] == {} for r in honest)
     cheated = [r for r in records if r["member"] == "tiny-m-lora"]
     assert all(r["rejected_batches"] == 0 for r in cheated) and sum(r["peer_sequences"] for r in cheated) > 0
 
 
 def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(tmp_path):
-    # every other message rank 1 sends is a ping with a 5000-word body or a message of an unknown kind
+    # every other message rank 1 sends is a TAKEN with a 50-word body (none belongs) or of an unknown kind
     results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={1: "async-junk"})
     assert [code for code, _, _ in results] == [0, 0], results
     refusals = [line for line in results[0][1].splitlines() if "peer rank 1 sent" in line]
@@ -185,8 +187,7 @@ def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_
 @pytest.mark.parametrize("transport", ["links", "broadcast"])
 def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync_every_behind(tmp_path, transport):
     # swarm.timeout_s=8 against a run of 12+ s: the directions that carry nothing (tiny-m-lora -> the sampler) stay
-    # open only through the exchange's pings (gloo closes a group whose receive waits past its timeout); 8 s is 5x
-    # a learner step, so a loaded machine's slower steps stay inside it.
+    # up through ZeroMQ's heartbeats (links.py), which a connection silent past swarm.timeout_s would fail.
     # broadcast: the weights go as bf16 in the member's own group (gloo here, NCCL between GPUs)
     args = _args(tmp_path, "train.steps=8", *ASYNC, "members.0.samplers=1", "members.0.weight_sync_every=2",
                  "swarm.timeout_s=8", f"swarm.weights_transport={transport}")
@@ -239,8 +240,8 @@ def test_a_sampler_of_a_member_on_two_ranks_streams_over_the_links_where_endpoin
 def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_lost_peer(tmp_path):
     results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={0: "handler-error"})
     code, err, _ = results[0]
-    assert code == 1 and ("error: rank 0 failed in the exchange: TransportError: rank 0: the receive thread for "
-                          "peer rank 1 failed: ValueError: injected fault in deliver") in err, err
+    assert code == 1 and ("error: rank 0 failed in the exchange: TransportError: rank 0: receiving from peer rank 1 "
+                          "failed: ValueError: injected fault in deliver") in err, err
     assert "lost contact" not in err and "Traceback" in err  # the cause's traceback follows the one line
     assert results[1][0] != 0  # the other rank stops too (its peer is gone)
 

@@ -12,7 +12,7 @@ from ftis_engine.config import LatencySettings
 from ftis_engine.exchange import Alone, Parcel
 from ftis_engine.exchange import WeightSlot
 from ftis_engine.exchange.async_ import Latency, LocalAsync, Mailbox
-from ftis_engine.exchange.links import DATA, DONE, PING, TAKEN, WEIGHTS, Outbox
+from ftis_engine.exchange.links import DATA, DONE, TAKEN, WEIGHTS, Outbox
 from ftis_engine.exchange.sync import LocalSync
 from ftis_engine.rollouts import Rollout, encode
 
@@ -83,16 +83,16 @@ def test_an_outbox_keeps_the_newest_parcels_and_sends_slots_first_and_done_last(
     box.put_slot(WEIGHTS, 0, 8, torch.zeros(3, dtype=torch.int32))  # replaces the unsent copy
     box.put_slot(TAKEN, 4, 0, None)
     box.put_done()
-    taken = [box.take(0.01)[:3] for _ in range(6)]
+    taken = [box.take()[:3] for _ in range(6)]
     assert box.dropped_sequences == 5  # step 1 made room for step 3
     # the round taken first (it never waits behind a weights transfer), then the weights, the parcels, DONE
     assert taken == [(TAKEN, 4, 0), (WEIGHTS, 0, 8), (DATA, 2, 1), (DATA, 3, 2), (DONE, 0, 0), (DONE, 0, 0)]
-    assert Outbox(1).take(0.01)[0] == PING  # nothing to send: keep the link open
+    assert Outbox(1).take() is None  # nothing to send
     left = Outbox(capacity=4)
     left.put_parcel(1, 0, _buffer(3))
     left.put_done()
     left.clear_parcels()  # the peer said DONE: nothing more is used there, the answer goes at once
-    assert left.take(0.01)[0] == DONE and left.dropped_sequences == 3
+    assert left.take()[0] == DONE and left.dropped_sequences == 3
 
 
 def test_a_weight_slot_takes_only_its_learners_newer_weights_of_the_right_size():

@@ -1,110 +1,254 @@
-"""exchange/links.py in one process: two ranks' links over an in-memory stand-in for gloo's send and recv, so that
-leaving (DONE), a lost peer and a thread's own failure are each tested without processes or timing."""
+"""exchange/links.py in one process, over real ZeroMQ sockets on loopback: ranks' links whose address gather is an
+in-memory stand-in for the gloo collective, so leaving (DONE), a lost peer (killed, silent, never up), what a
+liar can send and a failure of this code are each tested without launching processes."""
 
 from __future__ import annotations
 
-import queue
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
 
 from ftis_engine.exchange import links as links_module
-from ftis_engine.exchange.links import DATA, Links, PeerLost, TransportError
+from ftis_engine.exchange.links import DATA, DONE, HEADER, MAGIC, TAKEN, Links, PeerLost, TransportError
+
+zmq = pytest.importorskip("zmq")
 
 
-class Fabric:
-    """dist.send / dist.recv between ranks of one process: a queue per (source, destination, tag). A rank that is
-    'killed' makes every receive from it and every send to it fail, as gloo does when a connection closes."""
+class Gather:
+    """all_gather_object over threads: each rank's address, once all have given theirs."""
 
-    def __init__(self):
-        self.queues: dict[tuple[int, int, int], queue.Queue] = {}
-        self.dead: set[int] = set()
-        self.lock = threading.Lock()
+    def __init__(self, world: int, fixed: dict[int, str] | None = None):
+        self.addresses: dict[int, str] = dict(fixed or {})
+        self.barrier = threading.Barrier(world - len(self.addresses))
 
-    def _queue(self, src: int, dst: int, tag: int) -> queue.Queue:
-        with self.lock:
-            return self.queues.setdefault((src, dst, tag), queue.Queue())
-
-    def send(self, tensor, group, tag, group_dst):
-        if group_dst in self.dead or group.rank in self.dead:
-            raise RuntimeError("Connection closed by peer")
-        self._queue(group.rank, group_dst, tag).put(tensor.clone())
-
-    def recv(self, tensor, group, tag, group_src):
-        box = self._queue(group_src, group.rank, tag)
-        while True:
-            if group_src in self.dead or group.rank in self.dead:
-                raise RuntimeError("Connection closed by peer")
-            try:
-                tensor.copy_(box.get(timeout=0.02))
-                return
-            except queue.Empty:
-                continue
-
-
-class Group:
-    def __init__(self, rank: int):
-        self.rank = rank
+    def of(self, rank: int):
+        def gather(address: str) -> list[str]:
+            self.addresses[rank] = address
+            self.barrier.wait(10)
+            return [self.addresses[r] for r in sorted(self.addresses)]
+        return gather
 
 
 class Handler:
-    def __init__(self, fail: bool = False):
-        self.delivered: list[tuple[int, int, int, list[int]]] = []
+    def __init__(self, fail: bool = False, limit: int = 100):
+        self.delivered: list[tuple[int, int, int, list[int], str | None]] = []
         self.fail = fail
+        self.limit = limit
 
     def body_limit(self, peer, kind, step, version, size):
-        return 100
+        return self.limit
 
     def deliver(self, peer, kind, step, version, body, refused):
         if self.fail:
             raise ValueError("injected fault in deliver")
-        self.delivered.append((peer, kind, step, body.tolist()))
+        self.delivered.append((peer, kind, step, body.tolist(), refused))
 
 
-@pytest.fixture
-def pair(monkeypatch):
-    fabric = Fabric()
-    monkeypatch.setattr(links_module, "dist", fabric)
+def start(world: int = 2, timeout_s: float = 10.0, fail_at: int | None = None, max_words: int = 100,
+          fixed: dict[int, str] | None = None, limit: int = 100):
+    gather = Gather(world, fixed)
+    ranks = [r for r in range(world) if r not in (fixed or {})]
+    handlers = {r: Handler(fail=r == fail_at, limit=limit) for r in ranks}
+    links = {r: Links(r, world, timeout_s=timeout_s, outbox_capacity=4, gather=gather.of(r)) for r in ranks}
+    threads = [threading.Thread(target=links[r].start, args=(handlers[r], max_words)) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return links, handlers
 
-    def make(fail_at: int | None = None):
-        handlers = [Handler(fail=rank == fail_at) for rank in (0, 1)]
-        ranks = [Links(rank, 2, timeout_s=5.0, outbox_capacity=4, group=Group(rank)) for rank in (0, 1)]
-        for link, handler in zip(ranks, handlers):
-            link.start(handler)
-        return fabric, ranks, handlers
 
-    return make
+def kill(link: Links) -> None:
+    """The process dies: its sockets close at once, nothing said (no DONE, no linger)."""
+    link.close(flush=False)
 
 
-def test_a_parcel_arrives_and_both_ranks_leave_after_saying_done(pair):
-    fabric, (zero, one), (_, handler) = pair()
+def listener() -> tuple[object, str]:
+    """A bare ROUTER standing in for a peer that is up and says nothing."""
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind("tcp://127.0.0.1:*")
+    return router, router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def test_a_parcel_arrives_and_both_ranks_leave_after_saying_done():
+    links, handlers = start()
+    zero, one = links[0], links[1]
     assert zero.post_parcel(1, 3, 2, torch.arange(5, dtype=torch.int32))
-    one.wait_until(lambda: handler.delivered, 5.0, "the parcel")
-    assert handler.delivered == [(0, DATA, 3, [0, 1, 2, 3, 4])]
+    one.wait_until(lambda: handlers[1].delivered, 10.0, "the parcel")
+    assert handlers[1].delivered == [(0, DATA, 3, [0, 1, 2, 3, 4], None)]
     leaving = threading.Thread(target=zero.finish)
     leaving.start()
-    one.wait_until(lambda: one.peer_done(0), 5.0, "rank 0's DONE")
+    one.wait_until(lambda: one.peer_done(0), 10.0, "rank 0's DONE")
     assert not one.post_parcel(0, 4, 3, torch.ones(2, dtype=torch.int32))  # nothing is queued for a peer that left
     one.finish()
-    leaving.join(5.0)
+    leaving.join(10.0)
     assert not leaving.is_alive() and zero.peer_done(1)
     zero.check()
     one.check()  # leaving is no error
+    assert not zero._thread.is_alive() and not one._thread.is_alive()
 
 
-def test_a_peer_whose_connection_closes_without_done_is_lost_and_check_says_so(pair):
-    fabric, (zero, one), _ = pair()
-    fabric.dead.add(1)  # rank 1 is killed
-    with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(receive failed: Connection closed"):
-        zero.wait_until(lambda: False, 5.0, "nothing")
-    assert zero.peer_done(1)  # it holds nobody back any more
+def test_what_is_queued_before_done_arrives_in_order_and_slots_keep_only_their_newest_value():
+    links, handlers = start()
+    zero, one = links[0], links[1]
+    for step in (1, 2, 3):
+        zero.post_parcel(1, step, step - 1, torch.full((3,), step, dtype=torch.int32))
+    zero.post_slot(1, TAKEN, 7)
+    zero.finish_thread = threading.Thread(target=zero.finish)
+    zero.finish_thread.start()
+    one.wait_until(lambda: one.peer_done(0), 10.0, "rank 0's DONE")
+    one.finish()
+    zero.finish_thread.join(10)
+    kinds = [(kind, step) for _, kind, step, _, _ in handlers[1].delivered]
+    assert (TAKEN, 7) in kinds and [s for k, s in kinds if k == DATA] == [1, 2, 3]  # all, in order, before DONE
 
 
-def test_an_error_in_a_receive_thread_is_a_transport_error_with_its_cause_not_a_lost_peer(pair):
-    fabric, (zero, one), _ = pair(fail_at=1)
-    zero.post_parcel(1, 1, 0, torch.ones(3, dtype=torch.int32))
-    with pytest.raises(TransportError, match=r"rank 1: the receive thread for peer rank 0 failed: ValueError: "
+def test_a_killed_peer_is_lost_and_check_says_so():
+    links, _ = start()
+    kill(links[1])
+    started = time.monotonic()
+    with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(its connection closed\)"):
+        links[0].wait_until(lambda: False, 20.0, "nothing")
+    assert time.monotonic() - started < links_module.LOST_GRACE_S + 5
+    assert links[0].peer_done(1)  # it holds nobody back any more
+    links[0].close()
+
+
+def test_a_peer_that_never_comes_up_is_lost_after_the_timeout():
+    with socket.socket() as closed:  # an address nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+    links, _ = start(timeout_s=1.0, fixed={1: address})
+    with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(no connection to tcp://127.0.0.1:"
+                                       r"\d+ within swarm.timeout_s=1\)"):
+        links[0].wait_until(lambda: False, 20.0, "nothing")
+    links[0].close()
+
+
+def test_a_stopped_peer_process_is_lost_by_heartbeat_though_its_kernel_still_accepts_connections():
+    """A peer that hangs (SIGSTOP): its libzmq threads stop answering heartbeats, the connection is closed after
+    swarm.timeout_s, and the reconnections never finish their handshake: lost, not mistaken for a blip."""
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import zmq, sys\n"
+        "r = zmq.Context.instance().socket(zmq.ROUTER); r.bind('tcp://127.0.0.1:*')\n"
+        "print(r.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)\n"
+        "while True: r.recv_multipart()\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        address = peer.stdout.readline().strip()
+        links, _ = start(timeout_s=1.0, fixed={1: address})
+        time.sleep(1.5)  # up and heartbeating
+        links[0].check()
+        peer.send_signal(signal.SIGSTOP)
+        with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(its connection closed\)"):
+            links[0].wait_until(lambda: False, 30.0, "nothing")
+        links[0].close()
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def test_an_error_in_the_receiving_handler_is_a_transport_error_with_its_cause_not_a_lost_peer():
+    links, _ = start(fail_at=1)
+    links[0].post_parcel(1, 1, 0, torch.ones(3, dtype=torch.int32))
+    with pytest.raises(TransportError, match=r"rank 1: receiving from peer rank 0 failed: ValueError: "
                                              r"injected fault in deliver") as caught:
-        one.wait_until(lambda: False, 5.0, "nothing")
+        links[1].wait_until(lambda: False, 10.0, "nothing")
     assert isinstance(caught.value.__cause__, ValueError)
+    for link in links.values():
+        kill(link)
+
+
+def test_a_body_over_the_receivers_limit_is_refused_and_one_over_the_socket_cap_never_read():
+    """Over the handler's limit: received (within the cap), refused and counted, delivered empty with the reason.
+    Over max_words: ZeroMQ closes that connection unread (ZMQ_MAXMSGSIZE); the sender's connection comes back
+    and what it sends next arrives: a blip, not a lost peer."""
+    links, handlers = start(max_words=50, limit=10)
+    zero, one = links[0], links[1]
+    zero.post_parcel(1, 1, 0, torch.ones(20, dtype=torch.int32))  # 20 > limit 10, within the cap
+    one.wait_until(lambda: handlers[1].delivered, 10.0, "the refused parcel")
+    assert handlers[1].delivered == [(0, DATA, 1, [], "20 words, an honest one holds at most 10")]
+    assert one.refused == {0: 1}
+    zero.post_parcel(1, 2, 1, torch.ones(1000, dtype=torch.int32))  # 4000 bytes > the cap: never read
+    time.sleep(1.0)
+    zero.post_parcel(1, 3, 2, torch.ones(5, dtype=torch.int32))
+    one.wait_until(lambda: len(handlers[1].delivered) == 2, 10.0, "the next parcel")
+    assert [step for _, _, step, _, _ in handlers[1].delivered] == [1, 3]  # step 2 never arrived
+    time.sleep(links_module.LOST_GRACE_S + 0.5)
+    zero.check()
+    one.check()
+    for link in links.values():
+        kill(link)
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([MAGIC, HEADER.pack(DATA, 1, 0, 3), b"\x00" * 8], "a header that does not match its body"),
+    ([MAGIC, HEADER.pack(9, 1, 0, 0)], "an unknown kind 9"),
+    ([MAGIC, b"\x00" * 5], "a header of 5 bytes"),
+    ([b"pickle", HEADER.pack(DATA, 1, 0, 0)], "not a links message"),
+    ([MAGIC, HEADER.pack(DATA, -1, 0, 0)], "a header that does not match"),
+])
+def test_a_malformed_message_is_refused_and_counted_and_the_link_goes_on(frames, reason, caplog):
+    """Rank 0 is a raw socket that sends what it likes under rank 0's id."""
+    silent, address = listener()
+    links, handlers = start(fixed={0: address})
+    forger = zmq.Context.instance().socket(zmq.DEALER)
+    forger.setsockopt(zmq.ROUTING_ID, b"0")
+    forger.setsockopt(zmq.LINGER, 1000)
+    forger.connect(links[1].addresses[1])
+    forger.send_multipart(frames)
+    links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
+    assert links[1].refused == {0: 1} and handlers[1].delivered == []
+    assert reason in caplog.text
+    forger.send_multipart([MAGIC, HEADER.pack(DATA, 2, 1, 2), torch.ones(2, dtype=torch.int32).numpy().tobytes()])
+    links[1].wait_until(lambda: handlers[1].delivered, 10.0, "a parcel")  # a well-formed one is still heard
+    assert handlers[1].delivered == [(0, DATA, 2, [1, 1], None)]
+    forger.close()
+    kill(links[1])
+    silent.close()
+
+
+def test_a_second_connection_claiming_a_connected_peers_id_is_turned_away():
+    links, handlers = start()
+    forger = zmq.Context.instance().socket(zmq.DEALER)
+    forger.setsockopt(zmq.ROUTING_ID, b"0")  # rank 0 is connected under this id
+    forger.setsockopt(zmq.LINGER, 0)
+    forger.connect(links[0].addresses[1])
+    forger.send_multipart([MAGIC, HEADER.pack(DATA, 9, 8, 1), b"\x07\x00\x00\x00"])
+    links[0].post_parcel(1, 2, 1, torch.ones(2, dtype=torch.int32))
+    links[1].wait_until(lambda: handlers[1].delivered, 10.0, "rank 0's parcel")
+    time.sleep(1.0)
+    assert handlers[1].delivered == [(0, DATA, 2, [1, 1], None)]  # the forged step 9 never arrived
+    forger.close()
+    for link in links.values():
+        kill(link)
+
+
+def test_a_message_from_an_unknown_sender_is_refused_and_a_done_is_not_taken_from_it():
+    links, handlers = start()
+    stranger = zmq.Context.instance().socket(zmq.DEALER)
+    stranger.setsockopt(zmq.ROUTING_ID, b"intruder")
+    stranger.setsockopt(zmq.LINGER, 1000)
+    stranger.connect(links[0].addresses[1])
+    stranger.send_multipart([MAGIC, HEADER.pack(DONE, 0, 0, 0)])
+    links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
+    assert links[1].refused == {-1: 1} and not links[1].peer_done(0)
+    stranger.close()
+    for link in links.values():
+        kill(link)
+
+
+def test_the_advertised_address_is_the_one_routing_towards_master_addr(monkeypatch):
+    monkeypatch.delenv("FTIS_LINKS_HOST", raising=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    assert links_module.advertised_host() == "127.0.0.1"
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    assert links_module.advertised_host() in ("127.0.0.1", "::1")
+    monkeypatch.setenv("FTIS_LINKS_HOST", "10.1.2.3")
+    assert links_module.advertised_host() == "10.1.2.3"

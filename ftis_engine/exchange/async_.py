@@ -29,8 +29,21 @@ from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
 from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
-from .links import DATA, TAKEN, WEIGHTS, Links
+from .links import DATA, TAKEN, WEIGHTS, Links, TransportError
 from .sync import Collectives, LocalCollectives
+
+
+def gather_addresses(address: str, endpoints: int, group) -> list[str]:
+    """Every endpoint's links address, in endpoint order: one gather over the endpoints' gloo group (its only
+    traffic), each checked to be a tcp:// address."""
+    import torch.distributed as dist
+
+    addresses: list = [None] * endpoints
+    dist.all_gather_object(addresses, address, group=group)
+    for endpoint, value in enumerate(addresses):
+        if not (isinstance(value, str) and value.startswith("tcp://")):
+            raise TransportError(f"endpoint {endpoint} announced a links address {value!r}, not tcp://HOST:PORT")
+    return addresses
 
 
 def queue_capacity(config: RunConfig) -> int:
@@ -69,8 +82,9 @@ class Latency:
 
 
 class Mailbox:
-    """A receiver's parcels that have arrived, released when due (thread-safe: receiving threads fill it). At most
-    `capacity` wait per sender: a newer one pushes out the sender's oldest (counted in its sequences)."""
+    """A receiver's parcels that have arrived, released when due (thread-safe: the transport's receiving thread
+    fills it). At most `capacity` wait per sender: a newer one pushes out the sender's oldest (counted in its
+    sequences)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -147,7 +161,7 @@ class LocalAsync(WithoutSamplers):
 
 class DistributedAsync:
     """One member (or one sampler) per process. The collectives of the run's start go through the default group as
-    in sync mode; rollouts, weights and the samplers' progress go point to point over `Links`."""
+    in sync mode; rollouts, weights and the samplers' progress go point to point over `Links` (ZeroMQ)."""
 
     independent = True
 
@@ -167,7 +181,8 @@ class DistributedAsync:
         self.timeout_s = config.swarm.timeout_s
         self.latency = latency
         capacity = queue_capacity(config)
-        self.links = Links(self.rank, self.world_size, self.timeout_s, outbox_capacity=capacity, group=group)
+        self.links = Links(self.rank, self.world_size, self.timeout_s, outbox_capacity=capacity,
+                           gather=lambda address: gather_addresses(address, self.world_size, group))
         self.mailbox = Mailbox(capacity)
         self._limit: Limit | None = None
         self.weights: WeightSlot | None = None
@@ -187,7 +202,7 @@ class DistributedAsync:
         self.mailbox.step = max(self.mailbox.step, start_step)  # a resumed run's peers go on from start_step
         self._taken = {s: start_step for s in self.own_samplers}
         self.taken = start_step
-        self.links.start(self)
+        self.links.start(self, self.largest_message(limit, weights))
         if self.broadcast is not None and weights is not None:
             self.broadcast.start(weights)
 
@@ -207,7 +222,7 @@ class DistributedAsync:
     def receive(self, receiver: int, step: int) -> Arrivals:
         start = time.perf_counter()
         lead_wait = 0.0
-        # one snapshot for the lead and the peers behind (the receiving threads move _published meanwhile)
+        # one snapshot for the lead and the peers behind (the I/O thread moves _published meanwhile)
         published = {p: self._published[p] for p in self.lead_peers if not self.links.peer_done(p)}
         lead = step - min(published.values()) if published else None
         if self.max_lead is not None and self.lead_peers:
@@ -273,7 +288,15 @@ class DistributedAsync:
         if self.broadcast is not None and self.sampler is not None:
             self.broadcast.join(self.timeout_s)
 
-    # -- the receiving threads' side (links.Handler)
+    def largest_message(self, limit: Limit, weights: WeightSlot | None) -> int:
+        """The most words one honest message to this endpoint holds (the links refuse larger ones unread): a
+        learner's, the largest parcel a peer can send (a parcel's size does not depend on its step); a sampler's,
+        its learner's weights."""
+        if self.sampler is not None:
+            return weights.words if weights is not None else 0
+        return max((limit(peer, 1) for peer in self.links.peers), default=0)
+
+    # -- the I/O thread's side (links.Handler)
 
     def body_limit(self, peer: int, kind: int, step: int, version: int, size: int) -> int:
         if kind == DATA:

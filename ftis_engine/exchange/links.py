@@ -1,61 +1,78 @@
-"""Point-to-point links between this rank and each peer, for the async transport.
+"""Point-to-point links between this endpoint and each peer, for the async transport of one world, on ZeroMQ.
 
-A dedicated gloo process group (its traffic never interleaves with the default group's collectives) and, per
-peer, one sending and one receiving thread, so a slow or finished peer holds up nobody. Rollouts are a few bytes a
-token and live on the CPU, so they go over gloo even between GPUs (NCCL has no thread-safe point-to-point from a
-side thread).
+The same library as the open swarm's (openswarm/client.py, coordinator.py): every endpoint binds one ROUTER socket
+on the address that routes towards MASTER_ADDR (its advertised address; the addresses are gathered once over the
+endpoints' gloo group at the start) and dials one DEALER to each peer's ROUTER. A message goes out on its sender's
+DEALER and comes in on its receiver's ROUTER, so each direction of a link is one connection of its own. One I/O
+thread per process owns every socket (ZeroMQ sockets are not thread-safe): it sends what the training loop posts,
+in each peer's order, and hands what arrives to the receiving side's Handler. Rollouts are a few bytes a token and
+live on the CPU, so they go over TCP even between GPUs.
 
-A message is a header of four int64 words (kind, step, version, body words) and a body sent in chunks of at most
-4 MiB, so a receiver drains a body it refuses in bounded memory. Kinds:
+What ZeroMQ does that this module no longer does by hand: a message is whole or absent (no chunking: a receiver's
+socket refuses any frame over `max_bytes`, ZMQ_MAXMSGSIZE, by closing that connection, so a lying peer cannot make
+it allocate more); liveness is ZMTP heartbeats on every connection (ZMQ_HEARTBEAT_*: answered by libzmq's own
+threads, so a rank busy in Python for minutes still answers, and a connection silent past swarm.timeout_s is
+closed); each DEALER's socket monitor says when its connection is up (its handshake succeeded) and when it closed.
+
+A message is [MAGIC, header, body?]: the header is four little-endian int64 (kind, step, version, body words), the
+body raw int32 words; nothing is unpickled. The ROUTER prefixes the sender's routing id (its endpoint number); a
+message from an unknown id, of a wrong shape or of a body that disagrees with its header is refused and counted.
+Kinds:
 
     DATA     a parcel of rollouts (step: the sender's step or round; version: their policy version)
     WEIGHTS  a learner's trainable weights for its sampler (version: the learner's step)
     TAKEN    a learner tells its sampler the newest round it has taken (step: that round; no body)
-    PING     nothing; keeps an idle direction open (gloo closes a rank's whole group when one receive waits
-             longer than the group's timeout)
     DONE     the sender has finished and sends nothing more
 
 Leaving: a rank that has finished sends DONE to every peer after everything it queued for it; a peer answers DONE
-when it receives one (and sends nothing after it). A rank closes when it has sent and received DONE on every link,
-so nothing is ever in flight towards a closed process. A link whose connection closes without DONE is lost
-(PeerLost: the peer was killed, crashed or is unreachable); an error of this code inside a thread is a
-TransportError with its own message and cause, never mistaken for a lost peer.
+when it receives one (and sends nothing after it). A rank closes when it has sent and received DONE on every link
+(its sockets linger until what they hold has gone out), so nothing is ever in flight towards a closed process. A
+link whose connection closes without DONE and does not come back within LOST_GRACE_S, or that never comes up
+within swarm.timeout_s, is lost (PeerLost: the peer was killed, crashed, hung or is unreachable); an error of this
+code inside the I/O thread is a TransportError with its own message and cause, never mistaken for a lost peer.
 """
 
 from __future__ import annotations
 
 import collections
-import datetime
 import logging
+import os
+import socket
+import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
-import torch.distributed as dist
 
 from ..errors import first_line
 
 log = logging.getLogger("ftis_engine.exchange")
 
-CHUNK_WORDS = 1 << 20
-DATA, DONE, WEIGHTS, PING, TAKEN = 0, 1, 2, 3, 4
-KIND_NAMES = {DATA: "DATA", DONE: "DONE", WEIGHTS: "WEIGHTS", PING: "PING", TAKEN: "TAKEN"}
+DATA, DONE, WEIGHTS, TAKEN = 0, 1, 2, 4
+KIND_NAMES = {DATA: "DATA", DONE: "DONE", WEIGHTS: "WEIGHTS", TAKEN: "TAKEN"}
+MAGIC = b"ftis-links/1"
+HEADER = struct.Struct("<4q")  # kind, step, version, body words
+MIN_FRAME_BYTES = 1024  # the cap of a link's frames when no body may come (headers, a peer's stray DONE)
+LOST_GRACE_S = 3.0  # a closed connection that comes back within this is a blip, not a lost peer
+SEND_HWM = 4  # messages ZeroMQ queues per peer: the Outbox, not the socket, decides what waits (and what is dropped)
+RECEIVE_HWM = 4  # messages ZeroMQ reads ahead per connection: memory bounded by this x max_bytes per peer
 
 
 class PeerLost(RuntimeError):
-    """A peer's connection closed before it said DONE (killed, crashed or unreachable)."""
+    """A peer's connection closed before it said DONE (killed, crashed, hung or unreachable)."""
 
 
 class TransportError(RuntimeError):
-    """A thread of the transport failed for a reason of its own (not a lost connection)."""
+    """The transport failed for a reason of its own (not a lost connection)."""
 
 
 class Handler(Protocol):
-    """The receiving side's decisions, called from the receiving threads."""
+    """The receiving side's decisions, called from the I/O thread."""
 
     def body_limit(self, peer: int, kind: int, step: int, version: int, size: int) -> int:
-        """The most words this message's body may hold (a larger one is read through and refused)."""
+        """The most words this message's body may hold (a larger one is refused)."""
 
     def deliver(self, peer: int, kind: int, step: int, version: int, body: torch.Tensor, refused: str | None) -> None:
         """A message has arrived (its body empty and `refused` set when its size was refused)."""
@@ -74,31 +91,27 @@ class Outbox:
         self._parcels: collections.deque = collections.deque()
         self._slots: dict[int, tuple[int, int, torch.Tensor | None]] = {}
         self._done = False
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self.dropped_sequences = 0
 
     def put_parcel(self, step: int, version: int, buffer: torch.Tensor) -> None:
-        with self._cond:
+        with self._lock:
             if len(self._parcels) >= self.capacity:
                 _, _, oldest = self._parcels.popleft()
                 self.dropped_sequences += int(oldest[0]) if oldest.numel() else 0
             self._parcels.append((step, version, buffer))
-            self._cond.notify()
 
     def put_slot(self, kind: int, step: int, version: int, buffer: torch.Tensor | None) -> None:
-        with self._cond:
+        with self._lock:
             self._slots[kind] = (step, version, buffer)
-            self._cond.notify()
 
     def put_done(self) -> None:
-        with self._cond:
+        with self._lock:
             self._done = True
-            self._cond.notify()
 
-    def take(self, timeout: float) -> tuple[int, int, int, torch.Tensor | None]:
-        """The next message (kind, step, version, body); PING when nothing came within `timeout`."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._slots or self._parcels or self._done, timeout)
+    def take(self) -> tuple[int, int, int, torch.Tensor | None] | None:
+        """The next message (kind, step, version, body), or None when nothing waits."""
+        with self._lock:
             if self._slots:
                 kind = next(k for k in SLOT_ORDER if k in self._slots)
                 return (kind, *self._slots.pop(kind))
@@ -106,47 +119,112 @@ class Outbox:
                 return (DATA, *self._parcels.popleft())
             if self._done:
                 return DONE, 0, 0, None
-            return PING, 0, 0, None
+            return None
 
     def clear_parcels(self) -> None:
         """The peer has left: what still waits for it is dropped (counted), so its DONE answer goes at once."""
-        with self._cond:
+        with self._lock:
             self.dropped_sequences += sum(int(b[0]) for _, _, b in self._parcels if b.numel())
             self._parcels.clear()
 
     def __len__(self) -> int:
-        with self._cond:
+        with self._lock:
             return len(self._parcels)
 
 
-class Links:
-    """This rank's links to every peer. `start(handler)` starts the threads; `post_*` never block."""
+def advertised_host() -> str:
+    """This host's address on the route towards MASTER_ADDR (what its peers dial; 127.0.0.1 for a world on one
+    machine). FTIS_LINKS_HOST overrides it (a host with several networks that routes elsewhere)."""
+    if os.environ.get("FTIS_LINKS_HOST"):
+        return os.environ["FTIS_LINKS_HOST"]
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    family, _, _, _, address = socket.getaddrinfo(master, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect(address)  # UDP: nothing is sent, the kernel only picks the route
+        return probe.getsockname()[0]
 
-    def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int, group=None):
-        # a group of its own: its point-to-point traffic never interleaves with the default group's collectives
-        # (group: the endpoints' gloo group, fsdp.make_groups; a peer is its rank in the group: its endpoint)
-        self.group = group if group is not None else dist.new_group(
-            backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+def frames(kind: int, step: int, version: int, body: torch.Tensor | None) -> list:
+    """A message's frames (the body's words without a copy)."""
+    words = 0 if body is None else body.numel()
+    out = [MAGIC, HEADER.pack(kind, step, version, words)]
+    if words:
+        out.append(memoryview(body.to(torch.int32).contiguous().numpy()).cast("B"))
+    return out
+
+
+def parse(message: list[bytes]) -> tuple[int, int, int, bytes]:
+    """(kind, step, version, body) of a received message (its sender's id removed); ValueError naming what is
+    wrong with anything else."""
+    if len(message) not in (2, 3) or message[0] != MAGIC:
+        raise ValueError("not a links message")
+    if len(message[1]) != HEADER.size:
+        raise ValueError(f"a header of {len(message[1])} bytes, not {HEADER.size}")
+    kind, step, version, words = HEADER.unpack(message[1])
+    body = message[2] if len(message) == 3 else b""
+    if kind not in KIND_NAMES:
+        raise ValueError(f"an unknown kind {kind}")
+    if min(step, version, words) < 0 or len(body) != 4 * words:
+        raise ValueError(f"a header that does not match its body ({words} words announced, {len(body)} bytes)")
+    return kind, step, version, body
+
+
+class Links:
+    """This endpoint's links to every peer. `start(handler, max_words)` binds, gathers the addresses and starts the
+    I/O thread; `post_*` never block. gather(address) -> every endpoint's address, in endpoint order (a collective
+    over the endpoints' gloo group: async_.DistributedAsync)."""
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int,
+                 gather: Callable[[str], list[str]]):
         self.rank = rank
         self.timeout_s = timeout_s
+        self.gather = gather
         self.peers = [p for p in range(world_size) if p != rank]
-        self.ping_every_s = max(0.05, min(60.0, timeout_s / 4))
+        self.heartbeat_s = max(0.05, min(60.0, timeout_s / 4))
         self.outboxes = {p: Outbox(outbox_capacity) for p in self.peers}
         self._done_sent = {p: threading.Event() for p in self.peers}
         self._done_received = {p: threading.Event() for p in self.peers}
         self._finishing = threading.Event()
+        self._stop = threading.Event()
         self._lost: dict[int, str] = {}
-        self._failed: dict[int, tuple[str, BaseException]] = {}
+        self._failed: dict[int | None, tuple[str, BaseException]] = {}
         self.refused: dict[int, int] = {}  # peer -> messages refused
         self.changed = threading.Condition()  # notified whenever a message arrives or a link ends
         self._handler: Handler | None = None
+        self._thread: threading.Thread | None = None
+        self._flush = True
+        self._wake_read, self._wake_write = socket.socketpair()  # a post wakes the I/O thread's poll
+        self._wake_read.setblocking(False)
+        self._wake_write.setblocking(False)
+        self.addresses: list[str] = []
 
-    def start(self, handler: Handler) -> None:
+    def start(self, handler: Handler, max_words: int) -> None:
+        """Bind this endpoint's socket (frames over max_words words refused by ZeroMQ), gather every endpoint's
+        address and start the I/O thread."""
+        import zmq
+
         self._handler = handler
-        for peer in self.peers:
-            for target in (self._send_loop, self._receive_loop):
-                threading.Thread(target=target, args=(peer,), daemon=True,
-                                 name=f"ftis-{target.__name__[1:]}-{peer}").start()
+        host = advertised_host()
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.setsockopt(zmq.MAXMSGSIZE, max(MIN_FRAME_BYTES, 4 * max_words))
+        router.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        router.setsockopt(zmq.LINGER, 0)  # nothing is sent on it
+        # (no ROUTER_HANDOVER: a second connection claiming a connected peer's id is turned away, not handed it)
+        self._heartbeat(router)
+        if ":" in host:
+            router.setsockopt(zmq.IPV6, 1)
+        router.bind(f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*")
+        self.addresses = list(self.gather(router.getsockopt_string(zmq.LAST_ENDPOINT)))
+        self._thread = threading.Thread(target=self._run, args=(router,), daemon=True, name=f"ftis-links-{self.rank}")
+        self._thread.start()
+
+    def _heartbeat(self, sock) -> None:
+        import zmq
+
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(1000 * self.heartbeat_s))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(1000 * self.timeout_s))
+        sock.setsockopt(zmq.HEARTBEAT_TTL, int(1000 * self.timeout_s))
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(1000 * self.timeout_s))
 
     # -- the training loop's side
 
@@ -155,22 +233,24 @@ class Links:
         if self.peer_done(peer):
             return False
         self.outboxes[peer].put_parcel(step, version, buffer)
+        self._wake()
         return True
 
     def post_slot(self, peer: int, kind: int, step: int, version: int = 0, buffer: torch.Tensor | None = None) -> None:
         if not self.peer_done(peer):
             self.outboxes[peer].put_slot(kind, step, version, buffer)
+            self._wake()
 
     def peer_done(self, peer: int) -> bool:
         """The peer said DONE (or its link ended): it sends nothing more and holds nobody back."""
         return self._done_received[peer].is_set()
 
     def check(self) -> None:
-        """Raise what went wrong on a link: TransportError (a thread's own failure, with its cause) or PeerLost."""
+        """Raise what went wrong on a link: TransportError (this code's own failure, with its cause) or PeerLost."""
         if self._failed:
             peer, (where, exc) = next(iter(dict(self._failed).items()))
-            raise TransportError(f"rank {self.rank}: the {where} thread for peer rank {peer} failed: "
-                                 f"{type(exc).__name__}: {first_line(exc)}") from exc
+            place = "the links' I/O thread" if peer is None else f"{where} peer rank {peer}"
+            raise TransportError(f"rank {self.rank}: {place} failed: {type(exc).__name__}: {first_line(exc)}") from exc
         if self._lost:
             peer, reason = next(iter(dict(self._lost).items()))
             raise PeerLost(f"peer rank {peer} is gone without finishing ({reason})")
@@ -192,122 +272,215 @@ class Links:
 
     def finish(self) -> None:
         """Say DONE on every link and wait for every peer's DONE (a peer answers as soon as it reads ours; what
-        arrives meanwhile is drained, not used). Bounded by the group's timeout."""
+        arrives meanwhile is drained, not used), then close. Bounded by swarm.timeout_s."""
         self._finishing.set()
         for peer in self.peers:
             self.outboxes[peer].put_done()
+        self._wake()
         deadline = time.time() + self.timeout_s
         for peer in self.peers:
-            while not (self._done_received[peer].is_set() or peer in self._lost or peer in self._failed):
+            while not (self._done_received[peer].is_set() or peer in self._lost or self._failed):
                 if time.time() > deadline:
                     log.warning("rank %d: peer rank %d did not say DONE in time; leaving anyway", self.rank, peer)
                     break
                 self._done_received[peer].wait(0.05)
         for peer in self.peers:
             self._done_sent[peer].wait(max(0.0, deadline - time.time()))
+        self.close()
 
-    # -- the threads
+    def close(self, flush: bool = True) -> None:
+        """Stop the I/O thread; its sockets linger (at most a few seconds) until what they hold has gone out
+        (flush=False: closed at once, as when the process dies)."""
+        self._flush = flush
+        self._stop.set()
+        self._wake()
+        if self._thread is not None:
+            self._thread.join(self.linger_s() + 5.0)
+        self._wake_read.close()
+        self._wake_write.close()
+
+    def linger_s(self) -> float:
+        return min(self.timeout_s, 5.0)
+
+    # -- the I/O thread
+
+    def _wake(self) -> None:
+        try:
+            self._wake_write.send(b"x")
+        except OSError:  # full (the thread is woken already), or closed (the links have closed)
+            pass
 
     def _notify(self) -> None:
         with self.changed:
             self.changed.notify_all()
 
-    def _send_loop(self, peer: int) -> None:
-        try:
-            while True:
-                kind, step, version, buffer = self.outboxes[peer].take(self.ping_every_s)
-                if self._done_sent[peer].is_set():
-                    return
-                size = 0 if buffer is None else buffer.numel()
-                header = torch.tensor([kind, step, version, size], dtype=torch.int64)
-                if not self._send(peer, header, tag=0):
-                    return
-                for start in range(0, size, CHUNK_WORDS):
-                    if not self._send(peer, buffer[start : start + CHUNK_WORDS], tag=1):
-                        return
-                if kind == DONE:
-                    self._done_sent[peer].set()
-                    return
-        except Exception as exc:  # this code's own failure, not the connection's
-            self._failed.setdefault(peer, ("send", exc))
-            self._done_sent[peer].set()
-            self._notify()
+    def _run(self, router) -> None:
+        import zmq
 
-    def _send(self, peer: int, tensor: torch.Tensor, tag: int) -> bool:
-        """Send `tensor`; False when the connection closed (the peer is lost unless it said DONE)."""
+        context = zmq.Context.instance()
+        dealers, monitors = {}, {}
+        up = {p: False for p in self.peers}
+        down_since: dict[int, float] = {}  # peer -> when its connection closed (it may come back)
+        pending: dict[int, list] = {}  # peer -> a message ZeroMQ would not take yet
+        started = time.monotonic()
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(self._wake_read, zmq.POLLIN)
         try:
-            dist.send(tensor, group=self.group, tag=tag, group_dst=peer)
-            return True
-        except Exception as exc:
-            if not self._done_received[peer].is_set():
-                self._lost.setdefault(peer, f"send failed: {first_line(exc)}")
-            self._done_sent[peer].set()
+            for peer in self.peers:
+                dealer = context.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.ROUTING_ID, str(self.rank).encode())
+                dealer.setsockopt(zmq.IMMEDIATE, 1)  # nothing queued towards a connection that is not up
+                dealer.setsockopt(zmq.SNDHWM, SEND_HWM)
+                dealer.setsockopt(zmq.LINGER, int(1000 * self.linger_s()))
+                dealer.setsockopt(zmq.RECONNECT_IVL, 100)
+                dealer.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+                self._heartbeat(dealer)
+                if self.addresses[peer].startswith("tcp://["):
+                    dealer.setsockopt(zmq.IPV6, 1)
+                # up: its ZMTP handshake succeeded (a stopped process's kernel still accepts TCP connections)
+                monitors[peer] = dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+                dealer.connect(self.addresses[peer])
+                dealers[peer] = dealer
+                poller.register(monitors[peer], zmq.POLLIN)
+            while not self._stop.is_set():
+                blocked = any(peer in pending or len(self.outboxes[peer]) for peer in self.peers if up[peer])
+                events = dict(poller.poll(10 if blocked else 100))
+                if self._wake_read.fileno() in events:
+                    try:
+                        while self._wake_read.recv(4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                for peer, monitor in monitors.items():
+                    if monitor in events:
+                        self._monitor(peer, monitor, up, down_since)
+                if router in events:
+                    while True:
+                        try:
+                            message = router.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._receive(message)
+                now = time.monotonic()
+                for peer in self.peers:
+                    if self._done_received[peer].is_set():
+                        continue
+                    if not up[peer] and peer not in down_since and now - started > self.timeout_s:
+                        self._lose(peer, f"no connection to {self.addresses[peer]} within swarm.timeout_s="
+                                         f"{self.timeout_s:g}")
+                    elif peer in down_since and now - down_since[peer] > LOST_GRACE_S:
+                        self._lose(peer, "its connection closed")
+                for peer in self.peers:
+                    if up[peer]:
+                        self._send_ready(peer, dealers[peer], pending)
+        except Exception as exc:  # this code's own failure, not a connection's
+            self._failed.setdefault(None, ("run", exc))
+            for peer in self.peers:
+                self._done_received[peer].set()
+                self._done_sent[peer].set()
             self._notify()
-            return False
+        finally:
+            for monitor in monitors.values():
+                monitor.close(0)
+            for peer, dealer in dealers.items():
+                dealer.disable_monitor()
+                dealer.close(None if self._flush else 0)  # lingers until what it holds (a DONE answer) has gone out
+            router.close(0)
 
-    def _receive_loop(self, peer: int) -> None:
-        try:
-            while True:
-                header = torch.zeros(4, dtype=torch.int64)
-                if not self._recv(peer, header, tag=0):
+    def _monitor(self, peer: int, monitor, up: dict, down_since: dict) -> None:
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                up[peer] = True
+                down_since.pop(peer, None)
+            elif event == zmq.EVENT_DISCONNECTED:
+                up[peer] = False
+                down_since.setdefault(peer, time.monotonic())
+
+    def _lose(self, peer: int, reason: str) -> None:
+        self._lost.setdefault(peer, reason)
+        self._done_received[peer].set()  # nothing more will come from it
+        self._done_sent[peer].set()
+        self._notify()
+
+    def _send_ready(self, peer: int, dealer, pending: dict) -> None:
+        """Hand ZeroMQ this peer's next messages while it takes them (DONE last, then nothing more)."""
+        import zmq
+
+        while not self._done_sent[peer].is_set():
+            message = pending.pop(peer, None)
+            if message is None:
+                item = self.outboxes[peer].take()
+                if item is None:
                     return
-                kind, step, version, size = (int(x) for x in header)
-                with_body = kind in (DATA, WEIGHTS)
-                limit = self._handler.body_limit(peer, kind, step, version, size) if with_body else 0
-                body, refused = self._read_body(peer, size, limit)  # a body where none belongs is drained
-                if body is None:
-                    return  # the connection closed while draining
-                if refused is None and with_body and size < 1:
-                    refused = "an empty body"
-                if refused is not None:
-                    self._refused(peer, kind, step, refused)
-                if kind == PING:
-                    continue
-                if kind == DONE:
-                    self._done_received[peer].set()
-                    self.outboxes[peer].clear_parcels()  # nothing more is used there: answer at once
-                    self.outboxes[peer].put_done()  # (a no-op if ours went already)
-                    self._notify()
-                    return
-                if self._finishing.is_set() or kind not in KIND_NAMES or (kind == TAKEN and refused):
-                    continue  # drained, not used: this rank has finished, or a kind it does not know
-                self._handler.deliver(peer, kind, step, version, body, refused)
+                message = (item[0], frames(*item))
+            kind, parts = message
+            try:
+                dealer.send_multipart(parts, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                pending[peer] = message  # its queue is full: the next round of the loop tries again
+                return
+            if kind == DONE:
+                self._done_sent[peer].set()
                 self._notify()
-        except Exception as exc:  # this code's own failure (a handler's), not the connection's
-            self._failed.setdefault(peer, ("receive", exc))
+
+    def _receive(self, message: list[bytes]) -> None:
+        sender, *rest = message
+        try:
+            peer = int(sender.decode("ascii"))
+        except (UnicodeDecodeError, ValueError):
+            peer = -1
+        if peer not in self._done_received:
+            self._refused(-1, -1, 0, f"a message from an unknown sender {sender[:16]!r}")
+            return
+        if self._done_received[peer].is_set():
+            return  # it said DONE (or was lost, or failed): nothing more from it is used
+        try:
+            kind, step, version, raw = parse(rest)
+        except ValueError as exc:
+            self._refused(peer, -1, 0, str(exc))
+            return
+        if kind == DONE:
             self._done_received[peer].set()
+            self.outboxes[peer].clear_parcels()  # nothing more is used there: answer at once
+            self.outboxes[peer].put_done()  # (a no-op if ours went already)
             self._notify()
+            return
+        size = len(raw) // 4
+        with_body = kind in (DATA, WEIGHTS)
+        try:
+            limit = self._handler.body_limit(peer, kind, step, version, size) if with_body else 0
+            refused = None
+            if size > limit:
+                refused = f"{size} words, an honest one holds at most {limit}"
+            elif with_body and size < 1:
+                refused = "an empty body"
+            if refused is not None:
+                self._refused(peer, kind, step, refused)
+            if self._finishing.is_set() or (kind == TAKEN and refused):
+                return  # drained, not used: this rank has finished
+            body = torch.frombuffer(bytearray(raw), dtype=torch.int32) if refused is None and size else \
+                torch.empty(0, dtype=torch.int32)
+            self._handler.deliver(peer, kind, step, version, body, refused)
+        except Exception as exc:  # the handler's failure: this rank stops with it (check)
+            self._failed.setdefault(peer, ("receiving from", exc))
+            self._done_received[peer].set()
+        self._notify()
 
     def _refused(self, peer: int, kind: int, step: int, reason: str) -> None:
         """Log a refused message: the first few of each peer, then only their count (a peer cannot flood the log)."""
         self.refused[peer] = self.refused.get(peer, 0) + 1
         count = self.refused[peer]
+        self._notify()
         if count <= 3:
-            log.warning("rank %d: peer rank %d sent %s of step %d: %s; refused%s", self.rank, peer,
-                        KIND_NAMES.get(kind, f"an unknown kind {kind}"), step, reason,
+            log.warning("rank %d: %s sent %s of step %d: %s; refused%s", self.rank,
+                        "an unknown sender" if peer < 0 else f"peer rank {peer}",
+                        KIND_NAMES.get(kind, "a message"), step, reason,
                         "" if count < 3 else " (further refusals from this peer are counted, not logged)")
-
-    def _recv(self, peer: int, tensor: torch.Tensor, tag: int) -> bool:
-        """Receive into `tensor`; False when the connection closed (the peer is lost unless it said DONE)."""
-        try:
-            dist.recv(tensor, group=self.group, tag=tag, group_src=peer)
-            return True
-        except Exception as exc:
-            if not self._done_received[peer].is_set():
-                self._lost.setdefault(peer, f"receive failed: {first_line(exc)}")
-                self._done_received[peer].set()  # nothing more will come from it
-            self._notify()
-            return False
-
-    def _read_body(self, peer: int, size: int, limit: int) -> tuple[torch.Tensor | None, str | None]:
-        """The body, received whole if 0 <= size <= limit, else read through and refused (empty, with a reason);
-        None when the connection closed."""
-        honest = 0 <= size <= limit
-        body = torch.empty(size if honest else 0, dtype=torch.int32)
-        scratch = None if honest else torch.empty(max(0, min(size, CHUNK_WORDS)), dtype=torch.int32)
-        for start in range(0, max(size, 0), CHUNK_WORDS):
-            n = min(CHUNK_WORDS, size - start)
-            if not self._recv(peer, body[start : start + n] if honest else scratch[:n], tag=1):
-                return None, None
-        refused = None if honest else f"{size} words announced, an honest one holds at most {limit}"
-        return body, refused
