@@ -261,3 +261,29 @@ def test_across_hosts_the_coordinator_killed_and_restarted_members_wait_rejoin_a
             assert coordinator.poll() is None  # still serving; the lab kills it
         finally:
             metronome.close()
+
+
+def test_one_world_async_ranks_on_two_hosts_reach_each_other_over_zeromq_on_their_advertised_addresses(tmp_path):
+    """The one-world async mode (not the open swarm) across two hosts: rank 0 on host a, rank 1 on host b behind a
+    link with 50 ms delay and 2% loss, launched as torchrun would (MASTER_ADDR: host a). Each binds its links
+    socket on its address towards MASTER_ADDR and dials the other's: both train on each other's rollouts to the
+    end. A wrong advertised address (loopback) would leave each peer unreachable: lost, exit 1."""
+    from .test_async_swarm import ASYNC
+    from .test_swarm import _args, _env, _free_port, _records, _train
+
+    with NetLab({"a": Link(), "b": Link(delay_ms=50, loss=0.02)}) as lab:
+        port, procs = _free_port(), []
+        args = _args(tmp_path, "train.steps=6", *ASYNC, "swarm.timeout_s=60")
+        for rank, host in enumerate(("a", "b")):
+            env = _env(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",
+                       MASTER_ADDR=lab.address("a"), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="v0")
+            procs.append(lab.popen(host, [sys.executable, os.path.join(os.path.dirname(__file__), "swarm_worker.py"),
+                                          "none", *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True))
+        results = [(p.wait(timeout=400), p.stderr.read()[-2000:]) for p in procs]
+    assert [code for code, _ in results] == [0, 0], results
+    records = _train(_records(tmp_path))
+    for name in ("tiny-s", "tiny-m-lora"):
+        mine = [r for r in records if r["member"] == name]
+        assert [r["step"] for r in mine] == list(range(1, 7)), name
+        assert sum(r["peer_sequences"] for r in mine) > 0 and all(r["rejected_batches"] == 0 for r in mine), name
