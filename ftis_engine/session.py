@@ -140,7 +140,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         raise ConfigError(f"members.{first}.ranks: a member on {config.members[first].ranks} ranks runs in "
                           f"processes of its own: --nproc {world_size(config)} (or torchrun)")
     # a rank holds its member: a learner's, or the one a sampler rank generates for
-    local = [endpoint_roles(config)[exchange.rank][0]] if distributed else list(range(len(config.members)))
+    own, sampler_index = endpoint_roles(config)[exchange.rank] if distributed else (None, None)
+    local = [own] if distributed else list(range(len(config.members)))
     if config.train.threads:
         check_threads(config.train.threads)
         torch.set_num_threads(config.train.threads)
@@ -178,7 +179,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if source is not None and checkpoint is None and not config.checkpoint.save_optimizer:
         log.warning("--resume: checkpoint.save_optimizer is false, so %s holds no optimizer state: Adam's "
                     "moments restart from zero (the resumed run is not the run that went through)", source)
-    sampler = distributed and endpoint_roles(config)[exchange.rank][1] is not None
+    sampler = sampler_index is not None
     members: list[Member] = []
     try:  # a member or checkpoint that fails closes the generators already built (a vLLM engine holds a GPU)
         for i in local:  # each member finished (checked, restored, sharded) before the next is built

@@ -67,11 +67,13 @@ def _autocast_operands(device: torch.device, *tensors: torch.Tensor | None) -> t
                                                                             torch.bfloat16) else t for t in tensors)
 
 
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LossConfig))
+
+
 def _split_options(targets, gen_logprobs, advantages, cu_seqlens, options: dict) -> tuple[LossInputs, dict]:
     """The call's LossInputs (the required four and the optional inputs among `options`), and the rest of
-    `options`: LossConfig overrides."""
-    fields = {f.name for f in dataclasses.fields(LossConfig)}
-    unknown = sorted(k for k in options if k not in OPTIONAL_INPUTS and k not in fields)
+    `options`: LossConfig overrides (an unknown keyword is refused here, naming both kinds it could have been)."""
+    unknown = sorted(k for k in options if k not in OPTIONAL_INPUTS and k not in _CONFIG_FIELDS)
     if unknown:
         raise ValueError(f"{unknown[0]}: neither an input of the loss ({', '.join(OPTIONAL_INPUTS)}) nor a LossConfig "
                         "field")
