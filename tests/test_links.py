@@ -187,6 +187,26 @@ def test_a_body_over_the_receivers_limit_is_refused_and_one_over_the_socket_cap_
         kill(link)
 
 
+def test_a_done_and_a_round_taken_lost_with_a_cut_connection_go_again_once_it_is_back():
+    """A message over the receiver's cap cuts the connection, and what followed it on that connection is gone; the
+    sender's DONE and its newest TAKEN go again on the new connection, so the receiver neither waits for a DONE
+    that never comes (until swarm.timeout_s) nor a sampler for its round taken."""
+    links, handlers = start(max_words=50)
+    zero, one = links[0], links[1]
+    zero.post_parcel(1, 1, 0, torch.ones(1000, dtype=torch.int32))  # 4000 bytes over rank 1's cap of 1024
+    zero.post_slot(1, TAKEN, 5)
+    leaving = threading.Thread(target=zero.finish)
+    leaving.start()
+    one.wait_until(lambda: one.peer_done(0), 20.0, "rank 0's DONE")
+    one.finish()
+    leaving.join(20)
+    assert not leaving.is_alive() and zero.reconnects[1] >= 1  # the cut happened and the link came back
+    delivered = {(kind, step) for _, kind, step, _, _ in handlers[1].delivered}
+    assert delivered == {(TAKEN, 5)}  # no parcel; the TAKEN once or twice
+    zero.check()
+    one.check()
+
+
 @pytest.mark.parametrize("frames, reason", [
     ([MAGIC, HEADER.pack(DATA, 1, 0, 3), b"\x00" * 8], "a header that does not match its body"),
     ([MAGIC, HEADER.pack(9, 1, 0, 0)], "an unknown kind 9"),

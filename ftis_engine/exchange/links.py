@@ -101,9 +101,12 @@ class Outbox:
                 self.dropped_sequences += int(oldest[0]) if oldest.numel() else 0
             self._parcels.append((step, version, buffer))
 
-    def put_slot(self, kind: int, step: int, version: int, buffer: torch.Tensor | None) -> None:
+    def put_slot(self, kind: int, step: int, version: int, buffer: torch.Tensor | None,
+                 unless_waiting: bool = False) -> None:
+        """The slot's new value (unless_waiting: only if none waits, e.g. an old value sent again)."""
         with self._lock:
-            self._slots[kind] = (step, version, buffer)
+            if not (unless_waiting and kind in self._slots):
+                self._slots[kind] = (step, version, buffer)
 
     def put_done(self) -> None:
         with self._lock:
@@ -189,6 +192,9 @@ class Links:
         self._lost: dict[int, str] = {}
         self._failed: dict[int | None, tuple[str, BaseException]] = {}
         self.refused: dict[int, int] = {}  # peer -> messages refused
+        self.reconnects = {p: 0 for p in self.peers}  # connections to a peer that closed and came back
+        self._last_taken: dict[int, tuple[int, int]] = {}  # peer -> the last TAKEN handed to ZeroMQ (step, version)
+        self._done_again: set[int] = set()  # peers whose DONE goes again (a reconnection may have lost it)
         self.changed = threading.Condition()  # notified whenever a message arrives or a link ends
         self._handler: Handler | None = None
         self._thread: threading.Thread | None = None
@@ -398,11 +404,26 @@ class Links:
             except zmq.Again:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if peer in down_since:
+                    self._reconnected(peer)
                 up[peer] = True
                 down_since.pop(peer, None)
             elif event == zmq.EVENT_DISCONNECTED:
                 up[peer] = False
                 down_since.setdefault(peer, time.monotonic())
+
+    def _reconnected(self, peer: int) -> None:
+        """A connection that closed is back (a network blip, or the peer's socket refused a message of ours over
+        its cap): what it held is gone. Parcels lost so are lost (fresh ones follow); the control messages a peer
+        must not miss go again: this rank's DONE (the peer would wait for it until its time-out) and the newest
+        round taken (a sampler would wait for it). A receiver takes either twice alike."""
+        self.reconnects[peer] += 1
+        log.info("rank %d: the connection to peer rank %d is back (reconnection %d)", self.rank, peer,
+                 self.reconnects[peer])
+        if peer in self._last_taken:
+            self.outboxes[peer].put_slot(TAKEN, *self._last_taken[peer], None, unless_waiting=True)
+        if self._done_sent[peer].is_set() and peer not in self._lost:
+            self._done_again.add(peer)
 
     def _lose(self, peer: int, reason: str) -> None:
         self._lost.setdefault(peer, reason)
@@ -411,9 +432,16 @@ class Links:
         self._notify()
 
     def _send_ready(self, peer: int, dealer, pending: dict) -> None:
-        """Hand ZeroMQ this peer's next messages while it takes them (DONE last, then nothing more)."""
+        """Hand ZeroMQ this peer's next messages while it takes them (DONE last, then nothing more but a DONE sent
+        again after a reconnection)."""
         import zmq
 
+        if peer in self._done_again:
+            try:
+                dealer.send_multipart(frames(DONE, 0, 0, None), zmq.NOBLOCK)
+                self._done_again.discard(peer)
+            except zmq.Again:
+                return
         while not self._done_sent[peer].is_set():
             message = pending.pop(peer, None)
             if message is None:
@@ -430,6 +458,8 @@ class Links:
             if kind == DONE:
                 self._done_sent[peer].set()
                 self._notify()
+            elif kind == TAKEN:
+                self._last_taken[peer] = HEADER.unpack(bytes(parts[1]))[1:3]
 
     def _receive(self, message: list[bytes]) -> None:
         sender, *rest = message
@@ -476,11 +506,11 @@ class Links:
 
     def _refused(self, peer: int, kind: int, step: int, reason: str) -> None:
         """Log a refused message: the first few of each peer, then only their count (a peer cannot flood the log)."""
-        self.refused[peer] = self.refused.get(peer, 0) + 1
-        count = self.refused[peer]
-        self._notify()
+        count = self.refused.get(peer, 0) + 1
         if count <= 3:
             log.warning("rank %d: %s sent %s of step %d: %s; refused%s", self.rank,
                         "an unknown sender" if peer < 0 else f"peer rank {peer}",
                         KIND_NAMES.get(kind, "a message"), step, reason,
                         "" if count < 3 else " (further refusals from this peer are counted, not logged)")
+        self.refused[peer] = count  # after the log: a reader that sees the count finds its line
+        self._notify()
