@@ -112,6 +112,7 @@ def test_what_is_queued_before_done_arrives_in_order_and_slots_keep_only_their_n
 
 def test_a_killed_peer_is_lost_and_check_says_so():
     links, _ = start()
+    links[0].wait_until(lambda: links[0].up[1], 10.0, "the connection")  # killed before: never up, lost as such
     kill(links[1])
     started = time.monotonic()
     with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(its connection closed\)"):
@@ -143,7 +144,7 @@ def test_a_stopped_peer_process_is_lost_by_heartbeat_though_its_kernel_still_acc
     try:
         address = peer.stdout.readline().strip()
         links, _ = start(timeout_s=1.0, fixed={1: address})
-        time.sleep(1.5)  # up and heartbeating
+        links[0].wait_until(lambda: links[0].up[1], 10.0, "the connection")  # up and heartbeating
         links[0].check()
         peer.send_signal(signal.SIGSTOP)
         with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(its connection closed\)"):
@@ -187,16 +188,24 @@ def test_a_body_over_the_receivers_limit_is_refused_and_one_over_the_socket_cap_
         kill(link)
 
 
-def test_a_done_and_a_round_taken_lost_with_a_cut_connection_go_again_once_it_is_back():
+def test_a_done_lost_with_a_cut_connection_goes_again_once_it_is_back():
     """A message over the receiver's cap cuts the connection, and what followed it on that connection is gone; the
-    sender's DONE and its newest TAKEN go again on the new connection, so the receiver neither waits for a DONE
-    that never comes (until swarm.timeout_s) nor a sampler for its round taken."""
-    links, handlers = start(max_words=50)
+    sender's DONE goes again on the new connection (and its newest round taken), so the receiver does not wait for
+    a DONE that never comes (until swarm.timeout_s). Everything is queued before the links start, so the parcel
+    and the DONE go out back to back on the first connection."""
+    gather = Gather(2)
+    handlers = {r: Handler() for r in (0, 1)}
+    links = {r: Links(r, 2, timeout_s=60.0, outbox_capacity=4, gather=gather.of(r)) for r in (0, 1)}
     zero, one = links[0], links[1]
-    zero.post_parcel(1, 1, 0, torch.ones(1000, dtype=torch.int32))  # 4000 bytes over rank 1's cap of 1024
     zero.post_slot(1, TAKEN, 5)
-    leaving = threading.Thread(target=zero.finish)
+    zero.post_parcel(1, 1, 0, torch.ones(1000, dtype=torch.int32))  # 4000 bytes over rank 1's cap of 1024
+    leaving = threading.Thread(target=zero.finish)  # its DONE follows the parcel
     leaving.start()
+    starting = [threading.Thread(target=links[r].start, args=(handlers[r], 50)) for r in (0, 1)]
+    for t in starting:
+        t.start()
+    for t in starting:
+        t.join(10)
     one.wait_until(lambda: one.peer_done(0), 20.0, "rank 0's DONE")
     one.finish()
     leaving.join(20)

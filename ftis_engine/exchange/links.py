@@ -101,12 +101,9 @@ class Outbox:
                 self.dropped_sequences += int(oldest[0]) if oldest.numel() else 0
             self._parcels.append((step, version, buffer))
 
-    def put_slot(self, kind: int, step: int, version: int, buffer: torch.Tensor | None,
-                 unless_waiting: bool = False) -> None:
-        """The slot's new value (unless_waiting: only if none waits, e.g. an old value sent again)."""
+    def put_slot(self, kind: int, step: int, version: int, buffer: torch.Tensor | None) -> None:
         with self._lock:
-            if not (unless_waiting and kind in self._slots):
-                self._slots[kind] = (step, version, buffer)
+            self._slots[kind] = (step, version, buffer)
 
     def put_done(self) -> None:
         with self._lock:
@@ -193,8 +190,9 @@ class Links:
         self._failed: dict[int | None, tuple[str, BaseException]] = {}
         self.refused: dict[int, int] = {}  # peer -> messages refused
         self.reconnects = {p: 0 for p in self.peers}  # connections to a peer that closed and came back
+        self.up = {p: False for p in self.peers}  # this rank's connection to the peer is up (handshake done)
         self._last_taken: dict[int, tuple[int, int]] = {}  # peer -> the last TAKEN handed to ZeroMQ (step, version)
-        self._done_again: set[int] = set()  # peers whose DONE goes again (a reconnection may have lost it)
+        self._again: dict[int, list[list]] = {}  # peer -> messages that go again (a reconnection may have lost them)
         self.changed = threading.Condition()  # notified whenever a message arrives or a link ends
         self._handler: Handler | None = None
         self._thread: threading.Thread | None = None
@@ -325,7 +323,7 @@ class Links:
 
         context = zmq.Context.instance()
         dealers, monitors = {}, {}
-        up = {p: False for p in self.peers}
+        up = self.up
         down_since: dict[int, float] = {}  # peer -> when its connection closed (it may come back)
         pending: dict[int, list] = {}  # peer -> a message ZeroMQ would not take yet
         started = time.monotonic()
@@ -387,10 +385,14 @@ class Links:
                 self._done_sent[peer].set()
             self._notify()
         finally:
+            # the monitors stop before their sockets close: libzmq's own thread may be sending an event (a peer's
+            # disconnection) to a monitor, and with the reading end closed first that send would wait forever,
+            # holding the lock disable_monitor then waits for
+            for dealer in dealers.values():
+                dealer.disable_monitor()
             for monitor in monitors.values():
                 monitor.close(0)
-            for peer, dealer in dealers.items():
-                dealer.disable_monitor()
+            for dealer in dealers.values():
                 dealer.close(None if self._flush else 0)  # lingers until what it holds (a DONE answer) has gone out
             router.close(0)
 
@@ -408,6 +410,7 @@ class Links:
                     self._reconnected(peer)
                 up[peer] = True
                 down_since.pop(peer, None)
+                self._notify()
             elif event == zmq.EVENT_DISCONNECTED:
                 up[peer] = False
                 down_since.setdefault(peer, time.monotonic())
@@ -420,10 +423,12 @@ class Links:
         self.reconnects[peer] += 1
         log.info("rank %d: the connection to peer rank %d is back (reconnection %d)", self.rank, peer,
                  self.reconnects[peer])
-        if peer in self._last_taken:
-            self.outboxes[peer].put_slot(TAKEN, *self._last_taken[peer], None, unless_waiting=True)
+        again = []
+        if peer in self._last_taken:  # (a newer one still waiting in the outbox follows it)
+            again.append(frames(TAKEN, *self._last_taken[peer], None))
         if self._done_sent[peer].is_set() and peer not in self._lost:
-            self._done_again.add(peer)
+            again.append(frames(DONE, 0, 0, None))
+        self._again[peer] = again
 
     def _lose(self, peer: int, reason: str) -> None:
         self._lost.setdefault(peer, reason)
@@ -436,12 +441,13 @@ class Links:
         again after a reconnection)."""
         import zmq
 
-        if peer in self._done_again:
+        again = self._again.get(peer, [])
+        while again:
             try:
-                dealer.send_multipart(frames(DONE, 0, 0, None), zmq.NOBLOCK)
-                self._done_again.discard(peer)
+                dealer.send_multipart(again[0], zmq.NOBLOCK)
             except zmq.Again:
                 return
+            again.pop(0)
         while not self._done_sent[peer].is_set():
             message = pending.pop(peer, None)
             if message is None:
