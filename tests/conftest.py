@@ -8,12 +8,22 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
 import tempfile  # noqa: E402
 
 import pytest  # noqa: E402
 
-# warm starts are cached per test session (subprocesses inherit it), never in the user's ~/.cache
-os.environ.setdefault("FTIS_CACHE_DIR", tempfile.mkdtemp(prefix="ftis-test-cache-"))
+# warm starts and packaged models are cached per test session (subprocesses inherit it), never in the user's
+# ~/.cache; the session's own cache goes when the session ends (a packaged model is half a gigabyte)
+_SESSION_CACHE = None
+if not os.environ.get("FTIS_CACHE_DIR"):
+    _SESSION_CACHE = tempfile.mkdtemp(prefix="ftis-test-cache-")
+    os.environ["FTIS_CACHE_DIR"] = _SESSION_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 

@@ -29,3 +29,33 @@ def test_the_set_up_section_holds_the_two_commands_ci_runs():
     assert install in ci_lines and tests in ci_lines
     assert any("-m venv" in line for line in ci_lines)
     assert (ROOT / "constraints.txt").is_file()
+
+
+def test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_kept(tmp_path):
+    """The README's test command leaves nothing behind: conftest gives a session its own FTIS_CACHE_DIR (a
+    packaged model in it is half a gigabyte) and removes it when the session ends; a cache the user named stays."""
+    import os
+    import subprocess
+    import sys
+
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    (probe / "test_probe.py").write_text(
+        "import os, pathlib\n\ndef test_probe():\n"
+        "    cache = pathlib.Path(os.environ['FTIS_CACHE_DIR'])\n"
+        "    (cache / 'kept').write_text(str(cache))\n"
+        "    (pathlib.Path(__file__).parent / 'seen').write_text(str(cache))\n")
+    temp, mine = tmp_path / "tmp", tmp_path / "mine"
+    temp.mkdir(), mine.mkdir()
+    for cache in (None, mine):
+        env = {k: v for k, v in os.environ.items() if k != "FTIS_CACHE_DIR"}
+        env.update(TMPDIR=str(temp), **({} if cache is None else {"FTIS_CACHE_DIR": str(cache)}))
+        run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
+                              "-c", os.devnull, "--rootdir", str(probe), str(probe / "test_probe.py")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stdout + run.stderr
+        seen = pathlib.Path((probe / "seen").read_text())
+        if cache is None:  # the session's own, made under TMPDIR, written to, and gone
+            assert seen.parent == temp and seen.name.startswith("ftis-test-cache-") and not seen.exists()
+    assert seen == mine and (mine / "kept").read_text() == str(mine)
+    assert list(temp.iterdir()) == []
