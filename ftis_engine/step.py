@@ -83,7 +83,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         record.update(reward_terms(swarm, member, own[index]))
         record.update(got.metrics(), **screened.metrics(), screen_seconds=watch.seconds["screen_seconds"],
                       unscored_dropped=unscored, in_flight=arrivals.waiting,
-                      outbox_dropped=arrivals.outbox_dropped, forged_sent=forged[index],
+                      outbox_dropped=arrivals.outbox_dropped, link_refused=arrivals.link_refused,
+                      link_reconnects=arrivals.link_reconnects, forged_sent=forged[index],
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
                       **memory[index].record())
         records.append(record)

@@ -170,6 +170,10 @@ class _FakeLinks:
     def __init__(self, exchange, arrivals: dict[float, tuple[int, int]]):
         self.exchange, self.arrivals, self.clock, self.waits = exchange, dict(arrivals), 0.0, []
         self.outboxes = {}
+        self.totals = (0, 0)  # messages refused and reconnections so far, as Links.counts() gives them
+
+    def counts(self):
+        return self.totals
 
     def peer_done(self, peer):
         return False
@@ -205,6 +209,7 @@ def test_the_lead_bound_waits_exactly_when_the_slowest_live_peer_is_more_than_ma
     exchange = object.__new__(DistributedAsync)
     exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], max_lead, 60.0
     exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), dict(published), {}, 0
+    exchange._link_counts = (0, 0)
     exchange.links = _FakeLinks(exchange, {7.5: (1, 3)})  # the peer publishes its step 3 at 7.5 s
     arrivals = exchange.receive(0, 5)
     assert arrivals.lead_steps == 5 - published[1]
@@ -212,3 +217,20 @@ def test_the_lead_bound_waits_exactly_when_the_slowest_live_peer_is_more_than_ma
     if waits:
         assert exchange.links.waits[0][1] == 7.5 and exchange._published[1] == 3
         assert "publish step 3 (swarm.max_lead=2, this member's step 5)" in exchange.links.waits[0][0]
+
+
+def test_a_receive_reports_the_messages_refused_and_the_reconnections_since_the_last_one():
+    """link_refused and link_reconnects in a train record are the links' totals less those at the last receive."""
+    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], None, 60.0
+    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), {1: 0}, {}, 0
+    exchange._link_counts = (0, 0)
+    exchange.links = _FakeLinks(exchange, {})
+    seen = []
+    for totals in [(0, 0), (3, 1), (3, 1), (5, 4)]:
+        exchange.links.totals = totals
+        arrivals = exchange.receive(0, 1)
+        seen.append((arrivals.link_refused, arrivals.link_reconnects))
+    assert seen == [(0, 0), (3, 1), (0, 0), (2, 3)]

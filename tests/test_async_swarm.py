@@ -112,7 +112,7 @@ def test_three_processes_each_train_on_both_peers_bit_exact(tmp_path):
     made = {(r["member"], r["step"]): r["rollouts_sha256"] for r in records}
     senders = {r["member"]: set() for r in records}
     for r in records:
-        assert r["rejected_batches"] == 0 and r["stale_dropped"] == 0
+        assert r["rejected_batches"] == 0 and r["stale_dropped"] == 0 and r["link_refused"] == 0
         for key, digest in r["received_sha256"].items():
             peer, step = key.split("@")
             assert digest == made[(peer, int(step))]  # what the peer encoded at that step is what it trained on
@@ -163,6 +163,8 @@ def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(t
     records = _train(_records(tmp_path))
     assert sum(r["peer_sequences"] for r in records if r["member"] == "tiny-s") > 0
     assert all(r["rejected_batches"] == 0 for r in records)
+    assert sum(r["link_refused"] for r in records if r["member"] == "tiny-s") >= 1  # reported in its records
+    assert all(r["link_refused"] == 0 for r in records if r["member"] != "tiny-s")
 
 
 def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_logged(tmp_path):

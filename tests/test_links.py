@@ -181,6 +181,7 @@ def test_a_body_over_the_receivers_limit_is_refused_and_one_over_the_socket_cap_
     zero.post_parcel(1, 3, 2, torch.ones(5, dtype=torch.int32))
     one.wait_until(lambda: len(handlers[1].delivered) == 2, 10.0, "the next parcel")
     assert [step for _, _, step, _, _ in handlers[1].delivered] == [1, 3]  # step 2 never arrived
+    assert one.counts()[0] == 1 and zero.counts()[1] >= 1  # refused by one; zero's cut connection came back
     time.sleep(links_module.LOST_GRACE_S + 0.5)
     zero.check()
     one.check()
@@ -267,7 +268,7 @@ def test_a_message_from_an_unknown_sender_is_refused_and_a_done_is_not_taken_fro
     stranger.connect(links[0].addresses[1])
     stranger.send_multipart([MAGIC, HEADER.pack(DONE, 0, 0, 0)])
     links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
-    assert links[1].refused == {-1: 1} and not links[1].peer_done(0)
+    assert links[1].refused == {-1: 1} and links[1].counts()[0] == 1 and not links[1].peer_done(0)
     stranger.close()
     for link in links.values():
         kill(link)

@@ -53,6 +53,8 @@ class Arrivals:
     waiting: int = 0  # parcels that arrived and are not due yet (simulated latency, or ahead of max_lead)
     dropped_sequences: int = 0  # sequences the transport dropped unread since the last receive (a full mailbox)
     outbox_dropped: int = 0  # this rank's parcels dropped unsent since the last receive (a full outbox: slow link)
+    link_refused: int = 0  # one-world async: messages from peers the links refused since the last receive
+    link_reconnects: int = 0  # one-world async: connections to peers that closed and came back since then
 
 
 class Collectives(Protocol):

@@ -190,6 +190,7 @@ class DistributedAsync:
         self._taken: dict[int, int] = {}  # own sampler -> the newest of its rounds this learner has taken
         self.taken = 0  # a sampler: the newest of its rounds its learner has taken
         self._outbox_dropped = 0
+        self._link_counts = (0, 0)  # the links' refused and reconnects at the last receive
         # weights.WeightBroadcast: a learner's weights to its samplers in a group of their own (None: the links)
         self.broadcast = broadcast
 
@@ -242,10 +243,13 @@ class DistributedAsync:
                 self._taken[parcel.sender] = parcel.step
                 self.links.post_slot(parcel.sender, TAKEN, parcel.step)
         outbox_dropped = sum(box.dropped_sequences for box in self.links.outboxes.values())
+        counts = self.links.counts()
         arrivals = Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                             lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
-                            outbox_dropped=outbox_dropped - self._outbox_dropped)
-        self._outbox_dropped = outbox_dropped
+                            outbox_dropped=outbox_dropped - self._outbox_dropped,
+                            link_refused=counts[0] - self._link_counts[0],
+                            link_reconnects=counts[1] - self._link_counts[1])
+        self._outbox_dropped, self._link_counts = outbox_dropped, counts
         return arrivals
 
     def weights_format(self) -> tuple[torch.dtype, torch.device]:

@@ -245,6 +245,10 @@ class Links:
             self.outboxes[peer].put_slot(kind, step, version, buffer)
             self._wake()
 
+    def counts(self) -> tuple[int, int]:
+        """Messages refused so far (every sender, unknown ones included) and reconnections (every peer)."""
+        return sum(list(self.refused.values())), sum(list(self.reconnects.values()))  # list(): one copy, GIL held
+
     def peer_done(self, peer: int) -> bool:
         """The peer said DONE (or its link ended): it sends nothing more and holds nobody back."""
         return self._done_received[peer].is_set()
