@@ -7,7 +7,8 @@ members of configs/swarm/ as separate `train --join` jobs, side by side in two s
             when tiny-s reaches step 20
 
     python benchmarks/open_swarm.py              # 40 steps of 0.5 s more, 10 ms links, 2 repeats, alternating
-    python benchmarks/open_swarm.py --quick      # 10 steps of 0.1 s more, kill at 3, back at 5, join at 6 (CI)
+    python benchmarks/open_swarm.py --quick      # 10 steps of 0.1 s more, kill at 3, back at 5, join at 6
+    python benchmarks/open_swarm.py --quick --scenario churn     # churn only (the test suite's smoke run)
 
 Each member's generation sleeps `--step-seconds` more (no CPU; a tiny step takes a tenth of a second, a real
 model's seconds, and a member's start-up several: without it a newcomer would find the others done). Needs root
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--delay-ms", type=float, default=10.0)
     parser.add_argument("--step-seconds", type=float, default=0.5,
                         help="added to each member's generation (a sleep): steps of a real model's length")
+    parser.add_argument("--scenario", choices=("steady", "churn"), action="append",
+                        help="run only this scenario (repeatable; default: both, side by side)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "open_swarm")
     args = parser.parse_args(argv)
     from tests.netlab import NetLab
@@ -227,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     with tempfile.TemporaryDirectory(prefix="open-swarm-") as tmp:
         for repeat in range(repeats):
-            for scenario in ("steady", "churn"):
+            for scenario in [s for s in ("steady", "churn") if not args.scenario or s in args.scenario]:
                 run = pathlib.Path(tmp) / f"{scenario}-{repeat}"
                 run.mkdir()
                 print(f"{scenario}, repeat {repeat + 1}/{repeats} ...", flush=True)

@@ -248,12 +248,12 @@ def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_l
     assert results[1][0] != 0  # the other rank stops too (its peer is gone)
 
 
-def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(tmp_path, "members.0.samplers=1")],
-                            env=_env(), capture_output=True, text=True, timeout=120)
+def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path, capsys):
+    from .helpers import command_here
+
+    result = command_here(capsys, *_args(tmp_path, "members.0.samplers=1"))
     assert result.returncode == 2 and result.stderr.strip().startswith("error: members.0.samplers: sampler ranks need")
-    result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(tmp_path, "members.0.samplers=1", *ASYNC),
-                             "--nproc", "2"], env=_env(), capture_output=True, text=True, timeout=120)
+    result = command_here(capsys, *_args(tmp_path, "members.0.samplers=1", *ASYNC), "--nproc", "2")
     assert result.returncode == 2 and "--nproc 2: the config needs 3 processes" in result.stderr
 
 

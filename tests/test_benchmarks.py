@@ -112,11 +112,10 @@ def test_open_swarm_benchmark_quick_a_killed_member_redoes_its_steps_since_its_c
     reason = NetLab.unavailable()
     if reason is not None:
         pytest.skip(f"network namespaces: {reason}")
-    results = open_swarm.main(["--quick", "--out", str(tmp_path / "open_swarm")])
-    steady, churn = results
-    for result in results:
-        assert all(m["steps"] == 10 and m["rejected_batches"] == 0 for m in result["members"].values())
-    assert steady["events"]["undeliverable"] == 0 and "killed_at" not in steady["events"]
+    # the churn scenario only: the steady one is the same swarm without the kill (the smoke test needs one run)
+    results = open_swarm.main(["--quick", "--scenario", "churn", "--out", str(tmp_path / "open_swarm")])
+    [churn] = results
+    assert all(m["steps"] == 10 and m["rejected_batches"] == 0 for m in churn["members"].values())
     events = churn["events"]
     assert events["killed_at"] >= 3 and churn["members"]["tiny-m-lora"]["redone"] == events["killed_at"] - \
         events["checkpoint"] >= 0

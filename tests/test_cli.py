@@ -12,6 +12,8 @@ import sys
 import pytest
 import yaml
 
+from .helpers import command_here, main_in_process
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 
@@ -61,7 +63,18 @@ BAD = [
 
 
 @pytest.mark.parametrize("extra, field", BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)])
-def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, extra, field):
+def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, extra, field):
+    """In this process (the command's own error handling; an unexpected exception fails the test with its traceback);
+    the next test runs two of them as the command itself."""
+    code, _, err = main_in_process(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "out", *extra)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra, field", [BAD[1], BAD[-2]], ids=["members.0.lr", "system_prompt"])
+def test_bad_config_as_a_command_exits_2_with_one_line_and_no_traceback(tmp_path, extra, field):
     result = cli("train", "--config", TINY, "--output-dir", tmp_path / "out", *extra)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -69,14 +82,14 @@ def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, extra, fi
     assert not (tmp_path / "out").exists()
 
 
-def test_missing_or_broken_config_file(tmp_path):
+def test_missing_or_broken_config_file(tmp_path, capsys):
     for args in (["train", "--config", tmp_path / "nope.yaml"], ["train"], ["plot", tmp_path / "nothing"]):
-        result = cli(*args)
+        result = command_here(capsys, *args)
         assert result.returncode == 2, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     broken = tmp_path / "broken.yaml"
     broken.write_text("run_name: [unclosed\n")
-    result = cli("train", "--config", broken)
+    result = command_here(capsys, "train", "--config", broken)
     assert result.returncode == 2 and "--config" in result.stderr
 
 
@@ -99,11 +112,11 @@ def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path):
+def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")
-    result = cli("plot", tmp_path)
+    result = command_here(capsys, "plot", tmp_path)
     assert result.returncode == 2 and "metrics.jsonl holds no records yet" in result.stderr
-    result = cli("train", "--config", TINY, "--output-dir", tmp_path / "out", "--resume")
+    result = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "out", "--resume")
     assert result.returncode == 2 and "holds no run to continue" in result.stderr
     assert not (tmp_path / "out").exists()
 

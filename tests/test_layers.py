@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import functools
 import importlib.util
-import subprocess
 import sys
 
 import pytest
@@ -132,18 +131,20 @@ def test_auto_is_eager_and_bad_choices_name_the_field(monkeypatch):
         layers.resolve("liger+compile", torch.device("cuda"))
 
 
-def test_the_command_line_rejects_an_unknown_mode(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set",
-                           "train.layers=fast", "--output-dir", str(tmp_path), "--dry-run"],
-                          check=False, capture_output=True, text=True)
+def test_the_command_line_rejects_an_unknown_mode(tmp_path, capsys):
+    from .helpers import command_here
+
+    proc = command_here(capsys, "train", "--config", TINY, "--set", "train.layers=fast", "--output-dir", tmp_path,
+                        "--dry-run")
     assert proc.returncode == 2 and "train.layers" in proc.stderr and "Traceback" not in proc.stderr
     assert not any(tmp_path.iterdir())
 
 
-def test_liger_on_a_cpu_run_stops_before_any_process_starts(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set",
-                           "train.layers=liger", "--nproc", "2", "--output-dir", str(tmp_path)],
-                          check=False, capture_output=True, text=True, timeout=300)
+def test_liger_on_a_cpu_run_stops_before_any_process_starts(tmp_path, capsys):
+    from .helpers import command_here
+
+    proc = command_here(capsys, "train", "--config", TINY, "--set", "train.layers=liger", "--nproc", "2",
+                        "--output-dir", tmp_path)
     lines = proc.stderr.strip().splitlines()
     # without liger-kernel it says so; with it, that its kernels need a GPU
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: train.layers: liger ")

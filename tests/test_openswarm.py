@@ -296,16 +296,15 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
 # ------------------------------------------------------------------------------------------------- the command
 
 
-def test_swarm_serve_refuses_a_config_with_members_or_a_bad_address_in_one_line(tmp_path):
-    from .helpers import ROOT, TINY
+def test_swarm_serve_refuses_a_config_with_members_or_a_bad_address_in_one_line(tmp_path, capsys):
+    from .helpers import ROOT, TINY, command_here
 
     for args, said in [
         (["--config", str(TINY), "--bind", "tcp://127.0.0.1:0"], "error: members: a swarm config has none"),
         (["--config", str(ROOT / "configs/swarm/swarm.yaml"), "--bind", "localhost:5555"],
          "error: --bind: 'localhost:5555' is not an address"),
     ]:
-        done = subprocess.run([sys.executable, "-m", "ftis_engine", "swarm", "serve", *args, "--output-dir",
-                               str(tmp_path)], capture_output=True, text=True, timeout=120)
+        done = command_here(capsys, "swarm", "serve", *args, "--output-dir", tmp_path)
         assert done.returncode == 2 and done.stderr.startswith(said) and "Traceback" not in done.stderr, done.stderr
 
 
@@ -501,12 +500,10 @@ def test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_an
         running.close()
 
 
-def test_a_member_config_that_cannot_join_is_refused_in_one_line(tmp_path):
-    from .helpers import TINY
+def test_a_member_config_that_cannot_join_is_refused_in_one_line(tmp_path, capsys):
+    from .helpers import TINY, command_here
 
-    done = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--join",
-                           "tcp://127.0.0.1:1", "--output-dir", str(tmp_path)], capture_output=True, text=True,
-                          timeout=120)
+    done = command_here(capsys, "train", "--config", TINY, "--join", "tcp://127.0.0.1:1", "--output-dir", tmp_path)
     assert done.returncode == 2 and done.stderr.startswith("error: members: a member joining an open swarm has "
                                                            "exactly one member"), done.stderr
 

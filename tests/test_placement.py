@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from .helpers import TINY, short_config
+from .helpers import TINY, command_here, short_config
 from .test_swarm import _args, _cli, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -24,16 +24,16 @@ HERE = pathlib.Path(__file__).resolve().parent
     ("members.0.device=cuda:7", "2", "members.0.device"),
     ("members.0.device=gpu:0", "2", "members.0.device"),
 ])
-def test_bad_placements_exit_2_with_one_line(tmp_path, override, nproc, message):
-    result = _cli(*_args(tmp_path, override), "--nproc", nproc)
+def test_bad_placements_exit_2_with_one_line(tmp_path, capsys, override, nproc, message):
+    result = command_here(capsys, *_args(tmp_path, override), "--nproc", nproc)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], result.stderr
     assert not (tmp_path / "swarm").exists()
 
 
-def test_two_vllm_engines_that_would_fill_one_gpu_are_refused_before_anything_starts(tmp_path):
-    result = _cli(*_args(tmp_path, "members.0.generator=vllm", "members.1.generator=vllm",
+def test_two_vllm_engines_that_would_fill_one_gpu_are_refused_before_anything_starts(tmp_path, capsys):
+    result = command_here(capsys, *_args(tmp_path, "members.0.generator=vllm", "members.1.generator=vllm",
                          "members.0.device=cuda:0", "members.1.device=cuda:0",
                          "members.0.vllm.gpu_memory_utilization=0.5", "members.1.vllm.gpu_memory_utilization=0.5"),
                   "--nproc", "2")
@@ -101,13 +101,13 @@ def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_low
     assert training_bytes(lora, 1, shape) < 0.5 * training_bytes(full, 1, shape)
 
 
-def test_a_device_on_a_member_of_several_ranks_is_refused(tmp_path):
-    result = _cli(*_args(tmp_path, "members.0.ranks=2", "members.0.device=cpu"), "--nproc", "3")
+def test_a_device_on_a_member_of_several_ranks_is_refused(tmp_path, capsys):
+    result = command_here(capsys, *_args(tmp_path, "members.0.ranks=2", "members.0.device=cpu"), "--nproc", "3")
     assert result.returncode == 2 and "members.0.device" in result.stderr and "ranks" in result.stderr
 
 
-def test_a_member_on_several_ranks_without_processes_is_refused(tmp_path):
-    result = _cli(*_args(tmp_path, "members.0.ranks=2"))
+def test_a_member_on_several_ranks_without_processes_is_refused(tmp_path, capsys):
+    result = command_here(capsys, *_args(tmp_path, "members.0.ranks=2"))
     assert result.returncode == 2 and "members.0.ranks" in result.stderr and "--nproc 3" in result.stderr
 
 

@@ -27,11 +27,11 @@ def test_make_plots_writes_both_figures_for_a_long_run(tmp_path):
     assert all(p.stat().st_size > 10_000 for p in written)
 
 
-def test_plot_of_a_log_whose_lines_are_json_but_no_records_is_one_line(tmp_path):
-    from .test_cli import cli
+def test_plot_of_a_log_whose_lines_are_json_but_no_records_is_one_line(tmp_path, capsys):
+    from .helpers import command_here
 
     (tmp_path / "metrics.jsonl").write_text("[1, 2, 3]\n")
-    result = cli("plot", tmp_path)
+    result = command_here(capsys, "plot", tmp_path)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: RUN_DIR {tmp_path}:") and "Traceback" not in result.stderr
 

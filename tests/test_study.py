@@ -12,6 +12,7 @@ import yaml
 from ftis_engine import study as study_module
 from ftis_engine.study import StudyError, aggregate, check_reuse, interval, load_study, plan
 
+from .helpers import command_here
 from .test_cli import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -90,9 +91,9 @@ def test_groups_runs_the_named_groups_and_those_they_are_paired_with():
         plan(spec, pathlib.Path("/out"), quick=False, only=["inject-likelyhood"])
 
 
-def test_the_study_command_refuses_an_unknown_group_in_one_line(tmp_path):
-    result = cli("study", "--config", str(write_study(tmp_path, MINIMAL)), "--groups", "pair-vis",
-                 "--output-dir", str(tmp_path / "out"))
+def test_the_study_command_refuses_an_unknown_group_in_one_line(tmp_path, capsys):
+    result = command_here(capsys, "study", "--config", write_study(tmp_path, MINIMAL), "--groups", "pair-vis",
+                          "--output-dir", tmp_path / "out")
     assert result.returncode == 2 and "--groups: unknown group 'pair-vis'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
@@ -151,37 +152,37 @@ def test_a_bad_study_config_is_one_error_naming_the_field(tmp_path, change, mess
         plan(spec, tmp_path / "out", quick="quick" in change)
 
 
-def test_the_cli_refuses_a_bad_study_config_with_exit_2_and_writes_nothing(tmp_path):
+def test_the_cli_refuses_a_bad_study_config_with_exit_2_and_writes_nothing(tmp_path, capsys):
     path = write_study(tmp_path, {**MINIMAL, "groups": [{"name": "x", "members": "pair",
                                                         "set": {"algorithm.is_cap": 0}}]})
-    result = cli("study", "--config", path, "--output-dir", tmp_path / "out")
+    result = command_here(capsys, "study", "--config", path, "--output-dir", tmp_path / "out")
     assert result.returncode == 2
     assert result.stderr.startswith("error: groups.0 (x): algorithm.is_cap") and len(result.stderr.splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 
-def test_a_study_whose_runs_would_fail_on_a_bad_model_stops_before_launching_any(tmp_path):
+def test_a_study_whose_runs_would_fail_on_a_bad_model_stops_before_launching_any(tmp_path, capsys):
     raw = {**MINIMAL, "member_sets": {"pair": [{"name": "a", "model": str(tmp_path / "no-such-model")},
                                                {"name": "b", "model": "builtin:tiny-s"}]}}
-    result = cli("study", "--config", write_study(tmp_path, raw), "--output-dir", tmp_path / "out")
+    result = command_here(capsys, "study", "--config", write_study(tmp_path, raw), "--output-dir", tmp_path / "out")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: groups (pair-nois): members.0.model: cannot load model")
     assert not (tmp_path / "out").exists()
 
 
-def test_a_figure_naming_an_eval_set_of_none_of_its_groups_is_refused_before_any_run(tmp_path):
+def test_a_figure_naming_an_eval_set_of_none_of_its_groups_is_refused_before_any_run(tmp_path, capsys):
     raw = {**MINIMAL, "figures": [{"name": "f", "groups": ["pair-nois"], "datasets": ["gsm8k"]}]}
-    result = cli("study", "--config", write_study(tmp_path, raw), "--output-dir", tmp_path / "out")
+    result = command_here(capsys, "study", "--config", write_study(tmp_path, raw), "--output-dir", tmp_path / "out")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: figures.0.datasets: 'gsm8k' is an eval set of none of its groups (tiny-add)")
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("where", ["file", "under-file"])
-def test_a_study_output_dir_that_cannot_be_written_is_one_line(tmp_path, where):
+def test_a_study_output_dir_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
     (tmp_path / "a-file").write_text("x")
     out = tmp_path / "a-file" if where == "file" else tmp_path / "a-file" / "out"
-    result = cli("study", "--config", write_study(tmp_path, MINIMAL), "--output-dir", out)
+    result = command_here(capsys, "study", "--config", write_study(tmp_path, MINIMAL), "--output-dir", out)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith(f"error: --output-dir: cannot write to {out}")
 
@@ -304,8 +305,8 @@ def test_plot_overlays_several_runs_in_one_figure(quick_study, tmp_path):
     assert (tmp_path / "overlay.png").stat().st_size > 0
 
 
-def test_plot_names_a_run_directory_without_metrics(tmp_path):
-    result = cli("plot", tmp_path, tmp_path)
+def test_plot_names_a_run_directory_without_metrics(tmp_path, capsys):
+    result = command_here(capsys, "plot", tmp_path, tmp_path)
     assert result.returncode == 2 and "no metrics.jsonl" in result.stderr
 
 
