@@ -57,30 +57,25 @@ def with_default_sigint(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", launcher, *argv]
 
 
-def main_in_process(capsys, *args) -> tuple[int, str, str]:
+def command_here(capsys, *args):
     """`ftis-engine ARGS` run in this process: cli.main, the command's own handling of errors and exit codes, without
     a new interpreter's 2-3 s of imports (a refusal test needs nothing else; what needs a process of its own, a
-    signal or a traceback on the real stderr, spawns one). Returns (exit code, stdout, stderr)."""
+    signal or a traceback on the real stderr, spawns one). Returns a subprocess.CompletedProcess (returncode,
+    stdout, stderr), as a test written against the command expects."""
     import signal
+    import subprocess
 
     from ftis_engine import cli
 
+    argv = [str(a) for a in args]
     capsys.readouterr()
     terminate = signal.getsignal(signal.SIGTERM)  # cli.main installs its SIGTERM handler: this process keeps its own
     code: object = 0
     try:
-        cli.main([str(a) for a in args])
+        cli.main(argv)
     except SystemExit as exc:
         code = exc.code
     finally:
         signal.signal(signal.SIGTERM, terminate)
     out, err = capsys.readouterr()
-    return (code if isinstance(code, int) else 0 if code is None else 1), out, err
-
-
-def command_here(capsys, *args):
-    """main_in_process as a subprocess.CompletedProcess (returncode, stdout, stderr), for tests written against one."""
-    import subprocess
-
-    code, out, err = main_in_process(capsys, *args)
-    return subprocess.CompletedProcess([str(a) for a in args], code, out, err)
+    return subprocess.CompletedProcess(argv, code if isinstance(code, int) else 0 if code is None else 1, out, err)

@@ -195,6 +195,18 @@ class _FakeLinks:
         return self.clock - start + 1e-6
 
 
+def _bare_exchange(max_lead, published: dict[int, int], arrivals: dict[float, tuple[int, int]]):
+    """Rank 0's DistributedAsync with one learner peer (rank 1) and fake links, no processes: what receive() reads."""
+    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], max_lead, 60.0
+    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), dict(published), {}, 0
+    exchange._link_counts = (0, 0)
+    exchange.links = _FakeLinks(exchange, arrivals)
+    return exchange
+
+
 @pytest.mark.parametrize("max_lead, published, waits", [
     (None, {1: 0}, False),  # never waits
     (2, {1: 3}, False),  # step 5 needs the peer at step 3: it is
@@ -204,13 +216,7 @@ def test_the_lead_bound_waits_exactly_when_the_slowest_live_peer_is_more_than_ma
                                                                                             waits):
     """The policy of DistributedAsync.receive on a fake clock and fake links: a member at step t waits (and only
     then) while a live peer has published less than t - max_lead; the lead and the wait it reports agree."""
-    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
-
-    exchange = object.__new__(DistributedAsync)
-    exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], max_lead, 60.0
-    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), dict(published), {}, 0
-    exchange._link_counts = (0, 0)
-    exchange.links = _FakeLinks(exchange, {7.5: (1, 3)})  # the peer publishes its step 3 at 7.5 s
+    exchange = _bare_exchange(max_lead, published, {7.5: (1, 3)})  # the peer publishes its step 3 at 7.5 s
     arrivals = exchange.receive(0, 5)
     assert arrivals.lead_steps == 5 - published[1]
     assert (arrivals.lead_wait_seconds > 0) == waits == bool(exchange.links.waits)
@@ -221,13 +227,7 @@ def test_the_lead_bound_waits_exactly_when_the_slowest_live_peer_is_more_than_ma
 
 def test_a_receive_reports_the_messages_refused_and_the_reconnections_since_the_last_one():
     """link_refused and link_reconnects in a train record are the links' totals less those at the last receive."""
-    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
-
-    exchange = object.__new__(DistributedAsync)
-    exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], None, 60.0
-    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), {1: 0}, {}, 0
-    exchange._link_counts = (0, 0)
-    exchange.links = _FakeLinks(exchange, {})
+    exchange = _bare_exchange(None, {1: 0}, {})
     seen = []
     for totals in [(0, 0), (3, 1), (3, 1), (5, 4)]:
         exchange.links.totals = totals

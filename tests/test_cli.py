@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from .helpers import command_here, main_in_process
+from .helpers import command_here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -66,10 +66,10 @@ BAD = [
 def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, extra, field):
     """In this process (the command's own error handling; an unexpected exception fails the test with its traceback);
     the next test runs two of them as the command itself."""
-    code, _, err = main_in_process(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "out", *extra)
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], err
+    result = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "out", *extra)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and field in lines[0], result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -123,14 +123,12 @@ def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path, capsys):
 
 def _main_exit(monkeypatch, capsys, raise_in_step, tmp_path) -> tuple[int, str]:
     """Run `train` in this process with run_step replaced by `raise_in_step`; (exit code, stderr)."""
-    from ftis_engine import cli as cli_module
     from ftis_engine import run
 
     monkeypatch.setattr(run, "run_step", raise_in_step)
-    with pytest.raises(SystemExit) as done:
-        cli_module.main(["train", "--config", str(TINY), "--output-dir", str(tmp_path), "--set", "eval.at_start=false",
-                         "--set", "train.steps=2"])
-    return done.value.code, capsys.readouterr().err
+    done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path, "--set", "eval.at_start=false",
+                        "--set", "train.steps=2")
+    return done.returncode, done.stderr
 
 
 def test_a_divergence_is_one_line_with_exit_code_1(monkeypatch, capsys, tmp_path):
