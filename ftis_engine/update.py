@@ -16,6 +16,7 @@ import torch
 from ftis_kernels import (
     LossConfig,
     LossOutput,
+    STAT_KEYS,
     NonFiniteInputError,
     combine_stats,
     fused_linear_ftis_loss,
@@ -190,6 +191,8 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
     of the step's starting policy are recorded first and are the loss's old_logprobs, so the PPO clip acts from
     the second step on. Returns the stats of all its optimizer steps together: loss, grad_norm and the loss stats
     averaged over them, own_ratio_mean of the first (the on-policy check), and optimizer_steps."""
+    if not items:  # every own group unscored and nothing from peers (yet): a step with nothing to learn from
+        return nothing_to_train()
     if epochs * parts == 1:
         return optimizer_step(member, items, cfg, token_budget, backend, on_micro_batch)
     items = with_old_logprobs(member, items, cfg, token_budget, backend)
@@ -207,6 +210,14 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
     own = next((s["own_ratio_mean"] for s in steps if not math.isnan(s["own_ratio_mean"])), float("nan"))
     return {**merged, "own_ratio_mean": own, "optimizer_steps": len(steps),
             "micro_batches": sum(s["micro_batches"] for s in steps)}
+
+
+def nothing_to_train() -> dict[str, float]:
+    """The stats of a step that had no rollout to train on (no optimizer step is taken, the weights stay): NaN where
+    there is nothing to average, as an empty step's reward_mean is."""
+    nan = float("nan")
+    return {"loss": nan, **dict.fromkeys(STAT_KEYS, nan), "grad_norm": nan, "own_ratio_mean": nan,
+            "micro_batches": 0, "optimizer_steps": 0}
 
 
 @torch.no_grad()

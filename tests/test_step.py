@@ -82,3 +82,25 @@ def test_an_engines_weight_load_at_wake_up_counts_as_sync_not_generation(tmp_pat
         assert (record["gen_seconds"], record["sync_seconds"], record["train_seconds"]) == (0.5, 1.0, 0.0)
         phases = ("gen_seconds", "train_seconds", "sync_seconds", "exchange_seconds", "exchange_wait_seconds")
         assert record["step_seconds"] == pytest.approx(sum(record[k] for k in phases))
+
+
+@pytest.mark.parametrize("passes", ["train.epochs=1", "train.epochs=2"])
+def test_a_step_with_nothing_to_train_on_takes_no_optimizer_step_and_goes_on(tmp_path, monkeypatch, passes):
+    """Every own group unscored (its scoring timed out) and no peer rollouts (alone): the step trains on nothing.
+    It takes no optimizer step, leaves the weights as they were and reports NaN stats and 0 optimizer steps,
+    instead of failing in the op's stats (one pass) or the merge of no optimizer steps (epochs x mini-batches)."""
+    import dataclasses
+
+    swarm, _ = open_run(short_config("collaboration=alone", passes), tmp_path / "run")
+    real = step_module.sample.generate_rollouts
+    monkeypatch.setattr(step_module.sample, "generate_rollouts",
+                        lambda *args: [dataclasses.replace(r, reward=float("nan")) for r in real(*args)])
+    before = [[p.detach().clone() for p in m.trainable_parameters()] for m in swarm.members]
+    records = [r for r in step_module.run_step(swarm, 1) if r["kind"] == "train"]
+    swarm.close()
+    assert len(records) == 2
+    for record, weights, m in zip(records, before, swarm.members):
+        assert record["optimizer_steps"] == 0 and record["sequences"] == 0
+        assert record["unscored_dropped"] == record["own_sequences"] > 0
+        assert all(record[k] != record[k] for k in ("loss", "grad_norm", "is_weight_mean"))  # NaN
+        assert all(torch.equal(a, b) for a, b in zip(weights, m.trainable_parameters()))
