@@ -184,6 +184,22 @@ def member_init_seed(config: RunConfig, index: int) -> int:
     return config.seed + (settings.seed_offset if settings.seed_offset is not None else index)
 
 
+def frozen_reference(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The KL penalty's reference of a full member: a frozen copy of its initial weights that computes as the
+    policy does under autocast. Its linear layers are stored in the compute dtype (autocast casts the policy's
+    float32 masters to exactly those values for every matmul: half the memory, the same numbers); embeddings,
+    norms and the output head (the op casts it as a linear layer) stay in the master dtype, so its residual stream
+    runs in float32 as the policy's does and the KL to it is 0 before the first step (a copy cast whole to bf16
+    was already 1e-4 away)."""
+    reference = copy.deepcopy(model).eval().requires_grad_(False)
+    head = reference.get_output_embeddings()
+    kept = {id(p) for module in (head, reference.get_input_embeddings()) for p in module.parameters()}
+    for module in reference.modules():
+        if isinstance(module, torch.nn.Linear) and not any(id(p) in kept for p in module.parameters()):
+            module.to(dtype)
+    return reference
+
+
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None,
                  trains: bool = True, shard=None) -> Member:
     """Load the model in float32 (random init for built-ins), warm-start it on the task's demonstrations if asked,
@@ -214,7 +230,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     layers.fuse(model, layer_mode)
     reference = None
     if trains and config.algorithm.beta > 0 and settings.lora is None:  # the KL penalty's reference: initial weights
-        reference = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
+        reference = frozen_reference(model, dtype)
     if settings.lora is not None:
         from peft import LoraConfig, get_peft_model
 

@@ -151,8 +151,9 @@ def training_bytes(config: RunConfig, index: int, shape: dict) -> int:
             copies = compute * (total - heads - d + shape["vocab_size"] * d)
         elif master > compute:
             copies = compute * trainable
-    if config.algorithm.beta > 0 and member.lora is None:  # the KL penalty's frozen reference copy
-        copies += compute * total
+    if config.algorithm.beta > 0 and member.lora is None:  # the KL penalty's frozen reference copy: its linear
+        heads = shape["vocab_size"] * d * (1 if shape["tie_word_embeddings"] else 2)  # layers in the compute dtype,
+        copies += compute * (total - heads) + master * heads  # embeddings and head as the masters (frozen_reference)
     tokens = config.train.micro_batch_tokens
     working = tokens * (8 * d + 3 * inner) * compute
     saved = tokens * d * compute * layers + working if config.train.gradient_checkpointing else working * layers

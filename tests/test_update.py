@@ -184,6 +184,35 @@ def test_the_kl_penalty_reference_is_the_initial_policy_and_moves_away_from_it_a
     assert float(out.loss) > float(without.loss)  # the penalty adds beta * KL >= 0
 
 
+def test_a_full_members_reference_in_bf16_compute_starts_where_the_policy_is():
+    """members.N.dtype=bfloat16 (the GPU's precision, autocast over float32 masters): before any step the frozen
+    reference gives the policy's very log-probs, so the KL to it starts at exactly 0 (a copy cast whole to bf16 ran
+    its residual stream in bf16: 1e-4 of KL and 0.05 of log-prob away), and its linear layers are held in bf16."""
+    from ftis_engine.batch import pack
+    from ftis_engine.update import batch_loss, reference_logprobs
+
+    m, cfg = member(0, "algorithm.beta=0.5", "members.0.dtype=bfloat16")
+    assert m.dtype == torch.bfloat16 and m.reference is not None
+    loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
+    batch = pack(random_items(m.vocab_size, seed=6))
+    with torch.no_grad():
+        out = batch_loss(m, batch, loss_config, "torch")
+        reference = reference_logprobs(m, batch, loss_config)
+    assert torch.equal(out.logprobs, reference)
+    assert float(out.stats["ref_kl_mean"]) == 0.0
+    linear = [mod for mod in m.reference.modules() if isinstance(mod, torch.nn.Linear)
+              and mod is not m.reference.get_output_embeddings()]
+    assert linear and all(mod.weight.dtype == torch.bfloat16 for mod in linear)
+    assert m.reference.get_input_embeddings().weight.dtype == torch.float32
+    # the memory plan counts the reference as it is built
+    from ftis_engine.preflight import model_shape, training_bytes
+
+    held = sum(p.numel() * p.element_size() for p in m.reference.parameters())
+    without = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"beta": 0.0})})
+    shape = model_shape(cfg.members[0].model)
+    assert training_bytes(cfg, 0, shape) - training_bytes(without, 0, shape) == pytest.approx(held, rel=0.02)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_an_entropy_bonus_raises_the_entropy_an_update_leaves_and_a_penalty_lowers_it(backend):
     """algorithm.entropy_coef through the engine's update (the fused op, both backends): from the same member and
