@@ -72,7 +72,8 @@ class LoraSettings(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "v_proj"], min_length=1,
-        description="Module names LoRA adapts (the paper: q_proj and v_proj).",
+        description="Module names LoRA adapts (the paper: q_proj and v_proj); not the output head, which the fused "
+                    "loss reads as a plain weight (refused).",
     )
 
 

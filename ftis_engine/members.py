@@ -184,6 +184,18 @@ def member_init_seed(config: RunConfig, index: int) -> int:
     return config.seed + (settings.seed_offset if settings.seed_offset is not None else index)
 
 
+def check_lora_head(index: int, model) -> None:
+    """The fused loss reads the output head as one plain weight (the model runs without its head): an adapter on
+    the head would never be trained, so it is refused rather than left at zero."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    head = model.get_output_embeddings()
+    if isinstance(head, BaseTunerLayer):
+        name = next((n for n, module in model.named_modules() if module is head), "the output head")
+        raise ConfigError(f"members.{index}.lora.target_modules: {name.split('.')[-1]!r} is the output head, which "
+                          "the fused loss reads as a plain weight (its adapter would never train); leave it out")
+
+
 def frozen_reference(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """The KL penalty's reference of a full member: a frozen copy of its initial weights that computes as the
     policy does under autocast. Its linear layers are stored in the compute dtype (autocast casts the policy's
@@ -245,6 +257,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
                 model = get_peft_model(model, lora, autocast_adapter_dtype=master == torch.float32)
         except ValueError as exc:
             raise ConfigError(f"members.{index}.lora.target_modules: {first_line(exc)}") from None
+        check_lora_head(index, model)
     if config.train.gradient_checkpointing:
         enable_checkpointing(model)
         if settings.lora is not None:

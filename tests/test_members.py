@@ -40,3 +40,12 @@ def test_gradient_checkpointing_leaves_the_gradient_unchanged(index):
     assert grads[0].keys() == grads[1].keys() and grads[0]
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("targets", ["[lm_head]", "[q_proj,lm_head]"])
+def test_a_lora_adapter_on_the_output_head_is_refused_naming_the_field(targets):
+    """The fused loss takes the head as one plain weight: an adapter on it would stay at zero, so it is refused."""
+    with pytest.raises(ConfigError, match=r"members\.1\.lora\.target_modules: 'lm_head' is the output head"):
+        member(1, f"members.1.lora.target_modules={targets}")
+    m, _ = member(1, "members.1.lora.target_modules=[q_proj,v_proj]")  # the body's modules still train
+    assert any("lora_B" in name for name, p in m.model.named_parameters() if p.requires_grad)
