@@ -14,13 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from functools import partial
 
 import torch
-from ftis_kernels import group_advantages
+from ftis_kernels import NonFiniteInputError, group_advantages
 
 from .adversary import wire_copy
 from .batch import TrainItem, pack
@@ -55,17 +56,19 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     for member in swarm.members:
         index, watch = member.index, watches[member.index]
         arrivals = swarm.exchange.receive(index, step)
-        got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
-                                             own_sequences=len(own[index]),  # every shard's: gathered
-                                             own_lengths=[r.num_tokens for r in own[index]],
-                                             screen=partial(screen_arrivals, swarm, member, watch))
+        with diverging(swarm, member, step):  # the screen's forward
+            got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
+                                                 own_sequences=len(own[index]),  # every shard's: gathered
+                                                 own_lengths=[r.num_tokens for r in own[index]],
+                                                 screen=partial(screen_arrivals, swarm, member, watch))
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
         screened = got.screened
         scored, unscored = drop_unscored(own[index])
         trained = scored + peers
         items = training_items(swarm, member, trained)
-        samples = completion_records(swarm, member, items, step) if swarm.config.logging.completions else []
-        with watch("train_seconds"):
+        with diverging(swarm, member, step):
+            samples = completion_records(swarm, member, items, step) if swarm.config.logging.completions else []
+        with watch("train_seconds"), diverging(swarm, member, step):
             stats = update(swarm, member, items, step)
             return_freed_memory()  # the update's activations, before the next phase allocates elsewhere
         updated_at = time.time()  # version `step` exists from here on; ended_at comes after its sync and push
@@ -223,20 +226,30 @@ def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> d
     bar = swarm.progress.start(f"{member.name}: update", passes * sum(it.rollout.num_tokens for it in items))
     # the schedule's rate for this step (a pure function of it)
     precision.set_lr(member.optimizer, learning_rate(swarm.config, member.index, step))
+    stats = update_member(member, items, swarm.loss_config, train.micro_batch_tokens, train.backend,
+                          on_micro_batch=lambda k: swarm.progress.advance(bar, k), epochs=train.epochs,
+                          parts=train.mini_batches)
+    swarm.progress.finish(bar)
+    return stats
+
+
+@contextlib.contextmanager
+def diverging(swarm: Swarm, member: Member, step: int):
+    """A member's forward or update that finds its model diverged (hidden states, loss, gradient or weights NaN or
+    inf) stops the run with one DivergenceError naming the member, the step and what to do: in the update, and in
+    the forwards before it (the screen, the logged completions, the old log-probs of several optimizer steps)."""
     try:
-        stats = update_member(member, items, swarm.loss_config, train.micro_batch_tokens, train.backend,
-                              on_micro_batch=lambda k: swarm.progress.advance(bar, k), epochs=train.epochs,
-                              parts=train.mini_batches)
-    except DivergenceError as exc:
+        yield
+    except (DivergenceError, NonFiniteInputError) as exc:
+        what = str(exc) if isinstance(exc, DivergenceError) else \
+            f"the model's hidden states became NaN or inf ({exc}); no step was taken"
         newest = latest_checkpoint(swarm.run_dir)
         knobs = f"members.{member.index}.lr, .grad_clip or .weight_decay"
         advice = (f"the newest complete checkpoint, step-{newest[0]}, is kept: --resume with a smaller step, e.g. "
                   f"--set members.{member.index}.lr=... (a resume may change {knobs})" if newest else
                   f"no checkpoint was written before it: rerun with a smaller step ({knobs}); the run starts over")
-        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {exc}; {advice}") \
+        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {what}; {advice}") \
             from None
-    swarm.progress.finish(bar)
-    return stats
 
 
 def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:

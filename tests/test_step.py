@@ -104,3 +104,28 @@ def test_a_step_with_nothing_to_train_on_takes_no_optimizer_step_and_goes_on(tmp
         assert record["unscored_dropped"] == record["own_sequences"] > 0
         assert all(record[k] != record[k] for k in ("loss", "grad_norm", "is_weight_mean"))  # NaN
         assert all(torch.equal(a, b) for a, b in zip(weights, m.trainable_parameters()))
+
+
+@pytest.mark.parametrize("where", ["logging.completions=4", "train.epochs=2", "defense.likelihood_floor=-50"])
+def test_a_model_that_went_nan_before_its_update_stops_the_step_with_the_divergence_advice(tmp_path, monkeypatch,
+                                                                                          where):
+    """Member 0's weights turn NaN after it generated: the first forward of its step (the logged completions' loss,
+    the old log-probs of several optimizer steps, the screen of its peers' rollouts) finds NaN hidden states and stops
+    with the one-line DivergenceError the update gives (member, step, what to do), not the op's NonFiniteInputError."""
+    from ftis_engine.update import DivergenceError
+
+    swarm, _ = open_run(short_config(where), tmp_path / "run")
+    real = step_module.sample.generate_rollouts
+
+    def generate(swarm_, member, *args):
+        rollouts = real(swarm_, member, *args)
+        if member.index == 0:
+            with torch.no_grad():
+                member.model.get_input_embeddings().weight.fill_(float("nan"))
+        return rollouts
+
+    monkeypatch.setattr(step_module.sample, "generate_rollouts", generate)
+    with pytest.raises(DivergenceError, match=r"^step 1: members\.0 \(tiny-s\) diverged: the model's hidden states "
+                                              r"became NaN or inf .*no checkpoint was written before it"):
+        step_module.run_step(swarm, 1)
+    swarm.close()
