@@ -118,14 +118,14 @@ def restore_optimizer_shard(member, checkpoint: pathlib.Path) -> None:
     from torch.distributed.tensor import DTensor
 
     path = member_dir(checkpoint, member.name) / f"optimizer.shard-{member.shard.index}.pt"
-    state = torch.load(path, map_location=member.device, weights_only=True)
+    state = torch.load(path, map_location="cpu", weights_only=True)  # Adam's step count stays on the CPU
     params = [p for group in member.optimizer.param_groups for p in group["params"]]
     for key, entry in state["state"].items():
         param = params[int(key)]
         for name, value in entry.items():
             if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0:
-                entry[name] = DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape,
-                                                 stride=param.stride())
+                entry[name] = DTensor.from_local(value.to(member.device), param.device_mesh, param.placements,
+                                                 shape=param.shape, stride=param.stride())
     member.optimizer.load_state_dict(state)
     apply_step_size(member)
 
@@ -253,7 +253,9 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
         member.model.load_state_dict(saved.state_dict(), strict=True)
         del saved
     if load_optimizer:
-        member.optimizer.load_state_dict(torch.load(optimizer_file, map_location=member.device, weights_only=True))
+        # loaded to the CPU: load_state_dict moves each moment to its parameter's device and leaves Adam's step
+        # count where it lies, as torch keeps it (on the CPU: loaded onto a GPU, every step would sync once a tensor)
+        member.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
         apply_step_size(member)
     if load_rng:
         set_rng_state(torch.load(rng_file, weights_only=True))

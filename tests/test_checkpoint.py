@@ -148,3 +148,24 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_resume_works_
         assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-4"]
     finally:
         subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the devices differ only on a GPU")
+def test_a_restored_optimizer_keeps_adams_step_count_on_the_cpu_and_its_moments_on_the_gpu(tmp_path):
+    """As torch's own Adam keeps them: a step count restored onto the GPU would cost a device sync per tensor and
+    step."""
+    from ftis_engine.members import build_member
+    from ftis_engine.preflight import check_members
+    from ftis_engine.update import update_member
+    from ftis_kernels import LossConfig
+
+    from .helpers import random_items, short_config
+
+    cfg = short_config()
+    m = build_member(0, cfg, check_members(cfg)[0], torch.device("cuda"))
+    update_member(m, random_items(m.vocab_size), LossConfig(), 100_000, "torch")
+    save_member(m, tmp_path / "ckpt" / "members" / m.name, save_optimizer=True)
+    restore_member(m, tmp_path / "ckpt", load_rng=False)
+    states = list(m.optimizer.state.values())
+    assert states and all(s["step"].device.type == "cpu" for s in states)
+    assert all(s["exp_avg"].device.type == "cuda" for s in states)
