@@ -269,8 +269,9 @@ class LossOutput:
     logprobs: [N] per-token log pi_theta(target) at the configured temperature, detached; 0 at ignored positions.
     stats: detached scalars named in STAT_KEYS: this call's means, stats[k] = stat_sums[k] / max(stat_counts[k], 1).
     stat_sums: detached scalars (the arithmetic dtype), the sum behind each mean: over counted tokens for the token
-        stats, over sequences for filtered_frac and kl_mean, and for clip_frac under gepo.
-    stat_counts: detached int64 scalars, what each sum is over: this call's counted tokens or its S sequences.
+        stats, over the sequences with a counted token for filtered_frac and kl_mean, and for clip_frac under gepo.
+    stat_counts: detached int64 scalars, what each sum is over: this call's counted tokens or its sequences that
+        have one (a sequence whose every target is ignore_index counts in no stat).
         Sums and counts add up over the calls of one batch: `combine_stats` gives the whole batch's means.
     sequences: detached [S] tensors, one value per sequence behind the stats: `kl` (KL_i), `filtered` (bool: the
         filter's verdict) and `is_weight` (the mean IS weight over its counted tokens), for a person to read.

@@ -237,8 +237,10 @@ def ftis_objective(
         kl_seq = kl_seq / cfg.kl_max_len
 
     # The filter: A_i <= 0 and KL_i >= g; a filtered sequence keeps its place in every normaliser, advantage 0.
+    # A sequence without a counted token counts nowhere: never filtered, out of the per-sequence stats.
+    has_tokens = tokens_per_seq > 0
     if cfg.filtered:
-        filtered = (adv <= 0) & (kl_seq >= cfg.kl_threshold)
+        filtered = (adv <= 0) & (kl_seq >= cfg.kl_threshold) & has_tokens
     else:
         filtered = torch.zeros_like(adv, dtype=torch.bool)
     adv = torch.where(filtered, zero, adv)
@@ -293,17 +295,18 @@ def ftis_objective(
 
     with torch.no_grad():
         tokens = counted.sum()  # int64
-        sequences = torch.tensor(num_seqs, dtype=torch.int64, device=tokens.device)
+        sequences = has_tokens.sum()  # the sequences with a counted token (int64)
+        had_tokens = segment_sum(given.to(dtype), seq, num_seqs) > 0  # before rejection
         sums = {
             "is_weight_mean": (torch.where(counted, is_weight, zero).sum(), tokens),
             "is_truncated_frac": ((out_of_range & counted).to(dtype).sum(), tokens),
             "filtered_frac": (filtered.to(dtype).sum(), sequences),
-            "kl_mean": (kl_seq.sum(), sequences),
+            "kl_mean": (torch.where(has_tokens, kl_seq, zero).sum(), sequences),
             "clip_frac": (clipped, sequences if cfg.base_method == "gepo" else tokens),
             "entropy_mean": (torch.where(counted, entropy.to(dtype), zero).sum(), tokens),
             "logprob_mean": (torch.where(counted, lb, zero).sum(), tokens),
             "rejected_frac": ((given & ~counted).to(dtype).sum(), given.sum()),
-            "rejected_seq_frac": (emptied.to(dtype).sum(), sequences),
+            "rejected_seq_frac": (emptied.to(dtype).sum(), had_tokens.sum()),
             "ref_kl_mean": (zero.detach() if ref_kl is None else ref_kl.detach().sum(), tokens),
         }
         per_sequence = {"kl": kl_seq.detach(), "filtered": filtered,

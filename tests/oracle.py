@@ -123,12 +123,13 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq
             kl = kl / max(len(toks), 1)
         elif cfg.kl_reduction == "padded_mean":
             kl = kl / cfg.kl_max_len
-        f = filtered_method and float(adv[i]) <= 0 and kl >= cfg.kl_threshold
+        f = filtered_method and bool(toks) and float(adv[i]) <= 0 and kl >= cfg.kl_threshold
         kls.append(kl)
         filtered.append(f)
         eff_adv.append(0.0 if f else float(adv[i]))
 
     total_tokens = sum(len(t[0]) for t in seq_terms)
+    with_tokens = sum(1 for t in seq_terms if t[0])  # the sequences the per-sequence stats are over
     weights, truncated, clip_count, clip_total = [], 0, 0, 0
     seq_weights = []
     for i, (toks, l, g, o) in enumerate(seq_terms):
@@ -160,7 +161,7 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq
             a = torch.tensor(eff_adv[i], dtype=torch.float64)
             us.append(_ppo(r, a, cfg))
             clip_count += _clipped(r, a, cfg)
-        clip_total = num_seqs
+        clip_total = with_tokens
         loss = -torch.stack(us).sum() / max(live_seqs, 1)
     else:
         per_seq = []
@@ -199,13 +200,13 @@ def oracle(logits, targets, gen, adv, cu, cfg, old=None, group_ids=None, gen_seq
     stats = {
         "is_weight_mean": sum(weights) / max(total_tokens, 1),
         "is_truncated_frac": truncated / max(total_tokens, 1),
-        "filtered_frac": sum(filtered) / num_seqs,
-        "kl_mean": sum(kls) / num_seqs,
+        "filtered_frac": sum(filtered) / max(with_tokens, 1),
+        "kl_mean": sum(k for k, t in zip(kls, seq_terms) if t[0]) / max(with_tokens, 1),
         "clip_frac": clip_count / max(clip_total, 1),
         "entropy_mean": float(entropy_all[counted].sum()) / max(total_tokens, 1),
         "logprob_mean": float(logprobs[counted].sum()) / max(total_tokens, 1),
         "rejected_frac": (given_tokens - total_tokens) / max(given_tokens, 1),
-        "rejected_seq_frac": sum(emptied) / num_seqs,
+        "rejected_seq_frac": sum(emptied) / max(sum(1 for t in all_terms if t[0]), 1),
         "ref_kl_mean": 0.0 if ref_lp is None else sum(
             float(_ref_kl(ref_lp.double()[toks], l.detach(), cfg.ref_kl_estimator).sum())
             for toks, l, _, _ in seq_terms if toks) / max(total_tokens, 1),

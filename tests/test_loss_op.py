@@ -467,6 +467,35 @@ def test_ignored_positions_count_nowhere():
         assert torch.equal(out.stats[key], out2.stats[key]), key
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("method", ["f-vis", "f-tis", "gepo"])
+def test_a_sequence_whose_every_target_is_ignored_counts_in_no_stat(method, backend):
+    """Sequence 2's targets all ignore_index: the per-sequence stats (filtered_frac, kl_mean, gepo's clip_frac)
+    are over the other sequences, it is never filtered (a threshold of 0 would filter its KL of 0), and every stat
+    is the oracle's; with it dropped from the batch, the per-sequence stats are the same."""
+    problem = make_problem(seed=31, n_seqs=5)
+    cu = problem.cu.tolist()
+    targets = problem.targets.clone()
+    targets[cu[2]:cu[3]] = -100
+    adv = problem.adv.clone()
+    adv[2] = -1.0  # A <= 0: only its empty KL keeps it from the filter
+    cfg = LossConfig(method=method, kl_threshold=0.0 if method != "gepo" else 50.0)
+    out = ftis_kernels.ftis_loss(problem.logits().float(), targets, problem.gen, adv, problem.cu, config=cfg,
+                                 backend=backend)
+    _, _, ref = oracle(problem.logits(), targets, problem.gen, adv, problem.cu, cfg)
+    for key in STAT_KEYS:
+        assert float(out.stats[key]) == pytest.approx(ref[key], rel=1e-4, abs=1e-6), key
+    assert not bool(out.sequences["filtered"][2])
+    keep = [i for i in range(5) if i != 2]
+    rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in keep])
+    lengths = torch.tensor([cu[i + 1] - cu[i] for i in keep])
+    cu_without = torch.cat([torch.zeros(1, dtype=torch.int32), lengths.cumsum(0).to(torch.int32)])
+    without = ftis_kernels.ftis_loss(problem.logits().float()[rows], targets[rows], problem.gen[rows], adv[keep],
+                                     cu_without, config=cfg, backend=backend)
+    for key in ("filtered_frac", "kl_mean", "clip_frac"):
+        assert float(out.stats[key]) == pytest.approx(float(without.stats[key]), rel=1e-5, abs=1e-7), key
+
+
 # ----------------------------------------------------------------------------------------------- micro-batches
 
 MICRO_CASES = ["f-tis", "tis", "vis", "token-norm", "constant-norm", "gepo-groups", "old-logprobs-tis"]
