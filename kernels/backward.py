@@ -164,9 +164,12 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 def chunk_columns(n: int, vocab: int, blocks: Blocks) -> int:
     """Vocabulary columns per chunk of the chunked backward: a multiple of block_v with n * columns <=
-    blocks.chunk_elements (at least one tile), never more than the vocabulary."""
-    columns = max(1, blocks.chunk_elements // max(1, n)) // blocks.block_v * blocks.block_v
-    return min(max(columns, blocks.block_v), vocab)
+    blocks.chunk_elements (at least one tile), and at most half the vocabulary rounded up to a tile, so that the
+    scratch is never N x V (a vocabulary of one tile is one chunk)."""
+    block = blocks.block_v
+    columns = max(1, blocks.chunk_elements // max(1, n)) // block * block
+    half = -(-((vocab + 1) // 2) // block) * block
+    return min(max(columns, block), half if half < vocab else vocab)
 
 
 def _chunked_backward(x, weight, bias, targets, lse, coef, temperature, need_dx, need_dw, need_db,

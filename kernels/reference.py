@@ -17,8 +17,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def chunk_rows(vocab_size: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> int:
-    return max(1, chunk_elements // max(1, vocab_size))
+def chunk_rows(vocab_size: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, n: int | None = None) -> int:
+    """Token rows per chunk: chunk_elements logits, and for n > 1 tokens at most half of them, so that no N x V
+    tensor exists even where the whole batch would fit one chunk."""
+    rows = max(1, chunk_elements // max(1, vocab_size))
+    return rows if n is None or n <= 1 else min(rows, (n + 1) // 2)
 
 
 def _tempered_logits(x, weight, bias, inv_temp: float, cdt: torch.dtype) -> torch.Tensor:
@@ -107,5 +110,5 @@ class ChunkedTokenLogprobs(torch.autograd.Function):
 def chunked_token_logprobs(x, weight, bias, targets, counted, temperature: float, chunk_elements: int | None = None):
     """[N] log-probs (differentiable) and [N] entropy through the chunked torch pass."""
     vocab = x.shape[1] if weight is None else weight.shape[0]
-    rows = chunk_rows(vocab, chunk_elements or DEFAULT_CHUNK_ELEMENTS)
+    rows = chunk_rows(vocab, chunk_elements or DEFAULT_CHUNK_ELEMENTS, x.shape[0])
     return ChunkedTokenLogprobs.apply(x, weight, bias, targets, counted, float(temperature), rows)

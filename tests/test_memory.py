@@ -1,4 +1,5 @@
-"""Peak memory of the torch backend does not grow with N x V (it chunks over tokens)."""
+"""Peak memory of the torch backend does not grow with N x V (it chunks over tokens), and neither backend makes an
+N x V tensor at all (the Triton one runs under TRITON_INTERPRET=1 here, set by conftest)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 GIB = 1 << 30
 
@@ -41,3 +44,48 @@ def test_fused_linear_torch_backend_peak_rss_is_far_below_one_n_by_v_float32():
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["finite"]
     assert measured["growth"] < 0.25 * GIB, f"peak RSS grew by {measured['growth'] / GIB:.2f} GiB"
+
+
+def _shapes_made_by(run) -> set[tuple[int, ...]]:
+    """The shapes of every tensor the aten ops inside `run` produced (what a backend allocated)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[tuple[int, ...]] = set()
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    seen.add(tuple(t.shape))
+            return out
+
+    with Spy():
+        run()
+    return seen
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_fused_linear_op_makes_no_n_by_v_tensor_even_when_the_batch_fits_one_chunk(backend):
+    """N x V = 64 x 100 is far below either backend's chunk budget, where one chunk would be the whole batch: no
+    tensor of N x V (or V x N) entries is made, forward or backward (SPEC 2: never, on any backend)."""
+    import torch
+
+    import ftis_kernels
+
+    n, vocab, dim = 64, 100, 8
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, dim, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, dim, generator=g).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    cu = torch.tensor([0, 20, 64], dtype=torch.int32)
+
+    def run():
+        out = ftis_kernels.fused_linear_ftis_loss(hidden, weight, targets, -torch.rand(n, generator=g) * 5,
+                                                  torch.tensor([1.0, -1.0]), cu, backend=backend)
+        out.loss.backward()
+
+    shapes = _shapes_made_by(run)
+    assert hidden.grad is not None and weight.grad is not None
+    assert not [s for s in shapes if len(s) == 2 and s[0] * s[1] >= n * vocab], sorted(shapes)
