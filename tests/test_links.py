@@ -260,6 +260,22 @@ def test_a_second_connection_claiming_a_connected_peers_id_is_turned_away():
         kill(link)
 
 
+@pytest.mark.parametrize("alias", [b"00", b" 0", b"+0", b"0_0", b"0 "])
+def test_a_connection_under_an_alias_of_a_peers_id_is_an_unknown_sender(alias):
+    """int() reads each of these as 0: a second connection under one would pass for rank 0."""
+    links, handlers = start()
+    forger = zmq.Context.instance().socket(zmq.DEALER)
+    forger.setsockopt(zmq.ROUTING_ID, alias)
+    forger.setsockopt(zmq.LINGER, 1000)
+    forger.connect(links[0].addresses[1])
+    forger.send_multipart([MAGIC, HEADER.pack(DATA, 9, 8, 1), b"\x07\x00\x00\x00"])
+    links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
+    assert links[1].refused == {-1: 1} and handlers[1].delivered == []
+    forger.close()
+    for link in links.values():
+        kill(link)
+
+
 def test_a_message_from_an_unknown_sender_is_refused_and_a_done_is_not_taken_from_it():
     links, handlers = start()
     stranger = zmq.Context.instance().socket(zmq.DEALER)

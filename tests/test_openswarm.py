@@ -27,11 +27,12 @@ from .helpers import short_config  # noqa: E402
 from .netlab import NetLab  # noqa: E402
 
 SHARED = {"seed": 0, "data": {"task": "tiny-add"}, "train": {"steps": 5}}
-DATA = "ab" * 32
+DATA = "ab" * 32  # a training set's sha256 (hex), as dataset_hash gives it
+TOKENIZER = "cd" * 32  # a tokenizer's, as vocabulary_hash gives it
 
 
 def join(name, shared=SHARED, dataset=DATA, step=0):
-    return pack("join", {"name": name, "tokenizer": "t", "source": "", "shared": shared, "dataset": dataset,
+    return pack("join", {"name": name, "tokenizer": TOKENIZER, "source": "", "shared": shared, "dataset": dataset,
                          "step": step})
 
 
@@ -82,8 +83,8 @@ def test_joins_are_checked_and_every_member_hears_of_every_change(tmp_path):
     assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]
     out = coordinator.handle(b"B", join("b"), now=1)
     assert kinds(out)[0] == (b"B", "welcome") and sorted(kinds(out)[1:]) == [(b"A", "members"), (b"B", "members")]
-    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": "t", "source": ""},
-                                                   "b": {"step": 0, "tokenizer": "t", "source": ""}}
+    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+                                                   "b": {"step": 0, "tokenizer": TOKENIZER, "source": ""}}
     # refusals: one line naming what differs; the swarm is unchanged
     other = {**SHARED, "data": {"task": "arith"}}
     for identity, message, said in [
@@ -166,11 +167,11 @@ def until(condition, what, timeout=30.0):
 
 
 def client(address, name, got=None, **kw):
-    def on_parcel(sender, step, version, body):
+    def on_parcel(sender, step, version, body, mac):
         if got is not None:
             got.append((sender, step, version, body))
 
-    c = SwarmClient(address, name, "t", SHARED, DATA, 1 << 20, on_parcel, **kw)
+    c = SwarmClient(address, name, TOKENIZER, SHARED, DATA, 1 << 20, on_parcel, **kw)
     c.start(timeout=30)
     return c
 
@@ -197,8 +198,8 @@ def test_over_sockets_members_join_exchange_parcels_and_leave():
 VICTIM = textwrap.dedent("""
     import sys, time
     from ftis_engine.openswarm.client import SwarmClient
-    shared, data = {shared!r}, {data!r}
-    c = SwarmClient(sys.argv[1], "victim", "t", shared, data, 1 << 20, lambda *a: None)
+    shared, data, tokenizer = {shared!r}, {data!r}, {tokenizer!r}
+    c = SwarmClient(sys.argv[1], "victim", tokenizer, shared, data, 1 << 20, lambda *a: None)
     c.start(timeout=30)
     print("joined", flush=True)
     step = 0
@@ -206,7 +207,7 @@ VICTIM = textwrap.dedent("""
         step += 1
         c.publish(step, step - 1, b"\\x00" * 8)
         time.sleep(0.05)
-""").format(shared=SHARED, data=DATA)
+""").format(shared=SHARED, data=DATA, tokenizer=TOKENIZER)
 
 
 @pytest.mark.slow
@@ -273,8 +274,8 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
     coordinator = serve(0)
     a = b = None
     try:
-        a = SwarmClient(address, "a", "t", shared, DATA, 1 << 20, lambda *args: None)
-        b = SwarmClient(address, "b", "t", shared, DATA, 1 << 20, lambda *args: got.append(args))
+        a = SwarmClient(address, "a", TOKENIZER, shared, DATA, 1 << 20, lambda *args: None)
+        b = SwarmClient(address, "b", TOKENIZER, shared, DATA, 1 << 20, lambda *args: got.append(args))
         a.start(timeout=60)
         b.start(timeout=60)
         until(lambda: set(b.members()) == {"a", "b"}, "both joined")
@@ -283,7 +284,7 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
         a.publish(1, 0, b"\x02" * 4)  # nowhere to go: dropped, never queued without bound
         coordinator = serve(1)
         until(lambda: joined(1) == {"a", "b"}, "both members to rejoin the new coordinator", timeout=60)
-        until(lambda: a.publish(2, 1, b"\x03" * 4) and any(step == 2 for _, step, _, _ in got),
+        until(lambda: a.publish(2, 1, b"\x03" * 4) and any(step == 2 for _, step, *_ in got),
               "a parcel through the new coordinator", timeout=60)
         assert a.joins >= 2 and b.joins >= 2 and a.error is None and b.error is None
     finally:
@@ -328,7 +329,7 @@ def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_p
         line = serve.stderr.readline()
         assert line.startswith("coordinator listening on tcp://127.0.0.1:"), line
         address = line.split()[3]
-        member = SwarmClient(address, "tiny-s", "t", shared, DATA, 1 << 20, lambda *a: None)
+        member = SwarmClient(address, "tiny-s", TOKENIZER, shared, DATA, 1 << 20, lambda *a: None)
         member.start(timeout=30)
         assert serve.stderr.readline().startswith("join: tiny-s")
         member.close()
@@ -628,7 +629,7 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     assert sorted(new.live) == ["a", "b"] and new.live["b"].step == 2 and new.live["a"].identity == b""
     out = new.handle(b"A2", join("a", step=7), now=101)  # a rejoins under a new connection: welcome, not refused
     assert kinds(out) == [(b"A2", "welcome"), (b"A2", "members")]  # b's place is in its view; b gets nothing
-    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": "t", "source": ""}
+    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": TOKENIZER, "source": ""}
     parcel = pack("parcel", {"name": "a", "step": 8, "version": 7, "words": 1}, b"\x01" * 4)
     assert new.handle(b"A2", parcel, now=102) == []  # relayed to nobody: b has not rejoined
     new.handle(b"A2", pack("beat", {"name": "a", "step": 8}), now=104)

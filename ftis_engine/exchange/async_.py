@@ -107,11 +107,15 @@ class Mailbox:
         due = []
         with self._lock:
             self.step = step
-            for sender, box in self._parcels.items():
+            for sender, box in list(self._parcels.items()):
                 ready = [p.due_step <= step and p.due_time <= now
                          and (newest_version is None or p.version <= newest_version) for p in box]
                 due += [p for p, r in zip(box, ready) if r]
-                self._parcels[sender] = [p for p, r in zip(box, ready) if not r]
+                rest = [p for p, r in zip(box, ready) if not r]
+                if rest:
+                    self._parcels[sender] = rest
+                else:  # an open swarm's senders come and go: an emptied box goes with them
+                    del self._parcels[sender]
         return sorted(due, key=lambda p: (p.step, p.sender))
 
     def take_dropped(self) -> int:

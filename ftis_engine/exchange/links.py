@@ -15,9 +15,9 @@ threads, so a rank busy in Python for minutes still answers, and a connection si
 closed); each DEALER's socket monitor says when its connection is up (its handshake succeeded) and when it closed.
 
 A message is [MAGIC, header, body?]: the header is four little-endian int64 (kind, step, version, body words), the
-body raw int32 words; nothing is unpickled. The ROUTER prefixes the sender's routing id (its endpoint number); a
-message from an unknown id, of a wrong shape or of a body that disagrees with its header is refused and counted.
-Kinds:
+body raw int32 words; nothing is unpickled. The ROUTER prefixes the sender's routing id (its endpoint number, exactly
+as str() writes it); a message from an unknown id, of a wrong shape or of a body that disagrees with its header is
+refused and counted. Kinds:
 
     DATA     a parcel of rollouts (step: the sender's step or round; version: their policy version)
     WEIGHTS  a learner's trainable weights for its sampler (version: the learner's step)
@@ -180,6 +180,7 @@ class Links:
         self.timeout_s = timeout_s
         self.gather = gather
         self.peers = [p for p in range(world_size) if p != rank]
+        self._peer_ids = {str(p).encode(): p for p in self.peers}  # a peer's routing id -> its rank
         self.heartbeat_s = max(0.05, min(60.0, timeout_s / 4))
         self.outboxes = {p: Outbox(outbox_capacity) for p in self.peers}
         self._done_sent = {p: threading.Event() for p in self.peers}
@@ -473,10 +474,9 @@ class Links:
 
     def _receive(self, message: list[bytes]) -> None:
         sender, *rest = message
-        try:
-            peer = int(sender.decode("ascii"))
-        except (UnicodeDecodeError, ValueError):
-            peer = -1
+        # exactly the id a peer's DEALER sets (str(rank)): int() would also take "01", " 1", "+1" or "0_1", and a
+        # second connection under such an alias would pass for a connected peer
+        peer = self._peer_ids.get(sender, -1)
         if peer not in self._done_received:
             self._refused(-1, -1, 0, f"a message from an unknown sender {sender[:16]!r}")
             return

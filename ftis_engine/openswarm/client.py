@@ -5,17 +5,28 @@ every second (at most lease / 4), sends the member's parcels and hands the peers
 stays the member's across reconnects, so a restarted coordinator sees the same member come back. Parcels that
 cannot go out (no connection: the coordinator is down, or a full queue) are dropped and counted, never queued
 without bound.
+
+What comes in is untrusted (the coordinator relays strangers, and may be one): a message that breaks the wire format,
+a parcel of no words, a member list whose entries are not {step, tokenizer, source} of their types, or a frame larger
+than the largest honest parcel or header (ZMQ_MAXMSGSIZE: never read, the connection is closed and dialled again)
+is counted and dropped; a parcel that makes `on_parcel` raise is counted and logged, and the thread goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
 
-from .wire import WireError, pack, unpack
+from .wire import MAX_HEADER, WireError, pack, parcel_mac, unpack
+
+log = logging.getLogger("ftis_engine.exchange")
+
+RECEIVE_HWM = 64  # messages read ahead from the coordinator: memory bounded by this x the frame cap
+VIEW_FIELDS = {"step": int, "tokenizer": str, "source": str}  # a member list's entry (coordinator._view)
 
 
 class JoinRefused(RuntimeError):
@@ -24,8 +35,10 @@ class JoinRefused(RuntimeError):
 
 class SwarmClient:
     def __init__(self, address: str, name: str, tokenizer: str, shared: dict, dataset: str, max_body: int,
-                 on_parcel: Callable[[str, int, int, bytes], None], step: int = 0, beat_s: float = 1.0,
-                 source: str = ""):
+                 on_parcel: Callable[[str, int, int, bytes, str], None], step: int = 0, beat_s: float = 1.0,
+                 source: str = "", key: bytes | None = None):
+        """on_parcel(name, step, version, body, mac) takes a peer's parcel (mac: "" when it carries none) in the
+        I/O thread. key: a sampler's, shared with its learner: its parcels carry their mac (wire.parcel_mac)."""
         self.address = address
         self.name = name
         self.step = step  # the newest step this member has published (sent in joins and beats)
@@ -34,6 +47,7 @@ class SwarmClient:
                              "dataset": dataset}
         self._max_body = max_body
         self._on_parcel = on_parcel
+        self._key = key
         self._beat_s = beat_s  # until the welcome says the lease
         self._outbox: queue.Queue = queue.Queue(maxsize=64)
         self._members: dict[str, dict] = {}
@@ -45,6 +59,7 @@ class SwarmClient:
         self.error: BaseException | None = None
         self.dropped = 0  # parcels not sent (no connection, or a full outbox)
         self.malformed = 0  # messages from the coordinator that broke the wire format
+        self.parcel_errors = 0  # peers' parcels that made on_parcel raise (dropped: one bad message is not fatal)
         self.joins = 0  # joins sent (the first, and each rejoin)
         self._thread = threading.Thread(target=self._run, name=f"swarm-client-{name}", daemon=True)
 
@@ -76,9 +91,11 @@ class SwarmClient:
     def publish(self, step: int, version: int, body: bytes) -> bool:
         """Queue a parcel; False (counted in dropped) when the outbox is full."""
         self.step = max(self.step, step)
+        header = {"name": self.name, "step": step, "version": version, "words": len(body) // 4}
+        if self._key is not None:
+            header["mac"] = parcel_mac(self._key, self.name, step, version, body)
         try:
-            self._outbox.put_nowait(pack("parcel", {"name": self.name, "step": step, "version": version,
-                                                    "words": len(body) // 4}, body))
+            self._outbox.put_nowait(pack("parcel", header, body))
             return True
         except queue.Full:
             self.dropped += 1
@@ -88,7 +105,10 @@ class SwarmClient:
         """Leave the swarm (say so to the coordinator) and stop the thread."""
         self._leaving.set()  # no heartbeat or (re)join after this: the coordinator would take one back in
         if leave and self._thread.is_alive():
-            self._outbox.put(pack("leave", {"name": self.name}))
+            try:  # never blocks: a thread that stopped draining (it failed) leaves a full outbox
+                self._outbox.put_nowait(pack("leave", {"name": self.name}))
+            except queue.Full:
+                pass
             deadline = time.monotonic() + 2.0
             while not self._outbox.empty() and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -108,6 +128,9 @@ class SwarmClient:
         socket.setsockopt(zmq.SNDHWM, 64)
         socket.setsockopt(zmq.RECONNECT_IVL, 100)
         socket.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+        # a frame over the largest honest one is never read (libzmq closes the connection; it is dialled again)
+        socket.setsockopt(zmq.MAXMSGSIZE, self._max_body + MAX_HEADER)
+        socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         try:
             socket.connect(self.address)
             self._send(socket, self._join())
@@ -173,15 +196,30 @@ class SwarmClient:
             self._joined.clear()
             self._send(socket, self._join())
         elif kind == "parcel" and header["name"] != self.name:
-            if len(body) == 4 * header["words"]:
-                self._on_parcel(header["name"], header["step"], header["version"], body)
+            if header["words"] >= 1 and len(body) == 4 * header["words"]:  # an honest empty step is one word
+                self._deliver(header, body)
             else:
                 self.malformed += 1
         else:
             self.malformed += 1
 
+    def _deliver(self, header: dict, body: bytes) -> None:
+        """Hand a parcel to on_parcel; whatever it raises is this message's fault, counted, never the thread's."""
+        try:
+            self._on_parcel(header["name"], header["step"], header["version"], body, header.get("mac", ""))
+        except Exception as exc:
+            self.parcel_errors += 1
+            if self.parcel_errors <= 3:
+                log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s%s", self.name,
+                            header["name"][:100], header["step"], type(exc).__name__, exc,
+                            " (further ones are counted, not logged)" if self.parcel_errors == 3 else "")
+
     def _set_members(self, members: dict) -> None:
-        if all(isinstance(v, dict) for v in members.values()):
+        """Take the coordinator's member list if every entry is {step, tokenizer, source} of their types (a list
+        that breaks it is counted and the last good one kept)."""
+        if all(isinstance(v, dict) and set(v) == set(VIEW_FIELDS) and all(
+                isinstance(v[f], t) and not isinstance(v[f], bool) for f, t in VIEW_FIELDS.items())
+               for v in members.values()):
             with self._lock:
                 self._members = members
         else:

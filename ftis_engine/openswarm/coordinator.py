@@ -11,6 +11,14 @@ after the coordinator restarted) is told to rejoin. A coordinator restarted on t
 (the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
 first to rejoin still waits for the others (the lead bound) instead of running ahead alone.
 
+What a stranger can make it hold is bounded, so that the member list always fits one header (wire.MAX_HEADER) and a
+flood of bad messages cannot fill its log: a join's name is a member's name (config.SAFE_NAME) or one of its
+samplers' (`<member>/sampler-<k>`), its tokenizer and dataset are sha256 hex digests, its tokenizer source is at most
+MAX_SOURCE plain characters, one connection holds one name and the swarm at most MAX_LIVE; refusals and malformed
+messages are logged MAX_NOISY a minute (the rest counted, in a later `suppressed` record), without the live list;
+and the socket never reads a frame larger than the largest honest parcel or header (ZMQ_MAXMSGSIZE: the connection
+is closed instead).
+
 The decisions (`handle`, `expire`) take the time as an argument and return what to send, so they are tested
 without sockets or clocks; `serve` runs them on a ZeroMQ ROUTER socket.
 """
@@ -19,19 +27,27 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import threading
 import time
 from dataclasses import dataclass
 
-from ..config import RunConfig, value_differences
-from .wire import SAMPLER_MARK, WireError, pack, unpack
+from ..config import SAFE_NAME, RunConfig, value_differences
+from .wire import MAC, MAX_HEADER, SAMPLER_INDEX, SAMPLER_MARK, WireError, pack, unpack
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
 # optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
 SHARED = ("seed", "collaboration", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
           "rollout.temperature", "rollout.top_p", "rollout.top_k", "data", "train.steps", "swarm.max_lead",
           "swarm.max_staleness", "swarm.max_delay_s")
-MAX_NAME = 100
+MAX_NAME = 100  # a member's name (config.SAFE_NAME); a sampler's adds SAMPLER_MARK and its index
+DIGEST = re.compile(r"[0-9a-f]{64}")  # a tokenizer's or training set's sha256 (models.vocabulary_hash, dataset_hash)
+MAX_SOURCE = 120  # a tokenizer's source: builtin:, packaged: or a hub id (at most 96 characters)
+SOURCE = re.compile(rf"(?:[A-Za-z0-9][A-Za-z0-9:/_.@+=-]{{0,{MAX_SOURCE - 1}}})?")  # nothing JSON escapes
+# live names at most: with the caps above a view entry is under 400 bytes, so MAX_LIVE of them fit one header
+MAX_LIVE = 128
+MAX_NOISY = 20  # refusals and malformed messages logged a minute; the rest are counted
+RECEIVE_HWM = 64  # messages read ahead per connection: memory bounded by this x the frame cap per connection
 
 
 def shared_settings(config: RunConfig) -> dict:
@@ -48,12 +64,33 @@ def shared_settings(config: RunConfig) -> dict:
 
 
 def first_difference(swarm: dict, member: dict) -> str | None:
-    """'field: the swarm says X, this member Y' for the first shared field that differs, or None."""
+    """'field: the swarm says X, this member Y' for the first shared field that differs, or None. Each value is
+    cut to 100 characters: the member's is untrusted and the line goes back in one header and into the log."""
     differences = value_differences(swarm, member)
     if not differences:
         return None
     field, ours, theirs = differences[0]
-    return f"{field}: the swarm says {ours!r}, this member {theirs!r}"
+    return f"{_cut(str(field))}: the swarm says {_cut(repr(ours))}, this member {_cut(repr(theirs))}"
+
+
+def join_problem(header: dict) -> str | None:
+    """What is wrong with a join's own fields (its name, hashes and source), in one line naming the field; None
+    when nothing is. The caps keep every member list within one header (module docstring)."""
+    name, owner, _, index = header["name"], *header["name"].rpartition(SAMPLER_MARK)
+    if not (SAFE_NAME.fullmatch(name) or (SAFE_NAME.fullmatch(owner) and SAMPLER_INDEX.fullmatch(index))):
+        return (f"name: {_cut(repr(name))} is neither a member's name (1-{MAX_NAME} letters, digits and _ . + = @ -) "
+                f"nor one of its samplers' (<member>{SAMPLER_MARK}<k>)")
+    for field in ("tokenizer", "dataset"):
+        if not DIGEST.fullmatch(header[field]):
+            return f"{field}: {_cut(repr(header[field]))} is not a sha256 hex digest (64 of 0-9a-f)"
+    if not SOURCE.fullmatch(header["source"]):
+        return (f"source: {_cut(repr(header['source']))} is not a tokenizer source (at most {MAX_SOURCE} letters, "
+                "digits and : / _ . @ + = -)")
+    return None
+
+
+def _cut(text: str, limit: int = 100) -> str:
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -80,38 +117,54 @@ class Coordinator:
         self.relayed = 0  # parcels relayed (one per receiver)
         self.undeliverable = 0  # relays a receiver's full queue (or its vanished connection) refused
         self.refused = 0  # messages refused (a malformed one, a join refused, a parcel from no live member)
+        self.suppressed = 0  # refusals and malformed messages not logged (over MAX_NOISY a minute)
+        self._noisy: tuple[float, int] = (float("-inf"), 0)  # (start of the current minute, noisy records in it)
         self._echo = echo
-        restored = self._restore(log_path) if log_path is not None else {}
+        restored, self.dataset = self._restore(log_path) if log_path is not None else ({}, None)
         self._log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
         if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
             now = time.monotonic() if now is None else now
             for name, (tokenizer, step, source) in restored.items():
                 self.live[name] = Live(b"", tokenizer, step, now, now, source)
-            self._record(now, "restored", None, members=sorted(restored))
+            self._record(now, "restored", None, members=sorted(restored), dataset=self.dataset)
 
     @staticmethod
-    def _restore(log_path: pathlib.Path) -> dict[str, tuple[str, int, str]]:
+    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str]], str | None]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source)); {} for a new log. A member that is gone holds its place for one lease at most."""
+        newest step logged, tokenizer source)), and the swarm's training-set hash (the first logged: every later
+        join had to match it); ({}, None) for a new log. A member that is gone holds its place for one lease at
+        most. Read a line at a time: the log grows with the run."""
         if not log_path.is_file():
-            return {}
+            return {}, None
         tokenizers: dict[str, str] = {}
         sources: dict[str, str] = {}
         steps: dict[str, int] = {}
         live: list[str] = []
-        for line in log_path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # a line the killed coordinator did not finish
-                continue
-            name = record.get("member")
-            if record.get("tokenizer") is not None and name is not None:
-                tokenizers[name] = record["tokenizer"]
-                sources[name] = record.get("source", "")
-            if isinstance(record.get("step"), int) and name is not None:
-                steps[name] = record["step"]
-            live = record.get("live", live)
-        return {name: (tokenizers[name], steps.get(name, 0), sources[name]) for name in live if name in tokenizers}
+        dataset = None
+        with open(log_path, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line the killed coordinator did not finish
+                    continue
+                if not isinstance(record, dict):
+                    continue
+                name = record.get("member")
+                if isinstance(record.get("tokenizer"), str) and isinstance(name, str):
+                    tokenizers[name] = record["tokenizer"]
+                    sources[name] = str(record.get("source", ""))
+                if isinstance(record.get("step"), int) and isinstance(name, str):
+                    steps[name] = record["step"]
+                if dataset is None and isinstance(record.get("dataset"), str) and DIGEST.fullmatch(record["dataset"]):
+                    dataset = record["dataset"]
+                if isinstance(record.get("live"), list):
+                    live = record["live"]
+        # what a join would be refused for is not restored either (a log written before these caps)
+        members = {name: (tokenizers[name], steps.get(name, 0), sources[name]) for name in live
+                   if isinstance(name, str) and name in tokenizers and join_problem(
+                       {"name": name, "tokenizer": tokenizers[name], "source": sources[name], "dataset": "0" * 64})
+                   is None}
+        return dict(list(members.items())[:MAX_LIVE]), dataset
 
     # ---------------------------------------------------------------------------------------------- decisions
 
@@ -132,7 +185,7 @@ class Coordinator:
             return []
         if entry is None or entry.identity != identity:
             self.refused += 1
-            return [(identity, pack("rejoin", {"reason": f"{name!r} is not a live member here"}))]
+            return [(identity, pack("rejoin", {"reason": f"{_cut(repr(name))} is not a live member here"}))]
         entry.last_seen = now
         if kind == "beat":
             entry.step = max(entry.step, header["step"])
@@ -142,10 +195,10 @@ class Coordinator:
             self._record(now, "leave", name, step=entry.step)
             return self._members()
         # a parcel: to every other live member
-        if len(body) != 4 * header["words"]:
+        problem = parcel_problem(header, body)
+        if problem is not None:
             self.refused += 1
-            self._record(now, "malformed", name, reason=f"parcel of {len(body)} bytes announced as "
-                                                        f"{header['words']} words")
+            self._record(now, "malformed", name, reason=problem)
             return []
         entry.step = max(entry.step, header["step"])
         relay = pack("parcel", header, body)
@@ -155,9 +208,7 @@ class Coordinator:
 
     def _join(self, identity: bytes, header: dict, now: float) -> Outgoing:
         name = header["name"]
-        problem = None
-        if not 0 < len(name) <= MAX_NAME:
-            problem = f"a member's name has 1 to {MAX_NAME} characters, not {len(name)}"
+        problem = join_problem(header)
         if problem is None:
             problem = first_difference(self.shared, header["shared"])
         if problem is None and self.dataset is not None and header["dataset"] != self.dataset:
@@ -169,6 +220,8 @@ class Coordinator:
                 problem = f"a live member is already named {name!r}; choose another members.0.name"
             else:  # its lease ran out unnoticed: it is gone
                 self._drop(name, now, "expired")
+        if problem is None:
+            problem = self._room_for(identity, name)
         if problem is not None:
             self.refused += 1
             self._record(now, "refuse", name, reason=problem)
@@ -176,12 +229,24 @@ class Coordinator:
         self.dataset = self.dataset or header["dataset"]
         rejoined = name in self.live and current.identity != b""
         self.live[name] = Live(identity, header["tokenizer"], header["step"], now,
-                               current.joined_at if current else now, header["source"][:MAX_NAME * 10])
+                               current.joined_at if current else now, header["source"])
         if not rejoined:
             self._record(now, "join" if current is None or current.identity != b"" else "rejoin", name,
-                         step=header["step"], tokenizer=header["tokenizer"], source=header["source"][:MAX_NAME * 10])
+                         step=header["step"], tokenizer=header["tokenizer"], source=header["source"],
+                         dataset=header["dataset"])
         welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
         return [welcome, *self._members()]
+
+    def _room_for(self, identity: bytes, name: str) -> str | None:
+        """Why a valid join cannot take a place: its connection holds another name (one connection is one member
+        or sampler), or the swarm holds MAX_LIVE names (the member list must fit one header); None if it can."""
+        held = next((other for other, entry in self.live.items() if entry.identity == identity and other != name),
+                    None)
+        if held is not None:
+            return f"name: this connection already holds {held!r}; one connection joins under one name"
+        if name not in self.live and len(self.live) >= MAX_LIVE:
+            return f"the swarm is full: {MAX_LIVE} live names, the most its member list carries"
+        return None
 
     def expire(self, now: float) -> Outgoing:
         """Drop the members not heard from within the lease; tell the rest."""
@@ -203,13 +268,43 @@ class Coordinator:
         return [(entry.identity, message) for entry in self.live.values() if entry.identity]
 
     def _record(self, now: float, event: str, name: str | None, **fields) -> None:
-        record = {"time": time.time(), "event": event, "member": name, **fields, "live": sorted(self.live)}
+        """One log line (and an echo). Refusals and malformed messages (a stranger's doing) carry no live list, their
+        names are cut, and past MAX_NOISY a minute they are only counted (a `suppressed` record with the count comes
+        before the first one logged in a later minute)."""
+        noisy = event in ("refuse", "malformed")
+        if noisy and not self._may_log(now):
+            return
+        record = {"time": time.time(), "event": event, "member": _cut(name) if noisy and name else name, **fields}
+        if not noisy:
+            record["live"] = sorted(self.live)  # what a restarted coordinator restores from (the newest one)
         if self._log is not None:
             self._log.write(json.dumps(record) + "\n")
             self._log.flush()
         if self._echo is not None and event != "malformed":
             extra = " ".join(f"{k}={v}" for k, v in fields.items())
-            self._echo(f"{event}: {name} {extra} | live: {', '.join(sorted(self.live)) or '-'}")
+            self._echo(f"{event}: {record['member']} {extra} | live: {', '.join(sorted(self.live)) or '-'}")
+
+    def _may_log(self, now: float) -> bool:
+        """Whether one more refusal or malformed message may be logged this minute (else it is counted)."""
+        start, count = self._noisy
+        if now - start >= 60.0:
+            if self.suppressed:
+                self._log_suppressed()
+            start, count = now, 0
+        self._noisy = (start, count + 1)
+        if count < MAX_NOISY:
+            return True
+        self.suppressed += 1
+        return False
+
+    def _log_suppressed(self) -> None:
+        if self._log is not None:
+            self._log.write(json.dumps({"time": time.time(), "event": "suppressed", "member": None,
+                                        "count": self.suppressed}) + "\n")
+            self._log.flush()
+        if self._echo is not None:
+            self._echo(f"suppressed: {self.suppressed} refusals or malformed messages in the last minute, not logged")
+        self.suppressed = 0
 
     # ---------------------------------------------------------------------------------------------- sockets
 
@@ -222,6 +317,10 @@ class Coordinator:
         socket = context.socket(zmq.ROUTER)
         socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # an unroutable or full receiver raises: counted, not silent
         socket.setsockopt(zmq.SNDHWM, 64)
+        # a frame over the largest honest one (a parcel's body, or a header) is never read: libzmq closes that
+        # connection instead. (libzmq has no cap on frames per message; unpack refuses any but 3 or 4.)
+        socket.setsockopt(zmq.MAXMSGSIZE, self.max_body + MAX_HEADER)
+        socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         socket.setsockopt(zmq.LINGER, 0)
         try:
             deadline = time.monotonic() + 5.0
@@ -272,6 +371,18 @@ class Coordinator:
             else:
                 if frames[1] == b"parcel":
                     self.relayed += 1
+
+
+def parcel_problem(header: dict, body: bytes) -> str | None:
+    """What makes a parcel not one an honest member sends (its body's size against its header, an empty one: an
+    honest member's empty step is one word, a buffer of 0 sequences; a mac that is not one); None if nothing."""
+    if header["words"] < 1:
+        return f"words: {header['words']}; a parcel holds at least one word (its count of sequences)"
+    if len(body) != 4 * header["words"]:
+        return f"parcel of {len(body)} bytes announced as {header['words']} words"
+    if "mac" in header and not MAC.fullmatch(header["mac"]):
+        return "mac: not a hex HMAC-SHA256 (64 of 0-9a-f)"
+    return None
 
 
 def load_swarm_config(path: pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:

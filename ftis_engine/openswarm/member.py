@@ -11,7 +11,9 @@ receiver (admission) as every other mode; its schedule (openswarm/schedule.py) g
   rollouts carry member 0 (its own config's index) on the wire and are renumbered on arrival.
 - **The lead bound counts live members only.** Before its step t a member waits (at most swarm.timeout_s, then
   goes on without it, warned) until every live peer it trains on has published step t - max_lead (its parcels,
-  or the step the coordinator heard from it); a peer that left or whose lease expired holds nobody back. A
+  or the step the coordinator heard from it); a peer that left or whose lease expired holds nobody back, and one
+  that made it wait swarm.timeout_s is not waited for again until it has caught up (a live peer that never
+  publishes costs one time-out, not one a step). A
   newcomer starts at its step 1: the live members wait for it to come within max_lead of them (max_lead null:
   nobody waits, and its rollouts are trained on once they are within max_staleness).
 - **A member on several ranks** (`--nproc R` for members.0.ranks=R, or torchrun) has its own process group: its
@@ -22,7 +24,11 @@ receiver (admission) as every other mode; its schedule (openswarm/schedule.py) g
   one), publishes its rounds there and receives nothing. Its rounds draw from that name's stream, so a receiver
   checks them like a learner's, with a sampler's version rules: its own member's samplers hold the resumed step or
   a multiple of its weight_sync_every up to its last step (and are its own rollouts: not screened); another
-  member's hold any version up to the run's last step (their weight_sync_every is not known here). Samplers do
+  member's hold any version up to the run's last step (their weight_sync_every is not known here). Anyone can join
+  under a sampler's name, so a learner takes a parcel as its own sampler's only when k is below its
+  members.0.samplers and the parcel is signed (wire.parcel_mac) with the key the learner gave its samplers at the
+  start, by broadcast in their own process group (share_key): the key never crosses the coordinator; anything else
+  under its samplers' names is refused and counted. Samplers do
   not count in the lead bound; a sampler waits (its backpressure) until its learner's newest step, as the
   coordinator last said, is within max_lead + 1 of its next round, and leaves when its learner finishes.
 - **Peers of another tokenizer.** A member announces where its tokenizer loads from (its `builtin:`, `packaged:` or
@@ -36,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 
 import torch
@@ -49,8 +56,11 @@ from ..schedule import learner_version
 from .client import SwarmClient
 from .coordinator import max_parcel_bytes, shared_settings
 from .schedule import PeerBook, sampler_name, split_sampler
+from .wire import mac_matches
 
 log = logging.getLogger("ftis_engine.exchange")
+
+KEY_BYTES = 32  # the key a learner shares with its samplers: 256 bits, as strong as HMAC-SHA256 gets
 
 
 class JoinError(ValueError):
@@ -100,6 +110,21 @@ def dataset_hash(task) -> str:
     return digest.hexdigest()
 
 
+def share_key(broadcast, key: bytes | None = None) -> bytes:
+    """The key of a member's samplers' parcels (wire.parcel_mac), from its learner (key: the learner's, a fresh
+    random one) to its samplers (key None: received) by one broadcast in their weight group
+    (exchange.weights.WeightBroadcast): it never leaves the member's processes, so neither a peer nor the
+    coordinator can sign as one of its samplers. Called by the learner and each sampler at their start, before
+    any weights: the group's first collective on every side."""
+    import torch.distributed as dist
+
+    words = torch.empty(KEY_BYTES, dtype=torch.uint8) if key is None else torch.frombuffer(bytearray(key),
+                                                                                          dtype=torch.uint8)
+    words = words.to(broadcast.device)
+    dist.broadcast(words, src=broadcast.source, group=broadcast.group)
+    return words.cpu().numpy().tobytes()
+
+
 class OpenExchange:
     """The Exchange of a member in an open swarm (see the module)."""
 
@@ -130,8 +155,10 @@ class OpenExchange:
         self.client: SwarmClient | None = None
         self._limit: Limit | None = None
         self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on
-        self.refused = 0  # parcels refused unread (larger than an honest step's)
+        self.refused = 0  # parcels refused unread (sizes, steps and versions no honest peer sends, forged samplers)
         self._dropped_seen = 0  # the client's dropped parcels already reported
+        self.key: bytes | None = None  # what its own samplers sign their parcels with (share_key); None: it has none
+        self._given_up: set[str] = set()  # live peers the lead bound waited swarm.timeout_s for: not waited for
 
     def attach(self, swarm) -> None:
         """What the member's opened run gives the exchange: its tokenizer's hash and source, its training set's
@@ -149,6 +176,8 @@ class OpenExchange:
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self._limit = limit
         self.mailbox.step = max(self.mailbox.step, start_step)
+        if self.broadcast is not None:  # a member with samplers: theirs is the only other key that signs as them
+            self.key = share_key(self.broadcast, secrets.token_bytes(KEY_BYTES))
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
                                   max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source)
         self.client.start(timeout=self.timeout_s)
@@ -163,23 +192,13 @@ class OpenExchange:
         start = time.perf_counter()
         self.client.check()
         self._load_foreign()
+        self._forget_gone()
         lead_wait, lead = 0.0, None
         published = self._published()
         if published:
             lead = step - min(published.values())
         if self.max_lead is not None and published:
-            need = step - self.max_lead
-            deadline = time.monotonic() + self.timeout_s
-            waited = time.perf_counter()
-            while any(newest < need for newest in self._published().values()):
-                self.client.check()
-                if time.monotonic() > deadline:
-                    behind = sorted(n for n, s in self._published().items() if s < need)
-                    log.warning("%s: live peer(s) %s have not published step %d within swarm.timeout_s=%g s; going "
-                                "on without waiting for them", self.name, behind, need, self.timeout_s)
-                    break
-                time.sleep(0.02)
-            lead_wait = time.perf_counter() - waited
+            lead_wait = self._wait_lead(step - self.max_lead)
         newest = None if self.max_lead is None else learner_version(step) + self.max_lead
         parcels = self.mailbox.take_due(step, time.time(), newest)
         total = self.client.dropped  # read once: the I/O thread adds to it
@@ -187,6 +206,39 @@ class OpenExchange:
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
                         outbox_dropped=dropped)
+
+    def _wait_lead(self, need: int) -> float:
+        """The lead bound: wait until every live peer it trains on has published step `need`, at most
+        swarm.timeout_s; returns the seconds waited. A peer that made it wait that long is given up on (warned
+        once) until it has caught up (published `need` by a later step) or left: a live peer that never
+        publishes costs one time-out, not one every step."""
+        for name in sorted(self._given_up):
+            if self._published().get(name, need) >= need:  # caught up, or gone (a rejoin is waited for again)
+                self._given_up.discard(name)
+                log.info("%s: peer %s has caught up; the lead bound waits for it again", self.name, name)
+        waited = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            behind = sorted(n for n, s in self._published().items() if s < need and n not in self._given_up)
+            if not behind:
+                break
+            self.client.check()
+            if time.monotonic() > deadline:
+                log.warning("%s: live peer(s) %s have not published step %d within swarm.timeout_s=%g s; going "
+                            "on without waiting for them until they catch up", self.name, behind, need,
+                            self.timeout_s)
+                self._given_up.update(behind)
+                break
+            time.sleep(0.02)
+        return time.perf_counter() - waited
+
+    def _forget_gone(self) -> None:
+        """Forget the newest published step of peers that are no longer live: one that comes back (resumed from an
+        older checkpoint) is counted from what it publishes anew, and names that come and go leave nothing behind
+        here (their numbers stay: a peer that comes back keeps its own; their mailbox boxes go once emptied)."""
+        live = self._live()
+        for name in [n for n in list(self.book.published) if n not in live]:
+            self.book.forget(name)
 
     def weights_format(self) -> tuple[torch.dtype, torch.device]:
         """The weight broadcast's dtype and device (a member without samplers pushes nothing)."""
@@ -260,21 +312,48 @@ class OpenExchange:
                 out[name] = max(step, self.book.published.get(name, 0))
         return out
 
-    def _deliver(self, name: str, step: int, version: int, body: bytes) -> None:
+    def _deliver(self, name: str, step: int, version: int, body: bytes, mac: str = "") -> None:
+        """A peer's parcel (the client's I/O thread): into the mailbox, or refused unread (counted in `refused`,
+        and kept as an empty parcel that admission counts and names: rejected_batches, one warning)."""
         if not self._trained_on(name):
             self.foreign_refused += 1
             return
         sender = self.book.number(name)
-        words = torch.frombuffer(bytearray(body), dtype=torch.int32)
-        limit = self._limit(sender, step) if self._limit is not None else 0
-        refused = None
-        if words.numel() > limit:
-            refused, words = f"{words.numel()} words, more than the {limit} an honest step {step} holds", words[:0]
+        problem = self._parcel_problem(sender, name, step, version, body, mac)
+        if problem is not None:
             self.refused += 1
-        self.mailbox.put(Parcel(sender, step, version, words, refused=refused))
-        if refused is None and 1 <= step <= self.config.train.steps and (
+            # version 0: due at once, so no claimed version parks it in the mailbox for good
+            self.mailbox.put(Parcel(sender, step, 0, torch.empty(0, dtype=torch.int32), refused=problem))
+            return
+        self.mailbox.put(Parcel(sender, step, version, torch.frombuffer(bytearray(body), dtype=torch.int32)))
+        if 1 <= step <= self.config.train.steps and (
                 self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1):
             self.book.publish(name, step)
+
+    def _parcel_problem(self, sender: int, name: str, step: int, version: int, body: bytes, mac: str) -> str | None:
+        """Why a parcel is refused unread, or None. Its body: whole words, at least one (an honest empty step is
+        a buffer of 0 sequences), at most an honest step's. Its step and version: a learner's step t of the run
+        carries version t - 1, a sampler's round no version after the run's last step (a parcel no step will ever
+        take would stay in the mailbox). A name of this member's own samplers: one it has, signed with their key."""
+        if not body or len(body) % 4:
+            return f"a body of {len(body)} bytes: not whole int32 words, at least one"
+        steps, parsed = self.config.train.steps, split_sampler(name)
+        if parsed is None and not 1 <= step <= steps:
+            return f"step {step}, outside 1..train.steps={steps}"
+        if parsed is None and version != learner_version(step):
+            return f"policy version {version} declared for step {step} (a learner's step t is version t - 1)"
+        if parsed is not None and version > learner_version(steps):
+            return f"policy version {version}: after the run's last step ({learner_version(steps)})"
+        if parsed is not None and parsed[0] == self.name:
+            samplers = self.config.members[0].samplers
+            if parsed[1] >= samplers:
+                return f"{name[:120]!r}: this member has {samplers} sampler(s) (members.0.samplers)"
+            if self.key is None or not mac_matches(self.key, name, step, version, body, mac):
+                return f"{name[:120]!r}: not signed with the key of this member's samplers (a forged sampler?)"
+        limit = self._limit(sender, step) if self._limit is not None else 0
+        if len(body) // 4 > limit:
+            return f"{len(body) // 4} words, more than the {limit} an honest step {step} holds"
+        return None
 
 
 class OpenSampler(WithoutSamplers):
@@ -303,10 +382,11 @@ class OpenSampler(WithoutSamplers):
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self.weights = weights
+        key = share_key(self.broadcast)  # before the weights' receiving thread: the group's first collective
         self.broadcast.start(weights)
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
                                   max_parcel_bytes(self.config), lambda *parcel: None, step=start_step,
-                                  source=self.source)
+                                  source=self.source, key=key)
         self.client.start(timeout=self.timeout_s)
 
     def check(self) -> None:
@@ -350,4 +430,4 @@ class OpenSampler(WithoutSamplers):
             self.client.close(leave=True)
 
 
-__all__ = ["JoinError", "OpenExchange", "OpenSampler", "check_joinable", "dataset_hash"]
+__all__ = ["JoinError", "OpenExchange", "OpenSampler", "check_joinable", "dataset_hash", "share_key"]

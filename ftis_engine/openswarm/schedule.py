@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ..rollouts import max_buffer_words
 from ..schedule import Schedule, learner_version, mix_seed, prompts_for_step
-from .wire import SAMPLER_MARK
+from .wire import SAMPLER_INDEX, SAMPLER_MARK
 
 
 def sampler_name(member: str, index: int) -> str:
@@ -21,9 +21,10 @@ def sampler_name(member: str, index: int) -> str:
 
 
 def split_sampler(name: str) -> tuple[str, int] | None:
-    """(member name, sampler index) of a sampler's name; None for a member's."""
+    """(member name, sampler index) of a sampler's name; None for a member's. The index as sampler_name writes it
+    (ASCII digits, no leading zero): "a/sampler-01" is no alias of "a/sampler-1"."""
     owner, mark, index = name.rpartition(SAMPLER_MARK)
-    if not mark or not owner or not index.isdigit() or len(index) > 6:
+    if not mark or not owner or not SAMPLER_INDEX.fullmatch(index):
         return None
     return owner, int(index)
 
@@ -53,6 +54,11 @@ class PeerBook:
         with self._lock:
             self.published[name] = max(self.published.get(name, 0), step)
 
+    def forget(self, name: str) -> None:
+        """A peer that is no longer live: its newest published step goes (its number stays)."""
+        with self._lock:
+            self.published.pop(name, None)
+
 
 class _Deals(Mapping):
     """One step's deals, by local member number, computed when asked."""
@@ -79,12 +85,15 @@ class OpenSchedule(Schedule):
     @property
     def roles(self) -> list[tuple[int, int | None]]:
         """(member, sampler index or None) by local number: a sampler of this member's is member 0 (its rollouts
-        are this member's own), another member's sampler is a member of its own number."""
+        are this member's own: not screened, not share-capped), another member's sampler is a member of its own
+        number. Only an index below members.0.samplers is one of its own (whose parcels the exchange took only
+        signed with its samplers' key: member.OpenExchange); any other name is a peer's."""
         out: list[tuple[int, int | None]] = []
-        own = self.peers.names[0]
+        own, samplers = self.peers.names[0], self.config.members[0].samplers
         for k, name in enumerate(list(self.peers.names)):
             parsed = split_sampler(name)
-            out.append((k, None) if parsed is None else (0 if parsed[0] == own else k, parsed[1]))
+            mine = parsed is not None and parsed[0] == own and parsed[1] < samplers
+            out.append((k, None) if parsed is None else (0 if mine else k, parsed[1]))
         return out
 
     def member_name(self, member: int) -> str:

@@ -2,16 +2,29 @@
 
 The header is a JSON object of at most MAX_HEADER bytes whose fields are checked against the kind's schema (names
 and types, nothing else accepted); the body is raw bytes (a parcel's int32 rollout words), capped by the receiver.
-Nothing is unpickled: a peer is untrusted input, and the coordinator is untrusted by members alike.
+Nothing is unpickled: a peer is untrusted input, and the coordinator is untrusted by members alike. Integers are
+non-negative and below 2^31 (a step, a version, a word count: what an honest member can send), so no field can
+grow a member list or a log line by its digits.
+
+A member's sampler signs its parcels (`mac`: HMAC-SHA256 under a key its learner shared with it in their own process
+group, never on the wire), so that its learner takes as its own only what its own samplers made: a peer, or the
+coordinator, can send under a sampler's name but cannot sign.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import re
+import struct
 
 MAGIC = b"ftis-swarm/1"
 SAMPLER_MARK = "/sampler-"  # a member's sampler joins as <member>/sampler-<k>: it sends parcels, receives none
+SAMPLER_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # its k as written: ASCII, no leading 0 (one sampler, one name)
 MAX_HEADER = 1 << 16  # a join carries the shared settings: a few KiB
+MAX_INT = (1 << 31) - 1  # the largest integer in a header: a step, a version or a word count fits int32
+MAC = re.compile(r"[0-9a-f]{64}")  # a parcel's mac: hex of an HMAC-SHA256
 
 # kind -> {field: type}; every field is required, no other is accepted
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -24,6 +37,8 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "parcel": {"name": str, "step": int, "version": int, "words": int},
     "leave": {"name": str},
 }
+# kind -> {field: type} a message may leave out: a sampler's parcels carry a mac, a learner's none
+OPTIONAL: dict[str, dict[str, type]] = {"parcel": {"mac": str}}
 
 
 class WireError(ValueError):
@@ -64,21 +79,38 @@ def unpack(frames: list[bytes], max_body: int) -> tuple[str, dict, bytes]:
 
 
 def check_header(kind: str, header: object) -> None:
-    schema = SCHEMAS[kind]
+    schema, optional = SCHEMAS[kind], OPTIONAL.get(kind, {})
     if not isinstance(header, dict):
         raise WireError(f"{kind}: header is not an object")
-    if set(header) != set(schema):
-        missing, extra = sorted(set(schema) - set(header)), sorted(set(header) - set(schema))
+    missing, extra = sorted(set(schema) - set(header)), sorted(set(header) - set(schema) - set(optional))
+    if missing or extra:
         raise WireError(f"{kind}: header fields {'missing ' + str(missing) if missing else 'unexpected ' + str(extra)}")
-    for field, expected in schema.items():
+    for field, expected in {**schema, **optional}.items():
+        if field not in header:
+            continue
         value = header[field]
         if isinstance(value, bool) or not isinstance(value, expected):
             raise WireError(f"{kind}: {field} is {type(value).__name__}, not {_names(expected)}")
         if isinstance(value, int) and value < 0:
             raise WireError(f"{kind}: {field} is negative")
+        if isinstance(value, int) and value > MAX_INT:
+            raise WireError(f"{kind}: {field} is larger than 2^31 - 1")
         if isinstance(value, float) and not 0 < value < float("inf"):
             raise WireError(f"{kind}: {field} is not a positive finite number")
 
 
 def _names(expected) -> str:
     return " or ".join(t.__name__ for t in (expected if isinstance(expected, tuple) else (expected,)))
+
+
+def parcel_mac(key: bytes, name: str, step: int, version: int, body: bytes) -> str:
+    """A sampler's signature of its parcel: hex HMAC-SHA256 under its learner's key of (name, step, version, body),
+    each field delimited so that no two parcels sign alike."""
+    message = name.encode() + b"\x00" + struct.pack("<qq", step, version) + bytes(body)
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def mac_matches(key: bytes, name: str, step: int, version: int, body: bytes, mac: str) -> bool:
+    """Whether `mac` (as received: any string) is this parcel's signature under `key`; compared in constant time."""
+    return bool(MAC.fullmatch(mac)) and hmac.compare_digest(parcel_mac(key, name, step, version, body).encode(),
+                                                           mac.encode())

@@ -1,0 +1,386 @@
+"""The open swarm against untrusted input (ftis_engine/openswarm): what a peer, or the coordinator, can send and what
+each side refuses, counts and bounds. Unit tests on the decisions (Coordinator.handle, SwarmClient._receive,
+OpenExchange._deliver and receive with a fake client), and two over loopback sockets for ZeroMQ's frame cap."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+zmq = pytest.importorskip("zmq")
+
+from ftis_engine.config import load_config  # noqa: E402
+from ftis_engine.exchange import Parcel  # noqa: E402
+from ftis_engine.exchange.async_ import Mailbox  # noqa: E402
+from ftis_engine.openswarm.client import SwarmClient  # noqa: E402
+from ftis_engine.openswarm.coordinator import MAX_LIVE, MAX_NOISY, MAX_SOURCE, Coordinator  # noqa: E402
+from ftis_engine.openswarm.member import OpenExchange  # noqa: E402
+from ftis_engine.openswarm.schedule import OpenSchedule, PeerBook, split_sampler  # noqa: E402
+from ftis_engine.openswarm.wire import MAGIC, MAX_HEADER, MAX_INT, mac_matches, pack, parcel_mac, unpack  # noqa: E402
+
+from .helpers import ROOT  # noqa: E402
+from .test_openswarm import DATA, SHARED, TOKENIZER, Running, join, kinds, until  # noqa: E402
+
+KEY = bytes(range(32))
+
+
+def refusal(outgoing) -> str:
+    (reply,) = outgoing
+    assert reply[1][1] == b"refuse"
+    return json.loads(reply[1][2])["reason"]
+
+
+def parcel(name="a", step=1, version=0, words=1, body=b"\x00" * 4, **extra):
+    return pack("parcel", {"name": name, "step": step, "version": version, "words": words, **extra}, body)
+
+
+def quiet_client(on_parcel=lambda *parcel: None, name="me", **kw) -> SwarmClient:
+    """A client whose I/O thread never starts: its _receive is called by hand."""
+    return SwarmClient("tcp://127.0.0.1:1", name, TOKENIZER, SHARED, DATA, 1 << 10, on_parcel, **kw)
+
+
+class FakeClient:
+    """The coordinator's last word as a member's exchange reads it."""
+
+    def __init__(self, view: dict[str, int]):
+        self.view = view  # name -> newest step
+        self.dropped = 0
+
+    def members(self) -> dict[str, dict]:
+        return {name: {"step": step, "tokenizer": TOKENIZER, "source": ""} for name, step in self.view.items()}
+
+    def check(self) -> None:
+        pass
+
+
+def exchange(*overrides: str, peers=("peer",)) -> OpenExchange:
+    """tiny-s's exchange (8 steps), its client a fake: itself and `peers` live at step 0."""
+    config = load_config(ROOT / "configs/swarm/tiny-s.yaml", ["train.steps=8", "rollout.group_size=4",
+                                                              "rollout.prompts_per_step=2", *overrides])
+    ex = OpenExchange("tcp://127.0.0.1:1", config)
+    ex.tokenizer = TOKENIZER
+    ex.client = FakeClient({"tiny-s": 0, **{p: 0 for p in peers}})
+    ex._limit = lambda sender, step: 1000
+    return ex
+
+
+def taken(ex: OpenExchange, step: int = 8) -> list[Parcel]:
+    return ex.mailbox.take_due(step, time.time(), None)
+
+
+# ------------------------------------------------------------------------------------------------- empty parcels
+
+
+def test_the_coordinator_refuses_a_parcel_of_no_words_and_relays_an_honest_empty_step():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    coordinator.handle(b"B", join("b"), now=0)
+    assert coordinator.handle(b"A", parcel(words=0, body=b""), now=1) == []
+    assert coordinator.refused == 1
+    # an honest member with nothing this step sends a buffer of 0 sequences: one word
+    assert kinds(coordinator.handle(b"A", parcel(words=1, body=b"\x00" * 4), now=1)) == [(b"B", "parcel")]
+
+
+def test_a_client_counts_a_parcel_of_no_words_as_malformed_and_never_hands_it_on():
+    got = []
+    client = quiet_client(lambda *p: got.append(p))
+    client._receive(None, parcel(name="peer", words=0, body=b""))
+    assert client.malformed == 1 and got == []
+    client._receive(None, parcel(name="peer"))
+    assert got == [("peer", 1, 0, b"\x00" * 4, "")]
+
+
+def test_a_parcel_that_makes_on_parcel_raise_is_counted_and_the_client_thread_goes_on():
+    def on_parcel(*parcel):
+        raise ValueError("a bad parcel")
+
+    client = quiet_client(on_parcel)
+    for _ in range(2):
+        client._receive(None, parcel(name="peer"))  # raised out of the I/O thread's loop before: its end
+    assert client.parcel_errors == 2 and client.error is None
+
+
+@pytest.mark.parametrize("body", [b"", b"\x01\x02\x03"])
+def test_the_exchange_refuses_an_empty_or_ragged_body_unread_and_counts_it(body):
+    ex = exchange()
+    ex._deliver("peer", 1, 0, body)  # torch.frombuffer raised on an empty one
+    (got,) = taken(ex)
+    assert got.refused.startswith(f"a body of {len(body)} bytes") and got.buffer.numel() == 0 and ex.refused == 1
+
+
+# ------------------------------------------------------------------------------------------------- own samplers
+
+
+def signed(name, step, version, body, key=KEY):
+    return parcel_mac(key, name, step, version, body)
+
+
+def test_a_parcel_under_this_members_sampler_name_is_taken_only_signed_with_its_samplers_key():
+    ex = exchange("members.0.samplers=1", peers=("tiny-s/sampler-0", "tiny-s/sampler-3", "bob/sampler-0"))
+    ex.key = KEY
+    body = torch.zeros(1, dtype=torch.int32).numpy().tobytes()
+    ex._deliver("tiny-s/sampler-0", 2, 0, body, "")  # a peer that joined under its sampler's name: no mac
+    ex._deliver("tiny-s/sampler-0", 2, 0, body, signed("tiny-s/sampler-0", 2, 0, body, key=b"\x01" * 32))
+    ex._deliver("tiny-s/sampler-0", 2, 0, body, signed("tiny-s/sampler-0", 3, 0, body))  # another parcel's
+    ex._deliver("tiny-s/sampler-3", 2, 0, body, signed("tiny-s/sampler-3", 2, 0, body))  # it has one sampler
+    refused = taken(ex)
+    assert len(refused) == 4 and all(p.refused for p in refused) and ex.refused == 4
+    assert "not signed with the key of this member's samplers" in refused[0].refused
+    assert "this member has 1 sampler(s)" in refused[-1].refused
+    ex._deliver("tiny-s/sampler-0", 2, 0, body, signed("tiny-s/sampler-0", 2, 0, body))
+    ex._deliver("bob/sampler-0", 2, 0, body, "")  # another member's sampler: a peer, checked as one downstream
+    assert [p.refused for p in taken(ex)] == [None, None]
+
+
+def test_a_member_without_samplers_takes_nothing_under_its_samplers_names():
+    ex = exchange(peers=("tiny-s/sampler-0",))
+    body = b"\x00" * 4
+    ex._deliver("tiny-s/sampler-0", 2, 0, body, signed("tiny-s/sampler-0", 2, 0, body))
+    (got,) = taken(ex)
+    assert "this member has 0 sampler(s)" in got.refused
+
+
+def test_only_this_members_own_samplers_are_its_own_in_the_schedule():
+    config = load_config(ROOT / "configs/swarm/tiny-s.yaml", ["members.0.samplers=1"])
+    book = PeerBook("tiny-s")
+    for name in ("tiny-s/sampler-0", "tiny-s/sampler-9", "bob/sampler-0", "bob"):
+        book.number(name)
+    roles = OpenSchedule(config, (0, 1, 2), book).roles
+    assert roles == [(0, None), (0, 0), (2, 9), (3, 0), (4, None)]  # sampler-9 is no sampler of its: a peer's
+
+
+def test_a_sampler_name_is_as_sampler_name_writes_it():
+    assert split_sampler("a/sampler-1") == ("a", 1)
+    for alias in ("a/sampler-01", "a/sampler-\u0661", "a/sampler-+1", "a/sampler- 1", "a/sampler-1234567"):
+        assert split_sampler(alias) is None, alias
+
+
+def test_a_sampler_signs_its_parcels_and_a_learner_checks_the_signature():
+    client = quiet_client(name="tiny-s/sampler-0", key=KEY)
+    body = b"\x05\x00\x00\x00"
+    assert client.publish(3, 2, body)
+    _, header, got = unpack(client._outbox.get_nowait(), 100)
+    assert mac_matches(KEY, "tiny-s/sampler-0", 3, 2, got, header["mac"])
+    assert not mac_matches(KEY, "tiny-s/sampler-0", 3, 2, b"\x06\x00\x00\x00", header["mac"])
+    assert not mac_matches(KEY, "tiny-s/sampler-0", 3, 2, got, "\ud800" * 64)  # any string, never an error
+    learner = quiet_client()
+    assert learner.publish(3, 2, body) and "mac" not in unpack(learner._outbox.get_nowait(), 100)[1]  # none
+
+
+def test_the_coordinator_refuses_a_mac_that_is_not_one():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    coordinator.handle(b"B", join("b"), now=0)
+    assert coordinator.handle(b"A", parcel(mac="x" * 5000), now=1) == [] and coordinator.refused == 1
+    assert kinds(coordinator.handle(b"A", parcel(mac="0" * 64), now=1)) == [(b"B", "parcel")]
+
+
+# ------------------------------------------------------------------------------------------------- joins
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("tokenizer", "t" * 60_000, "tokenizer: 'tttt"),
+    ("tokenizer", "AB" * 32, "tokenizer:"),
+    ("dataset", "zz", "dataset: 'zz' is not a sha256 hex digest"),
+    ("source", "a" * (MAX_SOURCE + 1), "source:"),
+    ("source", "builtin:tiny s", "source:"),
+    ("name", "n" * 60_000, "name: 'nnnn"),
+    ("name", "a\n", "name:"),
+    ("name", "a/sampler-01", "name:"),
+    ("name", "a/b", "name:"),
+])
+def test_a_join_whose_name_hashes_or_source_break_their_format_is_refused_naming_the_field(field, value, said):
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    header = {"name": "a", "tokenizer": TOKENIZER, "source": "", "shared": SHARED, "dataset": DATA, "step": 0,
+              field: value}
+    out = coordinator.handle(b"A", pack("join", header), now=0)
+    assert refusal(out).startswith(said) and len(out[0][1][2]) < 1000  # one short line
+    assert coordinator.live == {}
+
+
+def test_a_join_of_sampler_and_hub_names_is_welcome():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    for identity, name, source in ((b"A", "tiny-s", "builtin:tiny-s"), (b"S", "tiny-s/sampler-0", "builtin:tiny-s"),
+                                   (b"Q", "qwen", "Qwen/Qwen2.5-0.5B-Instruct"), (b"P", "p", "packaged:smollm2-135m")):
+        header = {"name": name, "tokenizer": TOKENIZER, "source": source, "shared": SHARED, "dataset": DATA,
+                  "step": 0}
+        assert kinds(coordinator.handle(identity, pack("join", header), now=0))[0] == (identity, "welcome")
+
+
+def test_one_connection_holds_one_name():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    assert refusal(coordinator.handle(b"A", join("b"), now=1)).startswith("name: this connection already holds 'a'")
+    assert kinds(coordinator.handle(b"A", join("a", step=3), now=1))[0] == (b"A", "welcome")  # its own, again
+    assert sorted(coordinator.live) == ["a"]
+
+
+def test_the_swarm_holds_at_most_max_live_names_and_its_member_list_always_fits_one_header():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    for k in range(MAX_LIVE):  # each as large as a join may make it, at the largest step
+        name = f"{k:03d}" + "n" * 97 + ("/sampler-999999" if k % 2 else "")
+        header = {"name": name, "tokenizer": TOKENIZER, "source": "s" * MAX_SOURCE, "shared": SHARED,
+                  "dataset": DATA, "step": MAX_INT}
+        out = coordinator.handle(str(k).encode(), pack("join", header), now=0)
+        assert kinds(out)[0] == (str(k).encode(), "welcome"), k
+    assert refusal(coordinator.handle(b"X", join("x"), now=0)).startswith("the swarm is full")
+    (_, frames), *_ = coordinator._members()
+    assert len(frames[2]) <= MAX_HEADER and unpack(frames, 0)[0] == "members"  # a member takes it
+
+
+def test_a_step_past_two_to_the_31_is_refused_by_the_wire():
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    beat = [MAGIC, b"beat", json.dumps({"name": "a", "step": 2 ** 31}).encode()]
+    assert coordinator.handle(b"A", beat, now=1) == [] and coordinator.live["a"].step == 0
+
+
+# ------------------------------------------------------------------------------------------------- the lead bound
+
+
+def test_a_live_peer_that_never_publishes_costs_one_timeout_not_one_every_step():
+    ex = exchange("swarm.max_lead=0", "swarm.timeout_s=1", peers=("slow",))
+    first = ex.receive(0, 5)
+    assert first.lead_wait_seconds >= 1.0 and ex._given_up == {"slow"}  # waited the time-out once, warned
+    assert ex.receive(0, 6).lead_wait_seconds < 1.0  # then goes on without it (no time-out: a margin of 1 s)
+    ex.client.view["slow"] = 7  # it catches up: the bound holds for it again
+    assert ex.receive(0, 7).lead_wait_seconds < 1.0 and ex._given_up == set()
+    assert ex.receive(0, 8).lead_wait_seconds >= 1.0
+
+
+# ------------------------------------------------------------------------------------------------- parked parcels
+
+
+@pytest.mark.parametrize("name, step, version, said", [
+    ("peer", 3, 10 ** 9, "policy version 1000000000 declared for step 3"),
+    ("peer", 3, 1, "policy version 1 declared for step 3"),
+    ("peer", 9, 8, "step 9, outside 1..train.steps=8"),
+    ("bob/sampler-0", 3, 8, "policy version 8: after the run's last step (7)"),
+])
+def test_a_parcel_no_step_will_take_is_refused_and_never_parks_in_the_mailbox(name, step, version, said):
+    ex = exchange(peers=(name,))
+    ex._deliver(name, step, version, b"\x00" * 4)
+    (got,) = ex.mailbox.take_due(1, time.time(), 2)  # the receiver's step 1 (max_lead 2): taken at once
+    assert got.refused.startswith(said) and len(ex.mailbox) == 0
+
+
+def test_a_mailbox_keeps_no_box_for_a_sender_it_has_emptied():
+    box = Mailbox(4)
+    box.put(Parcel(7, 1, 0, torch.zeros(1, dtype=torch.int32)))
+    assert len(box.take_due(1, time.time())) == 1 and box._parcels == {}
+
+
+def test_a_peer_no_longer_live_is_forgotten_and_counted_from_what_it_publishes_when_it_rejoins():
+    ex = exchange("swarm.max_lead=null")
+    ex._deliver("peer", 5, 4, b"\x00" * 4)
+    assert ex._published() == {"peer": 5}
+    del ex.client.view["peer"]  # its lease ran out
+    ex.receive(0, 6)
+    assert ex.book.published == {}
+    ex.client.view["peer"] = 2  # back, resumed from its step 2 checkpoint
+    assert ex._published() == {"peer": 2} and ex.book.number("peer") == 1  # its number is its own again
+
+
+# ------------------------------------------------------------------------------------------------ the coordinator's log
+
+
+def test_a_restarted_coordinator_keeps_the_swarms_training_set(tmp_path):
+    log = tmp_path / "coordinator.jsonl"
+    old = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log)
+    old.handle(b"A", join("a"), now=0)
+    del old
+    new = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log, now=100)
+    assert new.dataset == DATA
+    assert refusal(new.handle(b"B", join("b", dataset="cd" * 32), now=101)).startswith("data: this member's training")
+
+
+def test_a_flood_of_bad_messages_is_logged_a_few_lines_a_minute_without_the_live_list(tmp_path):
+    log = tmp_path / "coordinator.jsonl"
+    coordinator = Coordinator(SHARED, lease_s=1000, max_body=100, log_path=log)
+    coordinator.handle(b"A", join("a"), now=0)
+    for k in range(200):
+        coordinator.handle(b"X", [MAGIC, b"beat", b"{not json"], now=1)
+        coordinator.handle(str(k).encode(), join("n" * 60_000 + str(k)), now=1)
+    coordinator.handle(b"X", [MAGIC, b"beat", b"{not json"], now=62)  # a minute on: the count, then logged again
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(records) == 1 + MAX_NOISY + 2 and coordinator.refused == 401
+    assert records[-2] == {**records[-2], "event": "suppressed", "count": 400 - MAX_NOISY}
+    assert all("live" not in r and len(json.dumps(r)) < 1000 for r in records[1:])
+    assert Coordinator(SHARED, lease_s=5, max_body=100, log_path=log, now=100).live.keys() == {"a"}  # restorable
+
+
+# ------------------------------------------------------------------------------------------------- a lying coordinator
+
+
+@pytest.mark.parametrize("entry", [
+    {"step": 1, "tokenizer": 5, "source": ""},
+    {"step": "1", "tokenizer": TOKENIZER, "source": ""},
+    {"step": True, "tokenizer": TOKENIZER, "source": ""},
+    {"step": 1, "tokenizer": [TOKENIZER], "source": ""},
+    {"step": 1, "tokenizer": TOKENIZER},
+    {"step": 1, "tokenizer": TOKENIZER, "source": None},
+])
+def test_a_member_list_whose_entries_break_their_types_is_counted_and_the_last_good_one_kept(entry):
+    client = quiet_client()
+    good = {"me": {"step": 0, "tokenizer": TOKENIZER, "source": ""}}
+    client._receive(None, pack("members", {"members": good}))
+    client._receive(None, pack("members", {"members": {**good, "liar": entry}}))
+    assert client.malformed == 1 and client.members() == good
+
+
+def test_closing_a_client_whose_thread_stopped_draining_never_blocks():
+    client = quiet_client()
+    client._thread = threading.Thread(target=client._stop.wait, daemon=True)  # alive, drains nothing
+    client._thread.start()
+    while client.publish(1, 0, b"\x00" * 4):  # its outbox full
+        pass
+    closing = threading.Thread(target=client.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive()
+
+
+# ------------------------------------------------------------------------------------------------- frame caps
+
+
+def test_the_coordinators_socket_never_reads_a_frame_over_the_largest_honest_one():
+    running = Running()  # max_body 1 MiB
+    huge, small = (zmq.Context.instance().socket(zmq.DEALER) for _ in range(2))
+    try:
+        for sock in (huge, small):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(running.address)
+        huge.send_multipart([MAGIC, b"beat", b"{}", b"x" * ((1 << 20) + MAX_HEADER + 1)])
+        time.sleep(0.5)  # it reached the coordinator (or was cut on the way)
+        small.send_multipart([MAGIC, b"beat", b"{not json"])
+        until(lambda: running.coordinator.refused >= 1, "the small message's refusal")
+        time.sleep(0.5)
+        assert running.coordinator.refused == 1  # the large one was never read (read, it would be refused too)
+    finally:
+        huge.close()
+        small.close()
+        running.close()
+
+
+def test_the_clients_socket_never_reads_a_frame_over_the_largest_honest_one():
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 30_000)
+    router.bind("tcp://127.0.0.1:*")
+    client = SwarmClient(router.getsockopt_string(zmq.LAST_ENDPOINT), "me", TOKENIZER, SHARED, DATA, 100,
+                         lambda *parcel: None)
+    try:
+        client._thread.start()
+        identity, *_ = router.recv_multipart()  # its join
+        router.send_multipart([identity, *pack("welcome", {"lease_s": 10.0, "members": {}})])
+        until(client._joined.is_set, "the welcome")
+        router.send_multipart([identity, *parcel(name="peer", words=1000, body=b"\x00" * (100 + MAX_HEADER + 1))])
+        time.sleep(0.5)
+        assert client.malformed == 0 and client.error is None  # never read (read, it is malformed: over max_body)
+    finally:
+        client.close(leave=False)
+        router.close()
