@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 import yaml
 from ftis_kernels import LossConfig
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
+                      model_validator)
 
 from .rollouts import wire_bytes
 
@@ -242,19 +243,54 @@ class RewardTerm(_Section):
     weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sum.")
 
 
+def _unread(task: Any, field: str) -> str | None:
+    """Why a data field set away from its default has no effect for `task` (None: the task reads it, or is unknown:
+    load_task reports that)."""
+    from .tasks import readers, settings_read
+
+    read = settings_read(task) if isinstance(task, str) else None
+    if read is None or field in read:
+        return None
+    if not read:
+        return f"task {task} is built in and reads no files or dataset fields; drop it (tasks that read it: " \
+               f"{readers(field)})"
+    return f"task {task} does not read it (tasks that do: {readers(field)}); drop it"
+
+
+def _eval_path_read(value: str, info) -> str:
+    """One data.eval_paths entry (its key in the error's location): only for a task that reads eval files or
+    splits. (Whether the run evaluates that set depends on eval.datasets: load_task checks it.)"""
+    why = _unread(info.data.get("task"), "eval_paths")
+    if why:
+        raise ValueError(why)
+    return value
+
+
+_EvalPath = typing.Annotated[str, AfterValidator(_eval_path_read)]
+_PROMPT_SAMPLE = "Natalia sold clips to 48 of her friends in April. How many clips did she sell? {x} 100%"
+
+
 class DataSettings(_Section):
     task: str = Field(
-        "gsm8k", description="gsm8k | math500 | gsm8k-calc | arith (the study testbed: addition with a scratchpad) | "
+        "gsm8k", description="gsm8k | math500 (its training set is data.train_path: MATH-500 itself is the eval set) | "
+                   "gsm8k-calc | arith (the study testbed: addition with a scratchpad) | "
                    "tiny-last | tiny-add | jsonl (any JSONL files: data.train_path, data.eval_paths, the field "
-                   "names below) | hf (any HF dataset: data.path, data.split; eval_paths name other splits)."
+                   "names below) | hf (any HF dataset: data.path, data.subset, data.split; eval_paths name other "
+                   "splits). A data field the task does not read, set away from its default, is refused."
     )
-    train_path: str | None = Field(None, description="Local JSONL for the training split (default: the HF hub dataset).")
-    eval_paths: dict[str, str] = Field(
+    train_path: str | None = Field(
+        None, validate_default=True,
+        description="Local JSONL for the training split (gsm8k, gsm8k-calc: default the HF hub's; math500: required, "
+                    "e.g. MATH's train split with problem and answer fields; MATH-500's eval problems in it are left "
+                    "out; jsonl: required).")
+    eval_paths: dict[str, _EvalPath] = Field(
         default_factory=dict, description="Local JSONL per eval dataset name, e.g. {gsm8k: ..., math500: ...}; for "
-                                          "task hf, eval set name -> split of data.path."
-    )
+                                          "task hf, eval set name -> split of data.path. Every entry must be an eval "
+                                          "set the run evaluates (eval.datasets).")
     path: str | None = Field(None, description="task hf: the dataset (a hub id, or a local directory of data "
                              "files, read through `datasets`).")
+    subset: str | None = Field(None, min_length=1, description="task hf: the dataset's config (datasets' `name`), "
+                               "needed when it has several, e.g. main for openai/gsm8k.")
     split: str = Field("train", min_length=1, description="task hf: the training split.")
     question_field: str = Field("question", min_length=1, description="task jsonl / hf: the question's field.")
     answer_field: str = Field("answer", min_length=1, description="task jsonl / hf: the gold answer's field (a GSM8K "
@@ -263,26 +299,56 @@ class DataSettings(_Section):
                                  "the question's text.")
     rewards: list[RewardTerm] = Field(
         default_factory=list, description="Several rewards with weights, summed (TRL's reward_funcs and "
-        "reward_weights); each term's mean is logged as reward/<function>. Replaces the task's reward (and "
-        "data.reward, which may not be given with it).")
+        "reward_weights); each term's mean is logged as reward/<function>. Replaces the task's training reward (and "
+        "data.reward, which may not be given with it); eval still counts right answers (eval.reward).")
+
+    @field_validator("prompt_template")
+    @classmethod
+    def _fills_in_only_the_question(cls, value: str) -> str:
+        import string
+
+        brace = "; write a literal brace as {{ or }}"
+        try:
+            fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(value)
+                      if name is not None]
+        except ValueError as exc:
+            raise ValueError(f"{exc}{brace}") from None
+        for name, spec, conversion in fields:
+            if name != "question" or spec or conversion:  # {question.x}, {0}, {question:{question}}, {question!r}
+                written = "{" + name + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "") + "}"
+                raise ValueError(f"only {{question}} may be filled in, as it is (it has {written}){brace}")
+        if not fields:
+            raise ValueError("must contain {question}")
+        try:
+            value.format(question=_PROMPT_SAMPLE)
+        except Exception as exc:  # whatever the parse above let through that a question's text cannot fill in
+            raise ValueError(f"cannot be filled in with a question ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:100]}){brace}") from None
+        return value
+
+    @field_validator("train_path", "path", "subset", "split", "question_field", "answer_field", "prompt_template")
+    @classmethod
+    def _read_by_the_task(cls, value: Any, info) -> Any:
+        task = info.data.get("task")
+        if info.field_name == "train_path" and task == "math500" and value is None:
+            raise ValueError("task math500 needs a training file: MATH-500's 500 problems are its eval set, never "
+                             "trained on; give one with problem and answer fields (e.g. MATH's train split)")
+        why = _unread(task, info.field_name) if value != cls.model_fields[info.field_name].default else None
+        if why:
+            raise ValueError(why)
+        return value
 
     @model_validator(mode="after")
     def _one_reward_setting(self) -> DataSettings:
         if self.rewards and self.reward is not None:
             raise ValueError("data.rewards: give either data.reward or data.rewards, not both")
-        try:
-            self.prompt_template.format(question="")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(f"data.prompt_template: only {{question}} may be filled in ({exc!r}); write a literal "
-                             "brace as {{ or }}") from None
-        if "{question}" not in self.prompt_template:
-            raise ValueError("data.prompt_template: must contain {question}")
         return self
     system_prompt: str | None = Field(None, description="System prompt; default: the paper's <think>/<answer> prompt.")
     prompt_format: Literal["auto", "chat", "plain"] = Field(
         "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if available."
     )
-    reward: str | None = Field(None, description="Reward override as 'module:function' (completion, gold) -> float.")
+    reward: str | None = Field(None, description="The training reward as 'module:function' (completion, gold) -> "
+                               "float, instead of the task's; eval still counts right answers (eval.reward).")
     reward_timeout_s: float | None = Field(
         60.0, gt=0, allow_inf_nan=False, description="A reward call (one completion) that has not returned after "
         "this many seconds stops the run with one line naming the reward and the completion; null: no bound. It "
@@ -349,6 +415,13 @@ class EvalSettings(_Section):
     max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
     batch_size: int = Field(256, ge=1, description="Prompts per greedy generate() call.")
     at_start: bool = Field(True, description="Evaluate at step 0 before training.")
+    reward: str | None = Field(
+        None, min_length=1,
+        description="What eval counts as a right answer (greedy pass@1: the share of completions it gives 1 or "
+                    "more), as 'module:function' (completion, gold) -> float, 1 right and 0 wrong. Default: the "
+                    "task's own answer check (binary_answer_reward for gsm8k, math500, jsonl and hf; "
+                    "final_answer_reward for gsm8k-calc; the built-in tasks' rewards), whatever data.reward or "
+                    "data.rewards train on: set it when your answers take another form than the check expects.")
     payloads: list[Literal["inject", "in-context"]] | None = Field(
         None, description="Text attacks whose payload is looked for in every member's greedy eval completions (eval "
                           "records: attack_success, the share carrying any, and attack_success_by, per kind); "

@@ -8,7 +8,8 @@ from .tasks import Example, Task, prompt_ids
 
 def evaluate_member(member, task: Task, examples: list[Example], max_new_tokens: int, on_batch=None,
                     payloads: tuple[str, ...] = ()) -> tuple[float, tuple[float, dict[str, float]] | None]:
-    """Greedy pass@1 on `examples` (the fraction whose greedy completion earns reward 1, scored by Task.score), and
+    """Greedy pass@1 on `examples` (the fraction whose greedy completion's answer is right by the task's answer check,
+    Task.solved: never the training reward, whose weights or format terms may pay a wrong answer), and
     with `payloads` (adversary kinds with a text attack: inject, in-context) the attack success rate: the fraction
     whose greedy completion carries any of their payloads, and per kind (else None). A member on several ranks:
     every shard evaluates every K-th example and the counts are summed (every shard calls it)."""
@@ -26,15 +27,15 @@ def evaluate_member(member, task: Task, examples: list[Example], max_new_tokens:
 
 def count_passes(member, task: Task, examples: list[Example], max_new_tokens: int, on_batch=None,
                  payloads: tuple[str, ...] = ()) -> tuple[int, ...]:
-    """How many of `examples` the member's greedy completion solves (reward 1), how many carry any of the
+    """How many of `examples` the member's greedy completion solves (Task.solved), how many carry any of the
     payloads, then how many carry each."""
     if not examples:
         return (0, 0, *(0 for _ in payloads))
     prompts = [prompt_ids(member.tokenizer, task, ex.question) for ex in examples]
     outputs = member.generator.greedy(prompts, max_new_tokens, on_batch=on_batch)
-    rewards = task.score(member.tokenizer, outputs, examples)
+    solved = task.solved(member.tokenizer, outputs, examples)
     texts = member.tokenizer.batch_decode([o.tolist() if hasattr(o, "tolist") else list(o) for o in outputs],
                                           skip_special_tokens=True) if payloads else []
     carries = [[carries_payload(kind, text) for kind in payloads] for text in texts]
-    return (sum(reward >= 1.0 for reward in rewards), sum(any(c) for c in carries),
+    return (sum(solved), sum(any(c) for c in carries),
             *(sum(c[k] for c in carries) for k in range(len(payloads))))

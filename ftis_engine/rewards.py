@@ -35,6 +35,11 @@ def _timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+# LaTeX's math delimiter: a dollar sign not escaped by a backslash ("\$" is a currency sign; "\\$" a line break, then
+# a delimiter)
+_DELIMITER = re.compile(r"(?<!\\)(?:\\\\)*\$")
+
+
 class RewardTimeout(Exception):
     """math-verify ran out of time on this answer: the reward has no verdict (neither 1 nor 0)."""
 
@@ -43,8 +48,9 @@ def _parse(text: str):
     from math_verify import parse
     from math_verify.errors import TimeoutException
 
-    # Bare answers ("18", "\frac{1}{2}") parse more reliably inside $...$ than as free text.
-    candidates = [text] if "$" in text or "\\boxed" in text else [f"${text}$", text]
+    # Bare answers ("18", "\frac{1}{2}") parse more reliably inside $...$ than as free text. An escaped dollar
+    # ("\$18", a currency sign in MATH-500's golds) is no math delimiter: such text is wrapped too.
+    candidates = [text] if _DELIMITER.search(text) or "\\boxed" in text else [f"${text}$", text]
     for candidate in candidates:
         try:
             parsed = parse(candidate, parsing_timeout=_timeout(), raise_on_error=True)
@@ -146,20 +152,45 @@ def finite_number(value) -> bool:
 
 class WeightedReward:
     """data.rewards: sum_k w_k f_k(completion, gold) (TRL's reward_funcs with reward_weights). Each term must give a
-    finite number (ValueError naming the term otherwise); `components` gives each term's value, for the log."""
+    finite number (ValueError naming the term otherwise). Task.score calls the terms itself, each bounded and named
+    in its errors, and keeps their values on the sum it returns (WeightedValue.terms, for the log)."""
 
     def __init__(self, terms: list[tuple[str, Reward, float]]):
         self.terms = terms  # (name, function, weight)
 
-    def components(self, completion: str, gold: str) -> dict[str, float]:
-        out = {}
+    def values(self, completion: str, gold: str) -> list[float]:
+        """Each term's value, in term order."""
+        out = []
         for k, (name, function, _) in enumerate(self.terms):
             value = function(completion, gold)
             if not finite_number(value):
                 raise ValueError(f"data.rewards.{k} ({name}) returned {value!r:.60}, not a finite number")
-            out[name] = float(value)
+            out.append(float(value))
         return out
 
+    def components(self, completion: str, gold: str) -> dict[str, float]:
+        return {name: value for (name, _, _), value in zip(self.terms, self.values(completion, gold))}
+
     def __call__(self, completion: str, gold: str) -> float:
-        values = self.components(completion, gold)
-        return sum(weight * values[name] for name, _, weight in self.terms)
+        return self.total(self.values(completion, gold))
+
+    def total(self, values: list[float]) -> WeightedValue:
+        """The weighted sum of the terms' values (in term order), carrying them by name."""
+        return WeightedValue(sum(weight * value for (_, _, weight), value in zip(self.terms, values, strict=True)),
+                             {name: value for (name, _, _), value in zip(self.terms, values)})
+
+
+class WeightedValue(float):
+    """A data.rewards sum (a float: it travels, trains and is logged as one) that keeps each term's value by
+    function name in `terms`, recorded in the one scoring pass so the per-term means in the train records
+    (reward/<function>) cost no second call."""
+
+    terms: dict[str, float]
+
+    def __new__(cls, total: float, terms: dict[str, float]):
+        value = super().__new__(cls, total)
+        value.terms = terms
+        return value
+
+    def __reduce__(self):  # pickled with its terms (a sharded member gathers its shards' rollouts)
+        return (WeightedValue, (float(self), self.terms))

@@ -48,7 +48,7 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
 # the fields a resumed run may change: how long it runs, how often it evaluates and checkpoints, where and how
 # fast the processes run; everything else would make the resumed run a different run than the one it continues
 RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
-             "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s",
+             "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s", "data.eval_paths",
              "logging.report_to", "logging.project")
 # and, to go on after a divergence, a member's step size: its learning rate, gradient clip and weight decay (the
 # restored optimizer takes them from the config, not from its saved state)

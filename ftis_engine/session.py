@@ -167,7 +167,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i) for i in range(len(config.members))}
     foreign = foreign_tokenizers(config, everyone, hashes)
 
-    task = load_task(config.data, config.seed, config.eval.datasets, with_train=checkpoint is None)
+    task = load_task(config.data, config.seed, config.eval.datasets, with_train=checkpoint is None,
+                     eval_reward=config.eval.reward)
     for i in local:
         check_warm_start(i, config.members[i], task)
     # one per vocabulary and chat template (prompt lengths depend on both)

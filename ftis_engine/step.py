@@ -30,7 +30,7 @@ from .checkpoint import latest_checkpoint
 from .generation import sample
 from .members import Member
 from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
-from .rewards import RewardTimeout
+from .rewards import WeightedValue
 from . import precision
 from .rollouts import Rollout, buffer_digest, encode
 from .layout import sampler_endpoints
@@ -123,23 +123,14 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
 
 
 def reward_terms(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> dict[str, float]:
-    """data.rewards: each term's mean over the member's own scored rollouts, as reward/<function> (the terms are
-    evaluated once more here: the rollouts carry their sum)."""
+    """data.rewards: each term's mean over the member's own scored rollouts, as reward/<function>, from the values
+    their one scoring pass recorded (Task.score: bounded, errors named; a WeightedValue reward carries them)."""
     terms = getattr(swarm.task.reward, "terms", None)
-    scored = [r for r in rollouts if not math.isnan(r.reward)]
-    if not terms or not scored:
+    recorded = [r.reward.terms for r in rollouts if isinstance(r.reward, WeightedValue)]  # an unscored one: NaN
+    if not terms or not recorded:
         return {}
-    texts = member.tokenizer.batch_decode([r.completion_ids.tolist() for r in scored], skip_special_tokens=True)
-    totals, counted = {name: 0.0 for name, _, _ in terms}, 0
-    for text, r in zip(texts, scored):
-        try:
-            values = swarm.task.reward.components(text, swarm.task.train[r.prompt_index].answer)
-        except RewardTimeout:  # scored once already; a time-out on this second pass only leaves it out of the log
-            continue
-        counted += 1
-        for name, value in values.items():
-            totals[name] += value
-    return {f"reward/{name}": total / counted if counted else float("nan") for name, total in totals.items()}
+    names = dict.fromkeys(name for name, _, _ in terms)
+    return {f"reward/{name}": sum(values[name] for values in recorded) / len(recorded) for name in names}
 
 
 @torch.no_grad()

@@ -235,3 +235,20 @@ def test_more_threads_than_cores_is_refused_where_the_run_runs_not_in_the_config
     check_threads(cores)
     with pytest.raises(ConfigError, match=rf"^train.threads: {cores + 1} threads for the {cores} core"):
         check_threads(cores + 1)
+
+
+def test_every_shipped_run_config_loads():
+    """configs/tiny.yaml, paper/, gpu/ and the open swarm's member configs (swarm/swarm.yaml is the coordinator's;
+    study/ holds study specs, planned in test_study)."""
+    paths = [TINY, *sorted((ROOT / "configs").glob("*/*.yaml"))]
+    runs = [p for p in paths if p.parent.name not in ("study",) and p.name != "swarm.yaml"]
+    assert len(runs) >= 20
+    for path in runs:
+        load_config(path)
+
+
+def test_eval_reward_is_a_config_field_of_its_own_defaulting_to_the_tasks_check():
+    assert load_config(TINY).eval.reward is None
+    assert load_config(TINY, ["eval.reward=my_checks:right"]).eval.reward == "my_checks:right"
+    with pytest.raises(ConfigError, match=r"^eval.reward: "):
+        load_config(TINY, ["eval.reward="])

@@ -242,3 +242,138 @@ def test_a_run_whose_reward_returns_nan_exits_2_with_one_line_before_any_update(
     assert len(error) == 1 and "Traceback" not in done.stderr
     assert error[0].startswith("error: data.reward: user_rewards:nan(") and "returned nan" in error[0]
     assert not (tmp_path / "tiny" / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------------------------- escaped dollars
+
+
+@pytest.mark.parametrize("answer, gold, reward", [
+    ("\\$18", "18", 1.0), ("\\$18.00", "18", 1.0), ("18", "\\$18", 1.0), ("\\$19", "18", 0.0),
+    ("32348", "\\$32,\\!348", 1.0), ("18.9", "\\$18.90", 1.0), ("$36$", "\\$36", 1.0), ("37", "\\$36", 0.0),
+])
+def test_an_escaped_dollar_is_a_currency_sign_not_a_math_delimiter(answer, gold, reward):
+    assert binary_answer_reward(_paper_format(answer), gold) == reward
+
+
+def test_every_math500_gold_answer_parses_as_math_not_only_as_text(shared_data):
+    from ftis_engine.rewards import _parse
+
+    golds = [row["answer"] for row in _rows(shared_data / "math500" / "test.jsonl")]
+    assert [gold for gold in golds if not _parse(gold)] == []  # were: \$36, \$18.90, \$32,\!348
+
+
+# ----------------------------------------------------------------------------------------------- data.rewards terms
+
+
+TERMS = '''
+calls = []
+
+
+def right(completion, gold):
+    calls.append("right")
+    return float(completion.strip() == gold)
+
+
+def short(completion, gold):
+    calls.append("short")
+    return float(len(completion) <= 2)
+
+
+def raises(completion, gold):
+    raise KeyError("no such thing")
+
+
+def nan(completion, gold):
+    return float("nan")
+
+
+def sleeps(completion, gold):
+    import time
+    time.sleep(3600)
+'''
+
+
+@pytest.fixture
+def terms_module(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "reward_terms.py").write_text(TERMS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "reward_terms", raising=False)
+    return "reward_terms"
+
+
+def _weighted_task(*functions, weights=None):
+    from ftis_engine.config import RunConfig
+    from ftis_engine.tasks import load_task
+
+    weights = weights or [1.0] * len(functions)
+    data = RunConfig.model_validate({
+        "members": [{"name": "a", "model": "builtin:tiny-s"}],
+        "data": {"task": "tiny-add", "rewards": [{"function": f, "weight": w} for f, w in zip(functions, weights)]},
+    }).data
+    return load_task(data, seed=0)
+
+
+@pytest.mark.parametrize("name, said", [
+    ("raises", r"raised KeyError: 'no such thing'"),
+    ("nan", r"returned nan \(float\); a reward is a finite number"),
+])
+def test_a_failing_term_of_data_rewards_is_named_by_its_index_and_function(terms_module, name, said):
+    from ftis_engine.tasks import Example
+    from ftis_engine.tasks.base import RewardError
+
+    from .test_admission import DigitTokenizer
+
+    task = _weighted_task(f"{terms_module}:right", f"{terms_module}:{name}")
+    with pytest.raises(RewardError, match=rf"^data.rewards.1: {terms_module}:{name}\('123', '7'\) {said}") as caught:
+        task.score(DigitTokenizer(), [[1, 2, 3]], [Example("q", "7")])
+    assert "object at 0x" not in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_term_that_never_returns_is_named_at_data_reward_timeout_s(terms_module):
+    from ftis_engine.tasks import Example
+    from ftis_engine.tasks.base import RewardError
+
+    from .test_admission import DigitTokenizer
+
+    task = _weighted_task(f"{terms_module}:right", f"{terms_module}:sleeps")
+    task.reward_timeout_s = 0.3
+    with pytest.raises(RewardError, match=rf"^data.rewards.1: {terms_module}:sleeps\('123', '7'\) did not return "
+                                          r"within 0.3 s \(data.reward_timeout_s\)"):
+        task.score(DigitTokenizer(), [[1, 2, 3]], [Example("q", "7")])
+
+
+def test_data_rewards_terms_are_recorded_in_the_one_scoring_pass_and_logged_without_a_second(terms_module):
+    import importlib
+    import pickle
+    import types
+
+    import torch
+
+    from ftis_engine.rollouts import Rollout
+    from ftis_engine.step import reward_terms
+    from ftis_engine.tasks import Example
+
+    from .test_admission import DigitTokenizer
+
+    task = _weighted_task(f"{terms_module}:right", f"{terms_module}:short", weights=[2.0, 0.5])
+    task.train = [Example("q", "7")]
+    calls = importlib.import_module(terms_module).calls
+    completions = [[7], [1, 2, 3], [7, 7]]
+    rewards = task.score(DigitTokenizer(), completions, [task.train[0]] * 3)
+    assert rewards == [2.5, 0.0, 0.5] and len(calls) == 6  # each term once per completion
+    rollouts = [Rollout(member=0, prompt_index=0, completion_ids=torch.tensor(ids), gen_logprobs=torch.zeros(len(ids)),
+                        reward=reward, finish_reason="stop", policy_version=0)
+                for ids, reward in zip(completions, rewards)]
+    rollouts.append(Rollout(member=0, prompt_index=0, completion_ids=torch.tensor([7]), gen_logprobs=torch.zeros(1),
+                            reward=float("nan"), finish_reason="stop", policy_version=0))  # unscored: left out
+    swarm = types.SimpleNamespace(task=task)
+    member = types.SimpleNamespace(tokenizer=DigitTokenizer())
+    assert reward_terms(swarm, member, rollouts) == {f"reward/{terms_module}:right": pytest.approx(1 / 3),
+                                                     f"reward/{terms_module}:short": pytest.approx(2 / 3)}
+    assert len(calls) == 6  # the log scored nothing again
+    assert [r.terms for r in rewards] == [{f"{terms_module}:right": 1.0, f"{terms_module}:short": 1.0},
+                                          {f"{terms_module}:right": 0.0, f"{terms_module}:short": 0.0},
+                                          {f"{terms_module}:right": 0.0, f"{terms_module}:short": 1.0}]
+    assert pickle.loads(pickle.dumps(rewards[2])).terms == rewards[2].terms  # a sharded member gathers them

@@ -172,15 +172,14 @@ def test_a_data_row_without_a_question_or_answer_is_refused_with_its_file_and_li
 
 @pytest.mark.parametrize("override", ["data.train_path=/no/such/file.jsonl", "data.eval_paths={tiny-last: x.jsonl}"])
 def test_a_data_path_for_a_built_in_task_is_refused_not_silently_ignored(override):
-    from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.config import ConfigError, load_config
 
     from .helpers import TINY
 
-    config = load_config(TINY, [override])
-    with pytest.raises(TaskError, match=r"^data\.(train_path|eval_paths\.tiny-last): task tiny-last is built in and "
-                                        r"reads no files"):
-        load_task(config.data, 0)
+    # refused as the config loads (it was refused only when the task loaded)
+    with pytest.raises(ConfigError, match=r"^data\.(train_path|eval_paths\.tiny-last): task tiny-last is built in "
+                                          r"and reads no files"):
+        load_config(TINY, [override])
 
 
 def test_a_data_file_that_cannot_be_read_is_one_line(tmp_path):
@@ -237,3 +236,175 @@ def test_weighted_rewards_sum_their_terms_and_a_failing_term_is_named():
                            "data.rewards=[{function: ftis_engine.rewards:tiny_answer_reward}]"])
     with pytest.raises(ConfigError, match=r"data.prompt_template: must contain \{question\}"):
         load_config(TINY, ["data.prompt_template=no placeholder"])
+
+
+# ------------------------------------------------------------------------------------------- data settings a task reads
+
+
+def test_a_jsonl_file_that_starts_with_a_utf8_byte_order_mark_loads_from_line_1(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b'{"question": "3*3?", "answer": "#### 9"}\n')
+    examples = load_examples("gsm8k-train", str(path), "data.train_path")
+    assert [(e.question, e.answer) for e in examples] == [("1+1?", "2"), ("3*3?", "9")]
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (["data.task=gsm8k", "data.prompt_template=Solve carefully: {question}"], "data.prompt_template"),
+    (["data.task=gsm8k", "data.question_field=problem"], "data.question_field"),
+    (["data.task=gsm8k", "data.answer_field=solution"], "data.answer_field"),
+    (["data.task=gsm8k", "data.split=bogus"], "data.split"),
+    (["data.task=gsm8k", "data.subset=main"], "data.subset"),
+    (["data.task=math500", "data.train_path=t.jsonl", "data.question_field=problem"], "data.question_field"),
+    (["data.task=jsonl", "data.train_path=t.jsonl", "data.split=test"], "data.split"),
+    (["data.task=hf", "data.path=some/dataset", "data.train_path=t.jsonl"], "data.train_path"),
+    (["data.task=tiny-last", "data.split=test"], "data.split"),
+    (["data.task=arith", "data.prompt_template=Q: {question}"], "data.prompt_template"),
+])
+def test_a_data_setting_the_task_does_not_read_is_refused_as_the_config_loads(overrides, field):
+    from ftis_engine.config import ConfigError, load_config
+
+    from .helpers import TINY
+
+    with pytest.raises(ConfigError, match=rf"^{field}: task [\w-]+ (does not read it|is built in and reads no) ") \
+            as caught:
+        load_config(TINY, overrides)
+    assert "\n" not in str(caught.value)
+    default = {"data.prompt_template": "{question}", "data.question_field": "question", "data.answer_field": "answer",
+               "data.split": "train", "data.subset": "null", "data.train_path": "null"}[field]
+    load_config(TINY, [*overrides[:-1], f"{field}={default}"])  # at its default it is no setting: a dumped config
+
+
+def test_a_bad_data_setting_exits_2_with_one_line_naming_it(capsys):
+    from .helpers import TINY, command_here
+
+    done = command_here(capsys, "train", "--config", TINY, "--set", "data.task=gsm8k", "--set", "data.split=bogus",
+                        "--dry-run")
+    assert done.returncode == 2 and done.stderr.startswith("error: data.split: task gsm8k does not read it")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def _gsm8k_files(tmp_path, name: str, count: int, offset: int = 0) -> str:
+    import json
+
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps({"question": f"{name} {i}+{i}?", "answer": f"#### {2 * i}"}) + "\n"
+                            for i in range(offset, offset + count)))
+    return str(path)
+
+
+def test_an_eval_path_for_a_set_the_run_does_not_evaluate_is_refused_naming_it(tmp_path):
+    import json
+
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    math500 = tmp_path / "math500.jsonl"
+    math500.write_text(json.dumps({"problem": "1+1?", "answer": "2"}) + "\n")
+    config = load_config(TINY, ["data.task=gsm8k", f"data.train_path={_gsm8k_files(tmp_path, 'train', 4)}",
+                                f"data.eval_paths={{gsm8k: {_gsm8k_files(tmp_path, 'test', 2)}, math500: {math500}}}",
+                                "eval.datasets=[gsm8k]"])
+    with pytest.raises(TaskError, match=r"^data.eval_paths.math500: math500 is not evaluated \(eval sets: gsm8k\); "
+                                        r"drop the entry, or add math500 to eval.datasets$"):
+        load_task(config.data, 0, config.eval.datasets)
+    assert list(load_task(config.data, 0, ["gsm8k", "math500"]).evals) == ["gsm8k", "math500"]
+    hf = load_config(TINY, ["data.task=jsonl", f"data.train_path={_gsm8k_files(tmp_path, 'train', 4)}",
+                            f"data.eval_paths={{held: {_gsm8k_files(tmp_path, 'test', 2)}, other: {math500}}}",
+                            "eval.datasets=[held]"])
+    with pytest.raises(TaskError, match=r"^data.eval_paths.other: other is not evaluated"):
+        load_task(hf.data, 0, hf.eval.datasets)
+
+
+def test_math500_trains_only_on_a_training_file_never_on_its_own_eval_set(tmp_path, caplog):
+    import json
+
+    from ftis_engine.config import ConfigError, load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    with pytest.raises(ConfigError, match=r"^data.train_path: task math500 needs a training file: MATH-500's 500 "
+                                          r"problems are its eval set, never trained on"):
+        load_config(TINY, ["data.task=math500"])
+
+    def rows(name, problems):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"problem": p, "answer": str(len(p))}) + "\n" for p in problems))
+        return path
+
+    evaluated = rows("math500", ["What is a?", "What is bb?"])
+    train = rows("train", ["What is ccc?", "What is a?", "What is dddd?"])  # MATH's test split holds MATH-500's
+    config = load_config(TINY, ["data.task=math500", f"data.train_path={train}",
+                                f"data.eval_paths={{math500: {evaluated}}}"])
+    with caplog.at_level("WARNING", logger="ftis_engine"):
+        task = load_task(config.data, 0)
+    assert [ex.question for ex in task.train] == ["What is ccc?", "What is dddd?"]
+    assert [ex.question for ex in task.evals["math500"]] == ["What is a?", "What is bb?"]
+    assert "1 of the 3 problems" in caplog.text and "left out of the training set" in caplog.text
+    with pytest.raises(TaskError, match=r"^data.train_path: every problem of .*math500.jsonl is a MATH-500 eval"):
+        load_task(load_config(TINY, ["data.task=math500", f"data.train_path={evaluated}",
+                                     f"data.eval_paths={{math500: {evaluated}}}"]).data, 0)
+    elsewhere = load_config(TINY, ["data.task=math500", f"data.train_path={evaluated}", "eval.datasets=[gsm8k]",
+                                   f"data.eval_paths={{gsm8k: {_gsm8k_files(tmp_path, 'test', 2)}}}"])
+    assert len(load_task(elsewhere.data, 0, elsewhere.eval.datasets).train) == 2  # evaluated elsewhere: all of it
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{question.foo}", r"only \{question\} may be filled in, as it is \(it has \{question.foo\}\)"),
+    ("{question:{question}}", r"only \{question\} may be filled in, as it is \(it has \{question:\{question\}\}\)"),
+    ("{question[0]}", r"only \{question\} may be filled in"),
+    ("{question!r}", r"only \{question\} may be filled in"),
+    ("{question:d}", r"only \{question\} may be filled in"),
+    ("Q: {question} {", r"Single '\{' encountered in format string; write a literal brace as \{\{ or \}\}"),
+    ("Q: {0} {question}", r"only \{question\} may be filled in, as it is \(it has \{0\}\)"),
+])
+def test_a_prompt_template_that_cannot_take_every_question_is_one_line_naming_the_field(template, said):
+    from ftis_engine.config import ConfigError, load_config
+
+    from .helpers import TINY
+
+    with pytest.raises(ConfigError, match=rf"^data.prompt_template: {said}") as caught:
+        load_config(TINY, ["data.task=jsonl", "data.train_path=t.jsonl", f"data.prompt_template={template}"])
+    assert "\n" not in str(caught.value)
+    ok = load_config(TINY, ["data.task=jsonl", "data.train_path=t.jsonl", "data.prompt_template={{x}} {question}?"])
+    assert ok.data.prompt_template.format(question="q") == "{x} q?"
+
+
+def _two_config_dataset(root):
+    """A local dataset folder whose README declares two configs (datasets reads them offline)."""
+    import json
+
+    for config, base in (("easy", 1), ("hard", 100)):
+        (root / config).mkdir(parents=True)
+        for split in ("train", "test"):
+            (root / config / f"{split}.jsonl").write_text("".join(
+                json.dumps({"q": f"{base + i}+{base + i}?", "a": f"#### {2 * (base + i)}"}) + "\n" for i in range(3)))
+    files = "".join(f"- config_name: {c}\n  data_files:\n" + "".join(
+        f"  - split: {s}\n    path: {c}/{s}.jsonl\n" for s in ("train", "test")) for c in ("easy", "hard"))
+    (root / "README.md").write_text(f"---\nconfigs:\n{files}---\n")
+    return root
+
+
+def test_an_hf_dataset_with_several_configs_loads_the_one_data_subset_names(tmp_path, monkeypatch):
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    root = _two_config_dataset(tmp_path / "two")
+    settings = ["data.task=hf", f"data.path={root}", "data.question_field=q", "data.answer_field=a",
+                "data.eval_paths={held: test}"]
+    task = load_task(load_config(TINY, [*settings, "data.subset=hard"]).data, 0)
+    assert [ex.answer for ex in task.train] == ["200", "202", "204"] and len(task.evals["held"]) == 3
+    with pytest.raises(TaskError, match=r"^data.subset: '.*two' has several configs and data.subset names none; "
+                                        r"name one of \['easy', 'hard'\]$"):
+        load_task(load_config(TINY, settings).data, 0)
+    with pytest.raises(TaskError, match=r"^data.subset: '.*two' has no config 'medium'"):
+        load_task(load_config(TINY, [*settings, "data.subset=medium"]).data, 0)
+    with pytest.raises(TaskError, match=r"^data.split: cannot load '.*two' config 'easy' \(data.subset\) split "
+                                        r"'bogus' \(data.split\): Unknown split"):
+        load_task(load_config(TINY, [*settings, "data.subset=easy", "data.split=bogus"]).data, 0)
+    with pytest.raises(TaskError, match=r"^data.path: cannot load '.*nowhere' split 'train' \(data.split\)"):
+        load_task(load_config(TINY, [*settings, f"data.path={tmp_path / 'nowhere'}"]).data, 0)

@@ -95,7 +95,7 @@ def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None
             try:
                 if any(run in todo for run in group.runs):
                     check_before_launch(config, distributed=False)
-                task = load_task(config.data, config.seed, config.eval.datasets)
+                task = load_task(config.data, config.seed, config.eval.datasets, eval_reward=config.eval.reward)
                 for i, member in enumerate(config.members):
                     check_warm_start(i, member, task)
             except (ConfigError, TaskError) as exc:

@@ -3,23 +3,58 @@
 from __future__ import annotations
 
 from ..rewards import WeightedReward, binary_answer_reward, load_reward, tiny_answer_reward
-from .base import SYSTEM_PROMPT, Example, Task, TaskError
+from .base import SYSTEM_PROMPT, Example, RewardError, Task, TaskError
 
 
-def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_train: bool = True) -> Task:
-    """Build the task named by `data.task` (a DataSettings), with its eval sets and reward. with_train=False (eval
-    of a checkpoint): a task read from files leaves its training set unread (empty)."""
+# The data fields each kind of task reads, beyond those every task reads (task, system_prompt, prompt_format,
+# reward, rewards, reward_timeout_s, max_prompt_tokens, shuffle). A field set away from its default for a task that
+# does not read it is refused at load (config.py), never silently unused.
+_READS_FILES = {"train_path", "eval_paths"}
+_READS_FIELDS = {"question_field", "answer_field", "prompt_template"}
+
+
+def settings_read(task: str) -> set[str] | None:
+    """The task-specific data fields `task` reads (None: an unknown task, reported by load_task)."""
+    from . import tiny
+    from . import math as math_tasks
+
+    if task in tiny.TINY_TASKS or task == "arith":
+        return set()
+    if task in math_tasks.MATH_TASKS:
+        return set(_READS_FILES)
+    if task == "jsonl":
+        return _READS_FILES | _READS_FIELDS
+    if task == "hf":
+        return {"path", "subset", "split", "eval_paths"} | _READS_FIELDS
+    return None
+
+
+def readers(field: str) -> str:
+    """The tasks that read a data field, for the message that refuses it elsewhere."""
+    from . import math as math_tasks
+
+    kinds = [sorted(math_tasks.MATH_TASKS), ["jsonl"], ["hf"]]  # each group reads the same fields
+    return ", ".join(", ".join(names) for names in kinds if field in settings_read(names[0]))
+
+
+def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_train: bool = True,
+              eval_reward: str | None = None) -> Task:
+    """Build the task named by `data.task` (a DataSettings), with its eval sets, its training reward (the task's,
+    or data.reward / data.rewards) and its answer check for eval (the task's, or `eval_reward`: eval.reward).
+    with_train=False (eval of a checkpoint): a task read from files leaves its training set unread (empty)."""
     from . import arith, tiny
     from . import math as math_tasks  # each imports only .base: loaded when a task needs it
 
-    if data.path is not None and data.task != "hf":
-        raise TaskError(f"data.path: only task hf reads a dataset from data.path (task {data.task} does not)")
-    if data.task in tiny.TINY_TASKS or data.task == "arith":  # built in: a path given would be silently unused
-        given = "data.train_path" if data.train_path is not None else (
-            f"data.eval_paths.{next(iter(data.eval_paths))}" if data.eval_paths else None)
-        if given:
-            raise TaskError(f"{given}: task {data.task} is built in and reads no files; drop the path, or use a task "
-                            f"that reads them ({', '.join(sorted(math_tasks.MATH_TASKS))})")
+    if data.task in math_tasks.MATH_TASKS:  # the sets evaluated: a path for any other is read for nothing
+        evaluated = eval_datasets or math_tasks.MATH_TASKS[data.task][1]
+        given = [name for name in data.eval_paths if name in math_tasks.EVAL_SETS]  # others: unknown, said below
+    else:
+        evaluated = eval_datasets if eval_datasets is not None else list(data.eval_paths)
+        given = list(data.eval_paths)
+    unused = [name for name in given if name not in evaluated]
+    if unused:
+        raise TaskError(f"data.eval_paths.{unused[0]}: {unused[0]} is not evaluated (eval sets: "
+                        f"{', '.join(evaluated) or 'none'}); drop the entry, or add {unused[0]} to eval.datasets")
     if data.task in tiny.TINY_TASKS:
         task = tiny.make_task(data.task, seed)
     elif data.task == "arith":
@@ -44,6 +79,7 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
         task.system_prompt = data.system_prompt
     if data.prompt_format != "auto":
         task.prompt_format = data.prompt_format
+    # training rewards replace task.reward only: eval's answer check (task.check) stays the task's own
     if data.reward is not None:
         try:
             task.reward = load_reward(data.reward)
@@ -57,6 +93,11 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
             except ValueError as exc:
                 raise TaskError(f"data.rewards.{k}.function: {exc}") from None
         task.reward = WeightedReward(terms)
+    if eval_reward is not None:
+        try:
+            task.check = load_reward(eval_reward)
+        except ValueError as exc:
+            raise TaskError(f"eval.reward: {exc}") from None
     return task
 
 
@@ -80,6 +121,7 @@ def prompt_ids(tokenizer, task: Task, question: str) -> list[int]:
 
 __all__ = [
     "SYSTEM_PROMPT",
+    "RewardError",
     "Example",
     "Task",
     "TaskError",
@@ -87,5 +129,7 @@ __all__ = [
     "load_task",
     "prompt_ids",
     "prompt_text",
+    "readers",
+    "settings_read",
     "tiny_answer_reward",
 ]

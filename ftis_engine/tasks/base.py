@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..rewards import Reward, RewardTimeout, finite_number
+from ..rewards import Reward, RewardTimeout, WeightedReward, finite_number
 
 # The <think>/<answer> instruction (R1 style) that goes with binary_answer_reward's format.
 SYSTEM_PROMPT = (
@@ -30,22 +30,29 @@ class Task:
     name: str
     train: list[Example]
     evals: dict[str, list[Example]]
-    reward: Reward
+    reward: Reward  # what training scores: the task's own, or data.reward / data.rewards
     system_prompt: str | None = SYSTEM_PROMPT
     prompt_format: str = "auto"  # auto | chat | plain
     # (style, count, seed) -> worked (question, completion) pairs for a warm start; None: the task has none
     demonstrations: Callable[[str, int, int], list[tuple[str, str]]] | None = None
     reward_timeout_s: float | None = None  # data.reward_timeout_s: one reward call's bound (None: unbounded)
+    # whether an answer is right (1) or not (0), for eval's greedy pass@1: the task's own check (default: its
+    # reward as built), or eval.reward; never data.reward / data.rewards, which may weigh format or partial credit
+    check: Reward | None = None
+
+    def __post_init__(self):
+        if self.check is None:
+            self.check = self.reward
 
     def score(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example],
               undecided: float | None = 0.0) -> list[float | None]:
         """The reward of each completion (token ids, special tokens dropped when decoding) against its example's
-        gold answer. The one scoring path: generation, the receiver's re-score of a peer's rollouts and eval all
-        use it, so a peer's claimed reward and the local re-score can never drift apart. A reward that times out
-        (RewardTimeout) has no verdict and scores `undecided`: 0 for one's own completions and eval (it was not
-        shown right), None for a receiver, which then cannot check the peer's claim."""
-        ids = [c.tolist() if hasattr(c, "tolist") else list(c) for c in completions]
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        gold answer. The one scoring path: generation, the receiver's re-score of a peer's rollouts (and eval,
+        through `solved`) use it, so a peer's claimed reward and the local re-score can never drift apart. A
+        reward that times out (RewardTimeout) has no verdict and scores `undecided`: 0 for one's own completions,
+        None for a receiver, which then cannot check the peer's claim. Under data.rewards each value is a
+        WeightedValue that carries its terms' values (for the train records' reward/<function>)."""
+        texts = _decode(tokenizer, completions)
         rewards: list[float | None] = []
         for text, example in zip(texts, examples, strict=True):
             try:
@@ -54,29 +61,70 @@ class Task:
                 rewards.append(undecided)
         return rewards
 
+    def solved(self, tokenizer, completions: Sequence[Sequence[int]], examples: Sequence[Example]) -> list[bool]:
+        """Whether each completion's answer is right by the task's answer check (`check`: 1 right, 0 wrong), which
+        eval's greedy pass@1 counts: whatever training rewards (data.reward, data.rewards' weights and format
+        terms) add, a pass means the answer is right. A check that times out is no pass (not shown right)."""
+        texts = _decode(tokenizer, completions)
+        passes = []
+        for text, example in zip(texts, examples, strict=True):
+            try:
+                value = _call([("eval.reward", _name(self.check), self.check)], text, example.answer,
+                              self.reward_timeout_s)[0]
+            except RewardTimeout:
+                value = 0.0
+            passes.append(value >= 1.0)
+        return passes
+
     def call_reward(self, text: str, gold: str) -> float:
         """The reward of one completion as a float. A reward that raises (anything but RewardTimeout) or returns
         anything but a finite real number (NaN, inf, None, a string, a tensor) stops here with RewardError naming
-        data.reward, the function, what it did and the completion, before a NaN can reach the loss."""
-        name = f"{getattr(self.reward, '__module__', '?')}:{getattr(self.reward, '__qualname__', repr(self.reward))}"
-        field = "data.rewards" if hasattr(self.reward, "terms") else "data.reward"
-        call = f"{name}({_clip(text)!r}, {_clip(gold)!r})"
-        try:
-            with _deadline(self.reward_timeout_s):
-                value = self.reward(text, gold)
-        except RewardTimeout:
-            raise
-        except _Overdue:
-            raise RewardError(f"{field}: {call} did not return within {self.reward_timeout_s:g} s "
-                              "(data.reward_timeout_s); fix the reward, or raise the bound") from None
-        except Exception as exc:
-            message = " ".join(str(exc).split())[:200]
-            raise RewardError(f"{field}: {call} raised {type(exc).__name__}" + (f": {message}" if message else "")
-                              ) from None
-        if finite_number(value):
-            return float(value)
-        raise RewardError(f"{field}: {call} returned {_clip(repr(value))} ({type(value).__name__}); a reward is "
-                          "a finite number")
+        the field (data.reward, or the term: data.rewards.<k>), the function, what it did and the completion,
+        before a NaN can reach the loss."""
+        if isinstance(self.reward, WeightedReward):
+            terms = [(f"data.rewards.{k}", name, function) for k, (name, function, _) in enumerate(self.reward.terms)]
+            return self.reward.total(_call(terms, text, gold, self.reward_timeout_s))
+        return _call([("data.reward", _name(self.reward), self.reward)], text, gold, self.reward_timeout_s)[0]
+
+
+def _decode(tokenizer, completions: Sequence[Sequence[int]]) -> list[str]:
+    ids = [c.tolist() if hasattr(c, "tolist") else list(c) for c in completions]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+def _name(function: Reward) -> str:
+    return f"{getattr(function, '__module__', '?')}:{getattr(function, '__qualname__', repr(function))}"
+
+
+def _call(terms: list[tuple[str, str, Reward]], text: str, gold: str, timeout_s: float | None) -> list[float]:
+    """Each (field, name, function) term's value on one completion, in order, all within one bound of `timeout_s`
+    seconds (None: unbounded). RewardTimeout (math-verify's: no verdict) passes through; a term that raises, runs
+    past the bound or returns anything but a finite real number raises RewardError naming its field and function
+    and the completion."""
+    values: list[float] = []
+    field, name = terms[0][:2]
+    try:
+        with _deadline(timeout_s):
+            for field, name, function in terms:
+                value = function(text, gold)
+                if not finite_number(value):
+                    raise RewardError(f"{field}: {_call_text(name, text, gold)} returned {_clip(repr(value))} "
+                                      f"({type(value).__name__}); a reward is a finite number")
+                values.append(float(value))
+    except (RewardTimeout, RewardError):
+        raise
+    except _Overdue:
+        raise RewardError(f"{field}: {_call_text(name, text, gold)} did not return within {timeout_s:g} s "
+                          "(data.reward_timeout_s); fix the reward, or raise the bound") from None
+    except Exception as exc:
+        message = " ".join(str(exc).split())[:200]
+        raise RewardError(f"{field}: {_call_text(name, text, gold)} raised {type(exc).__name__}"
+                          + (f": {message}" if message else "")) from None
+    return values
+
+
+def _call_text(name: str, text: str, gold: str) -> str:
+    return f"{name}({_clip(text)!r}, {_clip(gold)!r})"
 
 
 class _Overdue(BaseException):

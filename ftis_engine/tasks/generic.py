@@ -3,6 +3,8 @@ a hub id, or a local directory of data files), with its own field names and a pr
 
 from __future__ import annotations
 
+import re
+
 from ..errors import first_line
 from ..rewards import binary_answer_reward
 from .base import Example, Task, TaskError
@@ -36,10 +38,28 @@ def _hf_rows(data, split: str, field: str) -> list[tuple[int, dict]]:
 
     datasets.disable_progress_bars()
     try:
-        rows = datasets.load_dataset(data.path, split=split)
-    except Exception as exc:  # datasets raises many types: offline, missing, schema, unknown split...
-        raise TaskError(f"{field}: cannot load split {split!r} of {data.path!r} ({first_line(exc)})") from None
+        rows = datasets.load_dataset(data.path, data.subset, split=split)
+    except Exception as exc:  # datasets raises many types: offline, missing, schema, unknown config or split...
+        raise TaskError(_load_error(data, split, field, exc)) from None
     return list(enumerate(rows, start=1))
+
+
+def _load_error(data, split: str, field: str, exc: Exception) -> str:
+    """One line for a dataset `datasets` could not load, led by the setting at fault: the config (data.subset:
+    missing for a dataset with several, or not one of them), the split (`field`: data.split or an eval_paths
+    entry), else the dataset itself (data.path)."""
+    text = " ".join(str(exc).split())
+    what = f"{data.path!r}" + (f" config {data.subset!r} (data.subset)" if data.subset is not None else "") + \
+        f" split {split!r} ({field})"
+    available = re.search(r"[Aa]vailable(?: configs)?: (\[[^\]]*\])", text)
+    if "Config name is missing" in text:
+        return (f"data.subset: {data.path!r} has several configs and data.subset names none"
+                + (f"; name one of {available.group(1)}" if available else ""))
+    if "BuilderConfig" in text and "not found" in text:
+        return f"data.subset: {data.path!r} has no config {data.subset!r}" + (
+            f" (it has {available.group(1)})" if available else "")
+    lead = field if "Unknown split" in text else "data.path"
+    return f"{lead}: cannot load {what}: {first_line(exc)}"
 
 
 def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) -> Task:

@@ -21,11 +21,13 @@ HUB = {
     "math500": ("HuggingFaceH4/MATH-500", None, "test", "problem", "answer"),
 }
 MATH_TASKS = {
-    # task: (training set, default eval sets)
+    # task: (training set, default eval sets). math500 has no training split of its own: it trains on the file
+    # data.train_path names (config.py requires it), never on the 500 problems it is evaluated on.
     "gsm8k": ("gsm8k-train", ["gsm8k", "math500"]),
     "math500": ("math500", ["math500"]),
     "gsm8k-calc": ("gsm8k-train", ["gsm8k-calc"]),
 }
+EVAL_SETS = tuple(name for name in HUB if name != "gsm8k-train")
 
 
 def gsm8k_gold(answer_field: str) -> str:
@@ -36,15 +38,15 @@ def gsm8k_gold(answer_field: str) -> str:
 
 
 def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int, dict]]:
-    """(line number, row) of each row of a local JSONL file (one JSON object a line; blank lines skipped). Errors
-    name the config field,
-    the file and the line: a broken line, a row that is not an object or lacks a needed key, an empty file."""
+    """(line number, row) of each row of a local JSONL file (UTF-8, with or without a byte-order mark; one JSON
+    object a line; blank lines skipped). Errors name the config field, the file and the line: a broken line, a row
+    that is not an object or lacks a needed key, an empty file."""
     file = pathlib.Path(path)
     if not file.is_file():
         raise TaskError(f"{field}: no such file {path!r}")
     rows = []
     try:
-        with file.open(encoding="utf-8") as handle:
+        with file.open(encoding="utf-8-sig") as handle:  # a byte-order mark some editors write is no part of line 1
             for number, line in enumerate(handle, start=1):
                 if not line.strip():
                     continue
@@ -182,9 +184,30 @@ def _calc_train_or_none(data) -> list[Example]:
         return []
 
 
+def _held_out(train: list[Example], evaluated: list[Example], path: str | None) -> list[Example]:
+    """The training examples without MATH-500's eval problems (a training file cut from MATH's test split holds
+    them: said, and left out); none left is an error naming data.train_path."""
+    held = {ex.question.strip() for ex in evaluated}
+    kept = [ex for ex in train if ex.question.strip() not in held]
+    if train and not kept:
+        raise TaskError(f"data.train_path: every problem of {path} is a MATH-500 eval problem; train on other "
+                        "problems (e.g. MATH's train split), or evaluate on other sets (eval.datasets)")
+    if len(kept) < len(train):
+        import logging
+
+        logging.getLogger("ftis_engine").warning("data.train_path: %d of the %d problems of %s are MATH-500 eval "
+                                                 "problems; they are left out of the training set",
+                                                 len(train) - len(kept), len(train), path)
+    return kept
+
+
 def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) -> Task:
     train_name, default_evals = MATH_TASKS[data.task]
     calc = data.task == "gsm8k-calc"
+    unknown_paths = set(data.eval_paths) - set(EVAL_SETS)
+    if unknown_paths:  # before anything is read
+        raise TaskError(f"data.eval_paths.{sorted(unknown_paths)[0]}: unknown dataset (known: "
+                        f"{', '.join(EVAL_SETS)})")
     if not with_train:  # an eval of a checkpoint reads only the eval sets
         train = []
     elif calc:
@@ -202,10 +225,8 @@ def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) ->
                            if ex.question not in trained]
         else:
             evals[name] = load_examples(name, data.eval_paths.get(name), field)
-    unknown_paths = set(data.eval_paths) - set(HUB)
-    if unknown_paths:
-        raise TaskError(f"data.eval_paths.{sorted(unknown_paths)[0]}: unknown dataset (known: "
-                        f"{', '.join(n for n in HUB if n != 'gsm8k-train')})")
+    if data.task == "math500" and "math500" in evals:
+        train = _held_out(train, evals["math500"], data.train_path)
     if calc:
         return Task(name=data.task, train=train, evals=evals, reward=final_answer_reward,
                     system_prompt=CALC_SYSTEM_PROMPT)
