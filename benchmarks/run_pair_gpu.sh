@@ -17,7 +17,8 @@
 # status to stages.txt, and packs the folder into $OUT/pair-results.tar.gz where $OUT is set. A device call may
 # run 10 minutes: give each one the stages that fit (README). The stages of one call share $CALL_LIMIT seconds
 # (570, counted from the script's start): each stage is stopped when they are spent, and one that would start with
-# less than a minute left is skipped, so the call ends in time to pack what it has.
+# less than a minute left is skipped, so the call ends in time to pack what it has. $STEPS (default: the configs'
+# 10, trl_grpo.py's 10) shortens every training stage alike, for a session of 15 device-minutes (README).
 set -uo pipefail
 out="${RESULTS:-/tmp/pair-results}"
 runs=/tmp/pair-runs
@@ -31,7 +32,8 @@ train() {  # run name, then arguments of ftis-engine train; its metrics.jsonl is
   local name=$1 rc
   shift
   rm -rf "${runs:?}/$name"
-  timeout -k 10 "$limit" python3 -m ftis_engine train --output-dir "$runs" --set run_name="$name" "$@"
+  timeout -k 10 "$limit" python3 -m ftis_engine train --output-dir "$runs" --set run_name="$name" \
+    ${STEPS:+--set train.steps=$STEPS} "$@"
   rc=$?
   cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
   return $rc
@@ -60,7 +62,7 @@ for stage in "${stages[@]}"; do
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-trl/*.whl &&
         touch "$site/.trl-done"
       fi &&
-      timeout -k 10 "$limit" python3 benchmarks/trl_grpo.py --output "$out/trl.json" ;;
+      timeout -k 10 "$limit" python3 benchmarks/trl_grpo.py ${STEPS:+--steps $STEPS} --output "$out/trl.json" ;;
     pair-sync) train pair-sync --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false ;;
     pair-async) train pair-async --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false \
                   --set swarm.mode=async ;;
