@@ -345,9 +345,13 @@ def test_math500_trains_only_on_a_training_file_never_on_its_own_eval_set(tmp_pa
     with pytest.raises(TaskError, match=r"^data.train_path: every problem of .*math500.jsonl is a MATH-500 eval"):
         load_task(load_config(TINY, ["data.task=math500", f"data.train_path={evaluated}",
                                      f"data.eval_paths={{math500: {evaluated}}}"]).data, 0)
-    elsewhere = load_config(TINY, ["data.task=math500", f"data.train_path={evaluated}", "eval.datasets=[gsm8k]",
-                                   f"data.eval_paths={{gsm8k: {_gsm8k_files(tmp_path, 'test', 2)}}}"])
-    assert len(load_task(elsewhere.data, 0, elsewhere.eval.datasets).train) == 2  # evaluated elsewhere: all of it
+    # evaluated elsewhere, MATH-500 is still held out (its path is read for that): the training set does not
+    # depend on eval.datasets, which a resume may change
+    elsewhere = load_config(TINY, ["data.task=math500", f"data.train_path={train}", "eval.datasets=[gsm8k]",
+                                   f"data.eval_paths={{gsm8k: {_gsm8k_files(tmp_path, 'test', 2)}, "
+                                   f"math500: {evaluated}}}"])
+    task = load_task(elsewhere.data, 0, elsewhere.eval.datasets)
+    assert [ex.question for ex in task.train] == ["What is ccc?", "What is dddd?"] and list(task.evals) == ["gsm8k"]
 
 
 @pytest.mark.parametrize("template, said", [

@@ -225,8 +225,11 @@ def make_task(data, eval_datasets: list[str] | None, with_train: bool = True) ->
                            if ex.question not in trained]
         else:
             evals[name] = load_examples(name, data.eval_paths.get(name), field)
-    if data.task == "math500" and "math500" in evals:
-        train = _held_out(train, evals["math500"], data.train_path)
+    if data.task == "math500" and with_train:  # MATH-500's problems never train, evaluated this run or not (a
+        # resume that changes eval.datasets must not change the training set)
+        held = evals.get("math500") or load_examples("math500", data.eval_paths.get("math500"),
+                                                     "data.eval_paths.math500")
+        train = _held_out(train, held, data.train_path)
     if calc:
         return Task(name=data.task, train=train, evals=evals, reward=final_answer_reward,
                     system_prompt=CALC_SYSTEM_PROMPT)
