@@ -168,6 +168,43 @@ def test_a_sharded_full_members_weights_stream_into_the_engine_one_gathered_tens
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, state[n].bfloat16()) for n, t in received if n in state)
 
 
+def test_a_lora_members_engine_loads_its_base_under_the_base_models_own_names(tmp_path):
+    """peft wraps q_proj as q_proj.base_layer (+ lora_A/B): written as is, no engine's loader knows the names. The
+    engine's files hold exactly the base model's weights under its own names, loadable by transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from .helpers import member
+
+    m, _ = member(1)  # tiny-m with a LoRA adapter
+    assert hasattr(m.model, "peft_config")
+    vllm_gen.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).state_dict()
+    with m.model.disable_adapter():
+        expected = {k.replace(".base_layer.", "."): v for k, v in m.model.get_base_model().state_dict().items()
+                    if ".lora_" not in k}
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k].float(), expected[k].float()) for k in expected)
+
+
+@pytest.mark.parametrize("spec, warm, written", [("builtin:tiny-s", False, True), ("some/hub-model", False, False),
+                                                  ("some/hub-model", True, True)])
+def test_the_engine_starts_from_the_trainers_weights_where_they_differ_from_the_models_files(tmp_path, monkeypatch,
+                                                                                             spec, warm, written):
+    """A built-in model's random init and a warm-started model's weights exist only in the trainer: the engine
+    loads them from a copy written for it (a warm-started model read from its own files would generate step 1's
+    rollouts from the weights before the warm start, and a LoRA member's base all of them); any other model loads
+    its own files."""
+    import types
+
+    saved = []
+    monkeypatch.setattr(vllm_gen, "save_for_engine", lambda model, tokenizer, directory: saved.append(directory)
+                        or str(directory))
+    settings = types.SimpleNamespace(model=spec, warm_start=object() if warm else None)
+    source = vllm_gen.engine_source(object(), object(), settings, tmp_path / "base")
+    assert (saved == [tmp_path / "base"] and source == str(tmp_path / "base")) if written else \
+        (saved == [] and source == spec)
+
+
 def test_lora_ranks_round_up_to_what_vllm_accepts():
     assert [vllm_gen._lora_rank(r) for r in (1, 4, 16, 100, 128, 300)] == [1, 8, 16, 128, 128, 320]
 

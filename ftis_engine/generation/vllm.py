@@ -100,10 +100,31 @@ def checkpoint_names(model, state: dict) -> dict:
 
 def save_for_engine(model, tokenizer, directory: pathlib.Path) -> str:
     """Write a model's weights (in its dtype) and its tokenizer where an engine that loads from disk can read them
-    (vLLM; also TRL's GRPOTrainer, benchmarks/trl_grpo.py); returns the directory as a string."""
-    model.save_pretrained(str(directory))
+    (vLLM; also TRL's GRPOTrainer, benchmarks/trl_grpo.py); returns the directory as a string. A LoRA member's
+    model (peft) is written as its base alone, under the base model's own names: peft's wrapped layers keep the
+    base weight as `<layer>.base_layer.weight`, which no engine's loader knows; the adapter goes to the engine
+    separately."""
+    if hasattr(model, "peft_config"):
+        base = model.get_base_model()
+        state = {name.replace(".base_layer.", "."): tensor for name, tensor in base.state_dict().items()
+                 if ".lora_" not in name}
+        base.save_pretrained(str(directory), state_dict=state)
+    else:
+        model.save_pretrained(str(directory))
     tokenizer.save_pretrained(str(directory))
     return str(directory)
+
+
+def engine_source(model, tokenizer, settings, directory: pathlib.Path) -> str:
+    """Where the engine loads the member's starting weights from: the packaged model's or hub's own files, unless
+    the trainer's weights differ from them (a built-in model's random init, or a warm start: the engine would
+    otherwise generate step 1's rollouts, and a LoRA member all of them, from weights the trainer does not hold),
+    then the trainer's weights written to `directory`."""
+    from ..models import source as model_source
+
+    if settings.model.startswith("builtin:") or settings.warm_start is not None:
+        return save_for_engine(model, tokenizer, directory)
+    return model_source(settings.model)  # a packaged model's folder, or the hub id / local path as given
 
 
 def _lora_rank(r: int) -> int:
@@ -151,11 +172,7 @@ class VLLMGenerator:
         """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
         from ..models import source as model_source
 
-        source = settings.model
-        if not source.startswith("builtin:"):
-            source = model_source(source)  # a packaged model's folder
-        else:  # vLLM loads from disk: write the built-in model's initial weights
-            source = save_for_engine(model.get_base_model() if self.lora else model, tokenizer, self._work / "base")
+        source = engine_source(model, tokenizer, settings, self._work / "base")
         # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left
         # initialised by an earlier engine of this process: a new engine runs on its own then too
         distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
