@@ -4,6 +4,7 @@ Every refusal is a RunDirError, one line naming the field or path."""
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import pathlib
@@ -46,18 +47,22 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
 
 
 # the fields a resumed run may change: how long it runs, how often it evaluates and checkpoints, where and how
-# fast the processes run; everything else would make the resumed run a different run than the one it continues
+# fast the processes run and what they log; everything else would make the resumed run a different run than the
+# one it continues. (Recompute and the device change memory and speed, not the update: after an out-of-memory
+# crash a run may move or shrink.)
 RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
              "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s", "data.eval_paths",
-             "logging.report_to", "logging.project")
+             "logging.report_to", "logging.project", "logging.completions", "train.device",
+             "train.gradient_checkpointing")
 # and, to go on after a divergence, a member's step size: its learning rate, gradient clip and weight decay (the
-# restored optimizer takes them from the config, not from its saved state)
-RESUMABLE_MEMBER = ("lr", "grad_clip", "weight_decay")
+# restored optimizer takes them from the config, not from its saved state); and where it runs and how much of the
+# GPU its engine takes
+RESUMABLE_MEMBER = ("lr", "grad_clip", "weight_decay", "device", "vllm")
 
 
 def resumable(field: str) -> bool:
     parts = field.split(".")
-    return field.startswith(RESUMABLE) or (len(parts) == 3 and parts[0] == "members" and parts[2] in RESUMABLE_MEMBER)
+    return field.startswith(RESUMABLE) or (len(parts) >= 3 and parts[0] == "members" and parts[2] in RESUMABLE_MEMBER)
 # the member fields that make the model eval loads (with the run's seed: a built-in model is rebuilt from it)
 MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype", "warm_start")
 
@@ -109,6 +114,11 @@ def check_resume_config(run_dir: pathlib.Path, config: RunConfig) -> None:
         raise RunDirError(f"--resume: {run_dir} has no config.yaml and its newest checkpoint records no config, so "
                           "nothing tells whether this config continues that run; restore its config.yaml")
     changes = [c for c in config_differences(saved, config) if not resumable(c[0])]
+    if saved.train.steps != config.train.steps and config.train.lr_schedule != "constant":
+        raise RunDirError(f"--resume: train.steps {saved.train.steps} -> {config.train.steps} would move the "
+                          f"{config.train.lr_schedule} learning-rate schedule, which runs over train.steps (the rate "
+                          "would jump at the resumed step); a resumed run changes train.steps only with "
+                          "train.lr_schedule constant (start a new run_name for a longer schedule)")
     if changes:
         allowed = ", ".join([f"{key}*" if key.endswith(".") else key for key in RESUMABLE]
                             + [f"members.N.{key}" for key in RESUMABLE_MEMBER])
@@ -169,7 +179,12 @@ class RunLock:
                               ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # not held: locks do not work here
+                os.close(fd)
+                raise RunDirError(f"{field}: cannot lock {self.run_dir / '.lock'} ({exc.strerror or exc}): its file "
+                                  "system takes no flock (NFS without locking, Lustre without -o flock); use a "
+                                  "local or lock-capable --output-dir") from None
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
             raise RunDirError(f"{field}: {self.run_dir} is in use by another {self.kind} ({holder}); wait for it to "

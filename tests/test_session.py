@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from ftis_engine import run, rundir, session
-from ftis_engine.config import ConfigError
+from ftis_engine.config import ConfigError, dump_config
 from ftis_engine.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
 from ftis_engine.session import AgreedError, foreign_tokenizers, open_run
 
@@ -188,6 +188,46 @@ def test_resume_refuses_a_config_that_changes_the_run_but_not_its_length_or_cade
         with pytest.raises(RunDirError, match=f"--resume: the config differs .* in {field} ") as caught:
             check_resume_config(run_dir, short_config("train.steps=2", "eval.every=0", override))
         assert all(key in str(caught.value) for key in rundir.RESUMABLE)  # the message lists what may change
+
+
+def test_a_resume_may_lengthen_a_constant_schedule_but_not_one_that_decays_over_train_steps(trained, tmp_path):
+    """Extending a cosine run from 2 to 5 steps would move its schedule (the rate jumps at the resumed step):
+    refused, naming train.steps; a constant one may grow."""
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    cosine = ("train.lr_schedule=cosine", "eval.every=0")
+    saved = short_config("train.steps=2", *cosine)
+    (copy / "config.yaml").write_text(dump_config(saved))
+    check_resume_config(copy, saved)
+    with pytest.raises(RunDirError, match=r"^--resume: train.steps 2 -> 5 would move the cosine learning-rate "
+                                          r"schedule"):
+        check_resume_config(copy, short_config("train.steps=5", *cosine))
+    check_resume_config(run_dir, short_config("train.steps=5", "eval.every=0"))  # constant: fine
+
+
+def test_after_an_out_of_memory_crash_a_resume_may_move_the_run_or_shrink_its_memory(trained):
+    """Device, an engine's share of the GPU, recompute and the completions logged change memory and speed, not the
+    update: a resumed run may change them."""
+    config, run_dir = trained
+    check_resume_config(run_dir, short_config("train.steps=2", "eval.every=0", "members.0.device=cpu",
+                                              "members.1.vllm.gpu_memory_utilization=0.2",
+                                              f"train.gradient_checkpointing={not config.train.gradient_checkpointing}",
+                                              "logging.completions=3"))
+
+
+def test_a_file_system_without_locks_is_said_as_such_not_as_a_run_in_the_way(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(RunDirError, match=r"^run_name: cannot lock .*\.lock \(No locks available\): its file system "
+                                          r"takes no flock"):
+        with RunLock(tmp_path / "run"):
+            pass
 
 
 def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(trained):
