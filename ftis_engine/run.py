@@ -163,7 +163,9 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         write_final_shared(run_dir, final)
     elif swarm.is_main:
         make_plots(run_dir)
-        (run_dir / "final_eval.json").write_text(json.dumps(final, indent=2))
+        written = run_dir / f".final_eval.json.tmp{os.getpid()}"  # whole or not at all: a study takes the
+        written.write_text(json.dumps(final, indent=2))  # file's presence for a finished run (study/plan.py)
+        os.replace(written, run_dir / "final_eval.json")
     return final
 
 
