@@ -163,10 +163,32 @@ def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimize
     return tmp
 
 
+def sync_tree(root: pathlib.Path) -> None:
+    """fsync every file and directory under `root` (and root itself): written to the disk, not only to the page
+    cache, so that after a power or node loss a complete checkpoint's files are whole."""
+    for path in sorted(root.rglob("*"), key=lambda p: -len(p.parts)) + [root]:  # files and subdirectories first
+        fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def sync_directory(directory: pathlib.Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last: int) -> pathlib.Path:
-    """Write state.json and rename the staging directory to step-<N> (the act that makes it complete); prune."""
+    """Write state.json and rename the staging directory to step-<N> (the act that makes it complete); prune.
+    Everything is on the disk before the rename and the rename before any older checkpoint is pruned: a machine
+    that loses power never leaves a step-<N> of truncated files in place of the one before it."""
     tmp = staging_dir(run_dir, step)
     (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    sync_tree(tmp)
     final = checkpoint_root(run_dir) / f"step-{step}"
     if final.exists():  # never a moment without a complete step-N: move the old one aside first
         old = checkpoint_root(run_dir) / f".old-step-{step}"
@@ -176,6 +198,7 @@ def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+    sync_directory(checkpoint_root(run_dir))  # the rename itself
     prune(run_dir, keep_last)
     return final
 

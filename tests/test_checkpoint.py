@@ -107,6 +107,33 @@ def test_a_step_is_complete_only_when_every_member_has_staged_it(tmp_path):
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [4, 6]  # keep_last
 
 
+def test_a_checkpoint_is_on_the_disk_before_it_is_complete_and_before_older_ones_are_pruned(tmp_path, monkeypatch):
+    """Every file and directory of a step is fsynced before the rename that completes it, and the rename before the
+    previous checkpoint is pruned (keep_last 1): a power loss never leaves truncated files as the only checkpoint."""
+    from ftis_engine import checkpoint
+
+    a, _ = member(0)
+    events = []
+    real_fsync, real_rmtree = os.fsync, checkpoint.shutil.rmtree
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: events.append(("sync", os.readlink(f"/proc/self/fd/{fd}")))
+                        or real_fsync(fd))
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, **kw: events.append(("prune", str(path)))
+                        or real_rmtree(path, **kw))
+    for step in (1, 2):
+        stage_members(tmp_path, step, [a], save_optimizer=True)
+        staged = sorted(str(p) for p in (tmp_path / "checkpoints" / f".tmp-step-{step}").rglob("*"))
+        events.clear()
+        checkpoint.finalize_checkpoint(tmp_path, step, {"members": [a.name]}, keep_last=1)
+        synced = [path for kind, path in events if kind == "sync"]
+        assert set(staged) <= set(synced)  # every file and directory written, state.json included
+        root = str(tmp_path / "checkpoints")
+        assert root in synced  # the rename
+        if step == 2:
+            pruned = events.index(("prune", str(tmp_path / "checkpoints" / "step-1")))
+            assert events.index(("sync", root)) < pruned
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+
+
 @pytest.mark.slow
 def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_resume_works_once_space_is_free(tmp_path):
     """On a small tmpfs (needs root; skipped otherwise): the run checkpoints step 2, the disk is then filled to all
