@@ -28,6 +28,11 @@ INTERRUPTED = 130  # the shell's code for Ctrl-C: the launcher was interrupted (
 DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printed which, and at which step)
 
 
+def any_rank(collectives, flag: bool) -> bool:
+    """Whether `flag` holds on any rank of the world (a collective: every rank calls it)."""
+    return any(collectives.all_gather_object(bool(flag)))
+
+
 def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int,
                        evaluate: pathlib.Path | None = None, join: str | None = None) -> int:
     """Run the swarm in several processes (or, with `evaluate`, greedy pass@1 of that checkpoint: rank 0 prints the
@@ -170,7 +175,10 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
                     print(json.dumps(record), flush=True)
             exchange.collectives.close()
             return 0
-        # a restart resumes by design; a first start must not write into another run
+        # a restart resumes by design; a first start must not write into another run. Every rank takes the
+        # same view: each node's agent counts its own restarts (one whose workers restarted because another node's
+        # failed counts 0), and ranks that disagree would run open_run's collectives apart
+        restarted = any_rank(exchange.collectives, restarted)
         swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
                                      first_start=not restarted, exchange=exchange, local_rank=local_rank,
                                      shard=shard, open_peers=connection.open_peers)

@@ -54,15 +54,20 @@ def connect_local(config: RunConfig, evaluating: bool = False, join: str | None 
 
 
 def round_store(rank: int, world: int, timeout: datetime.timedelta):
-    """The rendezvous store under a prefix unique to this launch and restart round. torch's env:// default keys
-    every round alike, so after an elastic restart a rank can read the address a dead rank published in the
-    previous round and fail to connect."""
+    """The rendezvous store under a prefix unique to this launch and restart round. Under the elastic agent
+    (torchrun, --nproc) the agent hosts a new store every rendezvous round: its run id is prefix enough, and the
+    restart count must stay out of it, since each node's agent keeps its own (a node whose workers were restarted
+    because another node's failed still counts 0) and ranks of one round would wait under different prefixes.
+    Without the agent, one store may outlive a restart: the count keeps a rank from reading the address a dead rank
+    published in the round before."""
     from torch.distributed import PrefixStore, TCPStore
 
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it (torchrun, --nproc)
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                      is_master=rank == 0 and not agent_store, timeout=timeout)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "manual")
+    if agent_store:
+        return PrefixStore(f"ftis/{run_id}", store)
     return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
