@@ -221,8 +221,10 @@ def prune(run_dir: pathlib.Path, keep_last: int) -> None:
     """Keep the newest keep_last complete checkpoints; remove staging left behind by steps up to the newest (an
     async member may already be staging a later one)."""
     found = complete_checkpoints(run_dir)
-    for _, path in found[:-keep_last]:
-        shutil.rmtree(path, ignore_errors=True)
+    for step, path in found[:-keep_last]:
+        gone = path.parent / f".pruned-step-{step}"  # renamed first: a prune cut short never leaves a step-N
+        os.replace(path, gone)  # that looks complete (its state.json) with some of its files deleted
+        shutil.rmtree(gone, ignore_errors=True)
     clear_staging(run_dir, up_to=found[-1][0] if found else -1)
 
 
@@ -236,6 +238,8 @@ def clear_staging(run_dir: pathlib.Path, up_to: int | None = None) -> None:
         number = leftover.name.removeprefix(".tmp-step-")
         if up_to is None or not number.isdigit() or int(number) <= up_to:
             shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in [*root.glob(".pruned-step-*"), *root.glob(".old-step-*")]:  # a prune or a replace cut short
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def read_state(checkpoint: pathlib.Path) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 
 import pytest
@@ -129,9 +130,33 @@ def test_a_checkpoint_is_on_the_disk_before_it_is_complete_and_before_older_ones
         root = str(tmp_path / "checkpoints")
         assert root in synced  # the rename
         if step == 2:
-            pruned = events.index(("prune", str(tmp_path / "checkpoints" / "step-1")))
+            pruned = events.index(("prune", str(tmp_path / "checkpoints" / ".pruned-step-1")))
             assert events.index(("sync", root)) < pruned
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+
+
+def test_a_prune_cut_short_never_leaves_a_complete_looking_checkpoint_with_files_missing(tmp_path, monkeypatch):
+    """A prune killed halfway through deleting step-1 (keep_last 1): step-1 no longer counts as complete (it was
+    renamed away first), and the next clean-up removes what is left of it."""
+    from ftis_engine import checkpoint
+
+    a, _ = member(0)
+    for step in (1, 2):
+        stage_members(tmp_path, step, [a], save_optimizer=False)
+        if step == 2:
+            def killed(path, **kwargs):  # deletes one file, then the process dies
+                next(p for p in pathlib.Path(path).rglob("*") if p.is_file()).unlink()
+                raise KeyboardInterrupt
+            monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+            with pytest.raises(KeyboardInterrupt):
+                checkpoint.finalize_checkpoint(tmp_path, step, {"members": [a.name]}, keep_last=1)
+            monkeypatch.undo()
+        else:
+            checkpoint.finalize_checkpoint(tmp_path, step, {"members": [a.name]}, keep_last=1)
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+    checkpoint.clear_staging(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if not p.name.startswith(".finalize")) == \
+        ["step-2"]
 
 
 @pytest.mark.slow
