@@ -137,9 +137,30 @@ def return_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def eval_record(step: int, member: str, dataset: str, accuracy: float, samples: int) -> dict:
-    return {"step": step, "member": member, "kind": "eval", "dataset": dataset, "accuracy": accuracy,
-            "samples": samples}
+def eval_record(step: int, member: str, dataset: str, accuracy: float, samples: int,
+                correct: list[bool] | None = None) -> dict:
+    """An eval line: greedy pass@1 on `samples` questions; with `correct` (whether each question was solved, in
+    the eval set's order) also `correct`, a string of 0 and 1 a question (encode_correct): an analysis over
+    questions (a bootstrap over the fixed eval set, a paired test per question) reads it back with decode_correct."""
+    record = {"step": step, "member": member, "kind": "eval", "dataset": dataset, "accuracy": accuracy,
+              "samples": samples}
+    if correct is not None:
+        if len(correct) != samples:
+            raise ValueError(f"correct: {len(correct)} questions for {samples} samples")
+        record["correct"] = encode_correct(correct)
+    return record
+
+
+def encode_correct(correct: list[bool]) -> str:
+    """Per-question correctness as text, one character a question in order: "1" solved, "0" not ("0110")."""
+    return "".join("1" if c else "0" for c in correct)
+
+
+def decode_correct(text: str) -> list[bool]:
+    """encode_correct's inverse; raises ValueError on any other character."""
+    if set(text) - {"0", "1"}:
+        raise ValueError(f"correct: only 0 and 1, got {sorted(set(text) - {'0', '1'})[0]!r}")
+    return [c == "1" for c in text]
 
 
 def _clean(value):

@@ -7,9 +7,9 @@ import pathlib
 
 from .metrics import read_metrics
 
-TRAIN_LABELS = {  # the train.png panels, key: (title, y label)
+TRAIN_LABELS = {  # the train.png panels, key: (title, y label); the loss panel is named for the run's method
     "reward_mean": ("reward of its own rollouts", "mean reward"),
-    "loss": ("F-TIS loss", "loss"),
+    "loss": ("loss", "loss"),
     "is_weight_mean": ("truncated IS weight", "mean min(exp(l - g), C)"),
     "is_truncated_frac": ("tokens truncated at C", "fraction of tokens"),
     "filtered_frac": ("sequences dropped by the KL filter", "fraction of sequences"),
@@ -18,6 +18,26 @@ TRAIN_LABELS = {  # the train.png panels, key: (title, y label)
     "entropy_mean": ("entropy", "mean per token (nats)"),
 }
 TRAIN_KEYS = tuple(TRAIN_LABELS)
+METHOD_NAMES = {"nois": "NoIS", "vis": "VIS", "tis": "TIS", "f-nois": "F-NoIS", "f-vis": "F-VIS", "f-tis": "F-TIS",
+                "gepo": "GEPO"}  # algorithm.method as the paper writes it
+
+
+def run_method(run_dir: pathlib.Path) -> str | None:
+    """The run's algorithm.method from its config.yaml (None when it has none or it cannot be read)."""
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        method = config["algorithm"]["method"]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
+        return None
+    return method if isinstance(method, str) else None
+
+
+def train_labels(method: str | None) -> dict[str, tuple[str, str]]:
+    """TRAIN_LABELS with the loss panel named for `method` ("GEPO loss"; "loss" when unknown)."""
+    name = METHOD_NAMES.get(method, method) if method else None
+    return {**TRAIN_LABELS, "loss": (f"{name} loss" if name else "loss", "loss")}
 
 
 class NothingToPlot(ValueError):
@@ -78,6 +98,7 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
 
     train = [r for r in records if r["kind"] == "train"]
     if train:
+        labels = train_labels(run_method(run_dir))
         fig, axes = plt.subplots(2, 4, figsize=(18, 7))
         window = max(1, len({r["step"] for r in train}) // 20)  # about 20 windows over the run
         for ax, key in zip(axes.flat, TRAIN_KEYS):
@@ -90,7 +111,7 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
                 if window > 1:  # the raw steps faint under their running mean
                     ax.plot(steps, values, color=f"C{i}", alpha=0.25, linewidth=0.8)
                 ax.plot(steps, running_mean(values, window), color=f"C{i}", label=member)
-            ax.set(title=TRAIN_LABELS[key][0], xlabel="step", ylabel=TRAIN_LABELS[key][1])
+            ax.set(title=labels[key][0], xlabel="step", ylabel=labels[key][1])
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
         smooth = f" (running mean over {window} steps, raw values faint)" if window > 1 else ""

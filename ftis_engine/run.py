@@ -19,7 +19,7 @@ import time
 from .adversary import TEXT_KINDS
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
 from .config import dump_config
-from .evaluate import evaluate_member
+from .evaluate import evaluate_questions
 from .trackers import open_trackers
 from .metrics import MetricsLogger, eval_record, resume_records, return_freed_memory, truncate_metrics
 from .plots import NothingToPlot, make_plots
@@ -46,11 +46,11 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
                 examples = examples[: cfg.max_samples] if cfg.max_samples else examples
                 share = len(examples) if member.shard is None else len(member.shard.share(len(examples)))
                 bar = swarm.progress.start(f"{member.name}: eval {name}", share)
-                accuracy, attacked = evaluate_member(member, swarm.task, examples, max_new,
-                                                     on_batch=lambda k: swarm.progress.advance(bar, k),
-                                                     payloads=payloads)
+                accuracy, attacked, correct = evaluate_questions(member, swarm.task, examples, max_new,
+                                                                 on_batch=lambda k: swarm.progress.advance(bar, k),
+                                                                 payloads=payloads)
                 swarm.progress.finish(bar)
-                record = eval_record(step, member.name, name, accuracy, len(examples))
+                record = eval_record(step, member.name, name, accuracy, len(examples), correct)
                 if attacked is not None:  # the share of its greedy completions carrying an attacker's payload
                     record["attack_success"], record["attack_success_by"] = attacked
                 records.append(record)

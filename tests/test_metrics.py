@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 
 from ftis_engine import metrics as metrics_module
@@ -117,3 +118,50 @@ def test_gpu_memory_is_reported_only_for_a_cuda_member():
         del block
         record = gpu.record()
         assert record["gpu_peak_gib"] >= 0.25 and record["gpu_used_gib"] >= 0.25
+
+
+def test_an_eval_record_carries_which_questions_were_solved_in_their_order():
+    from ftis_engine.metrics import decode_correct, encode_correct, eval_record
+
+    record = eval_record(10, "a", "arith", 0.5, 4, [True, False, False, True])
+    assert record["correct"] == "1001" and decode_correct(record["correct"]) == [True, False, False, True]
+    assert "correct" not in eval_record(10, "a", "arith", 0.5, 4)
+    assert encode_correct([]) == "" and decode_correct("") == []
+    with pytest.raises(ValueError, match="correct: 3 questions for 4 samples"):
+        eval_record(10, "a", "arith", 0.5, 4, [True, False, True])
+    with pytest.raises(ValueError, match="only 0 and 1"):
+        decode_correct("10x1")
+
+
+def test_eval_gives_each_questions_correctness_also_when_a_member_is_sharded(tmp_path):
+    """Per question, in the eval set's order; a member on two ranks evaluates every second question on each and
+    the gathered flags land where their questions are."""
+    import types
+
+    from ftis_engine.evaluate import evaluate_questions
+
+    from .test_evaluate import RIGHT, WRONG, _task, fake_member
+
+    task = _task(tmp_path)
+    examples = task.evals["held"] * 3  # 2+2, 3+3, 2+2, 3+3, 2+2, 3+3
+    member = fake_member({"What is 2+2?": RIGHT, "What is 3+3?": WRONG})
+    accuracy, attacked, correct = evaluate_questions(member, task, examples, 16)
+    assert (accuracy, attacked, correct) == (0.5, None, [True, False] * 3)
+
+    parts = {}
+
+    class Shard:  # shard `index` of two; the second to gather gets both parts, as all_gather would
+        def __init__(self, index):
+            self.index = index
+
+        def share(self, count):
+            return range(self.index, count, 2)
+
+        def all_gather(self, value):
+            parts[self.index] = value
+            return [parts[i] for i in sorted(parts)]
+
+    for index in (1, 0):
+        sharded = types.SimpleNamespace(tokenizer=member.tokenizer, generator=member.generator, shard=Shard(index))
+        got = evaluate_questions(sharded, task, examples, 16)
+    assert got == (0.5, None, [True, False] * 3)

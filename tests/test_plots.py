@@ -64,3 +64,28 @@ def test_plot_draws_from_a_hand_damaged_log_and_refuses_what_it_cannot_write_in_
     (tmp_path / "R4" / "metrics.jsonl").mkdir(parents=True)
     assert run_cli("plot", str(tmp_path / "R4")) == 2
     assert "its metrics.jsonl is not a file" in capsys.readouterr().err
+
+
+def test_the_loss_panel_is_named_for_the_runs_method(tmp_path, monkeypatch):
+    """train.png's loss panel says GEPO loss for a GEPO run (it said F-TIS loss whatever the method); a run
+    directory without a config says loss."""
+    import matplotlib.figure
+
+    from ftis_engine.plots import run_method, train_labels
+
+    titles = []
+    save = matplotlib.figure.Figure.savefig
+
+    def seen(fig, *args, **kwargs):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        return save(fig, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", seen)
+    lines = [{"step": s, "member": "a", "kind": "train", **{k: 0.1 for k in TRAIN_KEYS}} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (tmp_path / "config.yaml").write_text("algorithm:\n  method: gepo\n")
+    make_plots(tmp_path)
+    assert "GEPO loss" in titles and "F-TIS loss" not in titles
+    assert run_method(tmp_path) == "gepo" and train_labels("f-nois")["loss"][0] == "F-NoIS loss"
+    (tmp_path / "config.yaml").unlink()
+    assert run_method(tmp_path) is None and train_labels(None)["loss"][0] == "loss"

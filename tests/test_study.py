@@ -196,9 +196,10 @@ def test_the_interval_is_the_mean_with_students_t_half_width():
     assert interval([0.25, 0.5], seeds=[7, 3])["seeds"] == [7, 3]
 
 
-def _fake_run(run, curve: list[tuple[int, float]], kl: list[float]) -> None:
+def _fake_run(run, curve: list[tuple[int, float]], kl: list[float], samples: int | None = None) -> None:
     run.run_dir.mkdir(parents=True)
-    lines = [{"step": s, "member": "a", "kind": "eval", "dataset": "tiny-add", "accuracy": acc} for s, acc in curve]
+    lines = [{"step": s, "member": "a", "kind": "eval", "dataset": "tiny-add", "accuracy": acc,
+              **({"samples": samples} if samples else {})} for s, acc in curve]
     lines += [{"step": i + 1, "member": "a", "kind": "train", "kl_mean": v, "filtered_frac": 0.5, "sequences": 8,
                "own_sequences": 4} for i, v in enumerate(kl)]
     (run.run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -286,7 +287,7 @@ def test_the_quick_paper_study_writes_the_summary_the_report_and_figures(quick_s
             assert 0.0 <= result["final"]["arith"]["mean"] <= 1.0
     assert summary["figures"] and all((quick_study / f).stat().st_size > 0 for f in summary["figures"])
     report = (quick_study / "report.md").read_text()
-    assert "| size-f-tis | tiny-s | f-tis | vertical | 50 | 1 |" in report
+    assert "| size-f-tis | tiny-s | f-tis | vertical | 50 | 0 |" in report  # its seeds: 0
 
 
 def test_a_study_run_again_skips_its_finished_runs(quick_study, monkeypatch):
@@ -414,7 +415,7 @@ def test_groups_of_several_member_sets_share_one_alone_group_and_make_the_distan
     assert "Paired with the alone group `alone`" in report
     assert "| far-nois | a | 600 | -0.350 [" in report
     # the distance tables: a row per member set by increasing peer KL, a column per method
-    table = report.split("`a` against `alone`, Δ final tiny-add:")[1].split("\n\n")[1].splitlines()
+    table = report.split("`a` against `alone`, Δ final tiny-add, on seeds 0-1:")[1].split("\n\n")[1].splitlines()
     assert table[0] == "| member set | peer KL | nois | tis |"
     assert table[2].startswith("| near | 3 | 0.050 [") and table[3].startswith("| far | 500 | -0.350 [")
 
@@ -521,3 +522,234 @@ def test_a_study_run_with_groups_draws_only_the_figures_it_ran_every_group_of(tm
     drawn = draw_figures(spec, summary, tmp_path / "all")
     assert sorted(p.stem for p in drawn) == ["each-defense", "honest-defenses", "in-context-methods", "inject-methods",
                                              "receiver-attacks"]
+
+
+# ------------------------------------------------------------------------- what the report may claim, and how
+
+
+def _interval(values, seeds, bounds=None):
+    return interval(list(values), list(seeds), bounds)
+
+
+def _summary_group(name, collaboration, finals, seeds, member_set="s", alone=None, method="f-tis", curve=None):
+    """A summary group of one member `m` with one eval set `d`: its final values by seed (AUC and early alike)."""
+    value = _interval(finals, seeds)
+    result = {"final": {"d": value}, "auc": {"d": value}, "early": {"d": value}, "train": {},
+              "curve": {"d": curve} if curve else {}}
+    return {"group": name, "member_set": member_set, "collaboration": collaboration, "method": method, "g": 50.0,
+            "seeds": list(seeds), "alone": alone, "baseline": None, "by_member": {"m": result}}
+
+
+def _report(groups, **extra):
+    from ftis_engine.study import add_paired_differences, report_markdown
+
+    add_paired_differences(groups)
+    return report_markdown({"study": "t", "quick": False, "seeds": [0, 1, 2], "groups": groups, **extra}, [])
+
+
+def test_students_t_p_value_is_005_at_the_95_percent_quantile_and_a_sign_test_without_spread():
+    from ftis_engine.study.aggregate import _T95, t_test_p
+
+    for df in (1, 2, 3, 4, 5, 9, 29):
+        n = df + 1
+        # n values of mean t * s / sqrt(n) and sample sd s = 1: the t statistic is the quantile
+        base = [(-1.0) ** k for k in range(n)] if n % 2 == 0 else [0.0] + [(-1.0) ** k for k in range(n - 1)]
+        mean0 = sum(base) / n
+        sd = math.sqrt(sum((v - mean0) ** 2 for v in base) / (n - 1))
+        values = [(v - mean0) / sd + _T95[df - 1] / math.sqrt(n) for v in base]
+        assert t_test_p(values) == pytest.approx(0.05, abs=2e-4), df
+    assert t_test_p([0.1, -0.1, 0.0]) == pytest.approx(1.0)
+    # every seed the same difference (0.015 - 0.010 on three seeds): no t-test, the sign test's 2 / 2^3
+    assert t_test_p([0.015 - 0.010, 0.010 - 0.005, 0.005]) == 0.25
+    assert t_test_p([0.0, 0.0, 0.0]) == 1.0
+
+
+def test_holm_rejects_step_down_against_alpha_over_the_hypotheses_left():
+    from ftis_engine.study.aggregate import holm
+
+    # m = 4: 0.01 <= 0.05/4, 0.016 <= 0.05/3, 0.03 > 0.05/2: stop there, 0.04 is not rejected either
+    assert holm([0.03, 0.01, 0.04, 0.016]) == [False, True, False, True]
+    assert holm([0.2, 0.001]) == [False, True] and holm([]) == []
+
+
+def test_an_accuracy_interval_is_clipped_at_0_and_1_and_marked_and_all_zero_seeds_are_a_count():
+    from ftis_engine.study.report import _fmt
+    from ftis_engine.study.aggregate import ACCURACY_BOUNDS
+
+    asr = interval([0.0, 0.0, 0.0, 0.05, 0.0], seeds=[0, 1, 2, 3, 4], bounds=ACCURACY_BOUNDS)
+    assert asr["low"] == 0.0 and asr["clipped"] and asr["high"] == pytest.approx(0.01 + 2.776 * 0.02236 / math.sqrt(5),
+                                                                                 rel=1e-3)
+    assert _fmt(asr, bounds=ACCURACY_BOUNDS) == "0.010 [0.000*, 0.038]"
+    high = interval([1.0, 0.9, 1.0], bounds=ACCURACY_BOUNDS)
+    assert high["high"] == 1.0 and high["clipped"] and _fmt(high, bounds=ACCURACY_BOUNDS).endswith("1.000*]")
+    assert "clipped" not in interval([0.4, 0.5, 0.6], bounds=ACCURACY_BOUNDS)
+    # a summary made before aggregate clipped: clipped when shown
+    old = {"mean": 0.01, "low": -0.008, "high": 0.028, "n": 5, "values": [0.0, 0.0, 0.0, 0.05, 0.0]}
+    assert _fmt(old, bounds=ACCURACY_BOUNDS) == "0.010 [0.000*, 0.028]"
+    zeros = {"mean": 0.0, "low": 0.0, "high": 0.0, "n": 5, "values": [0.0] * 5}
+    assert _fmt(zeros, bounds=ACCURACY_BOUNDS, questions=100) == "0 of 500"
+    assert _fmt(zeros, bounds=ACCURACY_BOUNDS) == "0.000 on all 5 seeds"
+    same = {"mean": 0.005, "low": 0.005, "high": 0.005, "n": 3, "values": [0.015 - 0.010, 0.010 - 0.005, 0.005]}
+    assert _fmt(same) == "0.005 on all 3 seeds"
+
+
+def test_absolute_numbers_of_groups_with_other_seeds_are_compared_on_the_seeds_they_share():
+    """The published paper study: size-alone ran seeds 0-5, size-tis 0-2. Over its 6 seeds tiny-s alone ends at
+    0.362, over seeds 0-2 at 0.450: size-tis's 0.427 is below alone on the seeds both have, though above 0.362."""
+    from ftis_engine.study import report_markdown
+
+    summary = json.loads((ROOT / "benchmarks/results/paper_study/summary.json").read_text())
+    report = report_markdown(summary, [])
+    size = report.split("## Member set `size`")[1].split("## Member set")[0]
+    shared, six = size.split("The groups that ran seeds 0-5, on all of them")
+    assert "On seeds 0-2, which every group of this set has" in shared
+    assert "| size-alone | tiny-s | – | alone | – | 0-2 | 0.450 [" in shared
+    assert "| size-tis | tiny-s | tis | vertical | – | 0-2 | 0.427 [" in shared
+    assert "| 0-5 |" not in shared and "| 0-2 | 0.362 [" not in shared
+    assert "| size-alone | tiny-s | – | alone | – | 0-5 | 0.362 [" in six
+    assert "size-tis |" not in six.split("Paired")[0]
+
+
+def test_the_report_counts_the_paired_intervals_that_exclude_0_and_marks_those_holding_under_holm():
+    groups = [_summary_group("alone", "alone", [0.50, 0.60, 0.55], [0, 1, 2]),
+              _summary_group("big", "vertical", [0.80, 0.91, 0.85], [0, 1, 2], method="nois"),  # +0.30 +- 0.005
+              _summary_group("noise", "vertical", [0.60, 0.50, 0.58], [0, 1, 2], method="tis")]
+    report = _report(groups)
+    # 2 groups x (final, AUC, early) = 6 intervals; big's 3 exclude 0, noise's none
+    assert "this report shows 6 paired intervals" in report and "and 3 of them exclude 0" in report
+    assert "6 intervals in this table, 3 exclude 0" in report
+    paired = report.split("Paired with")[1]
+    row = next(line for line in paired.splitlines() if line.startswith("| big | m |"))
+    # p of each of big's cells: t = 0.3033 / (0.0058 / sqrt 3), df 2: about 0.0004 < 0.05 / 6
+    assert row.count("†") == 3 and row.endswith("| 0-2 |")
+    assert "†" not in next(line for line in paired.splitlines() if line.startswith("| noise | m |"))
+
+
+def test_the_report_states_each_eval_sets_size_and_that_intervals_are_over_seeds_on_it():
+    groups = [_summary_group("alone", "alone", [0.5, 0.6, 0.55], [0, 1, 2])]
+    report = _report(groups, eval_questions={"d": 200, "d-asr-inject": 200})
+    assert "over seeds only, on fixed eval sets, the same questions for every seed and group: d 200 questions" in report
+    assert "another draw of 200 questions alone would move an accuracy of 0.5 by about ±0.069" in report
+    assert "their sizes are not recorded" in _report([_summary_group("alone", "alone", [0.5, 0.6], [0, 1])])
+
+
+def test_aggregation_records_each_eval_sets_size_and_each_seeds_curve(tmp_path):
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    group = plan(spec, tmp_path, quick=False)[0]
+    for run, final in zip(group.runs, (0.5, 0.75)):
+        _fake_run(run, [(0, 0.25), (2, final)], [1.0], samples=4)
+    summary = aggregate(spec, [group], quick=False, command="c")
+    assert summary["eval_questions"] == {"tiny-add": 4} and summary["groups"][0]["eval_questions"] == {"tiny-add": 4}
+    curve = summary["groups"][0]["by_member"]["a"]["curve"]["tiny-add"]
+    assert curve["seeds"] == [0, 1] and curve["values"] == [[0.25, 0.25], [0.5, 0.75]]
+
+
+def test_a_figure_draws_groups_of_other_seeds_on_the_seeds_they_share():
+    from ftis_engine.study.report import curve_lines
+
+    def curve(values_by_seed):
+        seeds = list(values_by_seed)
+        values = [[values_by_seed[s][k] for s in seeds] for k in range(2)]
+        means = [sum(v) / len(v) for v in values]
+        return {"steps": [0, 10], "mean": means, "low": means, "high": means, "seeds": seeds, "values": values}
+
+    six = _summary_group("six", "alone", [0.1] * 6, range(6), curve=curve({s: (0.1, 0.1 * s) for s in range(6)}))
+    three = _summary_group("three", "vertical", [0.2] * 3, range(3), curve=curve({s: (0.2, 0.2) for s in range(3)}))
+    lines, note = curve_lines([six, three], "m", "d")
+    assert note == "on seeds 0-2, which every group here has"
+    assert [seeds for _, _, seeds in lines] == [[0, 1, 2], [0, 1, 2]]
+    assert lines[0][1]["mean"] == pytest.approx([0.1, 0.1])  # (0 + 0.1 + 0.2) / 3, not (0 + ... + 0.5) / 6
+    # a summary that kept only the means: each line on its own seeds, said; bands within [0, 1]
+    for g in (six, three):
+        for key in ("seeds", "values"):
+            del g["by_member"]["m"]["curve"]["d"][key]
+    six["by_member"]["m"]["curve"]["d"]["low"] = [-0.1, -0.2]
+    lines, note = curve_lines([six, three], "m", "d")
+    assert note == "lines on different seeds: compare only lines with the same seeds"
+    assert [seeds for _, _, seeds in lines] == [[0, 1, 2, 3, 4, 5], [0, 1, 2]] and lines[0][1]["low"] == [0.0, 0.0]
+
+
+def test_the_distance_figure_names_the_kl_its_groups_measured():
+    from ftis_engine.study.report import kl_measure
+
+    groups = [{"collaboration": "vertical", "kl_estimator": "k3", "kl_reduction": "sum"},
+              {"collaboration": "alone", "kl_estimator": "k1", "kl_reduction": "mean"}]
+    assert kl_measure(groups) == "k3, summed over a completion"
+    groups[1]["collaboration"] = "vertical"
+    assert kl_measure(groups) == "k3, summed over a completion / k1, mean over a completion's tokens"
+
+
+def test_the_code_version_is_this_checkouts_commit_and_unknown_outside_git(tmp_path):
+    import re
+    import subprocess
+
+    from ftis_engine.study.runner import code_version
+
+    code = code_version()
+    inside = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if inside.returncode == 0:
+        assert code["commit"] == inside.stdout.strip() and re.fullmatch(r"[0-9a-f]{40}", code["commit"])
+        assert isinstance(code["dirty"], bool)
+    assert code_version(tmp_path) == {"commit": "unknown", "dirty": None}
+
+
+def test_a_run_reused_from_other_code_is_named_and_the_report_says_so(tmp_path):
+    from ftis_engine.study.plan import NOT_RECORDED, runs_under_other_code
+    from ftis_engine.study.report import _code_line
+    from ftis_engine.study.runner import record_launch
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    runs = plan(spec, tmp_path, quick=False)[0].runs
+    for run in runs:
+        _fake_run(run, [(0, 0.1)], [1.0])  # finished: reused as they are
+    record_launch(runs[0], {"commit": "a" * 40, "dirty": False})
+    assert runs_under_other_code(runs, "a" * 40) == [{"group": "pair-nois", "seed": 1, "commits": [NOT_RECORDED]}]
+    record_launch(runs[1], {"commit": "a" * 40, "dirty": False})
+    assert runs_under_other_code(runs, "a" * 40) == []
+    record_launch(runs[0], {"commit": "b" * 40, "dirty": True})  # resumed under other code: both
+    other = runs_under_other_code(runs, "b" * 40)
+    assert [o["commits"] for o in other] == [["a" * 40, "b" * 40], ["a" * 40]]
+    line = _code_line({"code": {"commit": "b" * 40, "dirty": True}, "other_code": other})
+    assert line.startswith(f"Code: commit {'b' * 40} with uncommitted changes")
+    assert "2 of its runs were made, in whole or in part, under other code" in line and "pair-nois seed 0" in line
+    assert _code_line({}).startswith("Code version: not recorded")
+
+
+def test_a_study_warns_naming_the_runs_it_reuses_from_other_code(tmp_path, monkeypatch, caplog):
+    from ftis_engine.study import runner
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    for group in plan(spec, tmp_path, quick=False):
+        for run in group.runs:
+            _fake_run(run, [(0, 0.1), (2, 0.2)], [1.0])
+            run.config_path.parent.mkdir(parents=True, exist_ok=True)
+            from ftis_engine.config import dump_config
+
+            (run.run_dir / "config.yaml").write_text(dump_config(run.config))
+    monkeypatch.setattr(runner, "code_version", lambda: {"commit": "c" * 40, "dirty": False})
+    monkeypatch.setattr(runner, "check_runs", lambda *args: None)
+    with caplog.at_level("WARNING", logger="ftis_engine"):
+        summary = runner.run_study(spec, tmp_path, progress=False)
+    assert "4 of the study's 4 runs to reuse or resume were made under other code" in caplog.text
+    assert summary["code"] == {"commit": "c" * 40, "dirty": False} and len(summary["other_code"]) == 4
+    assert "4 of its runs were made, in whole or in part, under other code" in (tmp_path / "report.md").read_text()
+
+
+def test_a_report_is_written_again_from_its_summary_with_eval_sizes_from_the_config(tmp_path):
+    from ftis_engine.study.report import rewrite_report
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    groups = plan(spec, tmp_path, quick=False)
+    for group in groups:
+        for run in group.runs:
+            _fake_run(run, [(0, 0.1), (2, 0.2)], [1.0])  # records without samples: a summary from before
+    summary = aggregate(spec, groups, quick=False, command="c")
+    del summary["eval_questions"]
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    before = (tmp_path / "summary.json").read_text()
+    report = rewrite_report(spec, tmp_path, figures=False).read_text()
+    from ftis_engine.tasks import load_task
+
+    size = len(load_task(groups[0].config.data, 0).evals["tiny-add"])
+    assert f"tiny-add {size} questions (sizes from the study's config" in report
+    assert (tmp_path / "summary.json").read_text() == before  # the summary is left as it is

@@ -6,14 +6,17 @@ is a member set, a collaboration and dotted overrides, optionally a `grid` of ov
 group per combination. Layout of the output directory:
 
     runs/<group>/seed-<s>/   a run directory (train's own)     configs/<group>/seed-<s>.yaml   its config
-    logs/<group>-seed-<s>.log its output                       summary.json, report.md, figures/*.png
+    logs/<group>-seed-<s>.log its output                       configs/<group>/seed-<s>.code.jsonl  its code
+    summary.json, report.md, figures/*.png                     (the commit of each launch)
 
 A run is finished when its final_eval.json exists; finished runs are skipped, an interrupted one resumes from its
 newest checkpoint (or starts again when it has none). A finished run whose config differs from the study's is an
-error, never silently reused.
+error, never silently reused; one made under another commit is reused with a warning, and the summary and report
+name it.
 
 The package, by concern: config.py (the schema), plan.py (the runs and their configs), runner.py (the processes),
-aggregate.py (the statistics), report.py (summary.json, report.md, figures).
+aggregate.py (the statistics), report.py (summary.json, report.md, figures), rewrite.py (a finished study's report
+written again from its summary.json).
 """
 
 from __future__ import annotations

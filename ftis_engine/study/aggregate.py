@@ -1,5 +1,8 @@
 """A study's numbers: per group and member, eval curves, final accuracy, AUC and early accuracy with 95% intervals
-over seeds, the training stats, and paired differences seed by seed."""
+over seeds, the training stats, and paired differences seed by seed.
+
+Every interval is over seeds only, on eval sets that are fixed (the same questions for every seed and group): it
+says how much the numbers move from seed to seed, not how much another sample of questions would move them."""
 
 from __future__ import annotations
 
@@ -29,9 +32,17 @@ ATTACK_SUFFIX = "-asr-"
 PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
 
 
-def interval(values: list[float], seeds: list[int] | None = None) -> dict[str, Any]:
+# what an accuracy or an attack success rate can be (a share of the eval questions), and a difference of two
+ACCURACY_BOUNDS = (0.0, 1.0)
+DIFFERENCE_BOUNDS = (-1.0, 1.0)
+
+
+def interval(values: list[float], seeds: list[int] | None = None,
+             bounds: tuple[float, float] | None = None) -> dict[str, Any]:
     """Mean and 95% t-interval over seeds (low = high = mean for one seed); `seeds`, when given, says whose each
-    value is (paired differences match values by seed, never by position)."""
+    value is (paired differences match values by seed, never by position). `bounds`: the values the quantity can
+    take (ACCURACY_BOUNDS for a share of questions); an interval end past one is set on it and the interval marked
+    `clipped` (a t-interval of 0.010 over five seeds can reach below 0, which no accuracy can)."""
     n = len(values)
     mean = sum(values) / n
     out = {"mean": mean, "low": mean, "high": mean, "n": n, "values": values}
@@ -43,7 +54,65 @@ def interval(values: list[float], seeds: list[int] | None = None) -> dict[str, A
         sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
         half = (_T95[n - 2] if n - 1 <= len(_T95) else 1.96) * sd / math.sqrt(n)
         out.update(low=mean - half, high=mean + half)
+    if bounds is not None:
+        clip(out, bounds)
     return out
+
+
+def clip(value: dict[str, Any], bounds: tuple[float, float]) -> dict[str, Any]:
+    """`value` (an interval) with its ends set within `bounds`, marked `clipped` when one moved; in place."""
+    low, high = max(value["low"], bounds[0]), min(value["high"], bounds[1])
+    if (low, high) != (value["low"], value["high"]):
+        value.update(low=low, high=high, clipped=True)
+    return value
+
+
+def all_equal(values: list[float]) -> bool:
+    """Every value the same up to rounding (0.015 - 0.010 and 0.010 - 0.005 are both 0.005 here)."""
+    return all(math.isclose(v, values[0], rel_tol=1e-9, abs_tol=1e-12) for v in values)
+
+
+def t_test_p(values: list[float]) -> float:
+    """Two-sided p-value of Student's one-sample t-test of mean 0 over `values` (n >= 2; the paired differences of
+    one cell): the test whose 95% interval is `interval`'s (p < 0.05 exactly when the interval excludes 0); exact
+    for integer degrees of freedom (Abramowitz & Stegun 26.7.3-4). All values equal (all_equal) leave the t-test
+    undefined: the two-sided sign test's 2 / 2^n then (1 when they are all 0), not the t-statistic's infinity."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"a t-test needs 2 values or more, got {n}")
+    mean = sum(values) / n
+    if all_equal(values):
+        return 1.0 if math.isclose(mean, 0.0, abs_tol=1e-12) else min(1.0, 2.0 / 2**n)
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    t, df = abs(mean) / (sd / math.sqrt(n)), n - 1
+    theta = math.atan(t / math.sqrt(df))
+    cos2 = math.cos(theta) ** 2
+    if df % 2:  # odd: 2/pi (theta + sin(theta) cos(theta) (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...))
+        term, total = 1.0, 1.0 if df > 1 else 0.0
+        for k in range(1, (df - 1) // 2):
+            term *= cos2 * (2 * k) / (2 * k + 1)
+            total += term
+        inside = 2 / math.pi * (theta + math.sin(theta) * math.cos(theta) * total)
+    else:  # even: sin(theta) (1 + 1/2 cos^2 + 1*3/(2*4) cos^4 + ...)
+        term, total = 1.0, 1.0
+        for k in range(1, df // 2):
+            term *= cos2 * (2 * k - 1) / (2 * k)
+            total += term
+        inside = math.sin(theta) * total
+    return min(1.0, max(0.0, 1.0 - inside))
+
+
+def holm(p_values: list[float], alpha: float = 0.05) -> list[bool]:
+    """Holm's step-down correction: which of a family's hypotheses are rejected at family-wise error `alpha` (the
+    k-th smallest p-value against alpha / (m - k + 1), stopping at the first that fails). Valid under any dependence
+    between the tests."""
+    order = sorted(range(len(p_values)), key=p_values.__getitem__)
+    rejected = [False] * len(p_values)
+    for rank, i in enumerate(order):
+        if p_values[i] > alpha / (len(p_values) - rank):
+            break
+        rejected[i] = True
+    return rejected
 
 
 def _curve_area(points: list[tuple[int, float]]) -> float:
@@ -54,17 +123,23 @@ def _curve_area(points: list[tuple[int, float]]) -> float:
     return area / (points[-1][0] - points[0][0])
 
 
-def read_run(run_dir: pathlib.Path) -> tuple[dict, dict]:
-    """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}) of a finished run."""
+def read_run(run_dir: pathlib.Path) -> tuple[dict, dict, dict]:
+    """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}, {dataset: {eval set sizes}})
+    of a finished run; an attack success rate's set is its eval set's size."""
     evals: dict[tuple[str, str], list[tuple[int, float]]] = {}
     train: dict[str, dict[str, list[float]]] = {}
+    sizes: dict[str, set[int]] = {}
     for record in read_metrics(run_dir / "metrics.jsonl"):
         if record["kind"] == "eval":
             evals.setdefault((record["member"], record["dataset"]), []).append((record["step"], record["accuracy"]))
+            if isinstance(record.get("samples"), int):
+                sizes.setdefault(record["dataset"], set()).add(record["samples"])
             for kind, rate in (record.get("attack_success_by") or {}).items():
                 if isinstance(rate, (int, float)):
                     evals.setdefault((record["member"], record["dataset"] + ATTACK_SUFFIX + kind), []).append(
                         (record["step"], rate))
+                    if isinstance(record.get("samples"), int):
+                        sizes.setdefault(record["dataset"] + ATTACK_SUFFIX + kind, set()).add(record["samples"])
         elif record["kind"] == "train":
             stats = train.setdefault(record["member"], {})
             for key in TRAIN_STATS:
@@ -74,7 +149,7 @@ def read_run(run_dir: pathlib.Path) -> tuple[dict, dict]:
             for key, source in PEER_STATS.items():
                 if peers > 0 and isinstance(record.get(source), (int, float)):
                     stats.setdefault(key, []).append(float(record[source]) * record["sequences"] / peers)
-    return {k: sorted(v) for k, v in evals.items()}, train
+    return {k: sorted(v) for k, v in evals.items()}, train, sizes
 
 
 def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str) -> dict:
@@ -95,7 +170,9 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "alone": group.alone, "also_alone": group.also_alone,
             "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
-        per_run = {run.seed: read_run(run.run_dir) for run in finished}
+        read = {run.seed: read_run(run.run_dir) for run in finished}
+        per_run = {seed: (evals, train) for seed, (evals, train, _) in read.items()}
+        entry["eval_questions"] = eval_questions([sizes for _, _, sizes in read.values()])
         for member in entry["members"]:
             result: dict[str, Any] = {"final": {}, "auc": {}, "early": {}, "curve": {}, "train": {}}
             datasets = sorted({d for evals, _ in per_run.values() for (m, d) in evals if m == member})
@@ -106,16 +183,19 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
                 seeds = list(curves)
                 steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves.values())))
                 by_step = [dict(c) for c in curves.values()]
-                result["final"][dataset] = interval([c[-1][1] for c in curves.values()], seeds)
-                result["auc"][dataset] = interval([_curve_area(c) for c in curves.values()], seeds)
+                result["final"][dataset] = interval([c[-1][1] for c in curves.values()], seeds, ACCURACY_BOUNDS)
+                result["auc"][dataset] = interval([_curve_area(c) for c in curves.values()], seeds, ACCURACY_BOUNDS)
                 half = steps[-1] / 2 if steps else 0
                 early_steps = [s for s in steps if 0 < s <= half] or steps[:1]
                 if early_steps:
                     result["early"][dataset] = interval([sum(b[s] for s in early_steps) / len(early_steps)
-                                                         for b in by_step], seeds)
-                points = [interval([b[s] for b in by_step]) for s in steps]
+                                                         for b in by_step], seeds, ACCURACY_BOUNDS)
+                # each step's value per seed too: a figure of groups with other seeds draws the seeds they share
+                values = [[b[s] for b in by_step] for s in steps]
+                points = [interval(v, bounds=ACCURACY_BOUNDS) for v in values]
                 result["curve"][dataset] = {"steps": steps, "mean": [p["mean"] for p in points],
-                                            "low": [p["low"] for p in points], "high": [p["high"] for p in points]}
+                                            "low": [p["low"] for p in points], "high": [p["high"] for p in points],
+                                            "seeds": seeds, "values": values}
             for key in (*TRAIN_STATS, *PEER_STATS):
                 stats = {seed: sum(t[member][key]) / len(t[member][key]) for seed, (_, t) in per_run.items()
                          if member in t and t[member].get(key)}
@@ -125,19 +205,31 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
         out_groups.append(entry)
     add_paired_differences(out_groups)
     return {"study": study.study, "quick": quick, "command": command,
-            "seeds": study.quick.seeds if quick else study.seeds, "groups": out_groups}
+            "seeds": study.quick.seeds if quick else study.seeds, "groups": out_groups,
+            "eval_questions": eval_questions([g["eval_questions"] for g in out_groups])}
+
+
+def eval_questions(sizes: list[dict]) -> dict[str, int | list[int]]:
+    """Eval set -> how many questions it has (the `samples` of its eval records), from the runs' or groups' sizes
+    ({dataset: size, a list of sizes or a set of them}); a list of the sizes seen where runs evaluated it on
+    different numbers of questions (eval.max_samples set in some groups)."""
+    seen: dict[str, set[int]] = {}
+    for by_dataset in sizes:
+        for dataset, size in by_dataset.items():
+            seen.setdefault(dataset, set()).update(size if isinstance(size, (set, list)) else {size})
+    return {d: next(iter(v)) if len(v) == 1 else sorted(v) for d, v in sorted(seen.items())}
 
 
 METRICS = ("final", "auc", "early")
 
 
-def paired_difference(a: dict, b: dict) -> dict[str, Any] | None:
+def paired_difference(a: dict, b: dict, bounds: tuple[float, float] | None = None) -> dict[str, Any] | None:
     """Interval of the per-seed differences a - b over the seeds both have (each interval's `seeds` says whose
     each value is): runs with the same seed share the warm start and the data order, so the paired difference is
-    far less noisy than two separate intervals."""
+    far less noisy than two separate intervals. bounds: as interval's (DIFFERENCE_BOUNDS for two accuracies)."""
     by_seed_b = dict(zip(b["seeds"], b["values"], strict=True))
     pairs = [(s, va - by_seed_b[s]) for s, va in zip(a["seeds"], a["values"], strict=True) if s in by_seed_b]
-    return interval([d for _, d in pairs], [s for s, _ in pairs]) if pairs else None
+    return interval([d for _, d in pairs], [s for s, _ in pairs], bounds) if pairs else None
 
 
 def add_paired_differences(groups: list[dict]) -> None:
@@ -167,6 +259,6 @@ def _member_differences(group: dict, base: dict | None) -> dict[str, dict]:
         ref = base["by_member"].get(member)
         if ref is not None:
             out[member] = {metric: {d: diff for d, v in result[metric].items() if d in ref[metric]
-                                    if (diff := paired_difference(v, ref[metric][d])) is not None}
+                                    if (diff := paired_difference(v, ref[metric][d], DIFFERENCE_BOUNDS)) is not None}
                            for metric in METRICS}
     return out

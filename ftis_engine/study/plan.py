@@ -32,6 +32,11 @@ class Run:
     def finished(self) -> bool:
         return (self.run_dir / "final_eval.json").is_file()
 
+    @property
+    def code_path(self) -> pathlib.Path:
+        """configs/<group>/seed-<s>.code.jsonl: the code version of each launch of the run, a JSON line each."""
+        return self.config_path.with_name(f"{self.config_path.stem}.code.jsonl")
+
 
 @dataclass
 class Group:
@@ -232,3 +237,35 @@ def check_reuse(run: Run) -> None:
         field, before, after = changed[0]
         raise StudyError(f"--output-dir: {run.run_dir} was run with {field}={before!r}, the study now says "
                          f"{after!r}; choose another --output-dir (or delete that run to redo it)")
+
+
+NOT_RECORDED = "not recorded"
+
+
+def launched_under(run: Run) -> list[str]:
+    """The commits the run was launched under, in order (a resumed run has several launches), from its code record;
+    [NOT_RECORDED] when it has none (a run launched before studies recorded it) or the record cannot be read."""
+    import json
+
+    try:
+        lines = run.code_path.read_text(encoding="utf-8").splitlines()
+        commits = [str(json.loads(line)["commit"]) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return [NOT_RECORDED]
+    return list(dict.fromkeys(commits)) or [NOT_RECORDED]
+
+
+def runs_under_other_code(runs: list[Run], commit: str) -> list[dict[str, Any]]:
+    """The runs a study reuses or resumes (a run directory that holds one) that were launched, in whole or in part,
+    under another commit than `commit` or under one not recorded: [{group, seed, commits}]. check_reuse compares
+    configs only; code is not in a config."""
+    from ..rundir import holds_run
+
+    other = []
+    for run in runs:
+        if not holds_run(run.run_dir):
+            continue
+        commits = launched_under(run)
+        if any(c != commit for c in commits):
+            other.append({"group": run.group, "seed": run.seed, "commits": commits})
+    return other

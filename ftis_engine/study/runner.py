@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -22,19 +23,56 @@ from ..preflight import check_before_launch
 from ..tasks import TaskError, load_task
 from .aggregate import aggregate
 from .config import StudyConfig, StudyError
-from .plan import Group, Run, check_reuse, plan
+from .plan import Group, Run, check_reuse, plan, runs_under_other_code
 from .report import write_outputs
+
+log = logging.getLogger("ftis_engine")
+
+
+UNKNOWN = "unknown"
+
+
+def code_version(root: pathlib.Path | None = None) -> dict:
+    """The code a study runs: {"commit": HEAD of the git checkout this package is in (UNKNOWN outside one, as
+    an installed package), "dirty": whether tracked files differ from it or files git does not ignore were added
+    (None when unknown): then the commit does not pin the code}. root: the checkout (default: this package's)."""
+    root = (root or pathlib.Path(__file__).resolve().parents[2]).resolve()
+    unknown = {"commit": UNKNOWN, "dirty": None}
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or pathlib.Path(top).resolve() != root:  # not a checkout, or one this package is only inside
+        return unknown
+    head, status = git("rev-parse", "HEAD"), git("status", "--porcelain")
+    if head is None or status is None:
+        return unknown
+    return {"commit": head, "dirty": bool(status)}
+
+
+def record_launch(run: Run, code: dict) -> None:
+    """Append the code version of this launch to the run's code record (plan.Run.code_path)."""
+    run.code_path.parent.mkdir(parents=True, exist_ok=True)
+    with run.code_path.open("a", encoding="utf-8") as f:
+        f.write(json.dumps({"commit": code["commit"], "dirty": code["dirty"]}) + "\n")
 
 
 class Launcher:
     """Starts each run's train process and can stop them all: a study stopped by Ctrl-C or SIGTERM starts no
     further run and interrupts the ones in flight (they exit as a Ctrl-C'd run does, keeping their newest
-    checkpoint), so none is left running orphaned, holding its run directory."""
+    checkpoint), so none is left running orphaned, holding its run directory. Each launch's code version is
+    recorded beside the run's config (record_launch)."""
 
     GRACE_S = 60.0  # an interrupted run's time to stop cleanly before it is killed
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], code: dict | None = None):
         self.env = env
+        self.code = code or {"commit": UNKNOWN, "dirty": None}
         self._stopping = threading.Event()
         self._running: set[subprocess.Popen] = set()
         self._lock = threading.Lock()
@@ -51,6 +89,7 @@ class Launcher:
         with run.log_path.open("a") as log, self._lock:
             if self._stopping.is_set():
                 return None
+            record_launch(run, self.code)
             log.write(f"$ {' '.join(command)}\n")
             log.flush()
             # its own process group: the terminal's Ctrl-C reaches the study, which stops its runs itself
@@ -119,20 +158,33 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     runs = [run for group in groups for run in group.runs]
     for run in runs:
         check_reuse(run)
+    code = code_version()
+    other = runs_under_other_code(runs, code["commit"])
+    if other:  # a warning, not a refusal: the config is the same, and a run's code is recorded only since this
+        shown = ", ".join(f"{o['group']} seed {o['seed']} ({'/'.join(c[:12] for c in o['commits'])})"
+                          for o in other[:3])
+        log.warning("%d of the study's %d runs to reuse or resume were made under other code than this commit "
+                    "(%s) or under code not recorded: %s%s. Their numbers will mix code versions (summary.json and "
+                    "report.md name them); delete their run directories to redo them on this code.", len(other),
+                    len(runs), code["commit"][:12], shown, ", ..." if len(other) > 3 else "")
     # seed by seed: a study stopped half way has every group at the same number of seeds
     todo = [run for nth in itertools.zip_longest(*(group.runs for group in groups)) for run in nth
             if run is not None and not run.finished]
     check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
     with RunLock(output_dir, kind="study"):
-        return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress, only)
+        return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress, only,
+                    {"code": code, "other_code": other})
 
 
 def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Run], output_dir: pathlib.Path,
-         quick: bool, jobs: int | None, command: str, progress: bool, only: list[str] | None = None) -> dict:
+         quick: bool, jobs: int | None, command: str, progress: bool, only: list[str] | None = None,
+         code: dict | None = None) -> dict:
+    """code: {"code": code_version(), "other_code": runs_under_other_code(...)}, into summary.json."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    launcher = Launcher(dict(os.environ))
+    code = code or {"code": {"commit": UNKNOWN, "dirty": None}, "other_code": []}
+    launcher = Launcher(dict(os.environ), code["code"])
     failed: list[Run] = []
     started = time.perf_counter()
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -152,6 +204,7 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
                 launcher.stop()
                 raise
     summary = aggregate(study, groups, quick=quick, command=command)
+    summary.update(code)
     if only:
         summary["only"] = list(only)
     summary["seconds"] = round(time.perf_counter() - started, 1)
