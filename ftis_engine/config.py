@@ -70,7 +70,18 @@ def safe_path_name(value: str) -> str:
 class LoraSettings(_Section):
     r: int = Field(128, gt=0, description="LoRA rank (the paper: 128).")
     alpha: int = Field(256, gt=0, description="LoRA alpha (the paper: 256).")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="LoRA dropout: 0 only. The trainer's log-probs must be "
+                           "the policy's that generated (dropout runs in training, never in generation: every "
+                           "importance weight and KL would be off), so the engine trains without dropout.")
+
+    @field_validator("dropout")
+    @classmethod
+    def _no_dropout(cls, value: float) -> float:
+        if value != 0.0:
+            raise ValueError(f"{value:g}: the trainer runs without dropout (its log-probs must be those of the policy "
+                             "that generated, which samples without it: dropout would bias every importance weight "
+                             "and KL); set 0")
+        return value
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "v_proj"], min_length=1,
         description="Module names LoRA adapts (the paper: q_proj and v_proj); not the output head, which the fused "
@@ -146,9 +157,10 @@ class MemberSettings(_Section):
                                "away); needs torchao (pip install torchao) and optimizer adamw, or adam without "
                                "weight decay.")
     seed: Seed | None = Field(None, description="Seed for a built-in model's random init (and its warm start); default: "
-                              "run seed + seed_offset.")
+                              "the run seed mixed with seed_offset.")
     seed_offset: int | None = Field(
-        None, ge=0, description="Init seed = run seed + this (default: the member's index). Two members with the same "
+        None, ge=0, description="Init seed = the run seed mixed with this (default: the member's index; mixed, so no "
+                                "member's init at one run seed is another's at the next). Two members with the same "
                                 "model, offset and warm start start as the same weights (twins) at every run seed.")
     vllm: VllmSettings = Field(default_factory=VllmSettings, description="vLLM settings (generator: vllm).")
     warm_start: WarmStartSettings | None = Field(

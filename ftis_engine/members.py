@@ -17,6 +17,7 @@ from .config import ConfigError, MemberSettings, RunConfig
 from .errors import first_line
 from .generation import Generator
 from .models import ModelSpecError, load_model, load_tokenizer
+from .schedule import mix_seed
 
 
 @dataclass
@@ -176,12 +177,29 @@ def check_lora_rank(index: int, lora, model: torch.nn.Module) -> None:
 
 
 def member_init_seed(config: RunConfig, index: int) -> int:
-    """The seed of member `index`'s random init and warm start: its `seed`, else run seed + its `seed_offset`
-    (default: its index)."""
+    """The seed of member `index`'s random init and warm start: its `seed`, else the run seed mixed with its
+    `seed_offset` (default: its index). Mixed, not added: with run seed + index, member 1 at run seed s started
+    from member 0's weights at run seed s + 1, so a study's seeds were not independent replications."""
     settings = config.members[index]
     if settings.seed is not None:
         return settings.seed
-    return config.seed + (settings.seed_offset if settings.seed_offset is not None else index)
+    return mix_seed(config.seed, settings.seed_offset if settings.seed_offset is not None else index)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off in the trainer (its forward runs in train mode, for gradient checkpointing): the loss's log-probs
+    must be those of the policy that generated, and generation runs without dropout; a model whose config sets
+    some (GPT-2 and OPT style: 0.1) would otherwise draw a new mask every forward, biasing every importance weight
+    and KL (TRL's disable_dropout does the same)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):  # HF attention reads it in train mode
+            module.attention_dropout = 0.0
+    for name in ("attention_dropout", "hidden_dropout", "dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop",
+                 "hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if isinstance(getattr(model.config, name, None), float):
+            setattr(model.config, name, 0.0)
 
 
 def check_lora_head(index: int, model) -> None:
@@ -240,6 +258,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         check_warm_start(index, settings, task)
         warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device, dtype)
     layers.fuse(model, layer_mode)
+    disable_dropout(model)
     reference = None
     if trains and config.algorithm.beta > 0 and settings.lora is None:  # the KL penalty's reference: initial weights
         reference = frozen_reference(model, dtype)

@@ -49,3 +49,36 @@ def test_a_lora_adapter_on_the_output_head_is_refused_naming_the_field(targets):
         member(1, f"members.1.lora.target_modules={targets}")
     m, _ = member(1, "members.1.lora.target_modules=[q_proj,v_proj]")  # the body's modules still train
     assert any("lora_B" in name for name, p in m.model.named_parameters() if p.requires_grad)
+
+
+def test_a_model_whose_config_sets_dropout_trains_without_it_so_its_log_probs_are_the_generators(tmp_path):
+    """The trainer's forward runs in train mode (recompute needs it); a config with attention dropout 0.5 would draw
+    a new mask every forward, so two forwards of one batch would disagree with each other and with generation.
+    Dropout is off: they agree exactly."""
+    import transformers
+
+    from ftis_engine.batch import pack
+    from ftis_engine.models import load_tokenizer
+    from ftis_engine.update import batch_loss
+    from ftis_kernels import LossConfig
+
+    from .helpers import random_items
+
+    tokenizer = load_tokenizer("builtin:tiny-s")
+    config = transformers.Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      attention_dropout=0.5, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.pad_token_id)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(str(tmp_path / "m"))
+    tokenizer.save_pretrained(str(tmp_path / "m"))
+    m, _ = member(1, f"members.1.model={tmp_path / 'm'}", "members.1.lora=null", "train.attn_implementation=eager")
+    m.model.train()
+    batch = pack(random_items(m.vocab_size, seed=3))
+    with torch.no_grad():
+        first, second = (batch_loss(m, batch, LossConfig(), "torch").logprobs for _ in range(2))
+    assert torch.equal(first, second)
+
+
+def test_lora_dropout_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match=r"members\.1\.lora\.dropout: .*the trainer runs without dropout"):
+        member(1, "members.1.lora.dropout=0.05")
