@@ -174,10 +174,13 @@ class MetricsLogger:
     under run_dir/tensorboard as `<member>/<kind>/<key>`."""
 
     def __init__(self, run_dir: pathlib.Path, purge_step: int | None = None, tensorboard: bool = True,
-                 shared: bool = False, tensorboard_suffix: str = "", trackers: list | None = None):
+                 shared: bool = False, tensorboard_suffix: str = "", trackers: list | None = None,
+                 tensorboard_subdir: str = ""):
         """shared: several processes append to the same metrics.jsonl (async ranks): each line is written under
         an exclusive lock, so lines never interleave. trackers: wandb / trackio (trackers.py), given the numbers
-        TensorBoard gets, under the same names."""
+        TensorBoard gets, under the same names. tensorboard_subdir: a writer's own folder under tensorboard/
+        (async ranks: TensorBoard applies one file's purge to every file of its folder, so a second rank's purge
+        would drop the first's steps); purge_step: the first step a resumed run logs again (None: a fresh run)."""
         self._trackers = list(trackers or [])
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
@@ -187,8 +190,8 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step,
-                                     filename_suffix=tensorboard_suffix)
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard" / tensorboard_subdir),
+                                     purge_step=purge_step, filename_suffix=tensorboard_suffix)
 
     def log(self, record: dict) -> None:
         record = {k: _clean(v) for k, v in record.items()}

@@ -116,9 +116,10 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         name = config.run_name + (f"-rank{swarm.exchange.rank}" if swarm.independent else "")
         trackers = open_trackers(report_to, run_dir, config.logging.project, name, config.run_name,
                                  config.model_dump(mode="json"), resume=start_step > 0)
-        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else 0, shared=swarm.independent,
+        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None, shared=swarm.independent,
                                tensorboard="tensorboard" in report_to, trackers=trackers,
-                               tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "")
+                               tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "",
+                               tensorboard_subdir=f"rank{swarm.exchange.rank}" if swarm.independent else "")
     if swarm.is_main and start_step:
         for record in resume_records(start_step, swarm.names, dropped):
             logger.log(record)

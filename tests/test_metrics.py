@@ -165,3 +165,33 @@ def test_eval_gives_each_questions_correctness_also_when_a_member_is_sharded(tmp
         sharded = types.SimpleNamespace(tokenizer=member.tokenizer, generator=member.generator, shard=Shard(index))
         got = evaluate_questions(sharded, task, examples, 16)
     assert got == (0.5, None, [True, False] * 3)
+
+
+def _tensorboard_points(run_dir) -> dict[str, int]:
+    """tag -> points, as TensorBoard's Python loader reads run_dir/tensorboard (every run folder under it)."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    events = EventMultiplexer().AddRunsFromDirectory(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {tag: len(events.Scalars(run, tag)) for run, tags in events.Runs().items() for tag in tags["scalars"]}
+
+
+def test_two_async_ranks_writing_tensorboard_keep_both_ranks_steps_fresh_and_on_resume(tmp_path):
+    """Async ranks log their own members to TensorBoard at once. One folder for both made the second writer's
+    purge (step 0 on a fresh run) drop every step of the first as TensorBoard read it; each rank writes a folder of
+    its own, and a fresh run purges nothing. A resume at step 2 drops steps 3 and on, every rank's alike."""
+    from ftis_engine.metrics import MetricsLogger
+
+    def run(purge, steps):
+        loggers = [MetricsLogger(tmp_path, purge_step=purge, shared=True, tensorboard_suffix=f".rank{k}",
+                                 tensorboard_subdir=f"rank{k}") for k in range(2)]
+        for step in steps:
+            for k, logger in enumerate(loggers):
+                logger.log({"step": step, "member": f"m{k}", "kind": "train", "loss": float(step)})
+        for logger in loggers:
+            logger.close()
+
+    run(None, range(1, 5))
+    assert _tensorboard_points(tmp_path) == {"m0/train/loss": 4, "m1/train/loss": 4}
+    run(3, range(3, 6))  # resumed from the checkpoint of step 2: steps 3 and 4 again, then 5
+    assert _tensorboard_points(tmp_path) == {"m0/train/loss": 5, "m1/train/loss": 5}
