@@ -12,7 +12,7 @@ import json
 import pathlib
 import sys
 
-from ftis_engine.study.aggregate import interval
+from ftis_engine.study.aggregate import ACCURACY_BOUNDS, clip, interval
 
 RECEIVER = "receiver"
 DATASET = "arith"
@@ -24,7 +24,13 @@ def _ci(value: dict | None, digits: int = 3) -> str:
         return "-"
     if value["n"] < 2:
         return f"{value['mean']:.{digits}f}"
-    return f"{value['mean']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]"
+    mark = "*" if value.get("clipped") else ""  # an end set on the quantity's bound (a share: 0 or 1)
+    return f"{value['mean']:.{digits}f} [{value['low']:.{digits}f}, {value['high']:.{digits}f}]{mark}"
+
+
+def _share(value: dict | None) -> dict | None:
+    """A share of questions' interval (accuracy, attack success) within [0, 1], marked where clipped."""
+    return value if value is None or value["n"] < 2 else clip(dict(value), ACCURACY_BOUNDS)
 
 
 def _paired(groups: dict[str, dict], group: dict, base: str, dataset: str) -> dict | None:
@@ -50,11 +56,11 @@ def rows(summary: dict) -> list[dict]:
             continue
         t = r.get("train", {})
         row = {"group": name, "method": g["method"], "seeds": len(g["seeds"]),
-               "accuracy": r["final"].get(DATASET), "accuracy_ood": r["final"].get(f"{DATASET}-ood"),
+               "accuracy": _share(r["final"].get(DATASET)), "accuracy_ood": _share(r["final"].get(f"{DATASET}-ood")),
                "vs_honest": _paired(groups, g, "honest", DATASET),
                "vs_honest_ood": _paired(groups, g, "honest", f"{DATASET}-ood")}
         for kind in PAYLOADS:
-            row[f"asr_{kind}"] = r["final"].get(f"{DATASET}-asr-{kind}")
+            row[f"asr_{kind}"] = _share(r["final"].get(f"{DATASET}-asr-{kind}"))
             row[f"asr_auc_{kind}"] = r["auc"].get(f"{DATASET}-asr-{kind}")
         for key in ("peer_filtered_frac", "peer_sequences", "likelihood_dropped", "quarantined", "length_dropped",
                     "share_capped", "rejected_batches", "is_weight_mean", "screen_seconds", "train_seconds"):

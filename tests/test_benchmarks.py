@@ -144,3 +144,13 @@ def test_adversary_summary_pairs_the_receiver_with_the_honest_swarm_seed_by_seed
     assert rows["inject"]["vs_honest"]["values"] == pytest.approx([-0.1, 0.0, 0.2])
     assert rows["inject"]["asr_inject"]["mean"] == 0.5 and rows["honest"]["vs_honest"] is None
     assert "| inject | f-tis | 4 |" in text and (tmp_path / "attack_success.png").stat().st_size > 0
+
+
+def test_adversary_summary_keeps_shares_of_questions_within_0_and_1():
+    """An accuracy or attack-success interval reaching past 0 or 1 (a t-interval over few seeds) is set on the bound
+    and marked: 0.010 [-0.008, 0.028] is no share of questions."""
+    near_zero = {"mean": 0.01, "low": -0.008, "high": 0.028, "n": 5, "values": [0, 0, 0, 0, 0.05], "seeds": [0, 1, 2, 3, 4]}
+    shown = adversary_summary._ci(adversary_summary._share(near_zero))
+    assert shown == "0.010 [0.000, 0.028]*" and near_zero["low"] == -0.008  # the study's summary is left as it is
+    one_seed = {"mean": 0.5, "low": 0.5, "high": 0.5, "n": 1}
+    assert adversary_summary._share(one_seed) is one_seed
