@@ -34,11 +34,23 @@ from .session import Swarm
 log = logging.getLogger("ftis_engine")
 
 
-def flatten_weights(model, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+def flatten_weights(model, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                    keep: bool = True) -> torch.Tensor | None:
     """The trainable parameters as one flat buffer: float32 as int32 words for the links (bf16 and fp16 widen
     exactly), or `dtype` on `device` for a weight broadcast; a sharded model's gathered one parameter at a time
-    (every shard calls it)."""
-    flat = torch.cat([full(p.detach()).to(device=device, dtype=dtype).flatten() for p in trainable_parameters(model)])
+    (every shard calls it). keep=False (a shard that does not push): gathered without keeping, None returned,
+    instead of a whole copy of the model made and thrown away at every push. The buffer is filled in place, one
+    parameter at a time: no list of copies beside it."""
+    params = trainable_parameters(model)
+    flat = torch.empty(sum(p.numel() for p in params), dtype=dtype, device=device) if keep else None
+    offset = 0
+    for p in params:
+        value = full(p.detach())  # every shard takes part in the gather
+        if flat is not None:
+            flat[offset : offset + value.numel()].copy_(value.flatten())
+        offset += value.numel()
+    if flat is None:
+        return None
     return flat.view(torch.int32) if dtype == torch.float32 else flat
 
 

@@ -247,7 +247,8 @@ def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
     """Every members.N.weight_sync_every steps, queue the member's new weights (version `step`) to its samplers."""
     settings = swarm.config.members[member.index]
     if settings.samplers and step % settings.weight_sync_every == 0 and step < swarm.config.train.steps:
-        # a sharded member: gathered by every shard, pushed by its leader; a broadcast takes its dtype and device
-        flat = flatten_weights(member.model, *swarm.exchange.weights_format())
+        # a sharded member: gathered by every shard, kept and pushed by its leader alone; a broadcast takes its
+        # dtype and device
+        flat = flatten_weights(member.model, *swarm.exchange.weights_format(), keep=member.leads)
         if member.leads:
             swarm.exchange.push_weights(sampler_endpoints(swarm.config, member.index), flat, step)

@@ -55,3 +55,19 @@ def test_a_bf16_push_loads_as_the_learners_weights_rounded_to_bf16():
     pairs = list(zip(trainable_parameters(learner.model), trainable_parameters(sampler.model)))
     assert all(torch.equal(a.to(torch.bfloat16).float(), b) for a, b in pairs)
     assert not all(torch.equal(a, b) for a, b in pairs)  # rounded, not copied
+
+
+def test_a_shard_that_does_not_push_gathers_every_parameter_and_keeps_nothing(monkeypatch):
+    """Every shard of a sharded member takes part in each parameter's gather (a collective); only its leader, which
+    pushes, keeps the flat buffer: the others made a whole float32 copy of the model at every push and threw it
+    away."""
+    from ftis_engine import samplers
+
+    learner, _ = member(0)
+    gathered = []
+    monkeypatch.setattr(samplers, "full", lambda tensor: gathered.append(tensor.numel()) or tensor)
+    assert samplers.flatten_weights(learner.model, keep=False) is None
+    params = [p.numel() for p in trainable_parameters(learner.model)]
+    assert gathered == params
+    gathered.clear()
+    assert samplers.flatten_weights(learner.model).numel() == sum(params) and gathered == params
