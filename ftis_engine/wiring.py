@@ -54,20 +54,18 @@ def connect_local(config: RunConfig, evaluating: bool = False, join: str | None 
 
 
 def round_store(rank: int, world: int, timeout: datetime.timedelta):
-    """The rendezvous store under a prefix unique to this launch and restart round. Under the elastic agent
-    (torchrun, --nproc) the agent hosts a new store every rendezvous round: its run id is prefix enough, and the
-    restart count must stay out of it, since each node's agent keeps its own (a node whose workers were restarted
-    because another node's failed still counts 0) and ranks of one round would wait under different prefixes.
-    Without the agent, one store may outlive a restart: the count keeps a rank from reading the address a dead rank
-    published in the round before."""
+    """The rendezvous store under a prefix unique to this launch and restart round. torch's env:// default keys
+    every round alike, and the agent's store outlives a restart, so after an elastic restart a rank could read the
+    address a dead rank published in the previous round and fail to connect (tests/test_placement's kill -9 runs
+    do, without the count). Known limit: each node's agent counts its own restarts (a node restarted because
+    another node's worker failed still counts 0), so under torchrun across nodes a restart meets under different
+    prefixes and times out; restart every node's job instead (docs/distributed.md)."""
     from torch.distributed import PrefixStore, TCPStore
 
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it (torchrun, --nproc)
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                      is_master=rank == 0 and not agent_store, timeout=timeout)
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "manual")
-    if agent_store:
-        return PrefixStore(f"ftis/{run_id}", store)
     return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 

@@ -49,33 +49,6 @@ def test_a_half_set_torchrun_environment_is_one_line_naming_the_variable(env, me
     check_rank_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
 
 
-def test_under_the_elastic_agent_the_store_prefix_holds_no_restart_count(monkeypatch):
-    """Each node's agent counts its own restarts (a node restarted because another failed counts 0): a prefix with
-    the count would put the ranks of one round under different keys, each waiting for the others until the
-    time-out. The agent's store is new every round, so the run id is prefix enough; without the agent, the count
-    stays in (one store may outlive a restart)."""
-    import datetime
-
-    import torch.distributed
-
-    from ftis_engine import wiring
-
-    made = []
-    monkeypatch.setattr(torch.distributed, "TCPStore", lambda *args, **kwargs: "store")
-    monkeypatch.setattr(torch.distributed, "PrefixStore", lambda prefix, store: made.append(prefix) or prefix)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
-    prefixes = []
-    for count in ("0", "1"):
-        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
-        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-        prefixes.append(wiring.round_store(0, 2, datetime.timedelta(seconds=1)))
-    assert prefixes == ["ftis/job", "ftis/job"]
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
-    assert wiring.round_store(0, 2, datetime.timedelta(seconds=1)) == "ftis/job/round-1"
-
-
 def test_a_restart_on_any_rank_is_a_restart_on_every_rank():
     """The ranks of a node restarted for another node's failure see a count of 0: all take the restart's path
     (resume, no fresh-run check), so open_run's collectives line up."""
