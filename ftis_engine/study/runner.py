@@ -194,10 +194,10 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
             futures = {pool.submit(launcher, run): run for run in todo}
             try:
                 for future in as_completed(futures):
-                    run, code = futures[future], future.result()
-                    if code != 0 or not run.finished:
+                    run, exit_code = futures[future], future.result()
+                    if exit_code != 0 or not run.finished:
                         failed.append(run)
-                        bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {code}): "
+                        bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {exit_code}): "
                                           f"{run.log_path}")
                     bar.advance(task)
             except BaseException:  # Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt): stop every run
