@@ -240,12 +240,15 @@ def test_a_sampler_of_a_member_on_two_ranks_streams_over_the_links_where_endpoin
 
 
 def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_lost_peer(tmp_path):
-    results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={0: "handler-error"})
+    # max_lead 0 and 8 steps: rank 1 needs rank 0's steps to go on, so it cannot finish before rank 0 is gone
+    # (with the default lead of 2 and 4 steps, a fast rank 1 could end its run first, and exit 0)
+    results = _launch_timed(2, _args(tmp_path, "train.steps=8", *ASYNC, "swarm.max_lead=0"),
+                            modes={0: "handler-error"})
     code, err, _ = results[0]
     assert code == 1 and ("error: rank 0 failed in the exchange: TransportError: rank 0: receiving from peer rank 1 "
                           "failed: ValueError: injected fault in deliver") in err, err
     assert "lost contact" not in err and "Traceback" in err  # the cause's traceback follows the one line
-    assert results[1][0] != 0  # the other rank stops too (its peer is gone)
+    assert results[1][0] != 0, results[1][1][-3000:]  # the other rank stops too (its peer is gone)
 
 
 def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path, capsys):
