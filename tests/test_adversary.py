@@ -100,8 +100,8 @@ def test_the_claims_check_refuses_every_forged_parcel_and_no_honest_one(tmp_path
 def test_a_long_adversary_fills_its_completions_to_the_limit_with_honest_claims(tmp_path):
     """kind long: every completion of tiny-m-lora runs to rollout.max_new_tokens (its end of sequence suppressed,
     as part of its sampler: the claims check passes them), where an honest tiny-m-lora stops earlier on average."""
-    # a random tiny model rarely ends a sequence: both runs take an init (members.1.seed) whose honest completions
-    # do end before 12 tokens on average, the contrast the test needs
+    # a random tiny model rarely ends a sequence: both runs take the tiny default's pinned init of tiny-m-lora
+    # (members.1.seed=1), whose honest completions do end before 12 tokens on average, the contrast the test needs
     same = ("rollout.max_new_tokens=12", "members.1.seed=1")
     honest = _run(tmp_path, "honest", *same)
     long = _run(tmp_path, "long", *same, "members.1.adversary.kind=long")
