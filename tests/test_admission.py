@@ -293,6 +293,18 @@ def test_each_peer_gets_its_share_before_a_fast_peer_fills_the_budget(tmp_path):
     assert got.staleness == [2] * 8 + [-2] * 8 and got.waiting == 16
 
 
+def test_a_budget_tighter_than_the_shares_goes_to_the_freshest_sender_not_the_lowest_numbered(tmp_path):
+    """swarm.max_peer_sequences of one group: peer 1 offers a version-0 group, peer 2 a version-2 one; the budget
+    takes the freshest (SPEC 3b), whatever the senders' numbers (the round-robin visited peer 1 first)."""
+    config = tmp_path / "three.yaml"
+    config.write_text(TINY.read_text().replace(
+        "algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:"))
+    admission = _admission(config=load_config(config, [*SHORT, "rollout.prompts_per_step=6", "swarm.mode=async",
+                                                            "train.steps=100", "swarm.max_peer_sequences=4"]))
+    got = admission.receive([_parcel(admission, 1, 1), _parcel(admission, 2, 3)], step=3)
+    assert {(r.member, r.policy_version) for r in got.rollouts} == {(2, 2)} and len(got.rollouts) == 4
+
+
 def test_at_most_max_staleness_plus_one_budgets_wait():
     admission = _admission("swarm.max_staleness=2")
     got = admission.receive([_parcel(admission, 1, s) for s in range(3, 10)], step=4)  # a peer far ahead

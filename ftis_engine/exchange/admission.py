@@ -331,7 +331,9 @@ class Admission:
 
     def _choose(self, fresh: list[Group], budget: int) -> list[Group]:
         """At most `budget` sequences of whole groups: round-robin over the senders, each up to its share of a
-        step, freshest first; then the freshest of the rest."""
+        step, freshest first (each pass visits the senders by the freshness of their next group, so a budget that
+        runs out mid-pass goes to the freshest, not to the lowest endpoint number); then the freshest of the
+        rest."""
         shares = self.shares
         queues: dict[int, list[Group]] = defaultdict(list)
         for g in sorted(fresh, key=lambda g: (-g.version, g.order)):
@@ -341,7 +343,8 @@ class Admission:
         added = True
         while added:
             added = False
-            for sender in sorted(queues):
+            for sender in sorted((s for s in queues if queues[s]), key=lambda s: (-queues[s][0].version,
+                                                                                   queues[s][0].order)):
                 queue = queues[sender]
                 if queue and per_sender[sender] + queue[0].size <= shares.get(sender, 0) \
                         and total + queue[0].size <= budget:
