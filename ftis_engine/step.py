@@ -110,7 +110,7 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
             mine = {prompts[k]: mine[prompts[k]] for k in shard.share(len(prompts))}
         seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
         watch, pushed = watches[member.index], member.generator.push_seconds
-        with watch("gen_seconds"), member.generator.awake():
+        with watch("gen_seconds"), member.generator.awake(), diverging(swarm, member, step):
             own[member.index] = sample.generate_rollouts(swarm, member, mine, learner_version(step), seed)
             memory[member.index].note()  # the engine is awake: its weights and KV cache are on the GPU
             return_freed_memory()  # generation's KV cache

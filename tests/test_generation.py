@@ -105,6 +105,42 @@ def test_a_models_shipped_sampling_defaults_do_not_leak_into_the_recorded_distri
     assert len({tuple(c.token_ids.tolist()) for c in completions}) > 1  # sampled, not greedy
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_diverged_models_logits_end_generation_with_a_non_finite_error_not_the_samplers_traceback(value):
+    """A diverged model's logits (NaN; +inf, or -inf for every token, from huge finite weights) made multinomial
+    raise its own RuntimeError ("probability tensor contains either inf, nan or element < 0"; a device-side assert
+    on a GPU). Generation now ends with NonFiniteInputError, which the step turns into the divergence advice."""
+    from ftis_kernels import NonFiniteInputError
+
+    m, _ = member(0)
+
+    def diverged(module, inputs, logits):
+        logits = logits.clone()
+        if value == -float("inf"):
+            logits[0, -1, :] = value
+        else:
+            logits[0, -1, 3] = value
+        return logits
+
+    m.body_and_head()[1].register_forward_hook(diverged)
+    with pytest.raises(NonFiniteInputError, match="logits held NaN or \\+inf in generation"):
+        m.generator.generate([[5, 6], [7]], SamplingSettings(n=2, max_new_tokens=3, seed=0))
+
+
+def test_the_recorder_samples_a_non_finite_row_from_zeros_and_leaves_the_others_alone():
+    from ftis_engine.generation.hf import _SampledLogprobRecorder
+
+    recorder = _SampledLogprobRecorder()
+    inf = float("inf")
+    scores = torch.tensor([[0.5, -inf, 2.0], [float("nan"), 1.0, 0.0], [inf, 0.0, 0.0], [-inf, -inf, -inf]])
+    out = recorder(torch.zeros(4, 1, dtype=torch.long), scores.clone())
+    assert torch.equal(out[0], scores[0]) and torch.equal(out[1:], torch.zeros(3, 3))
+    assert bool(recorder.nonfinite)
+    recorder = _SampledLogprobRecorder()
+    recorder(torch.zeros(1, 1, dtype=torch.long), scores[:1].clone())  # -inf alone is a masked token, not divergence
+    assert not bool(recorder.nonfinite)
+
+
 def test_a_failed_generation_leaves_the_model_in_the_mode_it_found_it():
     m, _ = member(0)
     m.model.train()

@@ -129,3 +129,17 @@ def test_a_model_that_went_nan_before_its_update_stops_the_step_with_the_diverge
                                               r"became NaN or inf .*no checkpoint was written before it"):
         step_module.run_step(swarm, 1)
     swarm.close()
+
+
+def test_a_model_that_went_nan_before_it_generated_stops_the_step_with_the_divergence_advice(tmp_path):
+    """Member 0's weights are NaN when its step begins: generation's sampler used to end in multinomial's traceback
+    ("probability tensor contains either inf, nan or element < 0"); it is the one-line DivergenceError now."""
+    from ftis_engine.update import DivergenceError
+
+    swarm, _ = open_run(short_config(), tmp_path / "run")
+    with torch.no_grad():
+        swarm.members[0].model.get_input_embeddings().weight.fill_(float("nan"))
+    with pytest.raises(DivergenceError, match=r"^step 1: members\.0 \(tiny-s\) diverged: .*logits held NaN or \+inf "
+                                              r"in generation.*no checkpoint was written before it"):
+        step_module.run_step(swarm, 1)
+    swarm.close()

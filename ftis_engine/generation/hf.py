@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from ftis_kernels import NonFiniteInputError
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -25,9 +26,17 @@ class _SampledLogprobRecorder(LogitsProcessor):
     def __init__(self) -> None:
         self.previous: torch.Tensor | None = None
         self.logprobs: list[torch.Tensor] = []
+        self.nonfinite: torch.Tensor | None = None  # a row's scores held NaN or +inf (a diverged model)
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.collect(input_ids[:, -1])
+        # a diverged model's logits (NaN; +inf, or -inf for every token, from huge finite weights) would end in the sampler's own error
+        # (multinomial's traceback on the CPU, a device-side assert on a GPU): such rows sample from zeros instead
+        # and the caller raises once generation ends (one flag on the device, no host sync per token)
+        bad = (torch.isnan(scores) | torch.isposinf(scores)).any(dim=-1, keepdim=True) | \
+            torch.isneginf(scores).all(dim=-1, keepdim=True)
+        self.nonfinite = bad.any() if self.nonfinite is None else self.nonfinite | bad.any()
+        scores = torch.where(bad, torch.zeros_like(scores), scores)
         self.previous = torch.log_softmax(scores.float(), dim=-1)
         return scores
 
@@ -129,6 +138,8 @@ class HFGenerator:
                     generation_config=self._clean_config(sampling.max_new_tokens, do_sample=True),
                     logits_processor=LogitsProcessorList(chain + [recorder]),
                 )
+                if recorder.nonfinite is not None and bool(recorder.nonfinite):
+                    raise NonFiniteInputError("its logits held NaN or +inf in generation")
                 new_tokens = out[:, ids.shape[1] :]
                 recorder.collect(new_tokens[:, -1])
                 logprobs = torch.stack(recorder.logprobs, dim=1)
