@@ -8,11 +8,13 @@ rank and each resumes from the newest complete checkpoint that all ranks have.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pathlib
 import sys
+import tempfile
 import uuid
 
 import torch
@@ -26,6 +28,10 @@ log = logging.getLogger("ftis_engine.launch")
 CONFIG_ERROR_EXIT = 2
 INTERRUPTED = 130  # the shell's code for Ctrl-C: the launcher was interrupted (its workers stopped)
 DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printed which, and at which step)
+# A failure a restart cannot mend (a config error, a divergence: a resume replays the same steps to the same NaN):
+# the worker writes its exit code to this file (set by the launcher), and the agent's restarts, which cannot tell
+# exit codes apart, end at once with it instead of resuming and failing again (swarm.max_restarts times).
+FINAL_EXIT_ENV = "FTIS_FINAL_EXIT_FILE"
 
 
 def any_rank(collectives, flag: bool) -> bool:
@@ -109,6 +115,8 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=config.swarm.max_restarts,
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
+    final = pathlib.Path(tempfile.gettempdir()) / f"{launch.run_id}.final-exit"  # see FINAL_EXIT_ENV
+    os.environ[FINAL_EXIT_ENV] = str(final)  # the workers inherit it
     try:
         elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
@@ -131,6 +139,9 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         sys.stderr.write(f"error: swarm stopped{tried}: {'; '.join(parts)} (a rank that lost its peer says so above); "
                          "the newest complete checkpoint is intact, continue with --resume\n")
         return 1
+    finally:
+        os.environ.pop(FINAL_EXIT_ENV, None)
+        final.unlink(missing_ok=True)
     return 0
 
 
@@ -154,6 +165,22 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    final = os.environ.get(FINAL_EXIT_ENV)
+    if restarted and final:
+        try:
+            code = int(pathlib.Path(final).read_text())
+        except (OSError, ValueError):
+            code = None
+        if code is not None:
+            os._exit(code)  # a failure no restart mends happened: its rank said what, once
+
+    def stop(code: int) -> None:
+        if final:
+            with contextlib.suppress(OSError):
+                pathlib.Path(final).write_text(str(code))
+        sys.stderr.flush()
+        os._exit(code)
+
     exchange = None
     try:
         config = validate_config(config_data)
@@ -192,17 +219,14 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
             run_sampler(swarm, start_step)
     except JoinRefused as exc:
         sys.stderr.write(f"error: --join: the coordinator refused {config_data['members'][0]['name']}: {exc}\n")
-        sys.stderr.flush()
-        os._exit(CONFIG_ERROR_EXIT)
+        stop(CONFIG_ERROR_EXIT)
     except DivergenceError as exc:
         sys.stderr.write(f"error: {exc}\n")
-        sys.stderr.flush()
-        os._exit(DIVERGED_EXIT)
+        stop(DIVERGED_EXIT)
     except (ConfigError, TaskError) as exc:
         if rank == 0 or not isinstance(exc, AgreedError):
             sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
-        sys.stderr.flush()
-        os._exit(CONFIG_ERROR_EXIT)
+        stop(CONFIG_ERROR_EXIT)
     except Exception as exc:  # a dead or hung peer surfaces here as a collective's error or timeout
         if isinstance(exc, TransportError):  # the exchange's own failure, with its cause
             what = "failed in the exchange"

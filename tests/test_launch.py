@@ -3,6 +3,9 @@ failure is told for what it is. The runs themselves: tests/test_swarm.py and tes
 
 from __future__ import annotations
 
+import pathlib
+import tempfile
+
 import pytest
 
 from ftis_engine.config import ConfigError
@@ -59,3 +62,26 @@ def test_a_restart_on_any_rank_is_a_restart_on_every_rank():
     collectives = types.SimpleNamespace(all_gather_object=lambda flag: [False, flag, True])
     assert any_rank(collectives, False) is True
     assert any_rank(types.SimpleNamespace(all_gather_object=lambda flag: [flag, False]), False) is False
+
+
+def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path):
+    """The elastic agent restarts on any failure: with swarm.max_restarts 2 a member whose step 1 blows its weights up
+    (lr 1e30) resumed and diverged again, twice, printing its error three times (and, on a GPU, replaying every step
+    since the checkpoint each time). A failure no restart mends ends the swarm at the first: one line, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    from .helpers import SHORT, TINY
+
+    leftovers = set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit"))
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
+    for o in [*SHORT, "run_name=swarm", "eval.every=0", "members.0.lr=1e30"]:
+        args += ["--set", o]
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "2"],
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"},
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
+    assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher removed its file
