@@ -61,9 +61,17 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
 def save_checkpoint(swarm: Swarm, step: int) -> None:
     cfg = swarm.config.checkpoint
     state = {"members": swarm.names, "config": swarm.config.model_dump(mode="json")}  # resume's record of the run
-    # a receiver's defenses that keep state across steps (the claims monitor's tests) go on after a resume
-    extras = {m.name: {"screen.json": swarm.receivers[m.index].screen.state()} for m in swarm.members
-              if m.index in swarm.receivers and swarm.receivers[m.index].screen.defense.claims_monitor}
+    # a receiver's defenses that keep state across steps (the claims monitor's tests, the length guard's own
+    # lengths) go on after a resume
+    defense, extras = swarm.config.defense, {}
+    for m in swarm.members:
+        receiver, files = swarm.receivers.get(m.index), {}
+        if receiver is not None and defense.claims_monitor:
+            files["screen.json"] = receiver.screen.state()
+        if receiver is not None and defense.max_length_ratio is not None:
+            files["admission.json"] = receiver.state()
+        if files:
+            extras[m.name] = files
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer, extras)
     if swarm.independent:  # no barrier: whoever stages step N last completes it
         finalize_when_staged(swarm.run_dir, step, state, cfg.keep_last)

@@ -218,20 +218,30 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
 
 
 def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path, config: RunConfig) -> None:
-    """A resumed member's receiver goes on with the claims monitor's tests its checkpoint holds (screen.json); one
-    that holds none (written before the monitor's state was kept) starts them afresh, warned."""
+    """A resumed member's receiver goes on with the claims monitor's tests (screen.json) and the length guard's own
+    lengths (admission.json) its checkpoint holds; one that holds none (written before that state was kept) starts
+    afresh, warned."""
     import json
 
     for member in members:
-        file = member_dir(source, member.name) / "screen.json"
-        if file.is_file():
-            try:
-                receivers[member.index].screen.load_state(json.loads(file.read_text()), str(file))
-            except ValueError as exc:  # json's errors are ValueErrors too
-                raise RunDirError(f"--resume: {first_line(exc)}") from None
-        elif config.defense.claims_monitor:
-            log.warning("%s: %s holds no claims-monitor state (written before it was kept); every peer's test "
-                        "starts afresh", member.name, source)
+        receiver = receivers[member.index]
+        for name, target, on, what in (
+                ("screen.json", receiver.screen, config.defense.claims_monitor,
+                 "claims-monitor state (written before it was kept); every peer's test starts afresh"),
+                ("admission.json", receiver, config.defense.max_length_ratio is not None,
+                 "length-guard state (written before it was kept); its own lengths start afresh")):
+            file = member_dir(source, member.name) / name
+            if file.is_file():
+                try:
+                    state = json.loads(file.read_text())
+                except (OSError, ValueError) as exc:  # json's errors are ValueErrors too
+                    raise RunDirError(f"--resume: {file}: {first_line(exc)}") from None
+                try:
+                    target.load_state(state, str(file))
+                except ValueError as exc:
+                    raise RunDirError(f"--resume: {first_line(exc)}") from None
+            elif on:
+                log.warning("%s: %s holds no %s", member.name, source, what)
 
 
 def finish_member(member: Member, config: RunConfig, longest_prompt: int, source: pathlib.Path | None, what: str,

@@ -413,6 +413,43 @@ def test_claims_no_sampler_can_make_are_refused_naming_what_is_wrong():
     assert implausible_claims([_claimed(0, [1], [0.0]), _claimed(1, [2], [0.0])], 50) is None
 
 
+def test_the_length_guards_own_lengths_go_into_the_checkpoint_and_a_resume_measures_against_them(tmp_path, caplog):
+    """defense.max_length_ratio measures peers against the median of the receiver's recent own lengths: a resume
+    started that history empty (one step's lengths after it), so an interrupted run could admit what an
+    uninterrupted one left out. The checkpoint holds it (admission.json); a resume loads it; one written without it
+    warns; a malformed one stops the resume with one line naming the file."""
+    import json
+
+    from ftis_engine.run import train
+    from ftis_engine.rundir import RunDirError
+    from ftis_engine.session import open_run
+
+    size = ("rollout.max_new_tokens=6", "eval.every=0", "eval.at_start=false", "checkpoint.every=2",
+            "defense.max_length_ratio=1.5")
+    swarm, start = open_run(short_config("train.steps=2", *size), tmp_path / "run")
+    train(swarm, start)
+    kept = {i: r.state() for i, r in swarm.receivers.items()}
+    assert all(len(state["own_lengths"]) > 0 for state in kept.values())
+    file = tmp_path / "run/checkpoints/step-2/members/tiny-s/admission.json"
+    assert json.loads(file.read_text()) == kept[0]
+    swarm, start = open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    assert start == 2 and {i: r.state() for i, r in swarm.receivers.items()} == kept
+    assert not any("length-guard state" in r.getMessage() for r in caplog.records)
+    saved = file.read_text()
+    file.unlink()  # as a checkpoint written before the state was kept
+    open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    assert any("holds no length-guard state" in r.getMessage() for r in caplog.records)
+    for bad in ('{"own_lengths": [3, -1]}', '{"own_lengths": "3"}', "[]", "{"):
+        file.write_text(bad)
+        with pytest.raises(RunDirError, match=r"^--resume: .*step-2/members/tiny-s/admission.json"):
+            open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    file.write_text(saved)
+    plain = tmp_path / "plain"  # without the guard nothing is written
+    swarm, start = open_run(short_config("train.steps=2", *size[:-1]), plain)
+    train(swarm, start)
+    assert not list(plain.glob("checkpoints/step-2/members/*/admission.json"))
+
+
 def test_max_length_ratio_leaves_out_a_peers_groups_far_longer_than_the_receivers_own():
     """The receiver's own completions have 3 tokens; a peer's honest 3-token groups pass a ratio of 1.5 and its
     8-token groups (the `long` attack) are left out whole, counted per peer; without the guard all pass."""

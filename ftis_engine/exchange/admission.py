@@ -158,6 +158,21 @@ class Admission:
         """Each sender's share of a step (the round-robin's first pass)."""
         return {rank: self.schedule.step_sequences(rank) for rank in self.schedule.senders(self.receiver)}
 
+    def state(self) -> dict:
+        """The length guard's recent own lengths (defense.max_length_ratio), for the member's checkpoint (JSON): a
+        resumed receiver measures its peers against the median an uninterrupted run would (bit-exact resumes)."""
+        return {"own_lengths": list(self._own_lengths)}
+
+    def load_state(self, state: object, where: str) -> None:
+        """Go on with a checkpoint's state(); a malformed one raises ValueError naming `where`."""
+        lengths = state.get("own_lengths") if isinstance(state, dict) else None
+        if not (isinstance(lengths, list) and len(lengths) <= OWN_LENGTHS
+                and all(type(n) is int and n >= 0 for n in lengths)):
+            raise ValueError(f"{where}: not an admission state (own_lengths: a list of at most {OWN_LENGTHS} "
+                             "completion lengths)")
+        self._own_lengths.clear()
+        self._own_lengths.extend(lengths)
+
     def sender_name(self, rank: int) -> str:
         return self.schedule.sender_label(rank) if 0 <= rank < len(self.schedule.roles) else f"rank {rank}"
 
