@@ -30,9 +30,9 @@ class _SampledLogprobRecorder(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         self.collect(input_ids[:, -1])
-        # a diverged model's logits (NaN; +inf, or -inf for every token, from huge finite weights) would end in the sampler's own error
-        # (multinomial's traceback on the CPU, a device-side assert on a GPU): such rows sample from zeros instead
-        # and the caller raises once generation ends (one flag on the device, no host sync per token)
+        # a diverged model's logits (NaN; +inf, or -inf for every token, from huge finite weights) would end in the
+        # sampler's own error (multinomial's traceback on the CPU, a device-side assert on a GPU): such rows sample
+        # from zeros instead and the caller raises once generation ends (one flag on the device, no sync per token)
         bad = (torch.isnan(scores) | torch.isposinf(scores)).any(dim=-1, keepdim=True) | \
             torch.isneginf(scores).all(dim=-1, keepdim=True)
         self.nonfinite = bad.any() if self.nonfinite is None else self.nonfinite | bad.any()
