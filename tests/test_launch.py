@@ -84,4 +84,4 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     assert result.returncode == 1, result.stderr
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
-    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher removed its file
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher's is gone
