@@ -10,6 +10,7 @@ checkpoint from someone else can be resumed or evaluated safely; weights that ar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ import re
 import shutil
 
 import torch
+from ftis_kernels import NonFiniteInputError
 
 from .fsdp import full_state_dict, local
 from . import precision
@@ -287,3 +289,22 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
     if load_rng:
         set_rng_state(torch.load(rng_file, weights_only=True))
 
+
+@contextlib.contextmanager
+def diverging(run_dir: pathlib.Path, member, step: int):
+    """A member's forward or update that finds its model diverged (hidden states, loss, gradient or weights NaN or
+    inf) stops the run with one DivergenceError naming the member, the step and what to do: in the update, and in
+    the forwards before it (generation, the screen, the logged completions, the old log-probs of several optimizer
+    steps), on a learner or a sampler; the advice names the newest complete checkpoint of `run_dir`."""
+    try:
+        yield
+    except (DivergenceError, NonFiniteInputError) as exc:
+        what = str(exc) if isinstance(exc, DivergenceError) else \
+            f"the model's hidden states became NaN or inf ({exc}); no step was taken"
+        newest = latest_checkpoint(run_dir)
+        knobs = f"members.{member.index}.lr, .grad_clip or .weight_decay"
+        advice = (f"the newest complete checkpoint, step-{newest[0]}, is kept: --resume with a smaller step, e.g. "
+                  f"--set members.{member.index}.lr=... (a resume may change {knobs})" if newest else
+                  f"no checkpoint was written before it: rerun with a smaller step ({knobs}); the run starts over")
+        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {what}; {advice}") \
+            from None

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from .checkpoint import diverging
 from .exchange import WeightSlot
 from .exchange.async_ import DistributedAsync
 from .generation import sample
@@ -74,8 +75,6 @@ def load_weights(model, words: torch.Tensor) -> None:
 
 def run_sampler(swarm: Swarm, start_version: int) -> None:
     """A sampler rank's life: rounds of generation until its learner has finished, then leave."""
-    from .step import diverging  # step imports this module
-
     exchange, config, schedule = swarm.exchange, swarm.config, swarm.schedule
     # config and launch allow samplers only there, or in an open swarm's member (openswarm.member.OpenSampler)
     assert isinstance(exchange, DistributedAsync) or type(exchange).__name__ == "OpenSampler"
@@ -106,7 +105,7 @@ def run_sampler(swarm: Swarm, start_version: int) -> None:
                 load_weights(member.model, newest[1])
                 member.generator.sync(member.model)
             started = time.time()
-            with member.generator.awake(), diverging(swarm, member, round_):
+            with member.generator.awake(), diverging(swarm.run_dir, member, round_):
                 rollouts = sample.generate_rollouts(swarm, member, schedule.round_deal(rank, round_), version,
                                                     schedule.sampling_seed(round_, rank))
             exchange.send_parcel(encode(rollouts), round_, version)

@@ -14,19 +14,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 from functools import partial
 
 import torch
-from ftis_kernels import NonFiniteInputError, group_advantages
+from ftis_kernels import group_advantages
 
 from .adversary import wire_copy
 from .batch import TrainItem, pack
 from .exchange.screen import Screened
-from .checkpoint import latest_checkpoint
+from .checkpoint import diverging
 from .generation import sample
 from .members import Member
 from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
@@ -37,7 +36,7 @@ from .layout import sampler_endpoints
 from .samplers import flatten_weights
 from .schedule import learner_version, learning_rate
 from .session import Swarm
-from .update import DivergenceError, batch_loss, rollout_logprobs, update_member
+from .update import batch_loss, rollout_logprobs, update_member
 
 log = logging.getLogger("ftis_engine")
 
@@ -56,7 +55,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
     for member in swarm.members:
         index, watch = member.index, watches[member.index]
         arrivals = swarm.exchange.receive(index, step)
-        with diverging(swarm, member, step):  # the screen's forward
+        with diverging(swarm.run_dir, member, step):  # the screen's forward
             got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
                                                  own_sequences=len(own[index]),  # every shard's: gathered
                                                  own_lengths=[r.num_tokens for r in own[index]],
@@ -66,9 +65,9 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         scored, unscored = drop_unscored(own[index])
         trained = scored + peers
         items = training_items(swarm, member, trained)
-        with diverging(swarm, member, step):
+        with diverging(swarm.run_dir, member, step):
             samples = completion_records(swarm, member, items, step) if swarm.config.logging.completions else []
-        with watch("train_seconds"), diverging(swarm, member, step):
+        with watch("train_seconds"), diverging(swarm.run_dir, member, step):
             stats = update(swarm, member, items, step)
             return_freed_memory()  # the update's activations, before the next phase allocates elsewhere
         updated_at = time.time()  # version `step` exists from here on; ended_at comes after its sync and push
@@ -110,7 +109,7 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
             mine = {prompts[k]: mine[prompts[k]] for k in shard.share(len(prompts))}
         seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
         watch, pushed = watches[member.index], member.generator.push_seconds
-        with watch("gen_seconds"), member.generator.awake(), diverging(swarm, member, step):
+        with watch("gen_seconds"), member.generator.awake(), diverging(swarm.run_dir, member, step):
             own[member.index] = sample.generate_rollouts(swarm, member, mine, learner_version(step), seed)
             memory[member.index].note()  # the engine is awake: its weights and KV cache are on the GPU
             return_freed_memory()  # generation's KV cache
@@ -222,25 +221,6 @@ def update(swarm: Swarm, member: Member, items: list[TrainItem], step: int) -> d
                           parts=train.mini_batches)
     swarm.progress.finish(bar)
     return stats
-
-
-@contextlib.contextmanager
-def diverging(swarm: Swarm, member: Member, step: int):
-    """A member's forward or update that finds its model diverged (hidden states, loss, gradient or weights NaN or
-    inf) stops the run with one DivergenceError naming the member, the step and what to do: in the update, and in
-    the forwards before it (the screen, the logged completions, the old log-probs of several optimizer steps)."""
-    try:
-        yield
-    except (DivergenceError, NonFiniteInputError) as exc:
-        what = str(exc) if isinstance(exc, DivergenceError) else \
-            f"the model's hidden states became NaN or inf ({exc}); no step was taken"
-        newest = latest_checkpoint(swarm.run_dir)
-        knobs = f"members.{member.index}.lr, .grad_clip or .weight_decay"
-        advice = (f"the newest complete checkpoint, step-{newest[0]}, is kept: --resume with a smaller step, e.g. "
-                  f"--set members.{member.index}.lr=... (a resume may change {knobs})" if newest else
-                  f"no checkpoint was written before it: rerun with a smaller step ({knobs}); the run starts over")
-        raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {what}; {advice}") \
-            from None
 
 
 def push_to_samplers(swarm: Swarm, member: Member, step: int) -> None:
