@@ -63,15 +63,8 @@ def save_checkpoint(swarm: Swarm, step: int) -> None:
     state = {"members": swarm.names, "config": swarm.config.model_dump(mode="json")}  # resume's record of the run
     # a receiver's defenses that keep state across steps (the claims monitor's tests, the length guard's own
     # lengths) go on after a resume
-    defense, extras = swarm.config.defense, {}
-    for m in swarm.members:
-        receiver, files = swarm.receivers.get(m.index), {}
-        if receiver is not None and defense.claims_monitor:
-            files["screen.json"] = receiver.screen.state()
-        if receiver is not None and defense.max_length_ratio is not None:
-            files["admission.json"] = receiver.state()
-        if files:
-            extras[m.name] = files
+    extras = {m.name: {file: kept.state() for file, kept in swarm.receivers[m.index].kept_states().items()}
+              for m in swarm.members if m.index in swarm.receivers}
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer, extras)
     if swarm.independent:  # no barrier: whoever stages step N last completes it
         finalize_when_staged(swarm.run_dir, step, state, cfg.keep_last)

@@ -158,6 +158,16 @@ class Admission:
         """Each sender's share of a step (the round-robin's first pass)."""
         return {rank: self.schedule.step_sequences(rank) for rank in self.schedule.senders(self.receiver)}
 
+    def kept_states(self) -> dict:
+        """The receiver's defenses that keep state across steps, by their file in the member's checkpoint: each has
+        state() and load_state(state, where). The claims monitor's tests; the length guard's own lengths."""
+        defense, kept = self.config.defense, {}
+        if defense.claims_monitor:
+            kept["screen.json"] = self.screen
+        if defense.max_length_ratio is not None:
+            kept["admission.json"] = self
+        return kept
+
     def state(self) -> dict:
         """The length guard's recent own lengths (defense.max_length_ratio), for the member's checkpoint (JSON): a
         resumed receiver measures its peers against the median an uninterrupted run would (bit-exact resumes)."""
