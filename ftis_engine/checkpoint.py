@@ -22,6 +22,7 @@ import torch
 from ftis_kernels import NonFiniteInputError
 
 from .fsdp import full_state_dict, local
+from .saving import save_pretrained
 from . import precision
 from .precision import master_dtype
 from .update import DivergenceError, weights_finite
@@ -77,12 +78,12 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: di
     if leader:
         directory.mkdir(parents=True, exist_ok=True)
     if shard is None:
-        member.model.save_pretrained(str(directory / "model"), safe_serialization=True)
+        save_pretrained(member.model, directory / "model", safe_serialization=True)
     else:
         state = full_state_dict(member.model, keep=leader)
         shard.barrier()  # the leader made the directory
         if leader:
-            member.model.save_pretrained(str(directory / "model"), state_dict=state, safe_serialization=True)
+            save_pretrained(member.model, directory / "model", state_dict=state, safe_serialization=True)
     if leader:
         member.tokenizer.save_pretrained(str(directory / "model"))
         for file, value in (extra or {}).items():

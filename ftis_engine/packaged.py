@@ -211,6 +211,7 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     from its config without the quantization entry, take the weights, save model and tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from .saving import save_pretrained
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -220,5 +221,5 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     del loaded
-    model.save_pretrained(str(out), safe_serialization=True)
+    save_pretrained(model, out, safe_serialization=True)
     tokenizer.save_pretrained(str(out))

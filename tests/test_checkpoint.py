@@ -54,6 +54,42 @@ def test_a_checkpoint_restores_every_weight_exactly(tmp_path, architecture):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def _as_rank_1_of_a_world(monkeypatch):
+    """This process as rank 1 of an initialised torch world: where a member's leader is under --nproc when it is
+    member 1 (transformers reads these two functions to decide whether a rank writes)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+
+
+def test_a_full_member_led_by_rank_1_saves_its_weights_and_they_come_back(tmp_path, monkeypatch):
+    """transformers 5's save_pretrained writes on the world's rank 0 alone and says nothing on the others: member 1
+    of a --nproc run checkpointed no weights and its vLLM engine found no config.json (seen on an H200)."""
+    m, _ = member(1, "members.1.lora=null")
+    before = {k: v.clone() for k, v in m.model.state_dict().items()}
+    _as_rank_1_of_a_world(monkeypatch)
+    plain = tmp_path / "plain"
+    m.model.save_pretrained(str(plain))  # the premise: transformers itself writes nothing here
+    assert not (plain / "config.json").exists() and not list(plain.glob("*.safetensors"))
+    save_member(m, tmp_path / "ckpt" / "members" / m.name, save_optimizer=False)
+    assert (tmp_path / "ckpt" / "members" / m.name / "model" / "config.json").is_file()
+    assert not hasattr(m.model, "should_save_on_this_rank") or "should_save_on_this_rank" not in vars(m.model)
+    with torch.no_grad():
+        for p in m.model.parameters():
+            p.add_(1.0)
+    restore_member(m, tmp_path / "ckpt", load_optimizer=False)
+    after = m.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_save_that_writes_no_weights_file_is_an_error_not_a_silent_empty_folder(tmp_path, monkeypatch):
+    from ftis_engine.saving import save_pretrained
+
+    m, _ = member(1, "members.1.lora=null")
+    monkeypatch.setattr(type(m.model), "save_pretrained", lambda self, directory, **kwargs: None)
+    with pytest.raises(RuntimeError, match="wrote no weights file"):
+        save_pretrained(m.model, tmp_path / "out")
+
+
 class _Exploit:
     """Unpickling this runs a command: what a checkpoint from someone else could hold."""
 

@@ -186,6 +186,26 @@ def test_a_lora_members_engine_loads_its_base_under_the_base_models_own_names(tm
     assert all(torch.equal(loaded[k].float(), expected[k].float()) for k in expected)
 
 
+@pytest.mark.parametrize("overrides", [("members.1.lora=null",), ()], ids=["full", "lora"])
+def test_an_engine_of_a_member_led_by_rank_1_finds_its_weights(tmp_path, monkeypatch, overrides):
+    """Under --nproc member 1's engine is started by rank 1, where transformers 5's save_pretrained writes nothing:
+    on an H200 its engine stopped with 'Invalid repository ID or local directory' (no config.json)."""
+    from transformers import AutoModelForCausalLM
+
+    from .helpers import member
+
+    m, _ = member(1, *overrides)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    vllm_gen.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
+    monkeypatch.undo()
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).state_dict()
+    base = m.model.get_base_model() if hasattr(m.model, "peft_config") else m.model
+    expected = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k].float(), expected[k].float()) for k in expected)
+
+
 @pytest.mark.parametrize("spec, warm, written", [("builtin:tiny-s", False, True), ("some/hub-model", False, False),
                                                   ("some/hub-model", True, True)])
 def test_the_engine_starts_from_the_trainers_weights_where_they_differ_from_the_models_files(tmp_path, monkeypatch,

@@ -32,6 +32,7 @@ import torch
 
 from ..context import engine_length
 from ..fsdp import full, is_sharded
+from ..saving import save_pretrained
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
 log = logging.getLogger("ftis_engine.vllm")
@@ -108,9 +109,9 @@ def save_for_engine(model, tokenizer, directory: pathlib.Path) -> str:
         base = model.get_base_model()
         state = {name.replace(".base_layer.", "."): tensor for name, tensor in base.state_dict().items()
                  if ".lora_" not in name}
-        base.save_pretrained(str(directory), state_dict=state)
+        save_pretrained(base, directory, state_dict=state)
     else:
-        model.save_pretrained(str(directory))
+        save_pretrained(model, directory)
     tokenizer.save_pretrained(str(directory))
     return str(directory)
 
@@ -265,7 +266,7 @@ class VLLMGenerator:
 
         self._lora_version += 1
         path = self._work / f"adapter-{self._lora_version}"
-        self._model.save_pretrained(str(path), **({"state_dict": self._gathered} if self._gathered else {}))
+        save_pretrained(self._model, path, **({"state_dict": self._gathered} if self._gathered else {}))
         if self._lora_request is not None:
             self.llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
