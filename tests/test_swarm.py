@@ -127,12 +127,15 @@ def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_pat
 
 
 def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_run(tmp_path):
-    args = _args(tmp_path, "train.steps=2", "checkpoint.every=0")
+    """Member 1 fully fine-tuned: its rank-1 leader's checkpoint must hold its weights (transformers 5 saves on rank 0
+    alone unless told otherwise), which the resume loads."""
+    args = _args(tmp_path, "train.steps=2", "checkpoint.every=0", "members.1.lora=null")
     assert [code for code, _ in _hand_launch(2, args)] == [0, 0]
     refused = _hand_launch(2, args)
     assert [code for code, _ in refused] == [2, 2]
     assert "already holds a run" in refused[0][1] and len(refused[0][1].strip().splitlines()) == 1
-    longer = _args(tmp_path, "train.steps=3", "checkpoint.every=0")
+    assert (tmp_path / "swarm" / "checkpoints" / "step-2" / "members" / "tiny-m-lora" / "model" / "config.json").is_file()
+    longer = _args(tmp_path, "train.steps=3", "checkpoint.every=0", "members.1.lora=null")
     resumed = _hand_launch(2, longer, env_extra={"TORCHELASTIC_RESTART_COUNT": "1"})
     assert [code for code, _ in resumed] == [0, 0], resumed
     assert _steps(tmp_path) == {m: [1, 2, 3] for m in ("tiny-s", "tiny-m-lora")}
