@@ -110,6 +110,43 @@ class _Engine:
         """The push resets the prefix cache; a stand-in has none."""
 
 
+class _SleepyEngine(_Engine):
+    """A stand-in vllm.LLM that notes its sleeps and wake-ups."""
+
+    def __init__(self, events):
+        super().__init__(lambda weights: events.append("load weights"))
+        self.events = events
+        self.llm_engine = type("Engine", (), {"is_sleeping": staticmethod(lambda: False)})()
+
+    def sleep(self, level):
+        self.events.append(f"sleep {level}")
+
+    def wake_up(self, tags=None):
+        self.events.append(f"wake {','.join(tags or ['all'])}")
+
+
+def test_torchs_cache_is_emptied_before_the_engine_wakes(monkeypatch):
+    """The update's cached blocks would otherwise stay reserved beside the engine's weights and KV cache (and, on a
+    shared GPU, beside the other member's engine): emptied before the engine takes its memory back, as TRL does."""
+    from .helpers import member
+
+    m, _ = member(0)
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty cache"))
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.lora, gen._model, gen._gathered, gen.llm, gen.push_seconds = False, m.model, None, _SleepyEngine(events), 0.0
+    gen.sleep_level, gen._asleep, gen._stale = 1, False, False
+    with gen.awake():
+        events.append("generate")
+    gen.sync(m.model)  # the update changed the weights while the engine slept
+    with gen.awake():
+        events.append("generate")
+    assert events == ["generate", "sleep 1", "empty cache", "wake weights", "load weights", "wake kv_cache",
+                      "generate", "sleep 1"]
+
+
 def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     """The engine's loader gets every floating tensor in bf16 (the masters stay float32 in the trainer), under the
     names the model saves with (a stand-in engine records what load_weights received)."""

@@ -224,6 +224,11 @@ class VLLMGenerator:
 
     def wake_up(self) -> None:
         if self._asleep:
+            # what the update left in torch's cache goes back to the device first (as TRL does): the engine maps
+            # its weights and KV cache outside torch's allocator, and on a shared GPU another member's engine
+            # wakes beside this process's cache
+            if torch.cuda.is_available() and torch.cuda.is_initialized():
+                torch.cuda.empty_cache()
             self.llm.wake_up(tags=["weights"])
             if self.sleep_level == 2:
                 self._stale = True  # level 2 discarded the weights: they must be loaded again
