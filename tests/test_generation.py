@@ -58,6 +58,23 @@ def test_same_seed_same_completions_other_seed_other_ones():
     assert not all(torch.equal(x.token_ids, y.token_ids) for x, y in zip(a, c))
 
 
+def test_sampling_and_greedy_never_wait_on_the_other_ranks_of_the_world(monkeypatch):
+    """transformers turns on synced_gpus (an all-reduce over the whole world at every token) for an FSDP-managed
+    model in a world of several ranks; each rank generates its own prompts, and the world holds other members."""
+    m, _ = member(0)
+    prompts = [m.tokenizer("3=")["input_ids"]]
+    m.generator.model._is_fsdp_managed_module = True  # what torch's fully_shard marks its modules with
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+
+    def all_reduce(*args, **kwargs):
+        raise AssertionError("generation waited on the world")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    assert len(m.generator.generate(prompts, SamplingSettings(n=2, max_new_tokens=4, seed=0))[0]) == 2
+    assert len(m.generator.greedy(prompts, 4)) == 1
+
+
 def test_cut_at_eos():
     done = cut_at_eos(torch.tensor([5, 6, 0, 7]), torch.tensor([-1.0, -2.0, -3.0, -4.0]), {0}, 4)
     assert done.token_ids.tolist() == [5, 6, 0] and done.finish_reason == "stop"

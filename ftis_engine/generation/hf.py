@@ -133,10 +133,12 @@ class HFGenerator:
                 if sampling.min_new_tokens:  # part of the sampler: its claimed log-probs are of what it sampled from
                     chain.insert(0, MinNewTokensLengthLogitsProcessor(ids.shape[1], sampling.min_new_tokens,
                                                                       sorted(self.eos_ids), device=self.device))
+                # every rank samples its own prompts on its own: transformers would otherwise keep an FSDP-managed
+                # model stepping in lock-step with every rank of the world (synced_gpus, an all-reduce a token)
                 out = self.model.generate(
                     input_ids=ids, attention_mask=mask,
                     generation_config=self._clean_config(sampling.max_new_tokens, do_sample=True),
-                    logits_processor=LogitsProcessorList(chain + [recorder]),
+                    logits_processor=LogitsProcessorList(chain + [recorder]), synced_gpus=False,
                 )
                 if recorder.nonfinite is not None and bool(recorder.nonfinite):
                     raise NonFiniteInputError("its logits held NaN or +inf in generation")
@@ -157,7 +159,7 @@ class HFGenerator:
         with self._eval_mode(), autocast(self.device, self.dtype):
             for ids, mask in self._batches(prompts):
                 with self._without_model_defaults():
-                    out = self.model.generate(input_ids=ids, attention_mask=mask,
+                    out = self.model.generate(input_ids=ids, attention_mask=mask, synced_gpus=False,
                                               generation_config=self._clean_config(max_new_tokens, do_sample=False))
                 for row in out[:, ids.shape[1] :].cpu():
                     done = cut_at_eos(row, torch.zeros(row.numel()), self.eos_ids, max_new_tokens)
