@@ -33,6 +33,13 @@ def member(index: int = 0, *overrides: str):
     return build_member(index, cfg, tokenizers[index], torch.device("cpu")), cfg
 
 
+def as_rank_1_of_a_world(monkeypatch):
+    """This process as rank 1 of an initialised torch world: where a member's leader is under --nproc when it is
+    member 1 (transformers reads these two functions to decide whether a rank writes)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+
+
 def random_items(vocab: int, n_groups: int = 3, per_group: int = 4, seed: int = 0) -> list[TrainItem]:
     g = torch.Generator().manual_seed(seed)
     items = []

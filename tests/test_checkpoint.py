@@ -15,7 +15,7 @@ from ftis_engine.checkpoint import (complete_checkpoints, finalize_when_staged, 
                                     stage_members)
 from ftis_engine.update import DivergenceError
 
-from .helpers import member
+from .helpers import as_rank_1_of_a_world, member
 
 
 def _tiny_local_model(tmp_path, architecture: str):
@@ -54,19 +54,12 @@ def test_a_checkpoint_restores_every_weight_exactly(tmp_path, architecture):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def _as_rank_1_of_a_world(monkeypatch):
-    """This process as rank 1 of an initialised torch world: where a member's leader is under --nproc when it is
-    member 1 (transformers reads these two functions to decide whether a rank writes)."""
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
-
-
 def test_a_full_member_led_by_rank_1_saves_its_weights_and_they_come_back(tmp_path, monkeypatch):
     """transformers 5's save_pretrained writes on the world's rank 0 alone and says nothing on the others: member 1
     of a --nproc run checkpointed no weights and its vLLM engine found no config.json (seen on an H200)."""
     m, _ = member(1, "members.1.lora=null")
     before = {k: v.clone() for k, v in m.model.state_dict().items()}
-    _as_rank_1_of_a_world(monkeypatch)
+    as_rank_1_of_a_world(monkeypatch)
     plain = tmp_path / "plain"
     m.model.save_pretrained(str(plain))  # the premise: transformers itself writes nothing here
     assert not (plain / "config.json").exists() and not list(plain.glob("*.safetensors"))

@@ -229,11 +229,10 @@ def test_an_engine_of_a_member_led_by_rank_1_finds_its_weights(tmp_path, monkeyp
     on an H200 its engine stopped with 'Invalid repository ID or local directory' (no config.json)."""
     from transformers import AutoModelForCausalLM
 
-    from .helpers import member
+    from .helpers import as_rank_1_of_a_world, member
 
     m, _ = member(1, *overrides)
-    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 1)
+    as_rank_1_of_a_world(monkeypatch)
     vllm_gen.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
     monkeypatch.undo()
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).state_dict()
