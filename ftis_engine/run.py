@@ -63,7 +63,7 @@ def save_checkpoint(swarm: Swarm, step: int) -> None:
     state = {"members": swarm.names, "config": swarm.config.model_dump(mode="json")}  # resume's record of the run
     # a receiver's defenses that keep state across steps (the claims monitor's tests, the length guard's own
     # lengths) go on after a resume
-    extras = {m.name: {file: kept.state() for file, kept in swarm.receivers[m.index].kept_states().items()}
+    extras = {m.name: {file: kept.target.state() for file, kept in swarm.receivers[m.index].kept_states().items()}
               for m in swarm.members if m.index in swarm.receivers}
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer, extras)
     if swarm.independent:  # no barrier: whoever stages step N last completes it

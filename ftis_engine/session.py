@@ -217,11 +217,6 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     return swarm, start_step
 
 
-# what a resume says of a receiver's kept state (Admission.kept_states) its checkpoint lacks
-KEPT_STATES_AFRESH = {"screen.json": ("claims-monitor state", "every peer's test starts afresh"),
-                      "admission.json": ("length-guard state", "its own lengths start afresh")}
-
-
 def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path, config: RunConfig) -> None:
     """A resumed member's receiver goes on with the claims monitor's tests (screen.json) and the length guard's own
     lengths (admission.json) its checkpoint holds; one that holds none (written before that state was kept) starts
@@ -229,18 +224,18 @@ def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path,
     import json
 
     for member in members:
-        for name, target in receivers[member.index].kept_states().items():
+        for name, kept in receivers[member.index].kept_states().items():
             file = member_dir(source, member.name) / name
             if not file.is_file():
                 log.warning("%s: %s holds no %s (written before it was kept); %s", member.name, source,
-                            *KEPT_STATES_AFRESH[name])
+                            kept.what, kept.afresh)
                 continue
             try:
                 state = json.loads(file.read_text())
             except (OSError, ValueError) as exc:  # json's errors are ValueErrors too
                 raise RunDirError(f"--resume: {file}: {first_line(exc)}") from None
             try:
-                target.load_state(state, str(file))
+                kept.target.load_state(state, str(file))
             except ValueError as exc:
                 raise RunDirError(f"--resume: {first_line(exc)}") from None
 

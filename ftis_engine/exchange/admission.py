@@ -54,6 +54,7 @@ import dataclasses
 import logging
 import statistics
 import time
+import typing
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -68,6 +69,19 @@ log = logging.getLogger("ftis_engine.exchange")
 
 FUTURE_TOLERANCE_S = 600.0  # clocks of different nodes may differ by this much
 OWN_LENGTHS = 256  # the receiver's own recent completion lengths its length guard measures against
+
+
+class KeptState(typing.NamedTuple):
+    """A receiver's state kept across steps: what holds it, what it is, what a resume without its file does."""
+
+    target: typing.Any
+    what: str
+    afresh: str
+
+
+# every kept state's file in a member's checkpoint; a new one is added here, or kept_states() raises KeyError
+KEPT_STATES = {"screen.json": ("claims-monitor state", "every peer's test starts afresh"),
+               "admission.json": ("length-guard state", "its own lengths start afresh")}
 
 
 @dataclass
@@ -158,15 +172,16 @@ class Admission:
         """Each sender's share of a step (the round-robin's first pass)."""
         return {rank: self.schedule.step_sequences(rank) for rank in self.schedule.senders(self.receiver)}
 
-    def kept_states(self) -> dict:
-        """The receiver's defenses that keep state across steps, by their file in the member's checkpoint: each has
-        state() and load_state(state, where). The claims monitor's tests; the length guard's own lengths."""
-        defense, kept = self.config.defense, {}
+    def kept_states(self) -> dict[str, KeptState]:
+        """The receiver's defenses that keep state across steps, by their file in the member's checkpoint (each
+        target has state() and load_state(state, where)): the claims monitor's tests; the length guard's own
+        lengths. What each is, and what a resume without its file does, come from one table (KEPT_STATES)."""
+        defense, targets = self.config.defense, {}
         if defense.claims_monitor:
-            kept["screen.json"] = self.screen
+            targets["screen.json"] = self.screen
         if defense.max_length_ratio is not None:
-            kept["admission.json"] = self
-        return kept
+            targets["admission.json"] = self
+        return {file: KeptState(target, *KEPT_STATES[file]) for file, target in targets.items()}
 
     def state(self) -> dict:
         """The length guard's recent own lengths (defense.max_length_ratio), for the member's checkpoint (JSON): a
