@@ -15,9 +15,15 @@ import urllib.parse
 def hub_reachable() -> bool:
     """Whether the HF hub answers (one TCP connect, 3 s at most, once per process). When it does not, the hub
     libraries are switched to offline mode: cached models and datasets still load, and what is not cached fails
-    at once with one line instead of after a minute of retries. Skipped (assumed reachable) behind a proxy."""
+    at once with one line instead of after a minute of retries. Skipped (assumed reachable) behind a proxy.
+    HF_HUB_OFFLINE in the environment counts even when set after huggingface_hub read it at import (a worker
+    forked from the launcher's fork server imported it before the launcher's probe set it)."""
     import huggingface_hub.constants as hub
 
+    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
+        hub.HF_HUB_OFFLINE = True
+        if "datasets" in sys.modules:
+            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
     if hub.HF_HUB_OFFLINE:
         return False
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):

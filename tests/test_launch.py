@@ -3,6 +3,7 @@ failure is told for what it is. The runs themselves: tests/test_swarm.py and tes
 
 from __future__ import annotations
 
+import os
 import pathlib
 import tempfile
 
@@ -64,11 +65,13 @@ def test_a_restart_on_any_rank_is_a_restart_on_every_rank():
     assert any_rank(types.SimpleNamespace(all_gather_object=lambda flag: [flag, False]), False) is False
 
 
-def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path):
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path, start_method):
     """The elastic agent restarts on any failure: with swarm.max_restarts 2 a member whose step 1 blows its weights up
     (lr 1e30) resumed and diverged again, twice, printing its error three times (and, on a GPU, replaying every step
-    since the checkpoint each time). A failure no restart mends ends the swarm at the first: one line, exit 1."""
-    import os
+    since the checkpoint each time). A failure no restart mends ends the swarm at the first: one line, exit 1.
+    With workers forked from the fork server (the default) the file that says so reaches them though the launcher
+    names it after the server started; and with spawned workers."""
     import subprocess
     import sys
 
@@ -79,9 +82,77 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     for o in [*SHORT, "run_name=swarm", "eval.every=0", "members.0.lr=1e30"]:
         args += ["--set", o]
     result = subprocess.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "2"],
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"},
-                            capture_output=True, text=True, timeout=300)
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
+                                 "FTIS_START_METHOD": start_method}, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
     assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher's is gone
+
+
+@pytest.fixture
+def environ_restored():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_a_forked_worker_gets_the_launchers_environment_at_launch_and_keeps_what_the_agent_set(monkeypatch,
+                                                                                                environ_restored):
+    """A worker forked from the fork server starts with the server's environment (the launcher's when the server
+    started) plus what the agent set for its rank; it runs with the launcher's environment at launch in place of
+    the server's, and the agent's keys on top."""
+    import sys
+    import types
+
+    from ftis_engine import launch
+
+    server = {"PATH": "/bin", "GONE_SINCE": "1", "CHANGED": "old"}
+    agent = {"RANK": "1", "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RESTART_COUNT": "0"}
+    at_launch = {"PATH": "/bin", "CHANGED": "new", "FTIS_FINAL_EXIT_FILE": "/tmp/x.final-exit"}
+    # the server's preload module, without its imports (those are the fork server test's)
+    monkeypatch.setitem(sys.modules, "ftis_engine.preload", types.SimpleNamespace(SERVER_ENVIRON=server))
+    seen = {}
+    monkeypatch.setattr(launch, "run_worker", lambda *args: seen.update(env=dict(os.environ), args=args) or 7)
+    os.environ.clear()
+    os.environ.update({**server, **agent})
+    assert launch.start_worker(at_launch, "config", "run") == 7
+    assert seen == {"env": {**at_launch, **agent}, "args": ("config", "run")}
+    os.environ.clear()
+    os.environ.update({**server, **agent})
+    launch.start_worker(None, "config")  # spawned: its environment is already the launcher's
+    assert seen["env"] == {**server, **agent}
+
+
+def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_each_launch(monkeypatch):
+    """start_fork_server: a server whose children start with transformers' model code imported; a second launch in
+    the same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn
+    or a bad value."""
+    import multiprocessing
+    import multiprocessing.forkserver as forkserver
+
+    from ftis_engine.launch import start_fork_server
+
+    monkeypatch.setenv("FTIS_START_METHOD", "spawn")
+    assert start_fork_server() == "spawn"
+    monkeypatch.setenv("FTIS_START_METHOD", "fork")
+    with pytest.raises(ConfigError, match=r"^FTIS_START_METHOD: 'fork' is not one of forkserver, spawn$"):
+        start_fork_server()
+    monkeypatch.delenv("FTIS_START_METHOD")
+    context = multiprocessing.get_context("forkserver")
+    try:
+        for value in ("first", "second"):
+            monkeypatch.setenv("FTIS_TEST_MARK", value)
+            assert start_fork_server() == "forkserver"
+            with context.Pool(1) as pool:
+                mark, imported_by, child = pool.apply(_what_a_forked_child_has)
+            assert mark == value and imported_by != child  # the server imported it, before the fork
+    finally:
+        forkserver._forkserver._stop()
+
+
+def _what_a_forked_child_has():
+    from ftis_engine import preload
+
+    return preload.SERVER_ENVIRON.get("FTIS_TEST_MARK"), preload.IMPORTED_BY, os.getpid()

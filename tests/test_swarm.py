@@ -158,15 +158,20 @@ def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_ref
 
 
 def _worker_pid(parent: psutil.Process, rank: int) -> int | None:
-    """The elastic agent spawns local ranks in order (spawn start method: their rank is set after start, so it is
-    not in /proc/PID/environ): the workers sorted by start time and pid are ranks 0, 1, ..."""
+    """The elastic agent starts local ranks in order (their rank is set after start, so it is not in
+    /proc/PID/environ): the workers sorted by start time and pid are ranks 0, 1, ... A worker is a process the fork
+    server forked (its parent runs multiprocessing.forkserver too), or with FTIS_START_METHOD=spawn one spawned."""
     workers = []
     for child in parent.children(recursive=True):
         try:
             cmdline = " ".join(child.cmdline())
-            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+            if "resource_tracker" in cmdline:
+                continue
+            forked = "multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" in " ".join(
+                child.parent().cmdline())
+            if forked or "spawn_main" in cmdline:
                 workers.append((child.create_time(), child.pid))
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
             continue
     workers.sort()
     return workers[rank][1] if len(workers) > rank else None
