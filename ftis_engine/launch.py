@@ -5,9 +5,11 @@ uses); the same config runs under `torchrun` too (single- or multi-node), the ra
 A worker that fails ends the others (the agent stops them); with swarm.max_restarts > 0 the agent restarts every
 rank and each resumes from the newest complete checkpoint that all ranks have.
 
-The workers are forked from a fork server that imported what they need once (preload.py), started as the launcher
-starts so that it imports while the launcher checks the run; FTIS_START_METHOD=spawn starts each worker as a fresh
-interpreter instead (as torchrun does), where the platform has no fork server too.
+On a machine without CUDA the workers are forked from a fork server that imported what they need once
+(preload.py), started as the launcher starts so that it imports while the launcher checks the run. With CUDA, or
+FTIS_START_METHOD=spawn, or where the platform has no fork server, each worker starts as a fresh interpreter (as
+torchrun starts them): a library that touches CUDA as it is imported would leave forked workers without it, and
+there the seconds of imports are small beside loading the model.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printe
 # the worker writes its exit code to this file (set by the launcher), and the agent's restarts, which cannot tell
 # exit codes apart, end at once with it instead of resuming and failing again (swarm.max_restarts times).
 FINAL_EXIT_ENV = "FTIS_FINAL_EXIT_FILE"
-START_METHOD_ENV = "FTIS_START_METHOD"  # forkserver (the default) or spawn
+START_METHOD_ENV = "FTIS_START_METHOD"  # auto (the default: forkserver without CUDA, else spawn), forkserver, spawn
 
 
 def any_rank(collectives, flag: bool) -> bool:
@@ -68,7 +70,7 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
             return _launch(config, run_dir, resume, nproc, target, start_method=start_method)
         with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
             check_run_dir(run_dir, config, resume)
-            check_before_launch(config, distributed=True)  # bad models, tokenizers or generators stop before any process
+            check_before_launch(config, distributed=True)  # bad models, tokenizers, generators: before any process
             print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
             if any(m.ranks > 1 or m.samplers for m in config.members):
                 print(f"rank layout:\n{describe_layout(config)}", flush=True)
@@ -80,18 +82,20 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
 
 def start_fork_server() -> str:
     """Start a fork server that imports what every worker needs (preload.py) while the launcher goes on checking;
-    returns the start method the workers get: forkserver, or spawn (FTIS_START_METHOD=spawn, or no fork server on
-    this platform). A server an earlier launch in this process started is used again when the environment is as it
-    was then; otherwise it is stopped and a new one imports under the environment as it is now (some libraries
-    read it at import)."""
+    returns the start method the workers get: forkserver, or spawn (FTIS_START_METHOD=spawn; by default where CUDA
+    is available; where the platform has no fork server). A server an earlier launch in this process started is
+    used again when the environment is as it was then; otherwise it is stopped and a new one imports under the
+    environment as it is now (some libraries read it at import)."""
     global _server_environ
     import multiprocessing
     import multiprocessing.forkserver as forkserver
 
-    wanted = os.environ.get(START_METHOD_ENV, "forkserver")
-    if wanted not in ("forkserver", "spawn"):
-        raise ConfigError(f"{START_METHOD_ENV}: {wanted!r} is not one of forkserver, spawn")
+    wanted = os.environ.get(START_METHOD_ENV, "auto")
+    if wanted not in ("auto", "forkserver", "spawn"):
+        raise ConfigError(f"{START_METHOD_ENV}: {wanted!r} is not one of auto, forkserver, spawn")
     if wanted == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    if wanted == "auto" and torch.cuda.is_available():  # the launcher is never forked: asking here is safe
         return "spawn"
     server = getattr(forkserver, "_forkserver", None)
     if server is None or not hasattr(server, "_stop"):

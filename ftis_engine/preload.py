@@ -22,8 +22,15 @@ MODULES = (
     "ftis_engine.generation.hf", "ftis_engine.exchange.weights",
 )
 
+# a CUDA check made while importing asks NVML, not the CUDA driver, whose state a forked child could not use (the
+# launcher starts a server by default only without CUDA; FTIS_START_METHOD=forkserver forces one)
+os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
 for _name in MODULES:
     # a module that cannot be imported here fails (or not) in the worker that needs it, with its own message; the
     # server itself must not fail, or no worker starts
     with contextlib.suppress(Exception):
         importlib.import_module(_name)
+if "PYTORCH_NVML_BASED_CUDA_CHECK" in SERVER_ENVIRON:
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = SERVER_ENVIRON["PYTORCH_NVML_BASED_CUDA_CHECK"]
+else:
+    del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]

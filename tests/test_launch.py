@@ -126,20 +126,25 @@ def test_a_forked_worker_gets_the_launchers_environment_at_launch_and_keeps_what
 
 
 def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_each_launch(monkeypatch):
-    """start_fork_server: a server whose children start with transformers' model code imported; a second launch in
-    the same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn
-    or a bad value."""
+    """start_fork_server: a server whose children start with the workers' modules imported; a second launch in the
+    same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn or a
+    bad value; spawn by default where CUDA is available."""
     import multiprocessing
     import multiprocessing.forkserver as forkserver
+
+    import torch
 
     from ftis_engine.launch import start_fork_server
 
     monkeypatch.setenv("FTIS_START_METHOD", "spawn")
     assert start_fork_server() == "spawn"
     monkeypatch.setenv("FTIS_START_METHOD", "fork")
-    with pytest.raises(ConfigError, match=r"^FTIS_START_METHOD: 'fork' is not one of forkserver, spawn$"):
+    with pytest.raises(ConfigError, match=r"^FTIS_START_METHOD: 'fork' is not one of auto, forkserver, spawn$"):
         start_fork_server()
     monkeypatch.delenv("FTIS_START_METHOD")
+    with monkeypatch.context() as cuda:
+        cuda.setattr(torch.cuda, "is_available", lambda: True)
+        assert start_fork_server() == "spawn"  # by default, a machine with CUDA spawns its workers
     context = multiprocessing.get_context("forkserver")
     try:
         for value in ("first", "second"):
