@@ -20,10 +20,9 @@ def hub_reachable() -> bool:
     forked from the launcher's fork server imported it before the launcher's probe set it)."""
     import huggingface_hub.constants as hub
 
-    if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
-        hub.HF_HUB_OFFLINE = True
-        if "datasets" in sys.modules:
-            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
+    offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")  # as the library reads it
+    if (offline or "").upper() in hub.ENV_VARS_TRUE_VALUES:
+        _libraries_offline()
     if hub.HF_HUB_OFFLINE:
         return False
     if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
@@ -33,10 +32,17 @@ def hub_reachable() -> bool:
         socket.create_connection((url.hostname or "huggingface.co", url.port or 443), timeout=3).close()
         return True
     except OSError:
-        hub.HF_HUB_OFFLINE = True
+        _libraries_offline()
         os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # datasets reads them at import
-        if "datasets" in sys.modules:
-            sys.modules["datasets"].config.HF_HUB_OFFLINE = True
         logging.getLogger("ftis_engine").warning("the HF hub (%s) cannot be reached: using the local cache only",
                                                  url.hostname)
         return False
+
+
+def _libraries_offline() -> None:
+    """huggingface_hub's offline flag, and datasets' when it is already imported."""
+    import huggingface_hub.constants as hub
+
+    hub.HF_HUB_OFFLINE = True
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].config.HF_HUB_OFFLINE = True

@@ -70,8 +70,8 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     """The elastic agent restarts on any failure: with swarm.max_restarts 2 a member whose step 1 blows its weights up
     (lr 1e30) resumed and diverged again, twice, printing its error three times (and, on a GPU, replaying every step
     since the checkpoint each time). A failure no restart mends ends the swarm at the first: one line, exit 1.
-    With workers forked from the fork server (the default) the file that says so reaches them though the launcher
-    names it after the server started; and with spawned workers."""
+    With workers forked from the fork server (the default without CUDA) the file that says so reaches them though
+    the launcher names it after the server started; and with spawned workers."""
     import subprocess
     import sys
 
@@ -130,11 +130,10 @@ def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_ea
     same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn or a
     bad value; spawn by default where CUDA is available."""
     import multiprocessing
-    import multiprocessing.forkserver as forkserver
 
     import torch
 
-    from ftis_engine.launch import start_fork_server
+    from ftis_engine.launch import start_fork_server, stop_fork_server
 
     monkeypatch.setenv("FTIS_START_METHOD", "spawn")
     assert start_fork_server() == "spawn"
@@ -154,7 +153,7 @@ def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_ea
                 mark, imported_by, child = pool.apply(_what_a_forked_child_has)
             assert mark == value and imported_by != child  # the server imported it, before the fork
     finally:
-        forkserver._forkserver._stop()
+        stop_fork_server()
 
 
 def _what_a_forked_child_has():
