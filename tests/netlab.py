@@ -21,6 +21,7 @@ Needs root (CAP_NET_ADMIN) and `ip`; `NetLab.unavailable()` gives the reason whe
 
 from __future__ import annotations
 
+import fcntl
 import heapq
 import os
 import random
@@ -30,11 +31,16 @@ import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 SUBNET = "10.213"
 HERE = 254  # the test process's own link
+# one lab at a time on a machine (they share the subnet): a lab waits for the one another process holds (two test
+# sessions on one machine), up to LOCK_WAIT_S; the OS lets go of a killed process's lock
+LOCK = os.path.join(tempfile.gettempdir(), "ftis-netlab.lock")
+LOCK_WAIT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class NetLab:
         self.shaping = shaping
         self.shaper: subprocess.Popen | None = None
         self.procs: list[subprocess.Popen] = []
+        self._lock: int | None = None
 
     @staticmethod
     def unavailable() -> str | None:
@@ -100,6 +107,18 @@ class NetLab:
     # ------------------------------------------------------------------------------------------- set up, tear down
 
     def __enter__(self) -> NetLab:
+        self._lock = os.open(LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(self._lock)
+                    self._lock = None
+                    raise RuntimeError(f"another network lab held {LOCK} for {LOCK_WAIT_S:.0f} s") from None
+                time.sleep(0.2)
         try:
             self._build()
         except BaseException:
@@ -223,6 +242,9 @@ class NetLab:
         _ip("link", "del", self.here_link, check=False)
         for namespace in [*self.namespaces.values(), self.router]:
             _ip("netns", "del", namespace, check=False)
+        if self._lock is not None:
+            os.close(self._lock)  # the next lab may build
+            self._lock = None
 
     # ------------------------------------------------------------------------------------------- processes
 

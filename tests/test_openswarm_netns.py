@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -169,6 +170,29 @@ def test_a_lab_left_by_a_killed_run_is_cleared_and_a_new_lab_builds():
     finally:
         subprocess.run(["ip", "netns", "del", f"{tag}-router"], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{tag}l"], capture_output=True)
+
+
+def test_a_lab_waits_for_the_lab_another_process_holds_and_builds_when_it_is_gone():
+    """Two test sessions on one machine: a lab opened while another process holds one waits for it (they would share
+    the subnet) instead of failing, and builds once that lab is closed."""
+    from .helpers import ROOT
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from tests.netlab import Link, NetLab\n"
+         "with NetLab({'a': Link()}):\n    print('up', flush=True); sys.stdin.readline()"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "up"
+        timer = threading.Timer(2.0, holder.stdin.close)  # the holder closes its lab once we are waiting
+        timer.start()
+        with NetLab({"b": Link()}) as lab:
+            assert holder.wait(30) == 0  # it closed its lab (and ours was built only then) and exited cleanly
+            assert lab.namespaces["b"] in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                         text=True).stdout
+        timer.join()
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_across_hosts_a_killed_member_rejoins_and_a_newcomer_over_a_lossy_link_is_trained_on(tmp_path):
