@@ -15,6 +15,7 @@ from ftis_engine.checkpoint import (complete_checkpoints, finalize_when_staged, 
                                     stage_members)
 from ftis_engine.update import DivergenceError
 
+from . import zygote
 from .helpers import as_rank_1_of_a_world, member
 
 
@@ -210,8 +211,8 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_resume_works_
             for override in [*SHORT, "eval.every=0", "eval.at_start=false", f"train.steps={steps}",
                              "checkpoint.keep_last=1"]:
                 args += ["--set", override]
-            return subprocess.run([sys.executable, "-m", "ftis_engine", *args, *extra], capture_output=True,
-                                  text=True, timeout=300)
+            return zygote.run([sys.executable, "-m", "ftis_engine", *args, *extra], capture_output=True,
+                              text=True, timeout=300)
 
         assert train(2).returncode == 0
         stat = os.statvfs(disk)

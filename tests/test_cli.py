@@ -12,6 +12,7 @@ import sys
 import pytest
 import yaml
 
+from . import zygote
 from .helpers import command_here
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -20,8 +21,8 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def cli(*args, cwd=None, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    return subprocess.run([sys.executable, "-m", "ftis_engine", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env=env)
+    return zygote.run([sys.executable, "-m", "ftis_engine", *map(str, args)], capture_output=True, text=True,
+                      cwd=cwd, timeout=timeout, env=env)
 
 
 def test_dry_run_prints_the_resolved_config(tmp_path):
@@ -103,9 +104,9 @@ def test_module_entry_point_and_help():
 
 def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--output-dir",
-                             str(tmp_path / "out"), "--set", "train.backend=triton"], capture_output=True, text=True,
-                            env={**env, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}, timeout=300)
+    result = zygote.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--output-dir",
+                         str(tmp_path / "out"), "--set", "train.backend=triton"], capture_output=True, text=True,
+                        env={**env, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}, timeout=300)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: train.backend: 'triton' needs CUDA tensors (got cpu); on CPU set TRITON_INTERPRET=1 before triton is "
         "imported, or use backend='torch' (train.device='auto' gives cpu here)"]

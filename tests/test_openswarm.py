@@ -23,6 +23,7 @@ from ftis_engine.openswarm.client import JoinRefused, SwarmClient  # noqa: E402
 from ftis_engine.openswarm.coordinator import Coordinator, first_difference, shared_settings  # noqa: E402
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
+from . import zygote
 from .helpers import short_config  # noqa: E402
 from .netlab import NetLab  # noqa: E402
 
@@ -261,9 +262,9 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
 
     def serve(n):
         log = open(tmp_path / f"serve.{n}.log", "w")
-        return subprocess.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
-                                 "--set", "swarm.lease_s=2", "--bind", address, "--output-dir", str(tmp_path / str(n))],
-                                stderr=log)
+        return zygote.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
+                             "--set", "swarm.lease_s=2", "--bind", address, "--output-dir", str(tmp_path / str(n))],
+                            stderr=log)
 
     def joined(n):
         path = tmp_path / str(n) / "coordinator.jsonl"
@@ -397,8 +398,8 @@ class Members:
 
     def start(self, name, resume=False):
         log = open(self.tmp_path / f"{name}.{len(self.procs)}.log", "w")
-        self.procs[name] = subprocess.Popen(_member_args(self.tmp_path, name, self.address, self.steps,
-                                                         resume=resume), stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = zygote.Popen(_member_args(self.tmp_path, name, self.address, self.steps,
+                                                     resume=resume), stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
     def close(self):
@@ -515,7 +516,7 @@ def test_a_member_whose_shared_settings_differ_is_refused_at_join_in_one_line(tm
     try:
         running.coordinator.shared = _shared_for(8)
         args = _member_args(tmp_path, "tiny-s", running.address, 8, "rollout.group_size=8")
-        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+        done = zygote.run(args, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1] == ("error: --join: the coordinator refused tiny-s: "
                                                         "rollout.group_size: the swarm says 4, this member 8")
@@ -594,8 +595,8 @@ def _two_members(tmp_path, steps, jobs, source="", joined=None):
     try:
         for name, (config, extra) in jobs.items():
             log = open(tmp_path / f"{name}.log", "w")
-            procs.append(subprocess.Popen(_member_args(tmp_path, config, running.address, steps, *extra), stdout=log,
-                                          stderr=subprocess.STDOUT))
+            procs.append(zygote.Popen(_member_args(tmp_path, config, running.address, steps, *extra), stdout=log,
+                                      stderr=subprocess.STDOUT))
         def both_joined():
             ended = [name for name, p in zip(jobs, procs) if p.poll() is not None]
             assert not ended, (f"{ended} ended before joining", [f.read_text()[-2000:] for f in tmp_path.glob("*.log")])

@@ -17,6 +17,8 @@ import yaml
 
 from ftis_engine.packaged import PackageError, fetch
 
+from . import zygote
+
 SMOLLM2 = "packaged:smollm2-135m-instruct"
 REWARD = "tests.real_rewards:starts_with_a_number"
 
@@ -65,8 +67,8 @@ def _write(tmp_path: pathlib.Path, config: dict) -> pathlib.Path:
 
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return zygote.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
+                      timeout=timeout)
 
 
 @pytest.fixture(scope="session")

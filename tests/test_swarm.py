@@ -14,6 +14,7 @@ import time
 import psutil
 import pytest
 
+from . import zygote
 from .helpers import SHORT, TINY
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -47,8 +48,8 @@ def _steps(out: pathlib.Path) -> dict[str, list[int]]:
 
 
 def _cli(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
-                          timeout=timeout, env=_env())
+    return zygote.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
+                      timeout=timeout, env=_env())
 
 
 def _free_port() -> int:
@@ -66,8 +67,8 @@ def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = Non
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
         mode = (modes or {}).get(rank, "none")
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "swarm_worker.py"), mode, *args], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(zygote.Popen([sys.executable, str(HERE / "swarm_worker.py"), mode, *args], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
         out, err = p.communicate(timeout=timeout)
@@ -190,8 +191,8 @@ def _kill_rank_after_first_checkpoint(out: pathlib.Path, proc: subprocess.Popen,
 
 def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
     args = _args(tmp_path, "train.steps=40", "checkpoint.every=2", "swarm.timeout_s=60")
-    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     killed = time.time()
     _, err = proc.communicate(timeout=300)
@@ -210,8 +211,8 @@ def kill_and_restart(tmp_path: pathlib.Path, *overrides: str) -> None:
     """Run two processes with one elastic restart allowed, kill -9 rank 1 after the first checkpoint; the run must
     come back and finish (exit 0)."""
     args = _args(tmp_path, "checkpoint.every=2", *overrides)
-    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
+                        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
