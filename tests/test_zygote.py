@@ -14,14 +14,18 @@ import pytest
 from . import zygote
 from .helpers import TINY
 
-ENV = {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}
+
+
+def _env(**extra) -> dict:
+    """What the other test files pass (read now: the session's environment may have changed since collection)."""
+    return {**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", **extra}
 
 
 def test_a_refused_command_exits_and_writes_as_the_same_command_started_as_a_subprocess(tmp_path):
     args = [sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set", "rollout.group_size=-1",
             "--output-dir", "out"]
-    forked = zygote.run(args, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
-    plain = subprocess.run(args, capture_output=True, text=True, env=ENV, cwd=tmp_path, timeout=300)
+    forked = zygote.run(args, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    plain = subprocess.run(args, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
     assert type(forked) is subprocess.CompletedProcess
     assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert forked.returncode == 2 and "rollout.group_size" in forked.stderr and not (tmp_path / "out").exists()
@@ -38,7 +42,7 @@ def test_a_forked_script_gets_its_argv_directory_environment_streams_and_exit_co
                       "sys.stderr.write('to stderr\\n')\n"
                       "sys.exit(3)\n")
     args = [sys.executable, str(script), "a", "b c"]
-    kw = dict(capture_output=True, text=True, env={**ENV, "FTIS_PROBE": "1"}, cwd=tmp_path, input="in", timeout=60)
+    kw = dict(capture_output=True, text=True, env=_env(FTIS_PROBE="1"), cwd=tmp_path, input="in", timeout=60)
     forked, plain = zygote.run(args, **kw), subprocess.run(args, **kw)
     assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
     assert forked.returncode == 3 and forked.stderr == "to stderr\n"
@@ -50,7 +54,7 @@ def test_a_signal_or_a_time_out_ends_a_forked_command_as_it_ends_a_subprocess(tm
     args = [sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--set", "train.steps=100000",
             "--set", "eval.every=0"]
     for kill, code in ((signal.SIGKILL, -9), (signal.SIGTERM, 130)):  # SIGTERM: the command's one line, code 130
-        process = zygote.Popen([*args, "--output-dir", str(tmp_path / str(code))], env=ENV, stdout=subprocess.PIPE,
+        process = zygote.Popen([*args, "--output-dir", str(tmp_path / str(code))], env=_env(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
         assert type(process) is not subprocess.Popen
         while not (tmp_path / str(code)).exists() and process.poll() is None:
@@ -60,7 +64,7 @@ def test_a_signal_or_a_time_out_ends_a_forked_command_as_it_ends_a_subprocess(tm
         _, err = process.communicate(timeout=120)
         assert process.returncode == code, err
     with pytest.raises(subprocess.TimeoutExpired):
-        zygote.run([*args, "--output-dir", str(tmp_path / "t")], env=ENV, capture_output=True, timeout=1)
+        zygote.run([*args, "--output-dir", str(tmp_path / "t")], env=_env(), capture_output=True, timeout=1)
 
 
 def test_only_run_time_settings_may_differ_from_the_zygotes_and_special_starts_are_plain_subprocesses():
@@ -70,9 +74,26 @@ def test_only_run_time_settings_may_differ_from_the_zygotes_and_special_starts_a
         same(base)
     assert same({**base, "PYTHONHASHSEED": "1"}) != same(base) and same({**base, "OMP_NUM_THREADS": "1"}) != same(base)
     args = [sys.executable, "-m", "ftis_engine", "--help"]
-    assert zygote._forkable(args, {"env": ENV, "stdout": subprocess.PIPE})
+    assert zygote._forkable(args, {"env": _env(), "stdout": subprocess.PIPE})
     for kw in ({"start_new_session": True}, {"preexec_fn": os.getpid}, {"pass_fds": (0,)}, {"shell": True}):
         assert not zygote._forkable(args, kw)
     assert not zygote._forkable([sys.executable, "-c", "pass"], {})
-    special = zygote.Popen(args, env=ENV, stdout=subprocess.DEVNULL, start_new_session=True)
+    special = zygote.Popen(args, env=_env(), stdout=subprocess.DEVNULL, start_new_session=True)
     assert type(special) is subprocess.Popen and special.wait(timeout=120) == 0
+
+
+def test_a_retired_zygote_takes_no_more_commands_and_ends_after_the_ones_it_forked_with_their_statuses(tmp_path):
+    """A fourth environment retires the zygote used least recently: what it forked goes on and reports."""
+    script = tmp_path / "slow.py"
+    script.write_text("import sys, time\ntime.sleep(2)\nsys.exit(5)\n")
+    env = _env(ZYGOTE_TEST_ENVIRONMENT="retired")  # an environment of its own: no other test's zygote is retired
+    process = zygote.Popen([sys.executable, str(script)], env=env)
+    assert type(process) is not subprocess.Popen
+    retired = process._zygote
+    retired.retire()
+    assert process.wait(timeout=60) == 5
+    retired.proc.wait(timeout=30)
+    with zygote._lock:
+        zygote._zygotes.pop(zygote._import_environment(env))
+    with pytest.raises(OSError):
+        zygote._ForkedPopen(retired, [sys.executable, str(script)], env=env)

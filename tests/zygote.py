@@ -39,7 +39,7 @@ IMPORTS = ("torch", "torch.distributed", "torch.utils.tensorboard", "transformer
            "ftis_engine.session", "ftis_engine.wiring", "ftis_engine.tasks", "ftis_engine.generation.hf",
            "ftis_engine.exchange.weights", "ftis_engine.plots", "ftis_engine.study")
 _HEADER = struct.Struct("!I")
-_MAX_ZYGOTES = 3  # one per environment tests use; a fourth environment runs its commands as plain subprocesses
+_MAX_ZYGOTES = 3  # one per environment in use: a fourth stops the one used least recently (each holds ~0.5 GB)
 
 
 def _runtime(key: str) -> bool:
@@ -55,18 +55,18 @@ def _import_environment(env: dict) -> tuple:
 def _serve(listener: socket.socket) -> dict:
     """Fork a child per request; report each child's wait status to its requester. Returns only in a child, with the
     request it is to run. Single-threaded (forking a process with threads is not safe): children are reaped by
-    polling. Ends (killing what it started) when its standard input closes: the test session is gone."""
+    polling. When its standard input closes (the test session has ended, or needs this zygote no more) it takes no
+    more requests and ends once the commands it forked have."""
     live: dict[int, socket.socket] = {}
+    watched = [listener, sys.stdin]
     while True:
-        ready, _, _ = select.select([listener, sys.stdin], [], [], 0.02)
+        ready, _, _ = select.select(watched, [], [], 0.02)
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1024):
-            for pid in live:
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
+            watched = []
+            listener.close()
+        if not watched and not live:
             os._exit(0)
-        if listener in ready:
+        if listener in ready and watched:
             conn, _ = listener.accept()
             conn.settimeout(30)  # a requester that died before it wrote its request does not stop the zygote
             try:
@@ -174,18 +174,24 @@ class _Zygote:
             self.ready = line == b"ready\n"
         return self.ready and self.proc.poll() is None
 
-    def close(self) -> None:
-        try:
+    def retire(self) -> None:
+        """No more commands: it ends once those it forked have (their statuses still come back)."""
+        if not self.proc.stdin.closed:
             self.proc.stdin.close()
+
+    def close(self) -> None:
+        self.retire()
+        try:
             self.proc.wait(timeout=30)
-        except Exception:
-            self.proc.kill()
+        except subprocess.TimeoutExpired:
+            self.proc.kill()  # a command a test left running goes on, as a subprocess's would
         import shutil
 
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-_zygotes: dict[tuple, _Zygote | None] = {}
+_zygotes: dict[tuple, _Zygote | None] = {}  # the most recently used last
+_retired: list[_Zygote] = []
 _lock = threading.Lock()
 
 
@@ -193,10 +199,13 @@ def _zygote_for(env: dict) -> _Zygote | None:
     key = _import_environment(env)
     with _lock:
         if key not in _zygotes:
-            if len(_zygotes) >= _MAX_ZYGOTES:
-                return None
+            running = [k for k, z in _zygotes.items() if z is not None]
+            if len(running) >= _MAX_ZYGOTES:
+                retired = _zygotes.pop(running[0])
+                retired.retire()  # the commands it forked go on, and their statuses still come back
+                _retired.append(retired)
             _zygotes[key] = _Zygote(env)
-        zygote = _zygotes[key]
+        zygote = _zygotes[key] = _zygotes.pop(key)
         if zygote is not None and not zygote.wait_ready():
             zygote.close()
             _zygotes[key] = zygote = None  # it could not start: this environment's commands run as subprocesses
@@ -205,7 +214,7 @@ def _zygote_for(env: dict) -> _Zygote | None:
 
 @atexit.register
 def _close_all() -> None:
-    for zygote in _zygotes.values():
+    for zygote in [*_retired, *_zygotes.values()]:
         if zygote is not None:
             zygote.close()
 
