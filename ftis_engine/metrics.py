@@ -169,6 +169,24 @@ def _clean(value):
     return value
 
 
+def _after_event_files(folder: pathlib.Path) -> None:
+    """Wait, if need be, until the clock's second is past the newest TensorBoard event file's in `folder`.
+    TensorBoard reads a folder's files in the order of their names, `events.out.tfevents.<second>.<host>.<pid>.<n>`,
+    where n counts the writers a process has made: a resume's file made in the second of the file before it could
+    sort first (n = 10 after 9, or a new process's 0 after 3), and its purge would act before the steps it drops
+    were read: they would stay, twice. A resume starts seconds after what it resumes; a process that writes twice
+    in one second (a test, a notebook) waits at most one. A file from the future (another machine's clock) is
+    not waited for."""
+    newest = -1
+    with contextlib.suppress(OSError):
+        for path in folder.glob("events.out.tfevents.*"):
+            second = path.name.split(".")[3]
+            if second.isdigit():
+                newest = max(newest, int(second))
+    if int(time.time()) == newest:
+        time.sleep(max(0.0, newest + 1 - time.time()) + 1e-3)
+
+
 class MetricsLogger:
     """Appends lines to run_dir/metrics.jsonl (flushed and fsynced per line) and mirrors numbers to TensorBoard
     under run_dir/tensorboard as `<member>/<kind>/<key>`."""
@@ -190,8 +208,9 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard" / tensorboard_subdir),
-                                     purge_step=purge_step, filename_suffix=tensorboard_suffix)
+            folder = run_dir / "tensorboard" / tensorboard_subdir
+            _after_event_files(folder)
+            self._tb = SummaryWriter(log_dir=str(folder), purge_step=purge_step, filename_suffix=tensorboard_suffix)
 
     def log(self, record: dict) -> None:
         record = {k: _clean(v) for k, v in record.items()}

@@ -176,11 +176,20 @@ def _tensorboard_points(run_dir) -> dict[str, int]:
     return {tag: len(events.Scalars(run, tag)) for run, tags in events.Runs().items() for tag in tags["scalars"]}
 
 
-def test_two_async_ranks_writing_tensorboard_keep_both_ranks_steps_fresh_and_on_resume(tmp_path):
+@pytest.mark.parametrize("writers_before", [0, 9])
+def test_two_async_ranks_writing_tensorboard_keep_both_ranks_steps_fresh_and_on_resume(tmp_path, monkeypatch,
+                                                                                       writers_before):
     """Async ranks log their own members to TensorBoard at once. One folder for both made the second writer's
     purge (step 0 on a fresh run) drop every step of the first as TensorBoard read it; each rank writes a folder of
-    its own, and a fresh run purges nothing. A resume at step 2 drops steps 3 and on, every rank's alike."""
+    its own, and a fresh run purges nothing. A resume at step 2 drops steps 3 and on, every rank's alike.
+    writers_before: how many SummaryWriters the process made before (their count is in each file's name: with 9,
+    the resume's files end in .11 and .12 against the first run's .9 and .10, and in the same second ".11" sorted
+    before ".9", so TensorBoard met the purge first and kept steps 3 and 4 twice; seen under pytest-xdist)."""
+    from tensorboard.summary.writer import event_file_writer
+
     from ftis_engine.metrics import MetricsLogger
+
+    monkeypatch.setattr(event_file_writer._global_uid, "_value", writers_before)
 
     def run(purge, steps):
         loggers = [MetricsLogger(tmp_path, purge_step=purge, shared=True, tensorboard_suffix=f".rank{k}",
