@@ -31,13 +31,11 @@ import threading
 # read at run time, never while a module is imported: they may differ between the zygote and a command it runs
 RUNTIME_KEYS = ("PYTEST_CURRENT_TEST", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                 "MASTER_ADDR", "MASTER_PORT", "FTIS_")
-# what the zygote imports: every worker module (ftis_engine.preload's list) and what a run's end and the other
-# commands use
-IMPORTS = ("torch", "torch.distributed", "torch.utils.tensorboard", "transformers", "transformers.modeling_utils",
-           "transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2", "peft",
-           "matplotlib", "matplotlib.pyplot", "ftis_engine.cli", "ftis_engine.launch", "ftis_engine.run",
-           "ftis_engine.session", "ftis_engine.wiring", "ftis_engine.tasks", "ftis_engine.generation.hf",
-           "ftis_engine.exchange.weights", "ftis_engine.plots", "ftis_engine.study")
+# what the zygote imports: ftis_engine.preload, which imports every module a worker needs (the list the launcher's
+# fork server imports; its own records, SERVER_ENVIRON and IMPORTED_BY, are read only in a worker forked from that
+# server), and what a run's end and the other commands use
+IMPORTS = ("ftis_engine.preload", "matplotlib", "matplotlib.pyplot", "ftis_engine.cli", "ftis_engine.plots",
+           "ftis_engine.study")
 _HEADER = struct.Struct("!I")
 _MAX_ZYGOTES = 3  # one per environment in use: a fourth stops the one used least recently (each holds ~0.5 GB)
 
@@ -273,13 +271,11 @@ class _ForkedPopen(subprocess.Popen):
         ready, _, _ = select.select([self._conn], [], [], timeout)
         if not ready:
             return False
-        data = b""
-        while len(data) < 4:
-            chunk = self._conn.recv(4 - len(data))
-            if not chunk:  # the zygote died: the child's status is lost with it
-                self.returncode = -9
-                return True
-            data += chunk
+        try:
+            data = _recv_exact(self._conn, 4)
+        except EOFError:  # the zygote died: the child's status is lost with it
+            self.returncode = -9
+            return True
         self.returncode = os.waitstatus_to_exitcode(struct.unpack("!i", data)[0])
         self._conn.close()
         return True
