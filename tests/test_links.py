@@ -5,7 +5,6 @@ liar can send and a failure of this code are each tested without launching proce
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,8 @@ import torch
 
 from ftis_engine.exchange import links as links_module
 from ftis_engine.exchange.links import DATA, DONE, HEADER, MAGIC, TAKEN, Links, PeerLost, TransportError
+
+from .helpers import free_port
 
 zmq = pytest.importorskip("zmq")
 
@@ -123,9 +124,7 @@ def test_a_killed_peer_is_lost_and_check_says_so():
 
 
 def test_a_peer_that_never_comes_up_is_lost_after_the_timeout():
-    with socket.socket() as closed:  # an address nobody listens on
-        closed.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{closed.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_port()}"  # an address nobody listens on
     links, _ = start(timeout_s=1.0, fixed={1: address})
     with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(no connection to tcp://127.0.0.1:"
                                        r"\d+ within swarm.timeout_s=1\)"):

@@ -24,7 +24,7 @@ from ftis_engine.openswarm.coordinator import Coordinator, first_difference, sha
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
 from . import zygote
-from .helpers import short_config  # noqa: E402
+from .helpers import free_port, short_config  # noqa: E402
 from .netlab import NetLab  # noqa: E402
 
 SHARED = {"seed": 0, "data": {"task": "tiny-add"}, "train": {"steps": 5}}
@@ -247,18 +247,13 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
     """`swarm serve` killed with SIGKILL and started again on the same address: its members keep going (a parcel
     meanwhile is dropped, not queued without bound), are told to rejoin by the new coordinator, rejoin, and
     parcels flow through it."""
-    import socket as sockets
-
     from ftis_engine.openswarm.coordinator import load_swarm_config
 
     from .helpers import ROOT
 
     swarm_yaml = ROOT / "configs/swarm/swarm.yaml"
     shared = shared_settings(load_swarm_config(swarm_yaml, ["swarm.lease_s=2"]))
-    with sockets.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    address = f"tcp://127.0.0.1:{port}"
+    address = f"tcp://127.0.0.1:{free_port()}"
 
     def serve(n):
         log = open(tmp_path / f"serve.{n}.log", "w")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pathlib
 import re
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -31,9 +33,12 @@ def test_the_set_up_section_holds_the_two_commands_ci_runs():
     assert (ROOT / "constraints.txt").is_file()
 
 
-def test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_kept(tmp_path):
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+def test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_kept(tmp_path, workers):
     """The README's test command leaves nothing behind: conftest gives a session its own FTIS_CACHE_DIR (a
-    packaged model in it is half a gigabyte) and removes it when the session ends; a cache the user named stays."""
+    packaged model in it is half a gigabyte) and removes it when the session ends; a cache the user named stays.
+    With pytest-xdist's workers (the README runs two) as in one process: one cache for the session, removed."""
+    import getpass
     import os
     import subprocess
     import sys
@@ -51,11 +56,14 @@ def test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_ke
         env = {k: v for k, v in os.environ.items() if k != "FTIS_CACHE_DIR"}
         env.update(TMPDIR=str(temp), **({} if cache is None else {"FTIS_CACHE_DIR": str(cache)}))
         run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                              "-c", os.devnull, "--rootdir", str(probe), str(probe / "test_probe.py")],
+                              "-c", os.devnull, "--rootdir", str(probe), *workers, str(probe / "test_probe.py")],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert run.returncode == 0, run.stdout + run.stderr
         seen = pathlib.Path((probe / "seen").read_text())
         if cache is None:  # the session's own, made under TMPDIR, written to, and gone
             assert seen.parent == temp and seen.name.startswith("ftis-test-cache-") and not seen.exists()
     assert seen == mine and (mine / "kept").read_text() == str(mine)
-    assert list(temp.iterdir()) == []
+    # only pytest's own numbered base folder, which pytest-xdist makes for its workers (pytest keeps the last three)
+    left = [path for path in temp.rglob("*") if not (path.is_dir() and path.relative_to(temp).parts[0] == "pytest-of-"
+                                                     + getpass.getuser())]
+    assert left == []

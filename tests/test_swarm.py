@@ -6,7 +6,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import psutil
 import pytest
 
 from . import zygote
-from .helpers import SHORT, TINY
+from .helpers import SHORT, TINY, free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
@@ -53,9 +52,7 @@ def _cli(*args, timeout=300):
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 
 def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300,

@@ -61,7 +61,9 @@ def _serve(listener: socket.socket) -> dict:
         ready, _, _ = select.select(watched, [], [], 0.02)
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1024):
             watched = []
+            path = listener.getsockname()
             listener.close()
+            _remove(path)  # the test side removes it too, if its process gets to its atexit (an xdist worker may not)
         if not watched and not live:
             os._exit(0)
         if listener in ready and watched:
@@ -103,6 +105,14 @@ def _serve(listener: socket.socket) -> dict:
                 except OSError:
                     pass  # the test that started it has gone
                 conn.close()
+
+
+def _remove(path: str) -> None:
+    for remove, what in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
+        try:
+            remove(what)
+        except OSError:
+            pass
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
