@@ -25,7 +25,6 @@ import os
 import pathlib
 import platform
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import time
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
+
+from tests.ports import free_port  # noqa: E402  (a port a test beside this one cannot take meanwhile)
 
 SETTINGS = ["sync", "0", "1", "2", "4", "null"]  # sync mode, then async mode by swarm.max_lead
 QUICK_SETTINGS = ["sync", "2", "null"]
@@ -61,12 +62,6 @@ def worker(slowdown: float, jitter: float, args: list[str]) -> None:
     cli_main(args)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def label(setting: str) -> str:
     return "sync" if setting == "sync" else f"async, max_lead {setting}"
 
@@ -78,7 +73,7 @@ def run_swarm(setting: str, steps: int, slowdown: float, jitter: float, out: pat
     for o in [f"run_name={name}", f"train.steps={steps}", *mode, "eval.at_start=false", "eval.every=0",
               "eval.max_samples=16", "checkpoint.every=0", "train.threads=1"]:
         args += ["--set", o]
-    port, procs = _free_port(), []
+    port, procs = free_port(), []
     started = time.perf_counter()
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

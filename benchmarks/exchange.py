@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import platform
-import socket
 import statistics
 import sys
 
@@ -28,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from ftis_engine.exchange.sync import Collectives, DistributedSync  # noqa: E402
 from ftis_engine.rollouts import Rollout, encode, max_buffer_words, wire_bytes  # noqa: E402
+from tests.ports import free_port  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -62,15 +62,9 @@ def _worker(rank: int, world: int, port: int, sequences: int, tokens: int, repea
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure(world: int, sequences: int, tokens: int, repeats: int, backend: str) -> dict:
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(world, _free_port(), sequences, tokens, repeats, backend, queue), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), sequences, tokens, repeats, backend, queue), nprocs=world, join=True)
     result = queue.get()
     n_tok = sequences * tokens
     return {"processes": world, "backend": backend, "sequences_per_member": sequences, "tokens_per_member": n_tok,

@@ -15,7 +15,8 @@ import pytest
 
 from . import zygote
 from .helpers import TINY
-from .test_swarm import (HERE, _args, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train,
+from .ports import free_port
+from .test_swarm import (HERE, _args, _env, _kill_rank_after_first_checkpoint, _records, _steps, _train,
                          kill_and_restart)
 
 pytestmark = pytest.mark.slow
@@ -26,7 +27,7 @@ ASYNC = ("swarm.mode=async", "eval.at_start=false", "checkpoint.every=0")
 def _launch_timed(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300):
     """Hand-launch `world` ranks (as torchrun would); returns (exit code, stderr, when it exited: seconds since the
     epoch, comparable with the records' ended_at) each."""
-    port = _free_port()
+    port = free_port()
     procs, start = [], time.time()
     for rank in range(world):
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

@@ -16,7 +16,7 @@ import torch
 from ftis_engine.exchange import links as links_module
 from ftis_engine.exchange.links import DATA, DONE, HEADER, MAGIC, TAKEN, Links, PeerLost, TransportError
 
-from .helpers import free_port
+from .ports import free_port
 
 zmq = pytest.importorskip("zmq")
 

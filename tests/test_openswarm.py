@@ -24,7 +24,8 @@ from ftis_engine.openswarm.coordinator import Coordinator, first_difference, sha
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
 from . import zygote
-from .helpers import free_port, short_config  # noqa: E402
+from .helpers import short_config  # noqa: E402
+from .ports import free_port  # noqa: E402
 from .netlab import NetLab  # noqa: E402
 
 SHARED = {"seed": 0, "data": {"task": "tiny-add"}, "train": {"steps": 5}}

@@ -293,10 +293,11 @@ def test_one_world_async_ranks_on_two_hosts_reach_each_other_over_zeromq_on_thei
     socket on its address towards MASTER_ADDR and dials the other's: both train on each other's rollouts to the
     end. A wrong advertised address (loopback) would leave each peer unreachable: lost, exit 1."""
     from .test_async_swarm import ASYNC
-    from .test_swarm import _args, _env, _free_port, _records, _train
+    from .ports import free_port
+    from .test_swarm import _args, _env, _records, _train
 
     with NetLab({"a": Link(), "b": Link(delay_ms=50, loss=0.02)}) as lab:
-        port, procs = _free_port(), []
+        port, procs = free_port(), []
         args = _args(tmp_path, "train.steps=6", *ASYNC, "swarm.timeout_s=60")
         for rank, host in enumerate(("a", "b")):
             env = _env(RANK=str(rank), LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1",

@@ -11,7 +11,8 @@ import pytest
 
 from . import zygote
 from .helpers import TINY, command_here, short_config
-from .test_swarm import _args, _cli, _env, _free_port, _kill_rank_after_first_checkpoint, _records, _steps, _train
+from .ports import free_port
+from .test_swarm import _args, _cli, _env, _kill_rank_after_first_checkpoint, _records, _steps, _train
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -154,7 +155,7 @@ def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
     gradient equals the 1-rank (eager) gradient to float32 rounding; the stats agree; after three Adam steps (each
     about lr x sign) the weights agree to a small fraction of lr. In bf16 compute (FSDP2's mixed-precision policy
     against one rank's autocast, full and LoRA) they agree within bf16 tolerance."""
-    port, out = _free_port(), tmp_path / "equivalence.json"
+    port, out = free_port(), tmp_path / "equivalence.json"
     procs = [zygote.Popen([sys.executable, str(HERE / "placement_worker.py"), str(out)], env=_env(
         RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), stderr=subprocess.PIPE,
         text=True) for r in range(2)]

@@ -14,7 +14,8 @@ import psutil
 import pytest
 
 from . import zygote
-from .helpers import SHORT, TINY, free_port
+from .helpers import SHORT, TINY
+from .ports import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow
@@ -51,14 +52,10 @@ def _cli(*args, timeout=300):
                       timeout=timeout, env=_env())
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = None, timeout=300,
                  env_extra: dict | None = None):
     """Start `world` ranks the way torchrun would (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment)."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

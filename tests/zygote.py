@@ -21,6 +21,7 @@ import atexit
 import json
 import os
 import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -63,7 +64,8 @@ def _serve(listener: socket.socket) -> dict:
             watched = []
             path = listener.getsockname()
             listener.close()
-            _remove(path)  # the test side removes it too, if its process gets to its atexit (an xdist worker may not)
+            # its folder, as the test side's close() does, whose process may end without its atexit (an xdist worker)
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
         if not watched and not live:
             os._exit(0)
         if listener in ready and watched:
@@ -105,14 +107,6 @@ def _serve(listener: socket.socket) -> dict:
                 except OSError:
                     pass  # the test that started it has gone
                 conn.close()
-
-
-def _remove(path: str) -> None:
-    for remove, what in ((os.unlink, path), (os.rmdir, os.path.dirname(path))):
-        try:
-            remove(what)
-        except OSError:
-            pass
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
@@ -193,8 +187,6 @@ class _Zygote:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()  # a command a test left running goes on, as a subprocess's would
-        import shutil
-
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
