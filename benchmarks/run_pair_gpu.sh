@@ -11,6 +11,8 @@
 # pair-sync  ftis-engine train --config configs/gpu/pair-shapes.yaml --nproc 2             -> pair-sync.metrics.jsonl
 # pair-async the same with --set swarm.mode=async                                          -> pair-async.metrics.jsonl
 # summary    benchmarks/pair_summary.py over all of it                        -> pair_h100.{json,md} (or _h200)
+# seeds      benchmarks/vllm_generator.py on the 1.5B shape, the alone batch at 512 tokens: per-request seeds
+#            against one seeded stream, and sleep level 1 against 2 (the gap to TRL's generation) -> seeds.{json,md}
 #
 # Every stage also leaves <stage>.log and <stage>.gpumem (nvidia-smi's memory.used every 0.5 s while it ran) in
 # $RESULTS (default /tmp/pair-results, which outlives a call while the machine stays warm), appends its exit
@@ -66,6 +68,8 @@ for stage in "${stages[@]}"; do
     pair-sync) train pair-sync --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false ;;
     pair-async) train pair-async --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false \
                   --set swarm.mode=async ;;
+    seeds) timeout -k 10 "$limit" python3 benchmarks/vllm_generator.py --model builtin:shape-1.5b --prompts 12 --n 12 \
+             --max-new-tokens 512 --no-hf --output "$out/seeds" ;;
     summary)  # named for the GPU: pair_h100, pair_h200 (pair_gpu when device.txt does not say)
       tag=$(grep -oiE 'h100|h200|a100|b200' "$out/device.txt" 2>/dev/null | head -1 | tr 'A-Z' 'a-z')
       python3 benchmarks/pair_summary.py --results "$out" --output "$out/pair_${tag:-gpu}" ;;

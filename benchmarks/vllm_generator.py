@@ -8,8 +8,11 @@ downloaded), one process:
    absolute log-ratio |log p_train - log p_vllm| is the importance weight's distance from 1 on a member's own
    rollouts (mean, p99, max over tokens);
 3. sleeps and wakes the engine (GPU memory released and taken back, seconds) and pushes the weights once (seconds);
-4. builds the same member with `generator: hf` (same seed, same weights) and times the same generation;
-   tokens/s of both, side by side, in the same process.
+4. times the same prompts with every completion run to the length limit, per-request seeds against one seeded
+   stream for the batch (`members.N.vllm.per_request_seed`), alternated `--seed-rounds` times in the same engine;
+   and the wake-up with a weight push after a sleep at level 1 and at level 2 (`members.N.vllm.sleep_level`);
+5. builds the same member with `generator: hf` (same seed, same weights) and times the same generation;
+   tokens/s of both, side by side, in the same process (`--no-hf` skips it: the slowest part).
 
     python benchmarks/vllm_generator.py --output benchmarks/results/vllm_h100
 """
@@ -73,6 +76,49 @@ def logprob_gaps(member, prompts, outputs, temperature: float, limit: int) -> to
     return torch.cat(gaps)
 
 
+def seeding_ab(generator, prompts, sampling, rounds: int) -> dict:
+    """Seconds of one generation with per-request seeds and with one seeded stream, every completion run to the
+    limit (the same tokens to make either way), alternated in the same engine (which goes first swaps each round)."""
+    import dataclasses
+    import statistics
+
+    full = dataclasses.replace(sampling, min_new_tokens=sampling.max_new_tokens)
+    times = {True: [], False: []}
+    for r in range(rounds):
+        for per_request in ((True, False) if r % 2 == 0 else (False, True)):
+            generator.per_request_seed = per_request
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            generator.generate(prompts, full)
+            torch.cuda.synchronize()
+            times[per_request].append(time.perf_counter() - start)
+    generator.per_request_seed = True
+    per_request_s, one_stream_s = statistics.median(times[True]), statistics.median(times[False])
+    return {"rounds": rounds, "tokens": len(prompts) * full.n * full.max_new_tokens,
+            "per_request_seconds": times[True], "one_stream_seconds": times[False],
+            "per_request_s": per_request_s, "one_stream_s": one_stream_s,
+            "per_request_over_one_stream": per_request_s / one_stream_s}
+
+
+def sleep_levels(member) -> dict:
+    """Sleep, then wake with a full weight push (what a step's generation starts with), at level 1 and level 2."""
+    out = {}
+    gen = member.generator
+    for level in (1, 2):
+        gen.sleep_level = level
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        gen.sleep()
+        sleep_s = time.perf_counter() - start
+        gen.sync(member.model)
+        start = time.perf_counter()
+        gen.wake_up()
+        torch.cuda.synchronize()
+        out[str(level)] = {"sleep_seconds": sleep_s, "wake_and_push_seconds": time.perf_counter() - start}
+    gen.sleep_level = 1
+    return out
+
+
 def free_memory() -> int:
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
@@ -87,6 +133,9 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--parity-sequences", type=int, default=128)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--seed-rounds", type=int, default=3,
+                        help="rounds of the seeding A/B (each: both ways, in alternating order); 0 skips it")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers generator's comparison")
     parser.add_argument("--output", required=True, help="path prefix: writes <output>.json and <output>.md")
     args = parser.parse_args(argv)
 
@@ -152,13 +201,19 @@ def main(argv=None) -> int:
     result["after_update"] = {"tokens": gaps.numel(), "mean": float(gaps.mean()), "max": float(gaps.max()),
                               "old_rollouts_mean": float(before.mean())}
     print("after update", result["after_update"], flush=True)
+    if args.seed_rounds:
+        result["seeding"] = seeding_ab(member.generator, prompts, sampling, args.seed_rounds)
+        print("seeding", result["seeding"], flush=True)
+        result["sleep_levels"] = sleep_levels(member)
+        print("sleep levels", result["sleep_levels"], flush=True)
     member.generator.sleep()  # out of the HF generator's way
 
-    hf_member = build(args.model, "hf", args.max_new_tokens, args.gpu_memory_utilization)
-    _, result["hf_generation"] = timed_generation(hf_member, prompts, sampling)
-    print("hf", result["hf_generation"], flush=True)
-    result["vllm_over_hf_tokens_per_s"] = (result["vllm_generation"]["tokens_per_s"]
-                                           / result["hf_generation"]["tokens_per_s"])
+    if not args.no_hf:
+        hf_member = build(args.model, "hf", args.max_new_tokens, args.gpu_memory_utilization)
+        _, result["hf_generation"] = timed_generation(hf_member, prompts, sampling)
+        print("hf", result["hf_generation"], flush=True)
+        result["vllm_over_hf_tokens_per_s"] = (result["vllm_generation"]["tokens_per_s"]
+                                               / result["hf_generation"]["tokens_per_s"])
 
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -170,9 +225,16 @@ def main(argv=None) -> int:
         f"transformers {result['transformers']}, Python {result['python']}.", "",
         f"Model `{args.model}` ({s['parameters'] / 1e6:.0f}M parameters, random, bf16), {args.prompts} prompts x "
         f"{args.n} completions, {args.max_new_tokens} new tokens at most, temperature {args.temperature}.", "",
-        "| | vLLM | HF generate | vLLM / HF |", "| --- | ---: | ---: | ---: |",
-        f"| generated tokens/s | {result['vllm_generation']['tokens_per_s']:,.0f} | "
-        f"{result['hf_generation']['tokens_per_s']:,.0f} | {result['vllm_over_hf_tokens_per_s']:.1f}x |", "",
+    ]
+    if "hf_generation" in result:
+        md += [
+            "| | vLLM | HF generate | vLLM / HF |", "| --- | ---: | ---: | ---: |",
+            f"| generated tokens/s | {result['vllm_generation']['tokens_per_s']:,.0f} | "
+            f"{result['hf_generation']['tokens_per_s']:,.0f} | {result['vllm_over_hf_tokens_per_s']:.1f}x |", "",
+        ]
+    else:
+        md += [f"vLLM: {result['vllm_generation']['tokens_per_s']:,.0f} generated tokens/s (no HF comparison).", ""]
+    md += [
         f"Own rollouts, per token, |log p_trainer - log p_vLLM| over {g['tokens']:,} tokens: mean {g['mean']:.4f}, "
         f"p99 {g['p99']:.4f}, max {g['max']:.4f}; mean importance weight exp(-|.|) {g['is_weight_mean']:.4f}.", "",
         f"Sleep (level 1) released {s['released_by_sleep_gib']:.2f} GiB of the engine's {s['engine_gib']:.2f} GiB "
@@ -181,8 +243,18 @@ def main(argv=None) -> int:
         f"After an update (every weight + N(0, 0.01^2)) and a sync, new rollouts: mean |log-ratio| "
         f"{result['after_update']['mean']:.4f}, max {result['after_update']['max']:.4f} (the rollouts sampled before "
         f"the update, under the new weights: {result['after_update']['old_rollouts_mean']:.4f}).", "",
-        f"Command: `{result['command']}`", "",
     ]
+    if "seeding" in result:
+        a, lv = result["seeding"], result["sleep_levels"]
+        md += [
+            f"Seeding, every completion run to {args.max_new_tokens} tokens, {a['rounds']} alternated rounds "
+            f"(median seconds): per-request seeds {a['per_request_s']:.3f} s, one seeded stream "
+            f"{a['one_stream_s']:.3f} s; per request / one stream = **{a['per_request_over_one_stream']:.3f}x**.", "",
+            f"Wake-up with a full weight push after a sleep: level 1 {lv['1']['wake_and_push_seconds']:.2f} s (sleep "
+            f"{lv['1']['sleep_seconds']:.2f} s), level 2 {lv['2']['wake_and_push_seconds']:.2f} s (sleep "
+            f"{lv['2']['sleep_seconds']:.2f} s).", "",
+        ]
+    md += [f"Command: `{result['command']}`", ""]
     pathlib.Path(f"{out}.md").write_text("\n".join(md))
     print("\n".join(md))
     return 0

@@ -99,6 +99,14 @@ class VllmSettings(_Section):
     sleep_level: Literal[1, 2] = Field(
         1, description="Sleep level during the update: 1 offloads weights to CPU, 2 discards them (reloaded by sync)."
     )
+    per_request_seed: bool = Field(
+        True, description="true: every completion has a seed of its own, so its tokens do not depend on how the "
+                          "engine batches the step (vLLM then draws each seeded sequence's sampling noise on its own, "
+                          "one small kernel per sequence per decoded token); false: the engine's sampling stream is "
+                          "seeded from the step's seed before each generation and noise is drawn once per token for "
+                          "the whole batch (TRL's and verl's way; a step still repeats given the same weights and "
+                          "prompts, a resume included, on the same GPU and vLLM).",
+    )
 
 
 class WarmStartSettings(_Section):

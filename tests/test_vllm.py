@@ -147,6 +147,70 @@ def test_torchs_cache_is_emptied_before_the_engine_wakes(monkeypatch):
                       "generate", "sleep 1"]
 
 
+class _DrawingEngine:
+    """A stand-in vllm.LLM whose generation draws its noise the way vLLM's sampler does: from a request's own
+    generator where it has a seed, else from the device's default generator (here the CPU's)."""
+
+    def __init__(self):
+        self.seeds = []
+
+    def generate(self, prompts, params, use_tqdm, lora_request):
+        out = []
+        for prompt, p in zip(prompts, params):
+            self.seeds.append(p.seed)
+            gen = torch.Generator().manual_seed(p.seed) if p.seed is not None else None
+            noise = torch.rand(p.n, generator=gen)
+            out.append(_RequestOutput([_CompletionOutput(j, [int(1000 * x) + 1], [{int(1000 * x) + 1: _Logprob(-1.0)}],
+                                                         "length") for j, x in enumerate(noise.tolist())]))
+        return out
+
+
+def _drawing_generator(monkeypatch, per_request_seed: bool):
+    import sys
+    import types
+
+    from .helpers import member
+
+    m, _ = member(0)
+    fake = types.ModuleType("vllm")
+    fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.lora, gen._model, gen.llm, gen._lora_request, gen.eos_ids = False, m.model, _DrawingEngine(), None, {0}
+    gen._asleep, gen._stale, gen.per_request_seed, gen._device = False, False, per_request_seed, torch.device("cpu")
+    return gen
+
+
+@pytest.mark.parametrize("per_request_seed", [True, False])
+def test_a_steps_completions_repeat_with_its_seed_and_leave_the_trainers_random_state_alone(monkeypatch,
+                                                                                             per_request_seed):
+    """Both ways of seeding (members.N.vllm.per_request_seed): the same step seed gives the same completions, another
+    seed others, and the trainer's own random stream continues as if no generation had happened. Per request, each
+    prompt's n completions are seeded seed + i * n (what they are does not depend on the batch); otherwise no request
+    carries a seed and the default generator is seeded from the step's seed for the call."""
+    from ftis_engine.generation import SamplingSettings
+
+    gen = _drawing_generator(monkeypatch, per_request_seed)
+    prompts = [[1, 2], [3], [4, 5, 6]]
+
+    def tokens(seed):
+        done = gen.generate(prompts, SamplingSettings(n=4, max_new_tokens=1, seed=seed))
+        return [c.token_ids.tolist() for group in done for c in group]
+
+    torch.manual_seed(123)
+    expected_trainer_draw = torch.rand(3)
+    torch.manual_seed(123)
+    first, again, other = tokens(7), tokens(7), tokens(8)
+    assert torch.equal(torch.rand(3), expected_trainer_draw)
+    assert first == again and first != other
+    if per_request_seed:
+        assert gen.llm.seeds[:3] == [7, 11, 15]
+    else:
+        assert gen.llm.seeds == [None] * 9
+        torch.manual_seed(7)  # the oracle: the batch's noise in one stream from the step's seed
+        assert first == [[int(1000 * x) + 1] for x in torch.rand(4 * len(prompts)).tolist()]
+
+
 def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     """The engine's loader gets every floating tensor in bf16 (the masters stay float32 in the trainer), under the
     names the model saves with (a stand-in engine records what load_weights received)."""
@@ -534,3 +598,25 @@ def _tiny_member():
     from .helpers import member
 
     return member(0)[0]
+
+
+def test_the_seeding_benchmark_alternates_both_ways_at_full_length(monkeypatch):
+    """benchmarks/vllm_generator.py's A/B (stand-in generator, no GPU): each round times both ways, the first of a
+    round alternating, every completion forced to the length limit, and the generator left as it was."""
+    from benchmarks import vllm_generator as bench
+    from ftis_engine.generation import SamplingSettings
+
+    calls = []
+
+    class Gen:
+        per_request_seed = True
+
+        def generate(self, prompts, sampling):
+            calls.append((self.per_request_seed, sampling.min_new_tokens, sampling.max_new_tokens))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    gen = Gen()
+    out = bench.seeding_ab(gen, [[1], [2]], SamplingSettings(n=3, max_new_tokens=50), rounds=3)
+    assert [c[0] for c in calls] == [True, False, False, True, True, False]
+    assert all(c[1:] == (50, 50) for c in calls) and gen.per_request_seed is True
+    assert out["tokens"] == 2 * 3 * 50 and len(out["per_request_seconds"]) == len(out["one_stream_seconds"]) == 3

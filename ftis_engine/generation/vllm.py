@@ -5,6 +5,9 @@
   distribution actually sampled from (after temperature; with top_p = 1 and no top_k that is
   log_softmax(logits / T), the trainer's own quantity). Requires vLLM >= 0.10.2, where "processed" took that
   meaning.
+- Seeds: one per request (prompt i of a step: seed + i * n; a completion does not depend on the batch), or with
+  `vllm.per_request_seed: false` none, the device's default generator seeded from the step's seed for the call
+  (vLLM draws a seeded request's noise on its own, one kernel per sequence and token; unseeded ones in one draw).
 - Sleep (level 1 by default) while the trainer updates; wake before generating.
 - Weight sync: `sync(model)` marks the weights stale; the next `wake_up()` wakes the weights only, pushes the
   trainer's parameters into the engine in place (`load_weights` on the engine's model, through `apply_model`),
@@ -140,6 +143,21 @@ def _engine_weights(named: dict):
         yield name, (value.to(torch.bfloat16) if value.is_floating_point() else value)
 
 
+@contextlib.contextmanager
+def _sampling_stream(device: torch.device, seed: int):
+    """Requests without a seed of their own draw their sampling noise from the device's default generator (vLLM's
+    engine runs in this process): seeded here for one generation, and the trainer's state of it given back after."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.random.fork_rng(devices=[index]):
+            torch.cuda.default_generators[index].manual_seed(seed)
+            yield
+    else:  # a stand-in engine in the tests
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            yield
+
+
 class VLLMGenerator:
     """Colocated vLLM engine for one member (see the module docstring)."""
 
@@ -155,6 +173,8 @@ class VLLMGenerator:
         self.lora = settings.lora is not None
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.sleep_level = settings.vllm.sleep_level
+        self.per_request_seed = settings.vllm.per_request_seed
+        self._device = device
         self._work = pathlib.Path(tempfile.mkdtemp(prefix=f"ftis-vllm-{settings.name}-"))
         try:  # no engine: nothing else would remove what was written for it
             self._start_engine(model, tokenizer, device, settings, config, seed, LLM)
@@ -291,9 +311,11 @@ class VLLMGenerator:
             params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                          max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
                                          logprobs=0,
-                                         seed=sampling.seed + i * sampling.n, **extra))
-        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
-                                    lora_request=self._lora_request)
+                                         seed=sampling.seed + i * sampling.n if self.per_request_seed else None,
+                                         **extra))
+        with contextlib.nullcontext() if self.per_request_seed else _sampling_stream(self._device, sampling.seed):
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                        lora_request=self._lora_request)
         if on_batch is not None:
             on_batch(len(prompts) * sampling.n)
         return [completions_from_vllm(out, self.eos_ids) for out in outputs]
