@@ -179,14 +179,18 @@ def task_dataset(task, tokenizer):
 
 
 def export_model(spec: str, seed: int, dtype: torch.dtype, attn: str, directory: pathlib.Path):
-    """Build the built-in model as ftis-engine builds member 0 (same seed) and save it with its tokenizer where
-    TRL and vLLM load from; returns the tokenizer."""
+    """Build the built-in model as ftis-engine builds member 0 (same seed, on the same device: a GPU's draws differ
+    from the CPU's) and save it with its tokenizer where TRL and vLLM load from; returns the tokenizer."""
     from ftis_engine.generation.vllm import save_for_engine
     from ftis_engine.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(spec)
-    model = load_model(spec, len(tokenizer), dtype, seed, attn)
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # configs/gpu/alone-shape-1.5b.yaml's
+    model = load_model(spec, len(tokenizer), dtype, seed, attn, device)
     save_for_engine(model, tokenizer, directory)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return tokenizer
 
 

@@ -248,7 +248,11 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     layer_mode = layers.resolve(config.train.layers, device)
     seed = member_init_seed(config, index)
     try:
-        model = load_model(settings.model, len(tokenizer), master, seed, attn)
+        # a built-in is drawn on its GPU (seconds, not the CPU's minute for the 3B shape), but a GPU's draws depend
+        # on the GPU (its number of SMs): a member with samplers is drawn on the CPU, so that a sampler's weights
+        # before its learner's first push are its learner's bits wherever each runs (ranks > 1 get the leader's
+        # bits by broadcast, members.shard_member)
+        model = load_model(settings.model, len(tokenizer), master, seed, attn, None if settings.samplers else device)
     except ModelSpecError as exc:
         raise ConfigError(f"members.{index}.model: {exc}") from None
     model.to(device)

@@ -82,3 +82,22 @@ def test_a_model_whose_config_sets_dropout_trains_without_it_so_its_log_probs_ar
 def test_lora_dropout_is_refused_naming_the_field():
     with pytest.raises(ConfigError, match=r"members\.1\.lora\.dropout: .*the trainer runs without dropout"):
         member(1, "members.1.lora.dropout=0.05")
+
+
+@pytest.mark.parametrize("overrides, drawn_on", [
+    ((), "cpu"),  # the member's own device (a GPU in a real run: seconds instead of the CPU's minute for shape-3b)
+    (("swarm.mode=async", "members.0.samplers=1"), None),  # the CPU: a sampler's first weights are its learner's bits
+])
+def test_a_builtin_is_drawn_on_its_members_device_unless_the_member_has_samplers(monkeypatch, overrides, drawn_on):
+    from ftis_engine import members
+
+    seen = []
+    real = members.load_model
+
+    def load_model(spec, vocab_size, dtype, seed, attn, device=None):
+        seen.append(device)
+        return real(spec, vocab_size, dtype, seed, attn)
+
+    monkeypatch.setattr(members, "load_model", load_model)
+    member(0, *overrides)
+    assert [None if d is None else d.type for d in seen] == [drawn_on]

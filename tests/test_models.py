@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 import huggingface_hub.constants as hub
@@ -95,3 +96,52 @@ def test_the_3b_shape_has_qwen2_5_3b_layers():
     shape = TINY_MODELS["shape-3b"]
     assert (shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]) == (2048, 36, 11008)
     assert CONTEXT["shape-3b"] == 32768
+
+
+def _qwen2(spec: str, vocab: int):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(vocab_size=vocab, max_position_embeddings=models.CONTEXT[models.builtin_name(spec)],
+                       rope_theta=10000.0, bos_token_id=None, eos_token_id=0, pad_token_id=0,
+                       attn_implementation="sdpa", **models.TINY_MODELS[models.builtin_name(spec)])
+
+
+def test_a_builtin_built_on_the_cpu_draws_from_the_seeded_cpu_stream_and_leaves_the_callers_stream_alone():
+    """The oracle: transformers' own init right after torch.manual_seed(seed). The caller's random stream goes on
+    as if no model had been built."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    Qwen2ForCausalLM(_qwen2("builtin:tiny-m", 101))  # whatever else the caller draws: not part of the oracle
+    torch.manual_seed(3)
+    expected = Qwen2ForCausalLM(_qwen2("builtin:tiny-m", 101)).state_dict()
+    torch.manual_seed(11)
+    after = torch.rand(4)
+    torch.manual_seed(11)
+    built = models.load_model("builtin:tiny-m", 101, torch.float32, 3, "sdpa").state_dict()
+    assert torch.equal(torch.rand(4), after)
+    assert built.keys() == expected.keys() and all(torch.equal(built[k], expected[k]) for k in expected)
+    other = models.load_model("builtin:tiny-m", 101, torch.float32, 4, "sdpa").state_dict()
+    assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"], built["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_a_builtin_is_built_on_its_device_never_first_on_the_cpu():
+    """shape-3b's float32 parameters took over a minute on the CPU's one random stream before they moved to the
+    GPU (the pair's start, benchmarks/results/pair_h200): on another device the model is made there. The meta device
+    stands in for a GPU: a tensor made on the CPU first would have been moved there, with its storage."""
+    model = models.load_model("builtin:shape-3b", 101, torch.bfloat16, 0, "sdpa", torch.device("meta"))
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert sum(p.numel() for p in model.parameters()) == 2_774_980_608  # 3.1 B with a 151 k vocabulary
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_builtin_repeats_with_its_seed_and_leaves_the_gpus_stream_alone():
+    device = torch.device("cuda:0")
+    torch.cuda.manual_seed(11)
+    after = torch.rand(4, device=device)
+    torch.cuda.manual_seed(11)
+    first = models.load_model("builtin:tiny-m", 101, torch.float32, 3, "sdpa", device).state_dict()
+    assert torch.equal(torch.rand(4, device=device), after)
+    again = models.load_model("builtin:tiny-m", 101, torch.float32, 3, "sdpa", device).state_dict()
+    assert all(t.device == device and torch.equal(t, again[k]) for k, t in first.items())

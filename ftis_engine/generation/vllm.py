@@ -35,6 +35,7 @@ import torch
 
 from ..context import engine_length
 from ..fsdp import full, is_sharded
+from ..models import seeded_rng
 from ..saving import save_pretrained
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
@@ -141,21 +142,6 @@ def _engine_weights(named: dict):
     for name, tensor in named.items():
         value = full(tensor.detach())
         yield name, (value.to(torch.bfloat16) if value.is_floating_point() else value)
-
-
-@contextlib.contextmanager
-def _sampling_stream(device: torch.device, seed: int):
-    """Requests without a seed of their own draw their sampling noise from the device's default generator (vLLM's
-    engine runs in this process): seeded here for one generation, and the trainer's state of it given back after."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        with torch.random.fork_rng(devices=[index]):
-            torch.cuda.default_generators[index].manual_seed(seed)
-            yield
-    else:  # a stand-in engine in the tests
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            yield
 
 
 class VLLMGenerator:
@@ -313,7 +299,7 @@ class VLLMGenerator:
                                          logprobs=0,
                                          seed=sampling.seed + i * sampling.n if self.per_request_seed else None,
                                          **extra))
-        with contextlib.nullcontext() if self.per_request_seed else _sampling_stream(self._device, sampling.seed):
+        with contextlib.nullcontext() if self.per_request_seed else seeded_rng(self._device, sampling.seed):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                         lora_request=self._lora_request)
         if on_batch is not None:
