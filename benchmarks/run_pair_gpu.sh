@@ -3,7 +3,8 @@
 # member's shape, TRL's GRPOTrainer on the same, and the paper's pair in sync and async mode, in one sitting.
 # Stages run in the order given; a stage that fails is reported and the next one still runs.
 #
-#   bash benchmarks/run_pair_gpu.sh [install] [alone] [trl] [pair-sync] [pair-async] [summary]   (default: all)
+#   bash benchmarks/run_pair_gpu.sh [install] [alone] [trl] [pair-sync] [pair-async] [summary] [seeds]
+#   (default: every stage but seeds)
 #
 # install    vLLM and what it needs from the joined pieces (benchmarks/run_vllm_gpu.sh install; once per machine)
 # alone      ftis-engine train --config configs/gpu/alone-shape-1.5b.yaml                  -> alone.metrics.jsonl

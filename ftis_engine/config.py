@@ -105,7 +105,9 @@ class VllmSettings(_Section):
                           "one small kernel per sequence per decoded token); false: the engine's sampling stream is "
                           "seeded from the step's seed before each generation and noise is drawn once per token for "
                           "the whole batch (TRL's and verl's way; a step still repeats given the same weights and "
-                          "prompts, a resume included, on the same GPU and vLLM).",
+                          "prompts, a resume included, on the same GPU and vLLM). For vLLM's V1 model runner (0.24 "
+                          "for Qwen2 and Llama); its V2 runner gives a request without a seed a random one of its "
+                          "own, so there false neither repeats nor saves anything.",
     )
 
 

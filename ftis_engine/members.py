@@ -230,6 +230,18 @@ def frozen_reference(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mod
     return reference
 
 
+def draws_on_device(config: RunConfig, index: int) -> bool:
+    """Whether a built-in member is drawn on its own device (a GPU: seconds, not the CPU's minute for the 3B shape)
+    rather than on the CPU. A GPU's draws depend on the GPU model, so only where the drawn weights are never drawn
+    again elsewhere: a full member (a LoRA member's base is redrawn at every resume and eval: checkpoints hold its
+    adapter), without a KL reference (beta > 0 copies the draw, never saved), a warm start (its cache is keyed by the
+    seed, not the device) or samplers (a sampler generates from its own draw until its learner's first push). A
+    member on several ranks starts every shard from its leader's bits (shard_member's broadcast)."""
+    settings = config.members[index]
+    return (settings.lora is None and config.algorithm.beta == 0 and settings.warm_start is None
+            and not settings.samplers)
+
+
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None,
                  trains: bool = True, shard=None) -> Member:
     """Load the model in float32 (random init for built-ins), warm-start it on the task's demonstrations if asked,
@@ -248,11 +260,8 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     layer_mode = layers.resolve(config.train.layers, device)
     seed = member_init_seed(config, index)
     try:
-        # a built-in is drawn on its GPU (seconds, not the CPU's minute for the 3B shape), but a GPU's draws depend
-        # on the GPU (its number of SMs): a member with samplers is drawn on the CPU, so that a sampler's weights
-        # before its learner's first push are its learner's bits wherever each runs (ranks > 1 get the leader's
-        # bits by broadcast, members.shard_member)
-        model = load_model(settings.model, len(tokenizer), master, seed, attn, None if settings.samplers else device)
+        model = load_model(settings.model, len(tokenizer), master, seed, attn,
+                           device if draws_on_device(config, index) else None)
     except ModelSpecError as exc:
         raise ConfigError(f"members.{index}.model: {exc}") from None
     model.to(device)

@@ -224,9 +224,12 @@ def seeded_rng(device: torch.device, seed: int):
 def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_implementation: str,
                device: torch.device | None = None):
     """A causal LM (PreTrainedModel) in `dtype`, on CPU (from_pretrained loads there). A built-in is initialised from
-    `seed` on `device` (default CPU): on a GPU its random draws come from the GPU's generator (other values than a
-    CPU build's, the same on every GPU for a seed), in seconds where the CPU's one stream takes over a minute for
-    shape-3b's 2.8 B parameters (measured: 39 s for shape-1.5b's 1.5 B on this project's CPU machine)."""
+    `seed` on the CPU, or with `device` a GPU, there: from that GPU's seeded generator, in seconds where the CPU's one
+    stream takes over a minute for shape-3b's 2.8 B parameters (measured: 39 s for shape-1.5b's 1.5 B on this
+    project's CPU machine). A GPU's draws are other values than the CPU's, and differ between GPU models (PyTorch
+    sizes its random kernels by the number of SMs): only a caller that never draws the same weights again elsewhere
+    may pass a GPU (members.build_member). Either way every GPU's generator is left seeded with `seed`, as
+    torch.manual_seed here always left it: the trainer's GPU stream (bf16 stochastic rounding) starts from it."""
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if is_builtin(spec):
@@ -235,12 +238,18 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
             vocab_size=vocab_size, max_position_embeddings=CONTEXT[builtin_name(spec)], rope_theta=10000.0,
             bos_token_id=None, eos_token_id=0, pad_token_id=0, attn_implementation=attn_implementation, **shape,
         )
-        device = torch.device(device if device is not None else "cpu")
-        with seeded_rng(device, seed), device:
-            model = Qwen2ForCausalLM(config).to(dtype)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the float32 draws before the cast: not held back from the engine's memory
-        return model
+        device = torch.device(device) if device is not None else None
+        if device is not None and device.type != "cpu":
+            with seeded_rng(device, seed), device:
+                model = Qwen2ForCausalLM(config).to(dtype)  # float32 draws cast one tensor at a time
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the float32 draws: not held back from the engine's memory
+            torch.cuda.manual_seed_all(seed)
+            return model
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2ForCausalLM(config)
+        return model.to(dtype)
     try:
         return AutoModelForCausalLM.from_pretrained(source(spec), dtype=dtype, attn_implementation=attn_implementation)
     except Exception as exc:

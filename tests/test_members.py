@@ -84,11 +84,16 @@ def test_lora_dropout_is_refused_naming_the_field():
         member(1, "members.1.lora.dropout=0.05")
 
 
-@pytest.mark.parametrize("overrides, drawn_on", [
-    ((), "cpu"),  # the member's own device (a GPU in a real run: seconds instead of the CPU's minute for shape-3b)
-    (("swarm.mode=async", "members.0.samplers=1"), None),  # the CPU: a sampler's first weights are its learner's bits
+@pytest.mark.parametrize("index, overrides, drawn_on", [
+    (0, (), "cpu"),  # its own device (a GPU in a real run: seconds instead of the CPU's minute for shape-3b)
+    (0, ("swarm.mode=async", "members.0.samplers=1"), None),  # a sampler's first weights are its learner's bits
+    (1, (), None),  # LoRA: the base is drawn again at every resume and eval (checkpoints hold the adapter)
+    (0, ("algorithm.beta=0.01",), None),  # the KL reference is the draw, never saved
 ])
-def test_a_builtin_is_drawn_on_its_members_device_unless_the_member_has_samplers(monkeypatch, overrides, drawn_on):
+def test_a_builtin_is_drawn_on_its_device_only_where_that_draw_is_never_made_again(monkeypatch, index, overrides,
+                                                                                   drawn_on):
+    """A GPU's draws differ from the CPU's and between GPU models: where the same weights must be drawn again (a
+    resume, an eval, a sampler rank, perhaps elsewhere), they are drawn on the CPU."""
     from ftis_engine import members
 
     seen = []
@@ -99,5 +104,5 @@ def test_a_builtin_is_drawn_on_its_members_device_unless_the_member_has_samplers
         return real(spec, vocab_size, dtype, seed, attn)
 
     monkeypatch.setattr(members, "load_model", load_model)
-    member(0, *overrides)
+    member(index, *overrides)
     assert [None if d is None else d.type for d in seen] == [drawn_on]

@@ -125,23 +125,38 @@ def test_a_builtin_built_on_the_cpu_draws_from_the_seeded_cpu_stream_and_leaves_
     assert not torch.equal(other["model.layers.0.mlp.up_proj.weight"], built["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_a_builtin_is_built_on_its_device_never_first_on_the_cpu():
-    """shape-3b's float32 parameters took over a minute on the CPU's one random stream before they moved to the
-    GPU (the pair's start, benchmarks/results/pair_h200): on another device the model is made there. The meta device
-    stands in for a GPU: a tensor made on the CPU first would have been moved there, with its storage."""
+def test_a_builtin_is_built_on_its_device_never_first_on_the_cpu(monkeypatch):
+    """shape-3b's float32 parameters took over a minute on the CPU's one random stream before they moved to the GPU
+    (the pair's start, benchmarks/results/pair_h200): given a device, the model is made there. The meta device stands
+    in for a GPU; the model's constructor notes the default device it runs under."""
+    import transformers
+
+    seen = []
+
+    class Noted(transformers.Qwen2ForCausalLM):
+        def __init__(self, config):
+            seen.append(torch.get_default_device())
+            super().__init__(config)
+
+    monkeypatch.setattr(transformers, "Qwen2ForCausalLM", Noted)
     model = models.load_model("builtin:shape-3b", 101, torch.bfloat16, 0, "sdpa", torch.device("meta"))
+    assert seen == [torch.device("meta")]
     assert {p.device.type for p in model.parameters()} == {"meta"}
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert sum(p.numel() for p in model.parameters()) == 2_774_980_608  # 3.1 B with a 151 k vocabulary
+    models.load_model("builtin:tiny-s", 101, torch.float32, 0, "sdpa")
+    assert seen[1:] == [torch.device("cpu")]  # no device: the CPU, as always
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_a_builtin_repeats_with_its_seed_and_leaves_the_gpus_stream_alone():
+def test_on_a_gpu_a_builtin_repeats_with_its_seed_and_leaves_the_gpus_stream_seeded_as_a_cpu_build_does():
     device = torch.device("cuda:0")
     torch.cuda.manual_seed(11)
     after = torch.rand(4, device=device)
     torch.cuda.manual_seed(11)
     first = models.load_model("builtin:tiny-m", 101, torch.float32, 3, "sdpa", device).state_dict()
-    assert torch.equal(torch.rand(4, device=device), after)
+    drawn = torch.rand(4, device=device)
+    torch.cuda.manual_seed(3)  # as torch.manual_seed(seed) in a CPU build always left it: the GPU stream from the seed
+    assert torch.equal(drawn, torch.rand(4, device=device)) and not torch.equal(drawn, after)
     again = models.load_model("builtin:tiny-m", 101, torch.float32, 3, "sdpa", device).state_dict()
     assert all(t.device == device and torch.equal(t, again[k]) for k, t in first.items())

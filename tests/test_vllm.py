@@ -613,6 +613,8 @@ def test_the_seeding_benchmark_alternates_both_ways_at_full_length(monkeypatch):
 
         def generate(self, prompts, sampling):
             calls.append((self.per_request_seed, sampling.min_new_tokens, sampling.max_new_tokens))
+            token = len(calls) if self.per_request_seed else 7  # the per-request way's completions change each time
+            return [[type("C", (), {"token_ids": torch.tensor([token])})()] for _ in prompts]
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     gen = Gen()
@@ -620,3 +622,4 @@ def test_the_seeding_benchmark_alternates_both_ways_at_full_length(monkeypatch):
     assert [c[0] for c in calls] == [True, False, False, True, True, False]
     assert all(c[1:] == (50, 50) for c in calls) and gen.per_request_seed is True
     assert out["tokens"] == 2 * 3 * 50 and len(out["per_request_seconds"]) == len(out["one_stream_seconds"]) == 3
+    assert (out["per_request_repeats"], out["one_stream_repeats"]) == (False, True)
