@@ -208,14 +208,18 @@ def main(argv=None) -> int:
     print("after update", result["after_update"], flush=True)
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")  # what is measured so far
+
+    def save() -> None:  # after each phase: a call stopped at its time limit keeps what was measured
+        pathlib.Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+    save()
     if args.seed_rounds:
         result["seeding"] = seeding_ab(member.generator, prompts, sampling, args.seed_rounds)
         print("seeding", result["seeding"], flush=True)
-        pathlib.Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+        save()
         result["sleep_levels"] = sleep_levels(member)
         print("sleep levels", result["sleep_levels"], flush=True)
-        pathlib.Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+        save()
     member.generator.sleep()  # out of the HF generator's way
 
     if not args.no_hf:
@@ -225,7 +229,7 @@ def main(argv=None) -> int:
         result["vllm_over_hf_tokens_per_s"] = (result["vllm_generation"]["tokens_per_s"]
                                                / result["hf_generation"]["tokens_per_s"])
 
-    pathlib.Path(f"{out}.json").write_text(json.dumps(result, indent=2) + "\n")
+    save()
     g, s = result["own_rollout_abs_log_ratio"], result["sleep_wake"]
     md = [
         f"# vLLM generator on {result['device']}", "",

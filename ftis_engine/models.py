@@ -13,7 +13,6 @@ smaller embedding): random stand-ins for GPU measurements where nothing can be d
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import pathlib
@@ -205,22 +204,6 @@ def model_context(hf_config) -> int | None:
     return context if isinstance(context, int) else None
 
 
-@contextlib.contextmanager
-def seeded_rng(device: torch.device, seed: int):
-    """For the block, `device`'s default random generator seeded with `seed`; the CPU's and that device's
-    generators are given back as they were after it (the trainer's own streams go on untouched). Only that one
-    generator is seeded (torch.manual_seed would reset every GPU's)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        with torch.random.fork_rng(devices=[index]):
-            torch.cuda.default_generators[index].manual_seed(seed)
-            yield
-    else:
-        with torch.random.fork_rng(devices=[]):
-            torch.random.default_generator.manual_seed(seed)
-            yield
-
-
 def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_implementation: str,
                device: torch.device | None = None):
     """A causal LM (PreTrainedModel) in `dtype`, on CPU (from_pretrained loads there). A built-in is initialised from
@@ -238,18 +221,14 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
             vocab_size=vocab_size, max_position_embeddings=CONTEXT[builtin_name(spec)], rope_theta=10000.0,
             bos_token_id=None, eos_token_id=0, pad_token_id=0, attn_implementation=attn_implementation, **shape,
         )
-        device = torch.device(device) if device is not None else None
-        if device is not None and device.type != "cpu":
-            with seeded_rng(device, seed), device:
-                model = Qwen2ForCausalLM(config).to(dtype)  # float32 draws cast one tensor at a time
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # the float32 draws: not held back from the engine's memory
-            torch.cuda.manual_seed_all(seed)
-            return model
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(config)
-        return model.to(dtype)
+        device = torch.device(device if device is not None else "cpu")
+        with torch.random.fork_rng(devices=[]), device:
+            torch.manual_seed(seed)  # the CPU's generator (given back after) and every GPU's
+            model = Qwen2ForCausalLM(config).to(dtype)  # float32 draws cast one tensor at a time
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float32 draws: not held back from the engine's memory
+            torch.cuda.manual_seed_all(seed)  # the draw advanced its GPU's stream: left as a CPU draw leaves it
+        return model
     try:
         return AutoModelForCausalLM.from_pretrained(source(spec), dtype=dtype, attn_implementation=attn_implementation)
     except Exception as exc:

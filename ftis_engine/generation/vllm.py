@@ -35,7 +35,6 @@ import torch
 
 from ..context import engine_length
 from ..fsdp import full, is_sharded
-from ..models import seeded_rng
 from ..saving import save_pretrained
 from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
 
@@ -142,6 +141,23 @@ def _engine_weights(named: dict):
     for name, tensor in named.items():
         value = full(tensor.detach())
         yield name, (value.to(torch.bfloat16) if value.is_floating_point() else value)
+
+
+@contextlib.contextmanager
+def _seeded_rng(device: torch.device, seed: int):
+    """For the block, `device`'s default random generator seeded with `seed` (the engine runs in this process and
+    draws an unseeded request's noise from it); the CPU's and that device's generators are given back as they were
+    after it (the trainer's own streams go on untouched). Only that one generator is seeded (torch.manual_seed would
+    reset every GPU's)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.random.fork_rng(devices=[index]):
+            torch.cuda.default_generators[index].manual_seed(seed)
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.random.default_generator.manual_seed(seed)
+            yield
 
 
 class VLLMGenerator:
@@ -299,7 +315,7 @@ class VLLMGenerator:
                                          logprobs=0,
                                          seed=sampling.seed + i * sampling.n if self.per_request_seed else None,
                                          **extra))
-        with contextlib.nullcontext() if self.per_request_seed else seeded_rng(self._device, sampling.seed):
+        with contextlib.nullcontext() if self.per_request_seed else _seeded_rng(self._device, sampling.seed):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                         lora_request=self._lora_request)
         if on_batch is not None:
