@@ -555,6 +555,7 @@ def test_flash_attention_and_sdpa_agree_on_packed_sequences():
 
 @pytest.mark.parametrize("world, rank, device, backend, local_rank", [
     (1, 0, "cuda:0", None, None),  # one process: vLLM's own in-process world
+    (1, 0, "cuda:1", None, None),  # one process, the member on another GPU: device_ids maps the engine there
     (2, 1, "cuda:0", "external_launcher", "0"),  # two members sharing cuda:0 under --nproc 2: rank 1 stays on cuda:0
     (2, 1, "cuda:1", "external_launcher", "1"),  # one GPU per member
     (3, 2, "cuda:0", "external_launcher", "0"),
@@ -580,6 +581,7 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: world)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: rank)
     monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    monkeypatch.setattr(vllm_gen, "_engine_takes", lambda name: name == "device_ids")  # vLLM 0.24's arguments
     monkeypatch.setenv("LOCAL_RANK", str(rank))  # what --nproc / torchrun set
     monkeypatch.delenv("RANK", raising=False)
     config = short_config("members.0.generator=vllm")
@@ -592,6 +594,33 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
     assert built["tensor_parallel_size"] == 1 and built["dtype"] == "bfloat16"
     if backend is not None:
         assert (built["RANK"], built["LOCAL_RANK"]) == (str(rank), local_rank)
+    # in-process, vLLM puts the engine on cuda:0 unless device_ids says otherwise; under the launcher LOCAL_RANK does
+    assert built.get("device_ids") == ([1] if (world, device) == (1, "cuda:1") else None)
+
+
+def test_an_in_process_engine_off_cuda_0_is_refused_where_vllm_cannot_place_it(monkeypatch, tmp_path):
+    """A vLLM before 0.24 has no device_ids: its in-process engine would run on cuda:0 while the member trains on
+    cuda:1. Refused with the member's field and the ways out, before any engine is built."""
+    import contextlib
+
+    from ftis_engine.config import ConfigError
+
+    from .helpers import short_config
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    monkeypatch.setattr(vllm_gen, "_engine_takes", lambda name: False)
+
+    def never(**kwargs):
+        raise AssertionError("no engine is built")
+
+    config = short_config("members.1.generator=vllm")
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.lora = False
+    m = _tiny_member()
+    gen._work = tmp_path
+    with pytest.raises(ConfigError, match=r"^members\.1\.device: .*cuda:0 only.*CUDA_VISIBLE_DEVICES=1.*--nproc"):
+        gen._start_engine(m.model, m.tokenizer, torch.device("cuda:1"), config.members[1], config, 0, never)
 
 
 def _tiny_member():

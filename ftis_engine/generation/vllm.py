@@ -15,7 +15,7 @@
   A LoRA member pushes only its adapter: saved in peft format and loaded as a new LoRARequest (the base
   weights in the engine never change, nothing is merged).
 - In a single process the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer can reach its
-  model; under --nproc/torchrun it joins the ranks' torch.distributed world with the "external_launcher"
+  model, on its member's GPU (`device_ids`, vLLM >= 0.24, where the member is not on cuda:0); under --nproc/torchrun it joins the ranks' torch.distributed world with the "external_launcher"
   executor (one engine per rank, tensor parallel 1), as TRL's colocate mode does.
 """
 
@@ -131,6 +131,15 @@ def engine_source(model, tokenizer, settings, directory: pathlib.Path) -> str:
     return model_source(settings.model)  # a packaged model's folder, or the hub id / local path as given
 
 
+def _engine_takes(name: str) -> bool:
+    """Whether the installed vLLM's engine arguments include `name`."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in {field.name for field in dataclasses.fields(EngineArgs)}
+
+
 def _lora_rank(r: int) -> int:
     return next(x for x in LORA_RANKS if x >= r)
 
@@ -220,6 +229,18 @@ class VLLMGenerator:
             kwargs["distributed_executor_backend"] = "external_launcher"
             os.environ["RANK"] = str(torch.distributed.get_rank())
             os.environ["LOCAL_RANK"] = str(device.index if device.index is not None else 0)
+        elif device.type == "cuda" and (device.index or 0) != 0:
+            # in-process, vLLM derives the engine's GPU from its device config, which carries no index (0.24:
+            # UniProcExecutor._distributed_args), so the engine would run on cuda:0 beside a member on cuda:N;
+            # device_ids maps its local rank 0 to the member's GPU (indices into CUDA_VISIBLE_DEVICES, as torch's)
+            if not _engine_takes("device_ids"):
+                from ..config import ConfigError
+
+                index = next(i for i, m in enumerate(config.members) if m is settings)
+                raise ConfigError(f"members.{index}.device: this vLLM runs an in-process engine on cuda:0 only, "
+                                  f"not on the member's {device}; run with CUDA_VISIBLE_DEVICES={device.index} "
+                                  "(the member then on cuda:0), or one process per member (--nproc), or vLLM >= 0.24")
+            kwargs["device_ids"] = [device.index]
         if self.lora:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(settings.lora.r))
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
