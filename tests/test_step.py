@@ -143,3 +143,28 @@ def test_a_model_that_went_nan_before_it_generated_stops_the_step_with_the_diver
                                               r"in generation.*no checkpoint was written before it"):
         step_module.run_step(swarm, 1)
     swarm.close()
+
+
+def test_each_generate_call_of_a_step_has_seeds_of_its_own(tmp_path, monkeypatch):
+    """A `long` adversary generates its step in two calls (the prompts it fills to the limit, and the rest): the
+    second call is seeded past the first one's completions, not with the same seed, which gave its first prompts the
+    first call's noise (the HF generator's stream, vLLM's per-request seeds, its default generator)."""
+    from ftis_engine.generation import sample
+
+    swarm, _ = open_run(short_config("members.0.adversary.kind=long", "members.0.adversary.rate=0.5"),
+                        tmp_path / "run")
+    member = swarm.members[0]
+    calls = []
+    real = member.generator.generate
+
+    def generate(prompts, sampling, on_batch=None):
+        calls.append((len(prompts), sampling.n, sampling.min_new_tokens, sampling.seed))
+        return real(prompts, sampling, on_batch)
+
+    monkeypatch.setattr(member.generator, "generate", generate)
+    dealt = {p: 3 for p in range(8)}
+    rollouts = sample.generate_rollouts(swarm, member, dealt, 0, 1000)
+    swarm.close()
+    assert len(rollouts) == 24 and {c[2] for c in calls} == {0, 3}  # both calls made (max_new_tokens=3)
+    (first, n, _, seed), (_, _, _, second) = calls
+    assert (seed, second) == (1000, 1000 + first * n)

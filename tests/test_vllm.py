@@ -185,9 +185,9 @@ def _drawing_generator(monkeypatch, per_request_seed: bool):
 def test_a_steps_completions_repeat_with_its_seed_and_leave_the_trainers_random_state_alone(monkeypatch,
                                                                                              per_request_seed):
     """Both ways of seeding (members.N.vllm.per_request_seed): the same step seed gives the same completions, another
-    seed others, and the trainer's own random stream continues as if no generation had happened. Per request, each
-    prompt's n completions are seeded seed + i * n (what they are does not depend on the batch); otherwise no request
-    carries a seed and the default generator is seeded from the step's seed for the call."""
+    seed others, and the trainer's own random stream continues as if no generation had happened. Per request, prompt
+    i's n completions are seeded request_seed(seed, i, n) (what they are does not depend on the batch); otherwise no
+    request carries a seed and the default generator is seeded from the step's seed for the call."""
     from ftis_engine.generation import SamplingSettings
 
     gen = _drawing_generator(monkeypatch, per_request_seed)
@@ -204,11 +204,31 @@ def test_a_steps_completions_repeat_with_its_seed_and_leave_the_trainers_random_
     assert torch.equal(torch.rand(3), expected_trainer_draw)
     assert first == again and first != other
     if per_request_seed:
-        assert gen.llm.seeds[:3] == [7, 11, 15]
+        assert gen.llm.seeds[:3] == [vllm_gen.request_seed(7, i, 4) for i in range(3)]
     else:
         assert gen.llm.seeds == [None] * 9
         torch.manual_seed(7)  # the oracle: the batch's noise in one stream from the step's seed
         assert first == [[int(1000 * x) + 1] for x in torch.rand(4 * len(prompts)).tolist()]
+
+
+def test_no_two_requests_of_a_members_steps_share_a_seed_where_seed_plus_i_times_n_did():
+    """vLLM seeds a request's j-th completion with its seed + j. A member making 8,192 completions a step (1,024
+    prompts x 8) drew, with seed + i * n, the noise of its previous step for most of its requests: consecutive steps'
+    seeds are 7,919 apart (schedule.mix_seed). Hashed, the n seeds of every request of two steps of two members are
+    all different, and each request's seeds stay in [0, 2^31)."""
+    from ftis_engine.schedule import mix_seed
+
+    prompts, n = 1024, 8
+    step_seeds = [mix_seed(0, step, member) for step in (1, 2) for member in (0, 1)]
+
+    def seeds(request_seed):
+        return [request_seed(s, i) + j for s in step_seeds for i in range(prompts) for j in range(n)]
+
+    linear = seeds(lambda s, i: s + i * n)
+    assert len(set(linear)) < len(linear) - 200  # the defect: shared seeds between consecutive steps
+    hashed = seeds(lambda s, i: vllm_gen.request_seed(s, i, n))
+    assert len(set(hashed)) == len(hashed) == len(step_seeds) * prompts * n
+    assert 0 <= min(hashed) and max(hashed) < 2**31
 
 
 def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():

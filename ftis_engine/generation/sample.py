@@ -27,9 +27,13 @@ def generate_rollouts(swarm: Swarm, member: Member, dealt: dict[int, int], versi
         by_n.setdefault((n, config.max_new_tokens if long else 0), []).append(prompt)
     rollouts: list[Rollout] = []
     bar = swarm.progress.start(f"{member.name}: generate", sum(dealt.values()))
+    made = 0
     for (n, least), prompts in by_n.items():
+        # each call seeded past the completions before it: calls seeded alike would draw the same noise (the HF
+        # generator's stream, vLLM's per-request seeds or its default generator) for their first prompts
         sampling = SamplingSettings(n=n, max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                    top_p=config.top_p, top_k=config.top_k, seed=seed, min_new_tokens=least)
+                                    top_p=config.top_p, top_k=config.top_k, seed=seed + made, min_new_tokens=least)
+        made += len(prompts) * n
         groups = member.generator.generate([swarm.prompt(member, p) for p in prompts], sampling,
                                            on_batch=lambda k: swarm.progress.advance(bar, k))
         completions = [(p, c) for p, group in zip(prompts, groups) for c in group]

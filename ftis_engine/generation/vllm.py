@@ -5,7 +5,8 @@
   distribution actually sampled from (after temperature; with top_p = 1 and no top_k that is
   log_softmax(logits / T), the trainer's own quantity). Requires vLLM >= 0.10.2, where "processed" took that
   meaning.
-- Seeds: one per request (prompt i of a step: seed + i * n; a completion does not depend on the batch), or with
+- Seeds: one per request (prompt i of a call seeded s: `request_seed(s, i, n)`, a hash, and vLLM gives its j-th
+  completion that + j; a completion does not depend on the batch), or with
   `vllm.per_request_seed: false` none, the device's default generator seeded from the step's seed for the call
   (vLLM draws a seeded request's noise on its own, one kernel per sequence and token; unseeded ones in one draw).
 - Sleep (level 1 by default) while the trainer updates; wake before generating.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import importlib.util
 import logging
 import os
@@ -129,6 +131,15 @@ def engine_source(model, tokenizer, settings, directory: pathlib.Path) -> str:
     if settings.model.startswith("builtin:") or settings.warm_start is not None:
         return save_for_engine(model, tokenizer, directory)
     return model_source(settings.model)  # a packaged model's folder, or the hub id / local path as given
+
+
+def request_seed(seed: int, request: int, n: int) -> int:
+    """The seed of request `request` of a call seeded `seed` (vLLM seeds its j-th completion with it + j), in
+    [0, 2^31 - n). A hash: two requests' n seeds meet only by chance (about 2n in 2^31 for any two). seed + i * n met
+    the next step's once a member made 7,919 completions a step (schedule.mix_seed: consecutive steps' seeds are
+    7,919 apart), and two calls of one step seeded alike met at once."""
+    digest = hashlib.blake2b(f"{seed}/{request}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - n)
 
 
 def _engine_takes(name: str) -> bool:
@@ -334,7 +345,7 @@ class VLLMGenerator:
             params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                          max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
                                          logprobs=0,
-                                         seed=sampling.seed + i * sampling.n if self.per_request_seed else None,
+                                         seed=request_seed(sampling.seed, i, sampling.n) if self.per_request_seed else None,
                                          **extra))
         with contextlib.nullcontext() if self.per_request_seed else _seeded_rng(self._device, sampling.seed):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
