@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -63,7 +64,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
         screened = got.screened
         scored, unscored = drop_unscored(own[index])
-        trained = scored + peers
+        trained, incomplete = whole_groups(scored + peers, swarm.config.collaboration, swarm.config.rollout.group_size)
         items = training_items(swarm, member, trained)
         with diverging(swarm.run_dir, member, step):
             samples = completion_records(swarm, member, items, step) if swarm.config.logging.completions else []
@@ -84,7 +85,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
                               precision.get_lr(member.optimizer), sent[index], buffer_digest(buffers[index]))
         record.update(reward_terms(swarm, member, own[index]))
         record.update(got.metrics(), **screened.metrics(), screen_seconds=watch.seconds["screen_seconds"],
-                      unscored_dropped=unscored, in_flight=arrivals.waiting,
+                      unscored_dropped=unscored, partial_group_dropped=incomplete, in_flight=arrivals.waiting,
                       outbox_dropped=arrivals.outbox_dropped, link_refused=arrivals.link_refused,
                       link_reconnects=arrivals.link_reconnects, forged_sent=forged[index],
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
@@ -187,6 +188,19 @@ def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:
     them and how many were left out."""
     unscored = {r.prompt_index for r in rollouts if math.isnan(r.reward)}
     kept = [r for r in rollouts if r.prompt_index not in unscored]
+    return kept, len(rollouts) - len(kept)
+
+
+def whole_groups(rollouts: list[Rollout], collaboration: str, group_size: int) -> tuple[list[Rollout], int]:
+    """horizontal: the rollouts of the prompts whose swarm group is whole (all group_size completions here), and how
+    many were left out. A share left out anywhere (unscored by its sender, a refused parcel, the screen, a foreign
+    text that did not survive re-encoding) would otherwise leave the rest normalised as a smaller group: out of the
+    update alike on every member, as a vertical group is. Vertical and alone groups are one sender's, whole or
+    absent already."""
+    if collaboration != "horizontal":
+        return rollouts, 0
+    counts = collections.Counter(r.prompt_index for r in rollouts)
+    kept = [r for r in rollouts if counts[r.prompt_index] == group_size]
     return kept, len(rollouts) - len(kept)
 
 

@@ -168,3 +168,48 @@ def test_each_generate_call_of_a_step_has_seeds_of_its_own(tmp_path, monkeypatch
     assert len(rollouts) == 24 and {c[2] for c in calls} == {0, 3}  # both calls made (max_new_tokens=3)
     (first, n, _, seed), (_, _, _, second) = calls
     assert (seed, second) == (1000, 1000 + first * n)
+
+
+def test_a_horizontal_group_that_lost_a_share_is_left_out_on_every_member(tmp_path, monkeypatch):
+    """horizontal: a prompt's group is the swarm's (each member generates its share). Member 0's share of one prompt
+    holds an unscored completion (its scoring timed out): member 0 leaves its share out, member 1 leaves member 0's
+    share out at admission, and both leave the rest of that group out too (partial_group_dropped) instead of
+    normalising its advantages over the shares that are left."""
+    import dataclasses
+
+    swarm, _ = open_run(short_config("collaboration=horizontal"), tmp_path / "run")
+    real = step_module.sample.generate_rollouts
+    unscored = []
+
+    def generate(swarm_, member, *args):
+        rollouts = real(swarm_, member, *args)
+        if member.index == 0:
+            unscored.append(rollouts[0].prompt_index)
+            rollouts[0] = dataclasses.replace(rollouts[0], reward=float("nan"))
+        return rollouts
+
+    monkeypatch.setattr(step_module.sample, "generate_rollouts", generate)
+    trained = {}
+    real_items = step_module.training_items
+    monkeypatch.setattr(step_module, "training_items",
+                        lambda swarm_, member, rollouts: trained.setdefault(member.index, rollouts) and
+                        real_items(swarm_, member, rollouts))
+    records = [r for r in step_module.run_step(swarm, 1) if r["kind"] == "train"]
+    swarm.close()
+    share, total = 2, 4 * 4  # group 4 over two members; 4 prompts a step
+    assert [(r["unscored_dropped"], r["peer_unscored_dropped"], r["partial_group_dropped"]) for r in records] == \
+        [(share, 0, share), (0, share, share)]
+    for member in (0, 1):
+        assert [r.prompt_index for r in trained[member]].count(unscored[0]) == 0
+        assert len(trained[member]) == total - 2 * share
+        assert records[member]["sequences"] == total - 2 * share
+
+
+def test_whole_groups_keeps_only_complete_swarm_groups_in_horizontal_mode():
+    rollouts = [Rollout(member=m, prompt_index=p, completion_ids=torch.tensor([5], dtype=torch.int32),
+                        gen_logprobs=torch.tensor([-1.0]), reward=1.0, finish_reason="length",
+                        policy_version=0)
+                for p, members in ((0, (0, 0, 1, 1)), (1, (0, 1, 1)), (2, (0, 0))) for m in members]
+    kept, dropped = step_module.whole_groups(rollouts, "horizontal", 4)
+    assert [r.prompt_index for r in kept] == [0] * 4 and dropped == 5
+    assert step_module.whole_groups(rollouts, "vertical", 4) == (rollouts, 0)
