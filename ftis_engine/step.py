@@ -90,6 +90,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
                       link_reconnects=arrivals.link_reconnects, forged_sent=forged[index],
                       lead_steps=arrivals.lead_steps, rss_mib=resident_mib(), updated_at=updated_at,
                       **memory[index].record())
+        record["foreign_refused"] += arrivals.foreign_refused  # the open swarm refuses them before admission
         records.append(record)
         records += samples
     return records

@@ -613,8 +613,8 @@ def _two_members(tmp_path, steps, jobs, source="", joined=None):
 
 def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease(tmp_path):
     """The members live when a coordinator died hold their places in a new one on the same log (in every member's
-    view, so the first to rejoin waits for the others) until they rejoin, under a new connection, or their lease
-    runs out; nothing is relayed to a place nobody holds."""
+    view, so the first to rejoin waits for the others) until they rejoin from the connection that held the place
+    (another is refused for that lease), or their lease runs out; nothing is relayed to a place nobody holds."""
     log = tmp_path / "coordinator.jsonl"
     old = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log)
     old.handle(b"A", join("a"), now=0)
@@ -624,15 +624,16 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     del old  # killed: no goodbye
     new = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log, now=100)
     assert sorted(new.live) == ["a", "b"] and new.live["b"].step == 2 and new.live["a"].identity == b""
-    out = new.handle(b"A2", join("a", step=7), now=101)  # a rejoins under a new connection: welcome, not refused
-    assert kinds(out) == [(b"A2", "welcome"), (b"A2", "members")]  # b's place is in its view; b gets nothing
+    assert kinds(new.handle(b"A2", join("a", step=3), now=101)) == [(b"A2", "refuse")]  # not a's connection
+    out = new.handle(b"A", join("a", step=3), now=101)  # a rejoins: welcome
+    assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]  # b's place is in its view; b gets nothing
     assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": TOKENIZER, "source": ""}
-    parcel = pack("parcel", {"name": "a", "step": 8, "version": 7, "words": 1}, b"\x01" * 4)
-    assert new.handle(b"A2", parcel, now=102) == []  # relayed to nobody: b has not rejoined
-    new.handle(b"A2", pack("beat", {"name": "a", "step": 8}), now=104)
-    assert kinds(new.expire(now=106)) == [(b"A2", "members")] and sorted(new.live) == ["a"]  # b's lease ran out
+    parcel = pack("parcel", {"name": "a", "step": 4, "version": 3, "words": 1}, b"\x01" * 4)
+    assert new.handle(b"A", parcel, now=102) == []  # relayed to nobody: b has not rejoined
+    new.handle(b"A", pack("beat", {"name": "a", "step": 4}), now=104)
+    assert kinds(new.expire(now=106)) == [(b"A", "members")] and sorted(new.live) == ["a"]  # b's lease ran out
     events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
-    assert events[4:] == ["restored", "rejoin", "expired"]
+    assert events[4:] == ["restored", "refuse", "rejoin", "expired"]
     fresh = Coordinator(SHARED, lease_s=5, max_body=100, log_path=tmp_path / "none.jsonl")
     assert fresh.live == {}
 

@@ -49,6 +49,11 @@ class FakeClient:
     def __init__(self, view: dict[str, int]):
         self.view = view  # name -> newest step
         self.dropped = 0
+        self.gone: set[str] = set()  # what SwarmClient.departed() says next
+
+    def departed(self) -> set[str]:
+        gone, self.gone = self.gone, set()
+        return gone
 
     def members(self) -> dict[str, dict]:
         return {name: {"step": step, "tokenizer": TOKENIZER, "source": ""} for name, step in self.view.items()}
@@ -220,14 +225,15 @@ def test_one_connection_holds_one_name():
 
 
 def test_the_swarm_holds_at_most_max_live_names_and_its_member_list_always_fits_one_header():
-    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    longest = {**SHARED, "train": {"steps": MAX_INT}}  # a run as long as a step can count: the largest steps
+    coordinator = Coordinator(longest, lease_s=10, max_body=100)
     for k in range(MAX_LIVE):  # each as large as a join may make it, at the largest step
         name = f"{k:03d}" + "n" * 97 + ("/sampler-999999" if k % 2 else "")
-        header = {"name": name, "tokenizer": TOKENIZER, "source": "s" * MAX_SOURCE, "shared": SHARED,
+        header = {"name": name, "tokenizer": TOKENIZER, "source": "s" * MAX_SOURCE, "shared": longest,
                   "dataset": DATA, "step": MAX_INT}
         out = coordinator.handle(str(k).encode(), pack("join", header), now=0)
         assert kinds(out)[0] == (str(k).encode(), "welcome"), k
-    assert refusal(coordinator.handle(b"X", join("x"), now=0)).startswith("the swarm is full")
+    assert refusal(coordinator.handle(b"X", join("x", shared=longest), now=0)).startswith("the swarm is full")
     (_, frames), *_ = coordinator._members()
     assert len(frames[2]) <= MAX_HEADER and unpack(frames, 0)[0] == "members"  # a member takes it
 
@@ -384,3 +390,136 @@ def test_the_clients_socket_never_reads_a_frame_over_the_largest_honest_one():
     finally:
         client.close(leave=False)
         router.close()
+
+
+# ------------------------------------------------------------------------------------------------ steps past the run
+
+
+@pytest.mark.parametrize("kind", ["beat", "parcel"])
+def test_a_members_step_past_the_run_is_refused_so_it_cannot_turn_its_peers_lead_bound_off(kind):
+    """SHARED's run has 5 steps. A member that says step 6 (or 2^31 - 1) in a beat or a parcel is refused, not
+    relayed and not taken as its step: taken, no peer would ever wait for it (it would look ahead of them all)."""
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100)
+    coordinator.handle(b"A", join("a"), now=0)
+    coordinator.handle(b"B", join("b"), now=0)
+    for step in (6, MAX_INT):
+        message = parcel(step=step) if kind == "parcel" else pack("beat", {"name": "a", "step": step})
+        assert coordinator.handle(b"A", message, now=1) == [] and coordinator.live["a"].step == 0
+    assert kinds(coordinator.handle(b"A", parcel(step=5), now=1)) == [(b"B", "parcel")]
+    assert coordinator.live["a"].step == 5
+    assert refusal(coordinator.handle(b"C", join("c", step=6), now=1)).startswith("step: 6, past train.steps=5")
+    # a sampler's rounds are its own count, not a step of the run
+    assert kinds(coordinator.handle(b"S", join("a/sampler-0", step=9), now=1))[0] == (b"S", "welcome")
+
+
+def test_a_member_takes_no_step_past_the_run_from_the_coordinator_either():
+    ex = exchange()  # 8 steps
+    ex.client.view["peer"] = 10 ** 6
+    assert ex._published() == {"peer": 0}
+    ex.client.view["peer"] = 8
+    assert ex._published() == {"peer": 8}
+
+
+# ------------------------------------------------------------------------------------------------ peers that restart
+
+
+def test_a_peer_that_restarted_between_two_steps_is_counted_from_its_new_steps():
+    """Peer b published step 5, crashed and came back resumed from step 2 before this member's next step: the
+    member never saw it missing from the live list, but its client saw it leave (or come back at an older step),
+    so the lead bound counts b at 2 (not at the 5 it published before) and waits for it again."""
+    ex = exchange("swarm.max_lead=null", "swarm.timeout_s=1")
+    ex._deliver("peer", 5, 4, b"\x00" * 4)
+    ex.max_lead = 0
+    ex._given_up.add("peer")
+    assert ex._published() == {"peer": 5}
+    ex.client.view["peer"], ex.client.gone = 2, {"peer"}
+    arrivals = ex.receive(0, 4)  # waits for it: 2 < 4 (one time-out)
+    assert ex._published() == {"peer": 2} and arrivals.lead_steps == 2 and arrivals.lead_wait_seconds >= 1.0
+
+
+def test_the_client_reports_a_name_that_left_or_came_back_at_an_older_step():
+    client = quiet_client()
+    view = {"step": 5, "tokenizer": TOKENIZER, "source": ""}
+    client._set_members({"me": view, "a": view, "b": view, "c": view})
+    assert client.departed() == set()
+    client._set_members({"me": view, "a": {**view, "step": 2}, "b": {**view, "step": 6}})  # c left, a restarted
+    assert client.departed() == {"a", "c"} and client.departed() == set()
+    client._set_members({"me": view, "a": {**view, "step": 2}, "b": view, "c": view})  # b's step went down
+    assert client.departed() == {"b"}
+
+
+# ------------------------------------------------------------------------------------------------ foreign tokenizers
+
+
+def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves(monkeypatch):
+    """A peer that announces a new tokenizer hash every step (a rejoin on its own connection may) made every member
+    load a tokenizer (a download) in its step loop every step. Now a peer's tokenizer is loaded once while it stays
+    (a change while live: not trained on), and again only for whoever holds the name after it left."""
+    from ftis_engine import models
+
+    loads = []
+
+    def load_tokenizer(source):
+        loads.append(source)
+        raise models.ModelSpecError(f"{source}: not here")
+
+    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
+    ex = exchange(peers=())
+    ex.client = FakeClient({"tiny-s": 0})
+    ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+                                 "liar": {"step": 0, "tokenizer": f"{len(loads) + seen[0]:064x}",
+                                          "source": "org/model"}}
+    seen = [0]
+    for step in range(1, 6):
+        seen[0] += 1  # a new hash at every step
+        ex.receive(0, step)
+    assert loads == ["org/model"]
+    ex.client.gone = {"liar"}  # it left; a new holder of the name comes
+    ex.receive(0, 6)
+    assert loads == ["org/model"] * 2
+
+
+def test_an_open_swarm_counts_the_sequences_it_refuses_from_peers_of_another_tokenizer():
+    """accept_foreign false: a peer of another tokenizer is not trained on; its parcels are refused before
+    admission and their sequences reported (foreign_refused), as one world reports them."""
+    from ftis_engine.rollouts import HEADER_WORDS
+
+    ex = exchange("members.0.accept_foreign=false")
+    ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+                                 "other": {"step": 0, "tokenizer": "ef" * 32, "source": "org/model"}}
+    body = torch.tensor([3] + [0] * (3 * HEADER_WORDS + 12), dtype=torch.int32).numpy().tobytes()
+    ex._deliver("other", 1, 0, body)
+    ex._deliver("other", 2, 1, torch.tensor([10 ** 6], dtype=torch.int32).numpy().tobytes())  # a claim, bounded
+    assert ex.receive(0, 2).foreign_refused == 3 and ex.receive(0, 3).foreign_refused == 0
+    assert len(ex.mailbox) == 0
+
+
+def test_a_clients_unsent_parcels_are_counted_in_sequences_as_one_world_counts_them():
+    from ftis_engine.rollouts import HEADER_WORDS
+
+    client = quiet_client(name="me")
+    body = torch.tensor([2] + [0] * (2 * HEADER_WORDS + 5), dtype=torch.int32).numpy().tobytes()
+    while client.publish(1, 0, body):  # the I/O thread never drains it: the outbox fills
+        pass
+    assert client.dropped == 2
+    client._count_dropped(torch.tensor([10 ** 6, 0], dtype=torch.int32).numpy().tobytes())  # a claim, bounded
+    assert client.dropped == 2
+
+
+# ------------------------------------------------------------------------------------------------ a restarted coordinator
+
+
+def test_a_restarted_coordinator_holds_a_members_place_for_its_own_connection_only(tmp_path):
+    """After a restart the coordinator holds its members' places for a lease. A stranger's connection could take
+    the name in that window and have the member refused when it came back (the member then exits). The place is
+    held for the connection that had it: a stranger is refused, the member comes back, and after the lease a name
+    that nobody reclaimed is free again."""
+    log = tmp_path / "coordinator.jsonl"
+    old = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log)
+    old.handle(b"A", join("a"), now=0)
+    old.handle(b"B", join("b"), now=0)
+    del old
+    new = Coordinator(SHARED, lease_s=5, max_body=100, log_path=log, now=100)
+    assert refusal(new.handle(b"X", join("a"), now=101)).startswith("'a' is held for its member")
+    assert kinds(new.handle(b"A", join("a"), now=102))[0] == (b"A", "welcome")
+    assert kinds(new.handle(b"Y", join("b"), now=106))[0] == (b"Y", "welcome")  # b never came back in its lease

@@ -52,9 +52,10 @@ class Arrivals:
     seconds: float = 0.0  # the transfer itself (sync)
     waiting: int = 0  # parcels that arrived and are not due yet (simulated latency, or ahead of max_lead)
     dropped_sequences: int = 0  # sequences the transport dropped unread since the last receive (a full mailbox)
-    outbox_dropped: int = 0  # this rank's parcels dropped unsent since the last receive (a full outbox: slow link)
+    outbox_dropped: int = 0  # sequences of this rank's parcels dropped unsent since the last receive (a full outbox)
     link_refused: int = 0  # one-world async: messages from peers the links refused since the last receive
     link_reconnects: int = 0  # one-world async: connections to peers that closed and came back since then
+    foreign_refused: int = 0  # open swarm: sequences of peers of another tokenizer refused unread (not trained on)
 
 
 class Collectives(Protocol):

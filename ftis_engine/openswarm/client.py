@@ -51,13 +51,14 @@ class SwarmClient:
         self._beat_s = beat_s  # until the welcome says the lease
         self._outbox: queue.Queue = queue.Queue(maxsize=64)
         self._members: dict[str, dict] = {}
+        self._departed: set[str] = set()  # names seen leaving (or coming back at an older step) since asked
         self._lock = threading.Lock()
         self._joined = threading.Event()
         self._stop = threading.Event()
         self._leaving = threading.Event()
         self.refused: str | None = None
         self.error: BaseException | None = None
-        self.dropped = 0  # parcels not sent (no connection, or a full outbox)
+        self.dropped = 0  # sequences of the parcels not sent (no connection, or a full outbox), as one world counts
         self.malformed = 0  # messages from the coordinator that broke the wire format
         self.parcel_errors = 0  # peers' parcels that made on_parcel raise (dropped: one bad message is not fatal)
         self.joins = 0  # joins sent (the first, and each rejoin)
@@ -88,8 +89,16 @@ class SwarmClient:
         with self._lock:
             return dict(self._members)
 
+    def departed(self) -> set[str]:
+        """The names that left the live list, or came back in it at an older step (a member resumed from an
+        earlier checkpoint, or a new holder of the name), since the last call: what the member knew of them is
+        stale, even where it never saw them gone between two of its steps."""
+        with self._lock:
+            departed, self._departed = self._departed, set()
+        return departed
+
     def publish(self, step: int, version: int, body: bytes) -> bool:
-        """Queue a parcel; False (counted in dropped) when the outbox is full."""
+        """Queue a parcel; False (its sequences counted in dropped) when the outbox is full."""
         self.step = max(self.step, step)
         header = {"name": self.name, "step": step, "version": version, "words": len(body) // 4}
         if self._key is not None:
@@ -98,7 +107,7 @@ class SwarmClient:
             self._outbox.put_nowait(pack("parcel", header, body))
             return True
         except queue.Full:
-            self.dropped += 1
+            self._count_dropped(body)
             return False
 
     def close(self, leave: bool = True) -> None:
@@ -149,7 +158,7 @@ class SwarmClient:
                     except queue.Empty:
                         break
                     if not self._send(socket, frames) and frames[1] == b"parcel":
-                        self.dropped += 1
+                        self._count_dropped(frames[3] if len(frames) > 3 else b"")
                 now = time.monotonic()
                 if self._leaving.is_set():
                     continue
@@ -163,6 +172,15 @@ class SwarmClient:
             self.error = exc
         finally:
             socket.close()
+
+    def _count_dropped(self, body: bytes) -> None:
+        """Count an unsent parcel's sequences (its first word, bounded by its size); the member's thread and the
+        I/O thread both drop parcels."""
+        from ..rollouts import HEADER_WORDS
+
+        claimed = int.from_bytes(body[:4], "little", signed=True) if len(body) >= 4 else 0
+        with self._lock:
+            self.dropped += max(0, min(claimed, (len(body) // 4 - 1) // HEADER_WORDS))
 
     def _join(self) -> list[bytes]:
         self.joins += 1
@@ -221,6 +239,8 @@ class SwarmClient:
                 isinstance(v[f], t) and not isinstance(v[f], bool) for f, t in VIEW_FIELDS.items())
                for v in members.values()):
             with self._lock:
+                self._departed.update(name for name, seen in self._members.items()
+                                      if name not in members or members[name]["step"] < seen["step"])
                 self._members = members
         else:
             self.malformed += 1

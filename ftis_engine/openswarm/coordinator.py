@@ -9,7 +9,10 @@ expires. Every change, and every second (or lease / 4), goes to every live membe
 newest step heard: the lead bound's view). A member whose message the coordinator cannot place (unknown, e.g.
 after the coordinator restarted) is told to rejoin. A coordinator restarted on the log of the one before it
 (the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
-first to rejoin still waits for the others (the lead bound) instead of running ahead alone.
+first to rejoin still waits for the others (the lead bound) instead of running ahead alone; a place is held for the
+connection that had it (its identity is in its join's log line, a secret between it and the coordinator), so no
+stranger takes a member's name in that window and has the member refused when it comes back. A member's step (in a
+join, a beat or a parcel) past train.steps is refused: taken, it would turn off its peers' lead bound for it.
 
 What a stranger can make it hold is bounded, so that the member list always fits one header (wire.MAX_HEADER) and a
 flood of bad messages cannot fill its log: a join's name is a member's name (config.SAFE_NAME) or one of its
@@ -89,6 +92,14 @@ def join_problem(header: dict) -> str | None:
     return None
 
 
+def _identity(value) -> bytes:
+    """A logged connection identity (hex) as bytes; b"" for none or one that is not hex."""
+    try:
+        return bytes.fromhex(value) if isinstance(value, str) else b""
+    except ValueError:
+        return b""
+
+
 def _cut(text: str, limit: int = 100) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
@@ -101,6 +112,8 @@ class Live:
     last_seen: float
     joined_at: float
     source: str = ""  # where its tokenizer loads from (builtin:, packaged: or a hub id), for peers of another one
+    claim: bytes = b""  # restored: the connection that held it (logged at its join), the only one that may rejoin
+    # as it for its lease (b"": a log written before identities were logged, any connection may)
 
 
 Outgoing = list[tuple[bytes, list[bytes]]]  # (routing identity, frames)
@@ -124,20 +137,21 @@ class Coordinator:
         self._log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
         if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
             now = time.monotonic() if now is None else now
-            for name, (tokenizer, step, source) in restored.items():
-                self.live[name] = Live(b"", tokenizer, step, now, now, source)
+            for name, (tokenizer, step, source, claim) in restored.items():
+                self.live[name] = Live(b"", tokenizer, step, now, now, source, claim)
             self._record(now, "restored", None, members=sorted(restored), dataset=self.dataset)
 
     @staticmethod
-    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str]], str | None]:
+    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes]], str | None]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source)), and the swarm's training-set hash (the first logged: every later
+        newest step logged, tokenizer source, the connection identity it joined from)), and the swarm's training-set hash (the first logged: every later
         join had to match it); ({}, None) for a new log. A member that is gone holds its place for one lease at
         most. Read a line at a time: the log grows with the run."""
         if not log_path.is_file():
             return {}, None
         tokenizers: dict[str, str] = {}
         sources: dict[str, str] = {}
+        identities: dict[str, bytes] = {}
         steps: dict[str, int] = {}
         live: list[str] = []
         dataset = None
@@ -153,6 +167,7 @@ class Coordinator:
                 if isinstance(record.get("tokenizer"), str) and isinstance(name, str):
                     tokenizers[name] = record["tokenizer"]
                     sources[name] = str(record.get("source", ""))
+                    identities[name] = _identity(record.get("identity"))
                 if isinstance(record.get("step"), int) and isinstance(name, str):
                     steps[name] = record["step"]
                 if dataset is None and isinstance(record.get("dataset"), str) and DIGEST.fullmatch(record["dataset"]):
@@ -160,7 +175,7 @@ class Coordinator:
                 if isinstance(record.get("live"), list):
                     live = record["live"]
         # what a join would be refused for is not restored either (a log written before these caps)
-        members = {name: (tokenizers[name], steps.get(name, 0), sources[name]) for name in live
+        members = {name: (tokenizers[name], steps.get(name, 0), sources[name], identities[name]) for name in live
                    if isinstance(name, str) and name in tokenizers and join_problem(
                        {"name": name, "tokenizer": tokenizers[name], "source": sources[name], "dataset": "0" * 64})
                    is None}
@@ -187,6 +202,10 @@ class Coordinator:
             self.refused += 1
             return [(identity, pack("rejoin", {"reason": f"{_cut(repr(name))} is not a live member here"}))]
         entry.last_seen = now
+        if kind in ("beat", "parcel") and self._past_the_run(name, header["step"]):
+            self.refused += 1
+            self._record(now, "malformed", name, reason=f"step {header['step']}, past train.steps={self._steps}")
+            return []
         if kind == "beat":
             entry.step = max(entry.step, header["step"])
             return []
@@ -209,15 +228,20 @@ class Coordinator:
     def _join(self, identity: bytes, header: dict, now: float) -> Outgoing:
         name = header["name"]
         problem = join_problem(header)
+        if problem is None and self._past_the_run(name, header["step"]):
+            problem = f"step: {header['step']}, past train.steps={self._steps}"
         if problem is None:
             problem = first_difference(self.shared, header["shared"])
         if problem is None and self.dataset is not None and header["dataset"] != self.dataset:
             problem = (f"data: this member's training set (sha256 {header['dataset'][:12]}...) differs from the "
                        f"swarm's ({self.dataset[:12]}...)")
         current = self.live.get(name)
-        if problem is None and current is not None and current.identity not in (identity, b""):
+        held_by = current.identity or current.claim if current is not None else b""
+        if problem is None and held_by not in (identity, b""):
             if now - current.last_seen <= self.lease_s:
-                problem = f"a live member is already named {name!r}; choose another members.0.name"
+                problem = (f"a live member is already named {name!r}; choose another members.0.name" if current.identity
+                           else f"{name!r} is held for its member, which had it before the coordinator restarted, "
+                                "for a lease")
             else:  # its lease ran out unnoticed: it is gone
                 self._drop(name, now, "expired")
         if problem is None:
@@ -233,9 +257,18 @@ class Coordinator:
         if not rejoined:
             self._record(now, "join" if current is None or current.identity != b"" else "rejoin", name,
                          step=header["step"], tokenizer=header["tokenizer"], source=header["source"],
-                         dataset=header["dataset"])
+                         dataset=header["dataset"], identity=identity.hex())
         welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
         return [welcome, *self._members()]
+
+    @property
+    def _steps(self) -> int | None:
+        return self.shared.get("train", {}).get("steps")
+
+    def _past_the_run(self, name: str, step: int) -> bool:
+        """A member's step past train.steps (a sampler's rounds are its own count): no honest member says one, and
+        one taken would turn off its peers' lead bound for it (they never wait for a peer ahead of them)."""
+        return SAMPLER_MARK not in name and self._steps is not None and step > self._steps
 
     def _room_for(self, identity: bytes, name: str) -> str | None:
         """Why a valid join cannot take a place: its connection holds another name (one connection is one member

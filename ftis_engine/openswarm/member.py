@@ -52,6 +52,7 @@ from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wir
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
 from ..layout import world_size
+from ..rollouts import claimed_sequences
 from ..schedule import learner_version
 from .client import SwarmClient
 from .coordinator import max_parcel_bytes, shared_settings
@@ -151,10 +152,13 @@ class OpenExchange:
         self.checker = None  # the receiver's RolloutChecker: peers' tokenizers are registered in its `foreign`
         self.foreign: dict[str, object] = {}  # peer name -> its tokenizer, loaded and checked here
         self._unloadable: set[tuple[str, str]] = set()  # (peer, tokenizer hash) that cannot be loaded here
+        self._tried: set[str] = set()  # peers whose tokenizer was loaded or tried since they joined: once each
+        self._changed: set[str] = set()  # peers that announced another tokenizer since: not trained on until they leave
         self._announced: dict[str, str] = {}  # peer -> the tokenizer hash its loaded tokenizer was checked against
         self.client: SwarmClient | None = None
         self._limit: Limit | None = None
-        self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on
+        self.foreign_refused = 0  # sequences of peers with another tokenizer, not trained on (the I/O thread's count)
+        self._foreign_seen = 0  # of them, already reported
         self.refused = 0  # parcels refused unread (sizes, steps and versions no honest peer sends, forged samplers)
         self._dropped_seen = 0  # the client's dropped parcels already reported
         self.key: bytes | None = None  # what its own samplers sign their parcels with (share_key); None: it has none
@@ -191,8 +195,8 @@ class OpenExchange:
     def receive(self, receiver: int, step: int) -> Arrivals:
         start = time.perf_counter()
         self.client.check()
-        self._load_foreign()
         self._forget_gone()
+        self._load_foreign()
         lead_wait, lead = 0.0, None
         published = self._published()
         if published:
@@ -200,12 +204,17 @@ class OpenExchange:
         if self.max_lead is not None and published:
             lead_wait = self._wait_lead(step - self.max_lead)
         newest = None if self.max_lead is None else learner_version(step) + self.max_lead
-        parcels = self.mailbox.take_due(step, time.time(), newest)
+        due = self.mailbox.take_due(step, time.time(), newest)
+        # a new peer's parcels taken in while its tokenizer was not loaded yet: trained on only if it loaded
+        parcels = [p for p in due if p.refused is not None or self._trained_on(self.book.name(p.sender))]
         total = self.client.dropped  # read once: the I/O thread adds to it
         dropped, self._dropped_seen = total - self._dropped_seen, total
+        total = self.foreign_refused
+        foreign, self._foreign_seen = total - self._foreign_seen, total
+        foreign += sum(claimed_sequences(p.buffer) for p in due if p not in parcels)
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
-                        outbox_dropped=dropped)
+                        outbox_dropped=dropped, foreign_refused=foreign)
 
     def _wait_lead(self, need: int) -> float:
         """The lead bound: wait until every live peer it trains on has published step `need`, at most
@@ -233,12 +242,22 @@ class OpenExchange:
         return time.perf_counter() - waited
 
     def _forget_gone(self) -> None:
-        """Forget the newest published step of peers that are no longer live: one that comes back (resumed from an
-        older checkpoint) is counted from what it publishes anew, and names that come and go leave nothing behind
-        here (their numbers stay: a peer that comes back keeps its own; their mailbox boxes go once emptied)."""
-        live = self._live()
-        for name in [n for n in list(self.book.published) if n not in live]:
+        """Forget what was known of peers that are no longer live, or that left and came back since the last step
+        (the client saw them leave, or come back at an older step: resumed from an earlier checkpoint, or a new
+        holder of the name): such a peer is counted from what it publishes anew, waited for again by the lead bound,
+        and its tokenizer loaded anew; names that come and go leave nothing behind here (their numbers stay: a peer
+        that comes back keeps its own; their mailbox boxes go once emptied)."""
+        live, departed = self._live(), self.client.departed() if self.client is not None else set()
+        for name in [n for n in list(self.book.published) if n not in live or n in departed]:
             self.book.forget(name)
+        for name in departed:
+            self._given_up.discard(name)
+            self._tried.discard(name)
+            self._changed.discard(name)
+            self._unloadable = {(peer, digest) for peer, digest in self._unloadable if peer != name}
+            if self.foreign.pop(name, None) is not None:
+                self.checker.foreign.pop(self.book.number(name), None)
+                self._announced.pop(name, None)
 
     def weights_format(self) -> tuple[torch.dtype, torch.device]:
         """The weight broadcast's dtype and device (a member without samplers pushes nothing)."""
@@ -265,13 +284,21 @@ class OpenExchange:
         return [self.book.number(name) for name in self._live() if name == self.name or self._trained_on(name)]
 
     def _trained_on(self, name: str) -> bool:
-        """A peer this member trains on: its tokenizer, or one loaded and checked here (parcels that arrive before
-        the receiver's next step loads a new peer's tokenizer are not trained on: foreign_refused)."""
+        """A peer this member trains on: its tokenizer, or one loaded and checked here."""
         announced = self._live().get(name, {}).get("tokenizer")
         return announced == self.tokenizer or (name in self.foreign and self._announced.get(name) == announced)
 
+    def _to_load(self, name: str) -> bool:
+        """A live peer of another tokenizer that the receiver's next step loads (accepted, not tried yet): its
+        parcels are taken in meanwhile and kept only if the load succeeds."""
+        return self.config.members[0].accept_foreign and name in self._live() and name not in self._tried
+
     def _load_foreign(self) -> None:
-        """Load (main thread) the tokenizers of live peers of another tokenizer not seen before."""
+        """Load (main thread) the tokenizers of live peers of another tokenizer not seen before: once a peer, until
+        it leaves (_forget_gone). A peer whose announced tokenizer changes while it stays is not trained on until it
+        leaves (an honest member's tokenizer never changes; a new holder of its name comes after it left): a peer
+        switching hashes would otherwise have every member load a tokenizer, a download, in its step loop every
+        step."""
         if not self.config.members[0].accept_foreign:
             return
         from ..models import ModelSpecError, load_tokenizer, vocabulary_hash
@@ -279,12 +306,18 @@ class OpenExchange:
         for name, view in self._live().items():
             announced = view.get("tokenizer")
             number = self.book.number(name)
-            if name in self.foreign and self._announced.get(name) != announced:  # a new holder of the name
+            if name in self.foreign and self._announced.get(name) != announced:  # changed while live: not trained on
                 del self.foreign[name]
                 self.checker.foreign.pop(number, None)
             if name == self.name or announced == self.tokenizer or name in self.foreign or \
-                    (name, announced) in self._unloadable:
+                    (name, announced) in self._unloadable or name in self._changed:
                 continue
+            if name in self._tried:
+                self._changed.add(name)
+                log.warning("%s: peer %s announced another tokenizer while live and is not trained on until it "
+                            "leaves", self.name, name)
+                continue
+            self._tried.add(name)
             source, problem = view.get("source") or "", None
             if not isinstance(source, str) or not shareable(source):
                 problem = "it announced no tokenizer that loads elsewhere (a local path?)"
@@ -304,19 +337,22 @@ class OpenExchange:
             self.foreign[name], self._announced[name] = tokenizer, announced
 
     def _published(self) -> dict[str, int]:
-        """Each live peer's newest published step: its parcels, or the coordinator's word."""
+        """Each live peer's newest published step: its parcels, or the coordinator's word (a step past the run
+        is no word: the coordinator refuses one, and may itself lie)."""
         out = {}
         for name, view in self._live().items():
             if name != self.name and split_sampler(name) is None and self._trained_on(name):  # the members
-                step = view.get("step", 0) if isinstance(view.get("step"), int) else 0
+                step = view.get("step", 0)
+                step = step if isinstance(step, int) and 0 <= step <= self.config.train.steps else 0
                 out[name] = max(step, self.book.published.get(name, 0))
         return out
 
     def _deliver(self, name: str, step: int, version: int, body: bytes, mac: str = "") -> None:
         """A peer's parcel (the client's I/O thread): into the mailbox, or refused unread (counted in `refused`,
         and kept as an empty parcel that admission counts and names: rejected_batches, one warning)."""
-        if not self._trained_on(name):
-            self.foreign_refused += 1
+        if not self._trained_on(name) and not self._to_load(name):
+            self.foreign_refused += claimed_sequences(torch.frombuffer(bytearray(body), dtype=torch.int32)
+                                                      if body and len(body) % 4 == 0 else torch.empty(0))
             return
         sender = self.book.number(name)
         problem = self._parcel_problem(sender, name, step, version, body, mac)
