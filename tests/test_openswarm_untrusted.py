@@ -523,3 +523,42 @@ def test_a_restarted_coordinator_holds_a_members_place_for_its_own_connection_on
     assert refusal(new.handle(b"X", join("a"), now=101)).startswith("'a' is held for its member")
     assert kinds(new.handle(b"A", join("a"), now=102))[0] == (b"A", "welcome")
     assert kinds(new.handle(b"Y", join("b"), now=106))[0] == (b"Y", "welcome")  # b never came back in its lease
+
+
+@pytest.mark.parametrize("loads", [True, False], ids=["loads", "does-not-load"])
+def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_only_with_it(monkeypatch, loads):
+    """A peer of another tokenizer sends its first parcels before this member's next step loads its tokenizer (a
+    download under load can take steps): they wait in the mailbox, and are admitted if the load succeeds, or left
+    out and counted (foreign_refused) if not, never validated against this member's own tokenizer (which took an
+    honest peer for a liar). Once the peer is gone (its tokenizer unregistered), what it left waiting goes too."""
+    import types
+
+    from ftis_engine import models
+    from ftis_engine.rollouts import HEADER_WORDS
+
+    other = "ef" * 32
+
+    def load_tokenizer(source):  # meanwhile, the client's I/O thread takes the peer's next parcel
+        ex._deliver("bpe", 2, 1, body)
+        if not loads:
+            raise models.ModelSpecError(f"{source}: not here")
+        return "its tokenizer"
+
+    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
+    ex = exchange("swarm.max_lead=null", peers=())
+    ex.checker = types.SimpleNamespace(foreign={})
+    view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+            "bpe": {"step": 0, "tokenizer": other, "source": "builtin:tiny-s-bpe"}}
+    ex.client.members = lambda: dict(view)
+    body = torch.tensor([3] + [0] * (3 * HEADER_WORDS + 12), dtype=torch.int32).numpy().tobytes()
+    ex._deliver("bpe", 1, 0, body)  # before any step of this member loaded its tokenizer
+    got = ex.receive(0, 3)
+    assert (len(got.parcels), got.foreign_refused) == ((2, 0) if loads else (0, 6))
+    assert ex.checker.foreign == ({1: "its tokenizer"} if loads else {})
+    if loads:
+        ex._deliver("bpe", 3, 2, body)
+        del view["bpe"]
+        ex.client.gone = {"bpe"}
+        got = ex.receive(0, 4)
+        assert (got.parcels, got.foreign_refused, ex.checker.foreign) == ([], 3, {})

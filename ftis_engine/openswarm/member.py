@@ -205,8 +205,10 @@ class OpenExchange:
             lead_wait = self._wait_lead(step - self.max_lead)
         newest = None if self.max_lead is None else learner_version(step) + self.max_lead
         due = self.mailbox.take_due(step, time.time(), newest)
-        # a new peer's parcels taken in while its tokenizer was not loaded yet: trained on only if it loaded
-        parcels = [p for p in due if p.refused is not None or self._trained_on(self.book.name(p.sender))]
+        # a peer of another tokenizer: admitted only with its tokenizer registered (loaded, and the peer not gone
+        # since): parcels taken in while it loaded are kept only if it did
+        foreign = self.checker.foreign if self.checker is not None else {}
+        parcels = [p for p in due if p.refused is not None or not p.foreign or p.sender in foreign]
         total = self.client.dropped  # read once: the I/O thread adds to it
         dropped, self._dropped_seen = total - self._dropped_seen, total
         total = self.foreign_refused
@@ -317,7 +319,6 @@ class OpenExchange:
                 log.warning("%s: peer %s announced another tokenizer while live and is not trained on until it "
                             "leaves", self.name, name)
                 continue
-            self._tried.add(name)
             source, problem = view.get("source") or "", None
             if not isinstance(source, str) or not shareable(source):
                 problem = "it announced no tokenizer that loads elsewhere (a local path?)"
@@ -329,12 +330,15 @@ class OpenExchange:
                 else:
                     if vocabulary_hash(tokenizer) != announced:
                         problem = f"{source!r} loads here as another tokenizer than the one it joined with"
+            if problem is None:
+                self.checker.foreign[number] = tokenizer
+                self.foreign[name], self._announced[name] = tokenizer, announced
+            # tried only once its outcome is in place: the parcels that arrive while it loads wait in the mailbox
+            # (_to_load), and the receiver keeps them if it loaded
+            self._tried.add(name)
             if problem is not None:
                 self._unloadable.add((name, announced))
                 log.warning("%s: peer %s has another tokenizer and is not trained on: %s", self.name, name, problem)
-                continue
-            self.checker.foreign[number] = tokenizer
-            self.foreign[name], self._announced[name] = tokenizer, announced
 
     def _published(self) -> dict[str, int]:
         """Each live peer's newest published step: its parcels, or the coordinator's word (a step past the run
@@ -361,7 +365,9 @@ class OpenExchange:
             # version 0: due at once, so no claimed version parks it in the mailbox for good
             self.mailbox.put(Parcel(sender, step, 0, torch.empty(0, dtype=torch.int32), refused=problem))
             return
-        self.mailbox.put(Parcel(sender, step, version, torch.frombuffer(bytearray(body), dtype=torch.int32)))
+        foreign = self._live().get(name, {}).get("tokenizer") != self.tokenizer
+        self.mailbox.put(Parcel(sender, step, version, torch.frombuffer(bytearray(body), dtype=torch.int32),
+                                foreign=foreign))
         if 1 <= step <= self.config.train.steps and (
                 self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1):
             self.book.publish(name, step)
