@@ -530,7 +530,8 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     """A peer of another tokenizer sends its first parcels before this member's next step loads its tokenizer (a
     download under load can take steps): they wait in the mailbox, and are admitted if the load succeeds, or left
     out and counted (foreign_refused) if not, never validated against this member's own tokenizer (which took an
-    honest peer for a liar). Once the peer is gone (its tokenizer unregistered), what it left waiting goes too."""
+    honest peer for a liar). A peer that left (finished, or crashed) keeps its tokenizer registered for what it left
+    waiting, until a new holder of its name announces another: then what the old one left goes, counted."""
     import types
 
     from ftis_engine import models
@@ -558,7 +559,12 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     assert ex.checker.foreign == ({1: "its tokenizer"} if loads else {})
     if loads:
         ex._deliver("bpe", 3, 2, body)
-        del view["bpe"]
+        del view["bpe"]  # it finished
         ex.client.gone = {"bpe"}
-        got = ex.receive(0, 4)
+        got = ex.receive(0, 4)  # what it left: admitted with its tokenizer
+        assert (len(got.parcels), got.foreign_refused, ex.checker.foreign) == (1, 0, {1: "its tokenizer"})
+        buffer = torch.frombuffer(bytearray(body), dtype=torch.int32)
+        ex.mailbox.put(Parcel(1, 4, 3, buffer, due_step=5, tokenizer=other))  # one more, delayed in transit
+        view["bpe"] = {"step": 0, "tokenizer": "aa" * 32, "source": ""}  # a new holder, of a third tokenizer
+        got = ex.receive(0, 5)  # the old holder's parcel is no longer admissible
         assert (got.parcels, got.foreign_refused, ex.checker.foreign) == ([], 3, {})

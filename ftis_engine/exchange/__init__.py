@@ -38,7 +38,7 @@ class Parcel:
     due_step: int = 0  # simulated latency: the receiver's first step that may use it
     due_time: float = 0.0  # simulated latency: the first wall time it may be used
     refused: str | None = None  # why the transport refused it unread (its size), or None
-    foreign: bool = False  # open swarm: its sender has another tokenizer (admitted only with that one loaded)
+    tokenizer: str = ""  # open swarm: its sender's tokenizer hash where not the receiver's (admitted only with it)
 
 
 @dataclass

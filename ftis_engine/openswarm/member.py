@@ -205,10 +205,11 @@ class OpenExchange:
             lead_wait = self._wait_lead(step - self.max_lead)
         newest = None if self.max_lead is None else learner_version(step) + self.max_lead
         due = self.mailbox.take_due(step, time.time(), newest)
-        # a peer of another tokenizer: admitted only with its tokenizer registered (loaded, and the peer not gone
-        # since): parcels taken in while it loaded are kept only if it did
-        foreign = self.checker.foreign if self.checker is not None else {}
-        parcels = [p for p in due if p.refused is not None or not p.foreign or p.sender in foreign]
+        # a peer of another tokenizer: admitted only with the tokenizer it sent under registered (loaded: parcels
+        # taken in while it loaded are kept only if it did; a peer that left keeps it until its name's next holder)
+        registered = self.checker.foreign if self.checker is not None else {}
+        parcels = [p for p in due if p.refused is not None or not p.tokenizer or (
+            p.sender in registered and self._announced.get(self.book.name(p.sender)) == p.tokenizer)]
         total = self.client.dropped  # read once: the I/O thread adds to it
         dropped, self._dropped_seen = total - self._dropped_seen, total
         total = self.foreign_refused
@@ -252,14 +253,11 @@ class OpenExchange:
         live, departed = self._live(), self.client.departed() if self.client is not None else set()
         for name in [n for n in list(self.book.published) if n not in live or n in departed]:
             self.book.forget(name)
-        for name in departed:
+        for name in departed:  # its tokenizer stays registered for what it left in the mailbox, until replaced
             self._given_up.discard(name)
             self._tried.discard(name)
             self._changed.discard(name)
             self._unloadable = {(peer, digest) for peer, digest in self._unloadable if peer != name}
-            if self.foreign.pop(name, None) is not None:
-                self.checker.foreign.pop(self.book.number(name), None)
-                self._announced.pop(name, None)
 
     def weights_format(self) -> tuple[torch.dtype, torch.device]:
         """The weight broadcast's dtype and device (a member without samplers pushes nothing)."""
@@ -308,9 +306,10 @@ class OpenExchange:
         for name, view in self._live().items():
             announced = view.get("tokenizer")
             number = self.book.number(name)
-            if name in self.foreign and self._announced.get(name) != announced:  # changed while live: not trained on
+            if name in self.foreign and self._announced.get(name) != announced:  # a new holder, or changed while live
                 del self.foreign[name]
                 self.checker.foreign.pop(number, None)
+                self._announced.pop(name, None)
             if name == self.name or announced == self.tokenizer or name in self.foreign or \
                     (name, announced) in self._unloadable or name in self._changed:
                 continue
@@ -365,9 +364,9 @@ class OpenExchange:
             # version 0: due at once, so no claimed version parks it in the mailbox for good
             self.mailbox.put(Parcel(sender, step, 0, torch.empty(0, dtype=torch.int32), refused=problem))
             return
-        foreign = self._live().get(name, {}).get("tokenizer") != self.tokenizer
+        announced = self._live().get(name, {}).get("tokenizer")
         self.mailbox.put(Parcel(sender, step, version, torch.frombuffer(bytearray(body), dtype=torch.int32),
-                                foreign=foreign))
+                                tokenizer="" if announced == self.tokenizer else str(announced)))
         if 1 <= step <= self.config.train.steps and (
                 self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1):
             self.book.publish(name, step)
