@@ -568,3 +568,25 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
         view["bpe"] = {"step": 0, "tokenizer": "aa" * 32, "source": ""}  # a new holder, of a third tokenizer
         got = ex.receive(0, 5)  # the old holder's parcel is no longer admissible
         assert (got.parcels, got.foreign_refused, ex.checker.foreign) == ([], 3, {})
+
+
+def test_a_steady_stream_of_messages_never_keeps_the_client_from_its_beats():
+    """The client's thread reads at most RECEIVE_HWM messages a turn, then sends (its beats hold its lease): a
+    stream relayed faster than it is read no longer keeps it reading for ever (here: a socket that always has
+    one more message)."""
+    from ftis_engine.openswarm.client import RECEIVE_HWM
+
+    client = quiet_client()
+    flood = parcel(name="peer")
+
+    class Endless:
+        reads = 0
+
+        def recv_multipart(self, flags):
+            self.reads += 1
+            return flood
+
+    socket = Endless()
+    handed = []
+    client._on_parcel = lambda *p: handed.append(p)
+    assert client._read_some(socket) == RECEIVE_HWM == socket.reads == len(handed)

@@ -58,6 +58,7 @@ MIN_FRAME_BYTES = 1024  # the cap of a link's frames when no body may come (head
 LOST_GRACE_S = 3.0  # a closed connection that comes back within this is a blip, not a lost peer
 SEND_HWM = 4  # messages ZeroMQ queues per peer: the Outbox, not the socket, decides what waits (and what is dropped)
 RECEIVE_HWM = 4  # messages ZeroMQ reads ahead per connection: memory bounded by this x max_bytes per peer
+READ_BURST = 64  # messages read in one turn of the links thread before it sends (a steady stream cannot starve sends)
 
 
 class PeerLost(RuntimeError):
@@ -364,8 +365,8 @@ class Links:
                 for peer, monitor in monitors.items():
                     if monitor in events:
                         self._monitor(peer, monitor, up, down_since)
-                if router in events:
-                    while True:
+                if router in events:  # at most a burst: a peer's steady stream must not hold back this rank's sends
+                    for _ in range(READ_BURST):
                         try:
                             message = router.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:

@@ -146,12 +146,7 @@ class SwarmClient:
             last_beat = last_join = time.monotonic()
             while not self._stop.is_set():
                 if socket.poll(20, zmq.POLLIN):
-                    while True:
-                        try:
-                            frames = socket.recv_multipart(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                        self._receive(socket, frames)
+                    self._read_some(socket)
                 while True:
                     try:
                         frames = self._outbox.get_nowait()
@@ -181,6 +176,20 @@ class SwarmClient:
         claimed = int.from_bytes(body[:4], "little", signed=True) if len(body) >= 4 else 0
         with self._lock:
             self.dropped += max(0, min(claimed, (len(body) // 4 - 1) // HEADER_WORDS))
+
+    def _read_some(self, socket) -> int:
+        """Take what has come in, at most RECEIVE_HWM messages, then let the thread send: a steady stream relayed
+        by the coordinator would otherwise keep it reading while the member's beats (its lease) and parcels wait.
+        Returns how many it took."""
+        import zmq
+
+        for count in range(RECEIVE_HWM):
+            try:
+                frames = socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return count
+            self._receive(socket, frames)
+        return RECEIVE_HWM
 
     def _join(self) -> list[bytes]:
         self.joins += 1
