@@ -122,12 +122,19 @@ def max_buffer_words(num_sequences: int, max_new_tokens: int) -> int:
     return 1 + HEADER_WORDS * num_sequences + 2 * num_sequences * max_new_tokens
 
 
-def claimed_sequences(buffer: torch.Tensor) -> int:
+def claimed_sequences(buffer: torch.Tensor | bytes) -> int:
     """The sequences a buffer claims to hold (its first word, bounded by what its size allows): for counting
-    what a receiver dropped unread."""
-    if buffer.numel() < 1:
-        return 0
-    return max(0, min(int(buffer[0]), (buffer.numel() - 1) // HEADER_WORDS))
+    what a receiver dropped unread, or a sender could not send. Raw bytes (a parcel's body as it travels) count as
+    the int32 words they hold; bytes that are not whole words claim none."""
+    if isinstance(buffer, (bytes, bytearray)):
+        if len(buffer) < 4 or len(buffer) % 4:
+            return 0
+        first, words = int.from_bytes(buffer[:4], "little", signed=True), len(buffer) // 4
+    else:
+        if buffer.numel() < 1:
+            return 0
+        first, words = int(buffer[0]), buffer.numel()
+    return max(0, min(first, (words - 1) // HEADER_WORDS))
 
 
 def buffer_digest(buffer: torch.Tensor) -> str:

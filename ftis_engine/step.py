@@ -64,7 +64,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
         screened = got.screened
         scored, unscored = drop_unscored(own[index])
-        trained, incomplete = whole_groups(scored + peers, swarm.config.collaboration, swarm.config.rollout.group_size)
+        trained, incomplete = whole_groups(scored + peers, swarm.config.collaboration,
+                                           swarm.config.rollout.group_size)
         items = training_items(swarm, member, trained)
         with diverging(swarm.run_dir, member, step):
             samples = completion_records(swarm, member, items, step) if swarm.config.logging.completions else []

@@ -506,7 +506,7 @@ def test_a_clients_unsent_parcels_are_counted_in_sequences_as_one_world_counts_t
     assert client.dropped == 2
 
 
-# ------------------------------------------------------------------------------------------------ a restarted coordinator
+# ------------------------------------------------------------------------------------------- a restarted coordinator
 
 
 def test_a_restarted_coordinator_holds_a_members_place_for_its_own_connection_only(tmp_path):

@@ -51,3 +51,11 @@ def test_claimed_sequences_is_the_header_count_bounded_by_the_size():
     assert claimed_sequences(torch.tensor([1_000_000, 0, 0], dtype=torch.int32)) == 0  # no room for one header
     assert claimed_sequences(torch.tensor([-4], dtype=torch.int32)) == 0
     assert claimed_sequences(torch.zeros(0, dtype=torch.int32)) == 0
+
+
+def test_claimed_sequences_counts_a_bodys_raw_bytes_as_its_words():
+    body = encode(_rollouts()).to(torch.int32).numpy().tobytes()
+    assert claimed_sequences(body) == claimed_sequences(bytearray(body)) == 3
+    assert claimed_sequences(torch.tensor([1_000_000, 0, 0], dtype=torch.int32).numpy().tobytes()) == 0
+    assert claimed_sequences(torch.tensor([-4], dtype=torch.int32).numpy().tobytes()) == 0
+    assert claimed_sequences(body[:-1]) == claimed_sequences(b"") == claimed_sequences(body[:3]) == 0  # not words

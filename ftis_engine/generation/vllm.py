@@ -16,8 +16,9 @@
   A LoRA member pushes only its adapter: saved in peft format and loaded as a new LoRARequest (the base
   weights in the engine never change, nothing is merged).
 - In a single process the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer can reach its
-  model, on its member's GPU (`device_ids`, vLLM >= 0.24, where the member is not on cuda:0); under --nproc/torchrun it joins the ranks' torch.distributed world with the "external_launcher"
-  executor (one engine per rank, tensor parallel 1), as TRL's colocate mode does.
+  model, on its member's GPU (`device_ids`, vLLM >= 0.24, where the member is not on cuda:0); under
+  --nproc/torchrun it joins the ranks' torch.distributed world with the "external_launcher" executor (one engine
+  per rank, tensor parallel 1), as TRL's colocate mode does.
 """
 
 from __future__ import annotations
@@ -342,11 +343,10 @@ class VLLMGenerator:
         params = []
         for i in range(len(prompts)):
             extra = {"top_k": sampling.top_k} if sampling.top_k is not None else {}
+            seed = request_seed(sampling.seed, i, sampling.n) if self.per_request_seed else None
             params.append(SamplingParams(n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
                                          max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
-                                         logprobs=0,
-                                         seed=request_seed(sampling.seed, i, sampling.n) if self.per_request_seed else None,
-                                         **extra))
+                                         logprobs=0, seed=seed, **extra))
         with contextlib.nullcontext() if self.per_request_seed else _seeded_rng(self._device, sampling.seed):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                         lora_request=self._lora_request)

@@ -169,13 +169,11 @@ class SwarmClient:
             socket.close()
 
     def _count_dropped(self, body: bytes) -> None:
-        """Count an unsent parcel's sequences (its first word, bounded by its size); the member's thread and the
-        I/O thread both drop parcels."""
-        from ..rollouts import HEADER_WORDS
+        """Count an unsent parcel's sequences; the member's thread and the I/O thread both drop parcels."""
+        from ..rollouts import claimed_sequences
 
-        claimed = int.from_bytes(body[:4], "little", signed=True) if len(body) >= 4 else 0
         with self._lock:
-            self.dropped += max(0, min(claimed, (len(body) // 4 - 1) // HEADER_WORDS))
+            self.dropped += claimed_sequences(body)
 
     def _read_some(self, socket) -> int:
         """Take what has come in, at most RECEIVE_HWM messages, then let the thread send: a steady stream relayed

@@ -144,9 +144,9 @@ class Coordinator:
     @staticmethod
     def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes]], str | None]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source, the connection identity it joined from)), and the swarm's training-set hash (the first logged: every later
-        join had to match it); ({}, None) for a new log. A member that is gone holds its place for one lease at
-        most. Read a line at a time: the log grows with the run."""
+        newest step logged, tokenizer source, the connection identity it joined from)), and the swarm's training-set
+        hash (the first logged: every later join had to match it); ({}, None) for a new log. A member that is gone
+        holds its place for one lease at most. Read a line at a time: the log grows with the run."""
         if not log_path.is_file():
             return {}, None
         tokenizers: dict[str, str] = {}
@@ -239,9 +239,10 @@ class Coordinator:
         held_by = current.identity or current.claim if current is not None else b""
         if problem is None and held_by not in (identity, b""):
             if now - current.last_seen <= self.lease_s:
-                problem = (f"a live member is already named {name!r}; choose another members.0.name" if current.identity
-                           else f"{name!r} is held for its member, which had it before the coordinator restarted, "
-                                "for a lease")
+                problem = (f"a live member is already named {name!r}; choose another members.0.name"
+                           if current.identity else
+                           f"{name!r} is held for its member, which had it before the coordinator restarted, for a "
+                           "lease")
             else:  # its lease ran out unnoticed: it is gone
                 self._drop(name, now, "expired")
         if problem is None:

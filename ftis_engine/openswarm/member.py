@@ -208,13 +208,16 @@ class OpenExchange:
         # a peer of another tokenizer: admitted only with the tokenizer it sent under registered (loaded: parcels
         # taken in while it loaded are kept only if it did; a peer that left keeps it until its name's next holder)
         registered = self.checker.foreign if self.checker is not None else {}
-        parcels = [p for p in due if p.refused is not None or not p.tokenizer or (
-            p.sender in registered and self._announced.get(self.book.name(p.sender)) == p.tokenizer)]
+        parcels, unregistered = [], []
+        for parcel in due:
+            admissible = parcel.refused is not None or not parcel.tokenizer or (
+                parcel.sender in registered and self._announced.get(self.book.name(parcel.sender)) == parcel.tokenizer)
+            (parcels if admissible else unregistered).append(parcel)
         total = self.client.dropped  # read once: the I/O thread adds to it
         dropped, self._dropped_seen = total - self._dropped_seen, total
         total = self.foreign_refused
         foreign, self._foreign_seen = total - self._foreign_seen, total
-        foreign += sum(claimed_sequences(p.buffer) for p in due if p not in parcels)
+        foreign += sum(claimed_sequences(p.buffer) for p in unregistered)
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
                         outbox_dropped=dropped, foreign_refused=foreign)
@@ -354,8 +357,7 @@ class OpenExchange:
         """A peer's parcel (the client's I/O thread): into the mailbox, or refused unread (counted in `refused`,
         and kept as an empty parcel that admission counts and names: rejected_batches, one warning)."""
         if not self._trained_on(name) and not self._to_load(name):
-            self.foreign_refused += claimed_sequences(torch.frombuffer(bytearray(body), dtype=torch.int32)
-                                                      if body and len(body) % 4 == 0 else torch.empty(0))
+            self.foreign_refused += claimed_sequences(body)
             return
         sender = self.book.number(name)
         problem = self._parcel_problem(sender, name, step, version, body, mac)
