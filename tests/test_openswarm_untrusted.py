@@ -590,3 +590,36 @@ def test_a_steady_stream_of_messages_never_keeps_the_client_from_its_beats():
     handed = []
     client._on_parcel = lambda *p: handed.append(p)
     assert client._read_some(socket) == RECEIVE_HWM == socket.reads == len(handed)
+
+
+def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_step(monkeypatch):
+    """A peer of another tokenizer joins and sends while this member's step waits on the lead bound, after the
+    step looked for new tokenizers to load: its parcels are due, its tokenizer not yet tried. They wait in the
+    mailbox for the next step, which loads it and admits them (they were counted as refused: the two-tokenizer test
+    failed beside a CPU hog)."""
+    import types
+
+    from ftis_engine import models
+    from ftis_engine.rollouts import HEADER_WORDS
+
+    other = "ef" * 32
+    monkeypatch.setattr(models, "load_tokenizer", lambda source: "its tokenizer")
+    monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
+    ex = exchange()  # max_lead 2, with a live peer of its own tokenizer: the step waits on the lead bound
+    ex.checker = types.SimpleNamespace(foreign={})
+    view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+            "peer": {"step": 2, "tokenizer": TOKENIZER, "source": ""}}
+    ex.client.members = lambda: dict(view)
+    body = torch.tensor([3] + [0] * (3 * HEADER_WORDS + 12), dtype=torch.int32).numpy().tobytes()
+
+    def wait_lead(need):  # meanwhile, the new peer joins and its first parcel arrives (in the first step's wait)
+        if "bpe" not in view:
+            view["bpe"] = {"step": 1, "tokenizer": other, "source": "builtin:tiny-s-bpe"}
+            ex._deliver("bpe", 1, 0, body)
+        return 0.0
+
+    monkeypatch.setattr(ex, "_wait_lead", wait_lead)
+    got = ex.receive(0, 3)
+    assert (got.parcels, got.foreign_refused, len(ex.mailbox)) == ([], 0, 1)
+    got = ex.receive(0, 4)
+    assert ([p.sender for p in got.parcels], got.foreign_refused) == ([ex.book.number("bpe")], 0)

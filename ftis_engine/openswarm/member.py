@@ -206,13 +206,19 @@ class OpenExchange:
         newest = None if self.max_lead is None else learner_version(step) + self.max_lead
         due = self.mailbox.take_due(step, time.time(), newest)
         # a peer of another tokenizer: admitted only with the tokenizer it sent under registered (loaded: parcels
-        # taken in while it loaded are kept only if it did; a peer that left keeps it until its name's next holder)
+        # taken in while it loaded are kept only if it did; a peer that left keeps it until its name's next holder);
+        # one whose tokenizer is still to be loaded (it joined after this step's _load_foreign) waits for the next
         registered = self.checker.foreign if self.checker is not None else {}
         parcels, unregistered = [], []
         for parcel in due:
-            admissible = parcel.refused is not None or not parcel.tokenizer or (
-                parcel.sender in registered and self._announced.get(self.book.name(parcel.sender)) == parcel.tokenizer)
-            (parcels if admissible else unregistered).append(parcel)
+            name = self.book.name(parcel.sender)
+            if parcel.refused is not None or not parcel.tokenizer or (
+                    parcel.sender in registered and self._announced.get(name) == parcel.tokenizer):
+                parcels.append(parcel)
+            elif self._to_load(name):
+                self.mailbox.put(parcel)
+            else:
+                unregistered.append(parcel)
         total = self.client.dropped  # read once: the I/O thread adds to it
         dropped, self._dropped_seen = total - self._dropped_seen, total
         total = self.foreign_refused
