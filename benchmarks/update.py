@@ -11,10 +11,12 @@ logits + log_softmax + the same loss). Reports tokens/s, MFU and peak memory.
 On a GPU each measured run is also merged into update_step.json beside --output (--update-step names another file;
 one object per run, keyed by device, model, attention, layers, path and batch shape). run_gpu.sh's stages leave it
 in their results folder; benchmarks/results/update_step.json, the file the README quotes, is that file brought back.
-MFU counts model FLOPs only: 6 x parameters x input tokens (the tied head's matmul counted, the embedding lookup
-not) plus causal attention (12 x layers x d x mean context per token); the recompute of gradient checkpointing is
-not counted, and the fused path, which runs the head over the completion tokens only, is credited with the head over
-every input token as the logits path runs it (about 4% of its MFU at 256 + 768 tokens).
+MFU counts model FLOPs only (model_flops): 6 x the body's parameters x input tokens (the embedding lookup is not a
+matmul), 6 x V x d for each row the head runs on, and causal attention (12 x layers x d x mean context per token);
+the recompute of gradient checkpointing is not counted. The head runs on the completion tokens on the fused path
+(16 x 768 of the 16 x 1,023 input tokens by default) and on every input token on the logits path (the model's own
+logits). Records counted before 2026-11-28 credited the fused path with the head over every input token (MFU about
+4% high at 256 + 768 tokens): `--recount FILE` recounts an update_step.json from its timings with this count.
 """
 
 from __future__ import annotations
@@ -121,14 +123,24 @@ def update(member: Member, packed, path: str) -> None:
     member.optimizer.step()
 
 
-def model_flops_per_token(member: Member, context: int) -> float:
-    """6 x parameters touched per token (the lm_head counted once even when tied) + attention 12 L d context."""
-    cfg = member.model.config
-    params = sum(p.numel() for p in member.model.parameters())
-    if cfg.tie_word_embeddings:
-        params += cfg.vocab_size * cfg.hidden_size  # the tied matrix also serves as the head's matmul
-    params -= cfg.vocab_size * cfg.hidden_size  # the embedding lookup is not a matmul
-    return 6 * params + 12 * cfg.num_hidden_layers * cfg.hidden_size * context
+MFU_COUNT = ("6 x the body's parameters x input tokens + 6 V d x the rows the head runs on (fused path: the completion "
+             "tokens; logits path: every input token) + attention 12 L d x mean context per token")
+
+
+def model_flops(hf_config, parameters: int, tokens: int, head_rows: int, context: int) -> float:
+    """Model FLOPs of one update (forward and backward, 6 per parameter and row): the body's matmuls over the `tokens`
+    input tokens (`parameters` less the embedding and the head: a lookup is not a matmul), the head's V x d matmul
+    over the `head_rows` rows it runs on, and causal attention 12 L d `context` (the mean context) per token."""
+    head = hf_config.vocab_size * hf_config.hidden_size
+    body = parameters - head * (1 if hf_config.tie_word_embeddings else 2)  # the tied matrix is one parameter
+    attention = 12 * hf_config.num_hidden_layers * hf_config.hidden_size * context
+    return (6 * body + attention) * tokens + 6 * head * head_rows
+
+
+def head_rows(path: str, tokens: int, completion_tokens: int) -> int:
+    """Rows the lm_head runs on: the completion tokens on the fused path (the fused loss takes the hidden states
+    of the rows that predict a completion token), every input token on the logits path (the model's logits)."""
+    return completion_tokens if path == "fused" else tokens
 
 
 def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dtype, peak_tflops: float | None,
@@ -165,8 +177,11 @@ def measure(shape: str, path: str, attn: str, layer_mode: str, args, device, dty
             print(f"profile {shape} {path}:\n{table}", flush=True)
             row["profile"] = table
         row.update(tokens=tokens, seconds=seconds, tokens_per_s=tokens / seconds)
-        flops = model_flops_per_token(member, (args.prompt_len + args.completion_len) // 2) * tokens
+        parameters = sum(p.numel() for p in member.model.parameters())
+        flops = model_flops(member.model.config, parameters, tokens, head_rows(path, tokens, packed.targets.numel()),
+                            (args.prompt_len + args.completion_len) // 2)
         row["achieved_tflops"] = flops / seconds / 1e12
+        row["mfu_count"] = MFU_COUNT
         if peak_tflops:
             row["mfu"] = row["achieved_tflops"] / peak_tflops
         if device.type == "cuda":
@@ -210,7 +225,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the device's dense bf16 peak for MFU (H100/H200 SXM: 989)")
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "update")
+    parser.add_argument("--recount", type=pathlib.Path, default=None, metavar="FILE",
+                        help="measure nothing: recount the MFU of every record of an update_step.json FILE from its "
+                             "timings with today's FLOP count (model_flops), in place")
     args = parser.parse_args(argv)
+    if args.recount is not None:
+        return recount_update_step(args.recount)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
@@ -270,6 +290,40 @@ def merge_update_step(path: pathlib.Path, rows: list[dict], meta: dict) -> list[
     keys = {tuple(r.get(k) for k in KEY) for r in new}
     records = [r for r in records if tuple(r.get(k) for k in KEY) not in keys] + new
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=2) + "\n")
+    return records
+
+
+def shape_parameters(shape: str) -> int:
+    """The parameter count of a SHAPES model (built on the meta device: no memory, no time)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen2ForCausalLM(Qwen2Config(**SHAPES[shape])).parameters())
+
+
+def recount_update_step(path: pathlib.Path) -> list[dict]:
+    """Recount achieved_tflops and mfu of every measured record of an update_step.json from its own timings (seconds)
+    and batch (sequences, prompt_len, completion_len, path) with model_flops; a record counted another way keeps the
+    value it was first published with as mfu_before_recount, and mfu_count says how the mfu now in it was counted."""
+    from transformers import Qwen2Config
+
+    records = json.loads(path.read_text())
+    for r in records:
+        if not r.get("seconds") or r.get("model") not in SHAPES:  # nothing timed, or a shape this file lacks
+            continue
+        config = Qwen2Config(**SHAPES[r["model"]])
+        rows = head_rows(r["path"], r["tokens"], r["sequences"] * r["completion_len"])
+        flops = model_flops(config, shape_parameters(r["model"]), r["tokens"], rows,
+                            (r["prompt_len"] + r["completion_len"]) // 2)
+        tflops = flops / r["seconds"] / 1e12
+        mfu = tflops / r["peak_tflops"] if r.get("peak_tflops") else None
+        if mfu is not None and "mfu" in r and abs(mfu - r["mfu"]) > 1e-9:
+            r.setdefault("mfu_before_recount", r["mfu"])
+        r["achieved_tflops"] = tflops
+        if mfu is not None:
+            r["mfu"] = mfu
+        r["mfu_count"] = MFU_COUNT
     path.write_text(json.dumps(records, indent=2) + "\n")
     return records
 

@@ -61,6 +61,44 @@ def test_update_step_records_replace_the_same_run_and_keep_the_others(tmp_path):
     assert all("profile" not in r for r in records)
 
 
+def test_the_update_counts_the_heads_flops_over_the_rows_it_runs_on(tmp_path):
+    """The fused path's head runs on the completion tokens (4 x 24 of the 4 x 39 input tokens in --quick), the logits
+    path's on every input token: each row's achieved TFLOP/s counts exactly that."""
+    from transformers import Qwen2Config
+
+    rows = update.main(["--quick", "--output", str(tmp_path / "update"), "--attn", "sdpa"])
+    config, parameters = Qwen2Config(**update.SHAPES["tiny"]), update.shape_parameters("tiny")
+    vd = 1000 * 64  # the tiny shape's tied head: V x d
+    body = parameters - vd
+    per_token = 6 * body + 12 * 2 * 64 * (16 + 24) // 2  # the body and attention at the mean context
+    for row, head in zip(rows, (4 * 24, 4 * 39), strict=True):  # fused, logits
+        assert row["tokens"] == 4 * 39
+        expected = per_token * row["tokens"] + 6 * vd * head
+        assert update.model_flops(config, parameters, row["tokens"],
+                                  update.head_rows(row["path"], row["tokens"], 4 * 24), 20) == expected
+        assert row["achieved_tflops"] == pytest.approx(expected / row["seconds"] / 1e12)
+
+
+def test_a_recount_keeps_the_timings_and_counts_the_fused_head_over_the_completion_tokens(tmp_path):
+    """The published 1.5B varlen + compile update (0.5236 s for 16 x 1,023 tokens) first read 30.1% MFU, the head
+    counted over every input token; over the 16 x 768 completion tokens it runs on: 29.0%."""
+    target = tmp_path / "update_step.json"
+    record = {"device": "H100", "peak_tflops": 989.0, "model": "1.5b", "attention": "varlen", "layers": "compile",
+              "path": "fused", "sequences": 16, "prompt_len": 256, "completion_len": 768, "tokens": 16368,
+              "seconds": 0.5235963829999974, "mfu": 0.3011183961463995}
+    target.write_text(json.dumps([record, {**record, "path": "logits"}, {**record, "model": "7b"}]))
+    fused, logits, unknown = update.main(["--recount", str(target)])
+    # Qwen2.5-1.5B: 1,543,714,304 parameters, a tied head of 151,936 x 1,536
+    vd, body, attention = 151_936 * 1536, 1_543_714_304 - 151_936 * 1536, 12 * 28 * 1536 * 512
+    flops = (6 * body + attention) * 16368 + 6 * vd * 16 * 768
+    assert fused["mfu"] == pytest.approx(flops / 0.5235963829999974 / 989e12)
+    assert round(100 * fused["mfu"], 1) == 29.0 and fused["mfu_before_recount"] == 0.3011183961463995
+    assert logits["mfu"] == pytest.approx(0.3011183961463995)  # the logits path's head does run on every token
+    assert "mfu_before_recount" not in logits
+    assert unknown == {**record, "model": "7b"}  # a shape this file does not know is left as it was
+    assert json.loads(target.read_text()) == [fused, logits, unknown]
+
+
 @pytest.mark.slow
 def test_exchange_benchmark_quick(tmp_path):
     rows = exchange.main(["--quick", "--output", str(tmp_path / "exchange.json")])
