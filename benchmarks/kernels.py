@@ -18,6 +18,12 @@ Peers (each computes a loss from hidden states [N, d] and the lm_head [V, d], th
 Peers that are not installed are skipped and say so. Time: median of many (triton.testing.do_bench on GPU);
 memory: torch.cuda.max_memory_allocated above the inputs. Also the measured bf16 matmul rate and each peer's
 achieved TFLOP/s counting 6 N V d. Writes JSON, a markdown table with ratios to ours-fused-linear, and a plot.
+
+Inputs: 1024-token sequences, advantages ~ N(0, 1), and generation log-probs (`--gen-logprobs`) of an unrelated
+sampler (`unrelated`, the default and the published runs': KL far above the threshold, so F-TIS's filter drops every
+sequence with A <= 0 and the fused backward skips their token blocks) or the trainer's own (`own`: a member's own
+rollouts, KL 0, nothing filtered). Every row of a peer that applies the filter records `filtered_frac`, the share of
+sequences it dropped on these inputs (the op's own statistic).
 """
 
 from __future__ import annotations
@@ -54,7 +60,13 @@ class Skip(Exception):
 # ----------------------------------------------------------------------------------------------- inputs
 
 
-def make_inputs(n: int, vocab: int, dim: int, device: torch.device, dtype: torch.dtype, seed: int = 0) -> dict:
+GEN_LOGPROBS = ("unrelated", "own")
+
+
+def make_inputs(n: int, vocab: int, dim: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                gen_logprobs: str = "unrelated") -> dict:
+    """Packed inputs of n // 1024 sequences (one of n tokens when n < 1024); `gen_logprobs`: see the module's
+    docstring."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     seq_len = min(SEQ_LEN, n)
     n = (n // seq_len) * seq_len
@@ -63,7 +75,11 @@ def make_inputs(n: int, vocab: int, dim: int, device: torch.device, dtype: torch
     targets = torch.randint(0, vocab, (n,), generator=g).to(device)
     gen = (-torch.rand(n, generator=g) * 8 - 1).to(device)  # log-probs of an unrelated generator
     seqs = n // seq_len
-    adv = torch.randn(seqs, generator=g).to(device)
+    adv = torch.randn(seqs, generator=g).to(device)  # drawn after gen either way: both input kinds share them
+    if gen_logprobs == "own":  # the trainer's own log-probs, as on a member's own rollouts
+        gen = ftis_kernels.fused_linear_token_logprobs(hidden.detach(), weight.detach(), targets).clamp(max=0.0)
+    elif gen_logprobs != "unrelated":
+        raise ValueError(f"gen_logprobs: {gen_logprobs!r} is not one of {', '.join(GEN_LOGPROBS)}")
     cu = torch.arange(0, n + 1, seq_len, dtype=torch.int32).to(device)
     return dict(hidden=hidden, weight=weight, targets=targets, gen=gen, adv=adv, cu=cu, seqs=seqs, seq_len=seq_len)
 
@@ -184,6 +200,19 @@ PEERS = {
 
 # ----------------------------------------------------------------------------------------------- measuring
 
+# Peers that apply F-TIS's KL filter (the others weigh every token: TIS, Liger's GRPO losses, cross-entropy)
+FILTERING = ("ours-fused-linear", "ours-logits", "naive-torch", "naive-torch-compile")
+
+
+def filtered_frac(x) -> float:
+    """The share of the inputs' sequences that F-TIS's KL filter drops (A <= 0 and KL >= kl_threshold): the op's
+    own `filtered_frac`, from one forward without gradient."""
+    with torch.no_grad():
+        out = ftis_kernels.fused_linear_ftis_loss(x["hidden"].detach(), x["weight"].detach(), x["targets"], x["gen"],
+                                                  x["adv"], x["cu"], config=CONFIG)
+    return float(out.stats["filtered_frac"])
+
+
 
 def _step(fn, x):
     def run():
@@ -231,12 +260,36 @@ def matmul_tflops(n: int, vocab: int, dim: int, device: torch.device, dtype: tor
     return 2 * n * vocab * dim / (ms * 1e-3) / 1e12
 
 
-def measure(name: str, fn, n: int, vocab: int, dim: int, device, dtype, quick: bool) -> dict:
-    row = {"peer": name, "tokens": n, "vocab": vocab, "dim": dim}
+def count_filtered(n: int, vocab: int, dim: int, dtype: torch.dtype = torch.bfloat16, prefix: int = 16) -> dict:
+    """How many of make_inputs' sequences F-TIS filters, on a CPU in seconds where the op's forward at a real vocabulary
+    takes the GPU: each sequence's KL (a sum of non-negative k3 terms) is bounded below by its first `prefix` tokens'
+    terms, from the inputs rounded to `dtype` as the GPU run holds them. The count is exact ("exact": True) when the
+    bound clears kl_threshold for every sequence with A <= 0: then those are the filtered ones."""
+    x = make_inputs(n, vocab, dim, torch.device("cpu"), torch.float32)
+    rows = torch.cat([torch.arange(s * x["seq_len"], s * x["seq_len"] + min(prefix, x["seq_len"]))
+                      for s in range(x["seqs"])])
+    with torch.no_grad():
+        hidden = x["hidden"][rows].to(dtype).float()
+        logits = hidden @ x["weight"].detach().to(dtype).float().t()
+        lb = torch.log_softmax(logits, -1).gather(1, x["targets"][rows, None]).squeeze(1)
+    gap = (x["gen"][rows] - lb).clamp(-20.0, 20.0)  # x = g - l, bounded as the op bounds it
+    kl_bound = (gap.exp() - gap - 1).view(x["seqs"], -1).sum(1)
+    negative = x["adv"] <= 0
+    filtered = negative & (kl_bound >= CONFIG.kl_threshold)
+    return {"tokens": n, "dim": dim, "vocab": vocab, "sequences": x["seqs"], "negative": int(negative.sum()),
+            "filtered": int(filtered.sum()), "filtered_frac": float(filtered.float().mean()),
+            "exact": bool(torch.equal(filtered, negative)), "kl_bound_min": float(kl_bound.min())}
+
+
+def measure(name: str, fn, n: int, vocab: int, dim: int, device, dtype, quick: bool,
+            gen_logprobs: str = "unrelated") -> dict:
+    row = {"peer": name, "tokens": n, "vocab": vocab, "dim": dim, "gen_logprobs": gen_logprobs}
     _compiled.pop("liger_ratio", None)
     _compiled.pop("liger", None)
     try:
-        x = make_inputs(n, vocab, dim, device, dtype)
+        x = make_inputs(n, vocab, dim, device, dtype, gen_logprobs=gen_logprobs)
+        if name in FILTERING:
+            row["filtered_frac"] = filtered_frac(x)
         run = _step(fn, x)
         row["peak_bytes"] = peak_bytes(run, device)
         row["ms"] = time_ms(run, device, quick)
@@ -279,19 +332,21 @@ def add_floor(rows: list[dict], matmul: dict) -> None:
 
 
 def markdown(rows: list[dict], matmul: dict) -> str:
-    lines = ["| d | N | peer | fwd+bwd ms | peak MiB | TFLOP/s (6NVd) | of matmul rate | of its floor (8NVd) | "
-             "time vs ours | ours mem / peer |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| d | N | peer | sequences filtered | fwd+bwd ms | peak MiB | TFLOP/s (6NVd) | of matmul rate | "
+             "of its floor (8NVd) | time vs ours | ours mem / peer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        filtered = f"{100 * r['filtered_frac']:.0f}%" if "filtered_frac" in r else "- (no filter)"
         if "skipped" in r:
-            lines.append(f"| {r['dim']} | {r['tokens']} | {r['peer']} | skipped: {r['skipped']} | | | | | | |")
+            lines.append(f"| {r['dim']} | {r['tokens']} | {r['peer']} | {filtered} | skipped: {r['skipped']} "
+                         "| | | | | | |")
             continue
         peak = f"{r['peak_bytes'] / 2**20:,.0f}" if r.get("peak_bytes") is not None else "n/a"
         rate = matmul.get(f"{r['dim']}x{r['tokens']}")
         frac = f"{100 * r['tflops'] / rate:.0f}%" if rate else "n/a"
         floor = f"{100 * r['floor_frac']:.0f}%" if "floor_frac" in r else "n/a"
         mem = f"{r['mem_ratio']:.3f}" if "mem_ratio" in r else "n/a"
-        lines.append(f"| {r['dim']} | {r['tokens']} | {r['peer']} | {r['ms']:.2f} | {peak} | {r['tflops']:.1f} | {frac} "
-                     f"| {floor} | {r.get('time_ratio', float('nan')):.2f}x | {mem} |")
+        lines.append(f"| {r['dim']} | {r['tokens']} | {r['peer']} | {filtered} | {r['ms']:.2f} | {peak} | "
+                     f"{r['tflops']:.1f} | {frac} | {floor} | {r.get('time_ratio', float('nan')):.2f}x | {mem} |")
     return "\n".join(lines)
 
 
@@ -333,8 +388,22 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tokens", type=int, nargs="*", default=[4096, 16384, 65536])
     parser.add_argument("--vocab", type=int, default=VOCAB)
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--gen-logprobs", default="unrelated", choices=GEN_LOGPROBS,
+                        help="the inputs' generation log-probs: an unrelated sampler's (F-TIS filters every A <= 0 "
+                             "sequence) or the trainer's own (a member's own rollouts: nothing filtered)")
+    parser.add_argument("--count-filtered", action="store_true",
+                        help="time nothing: count the sequences F-TIS filters on each shape's inputs (on the CPU, "
+                             "count_filtered) and write <output>.json")
     parser.add_argument("--output", type=pathlib.Path, default=RESULTS / "kernels")
     args = parser.parse_args(argv)
+    if args.count_filtered:
+        counts = [count_filtered(n, args.vocab, dim) for dim in args.dims for n in args.tokens]
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        command = "python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        args.output.with_suffix(".json").write_text(json.dumps({"command": command, "counts": counts}, indent=2) + "\n")
+        for c in counts:
+            print(json.dumps(c))
+        return counts
     device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.quick:
@@ -348,7 +417,8 @@ def main(argv=None) -> list[dict]:
             if rate:
                 matmul[f"{dim}x{n}"] = rate
             for peer in args.peers:
-                rows.append(measure(peer, PEERS[peer], n, args.vocab, dim, device, dtype, args.quick))
+                rows.append(measure(peer, PEERS[peer], n, args.vocab, dim, device, dtype, args.quick,
+                                    args.gen_logprobs))
                 print(json.dumps(rows[-1]), flush=True)
     add_ratios(rows)
     add_floor(rows, matmul)

@@ -31,6 +31,39 @@ def test_kernel_benchmark_peers_compute_the_same_loss():
     assert values == pytest.approx([values[0]] * 3, rel=1e-5)
 
 
+def test_the_kernel_benchmark_records_the_share_of_sequences_the_filter_drops():
+    """With an unrelated sampler's log-probs (the published inputs) F-TIS drops every sequence with A <= 0; with the
+    trainer's own (a member's own rollouts) none. Peers without the filter record no share."""
+    import torch
+
+    cpu = torch.device("cpu")
+    x = kernels.make_inputs(4 * 1024, 300, 16, cpu, torch.float32)
+    negative = float((x["adv"] <= 0).float().mean())
+    assert 0 < negative < 1  # the oracle tells both cases apart
+    rows = {(peer, gen): kernels.measure(peer, kernels.PEERS[peer], 4 * 1024, 300, 16, cpu, torch.float32, True, gen)
+            for peer in ("ours-fused-linear", "naive-torch", "ours-fused-linear-tis") for gen in ("unrelated", "own")}
+    for peer in ("ours-fused-linear", "naive-torch"):
+        assert rows[peer, "unrelated"]["filtered_frac"] == pytest.approx(negative)
+        assert rows[peer, "own"]["filtered_frac"] == 0.0
+    assert "filtered_frac" not in rows["ours-fused-linear-tis", "unrelated"]
+    own = kernels.make_inputs(4 * 1024, 300, 16, cpu, torch.float32, gen_logprobs="own")
+    assert torch.equal(own["adv"], x["adv"]) and torch.equal(own["targets"], x["targets"])  # only gen differs
+    table = kernels.markdown(list(rows.values()), {})
+    assert f"| ours-fused-linear | {100 * negative:.0f}% |" in table and "| ours-fused-linear | 0% |" in table
+    assert "| ours-fused-linear-tis | - (no filter) |" in table
+
+
+def test_the_filtered_count_of_the_published_inputs_agrees_with_the_op():
+    """count_filtered (a KL lower bound from each sequence's first 16 tokens, on the CPU) names the sequences the op
+    itself filters, on inputs small enough to run the op here."""
+    import torch
+
+    x = kernels.make_inputs(4 * 1024, 300, 16, torch.device("cpu"), torch.float32)
+    count = kernels.count_filtered(4 * 1024, 300, 16, torch.float32)
+    assert count["exact"] and count["sequences"] == 4 and count["negative"] == int((x["adv"] <= 0).sum())
+    assert count["filtered_frac"] == pytest.approx(kernels.filtered_frac(x))
+
+
 def test_update_benchmark_quick(tmp_path):
     target = tmp_path / "update_step.json"
     rows = update.main(["--quick", "--output", str(tmp_path / "update"), "--attn", "sdpa", "varlen",
