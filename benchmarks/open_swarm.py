@@ -18,8 +18,9 @@ from its metrics.jsonl: steps trained (a resumed member counts the steps it redo
 its step_seconds (generation, exchange with its waiting, update; start-up excluded), waited = exchange_wait_seconds
 per step (the lead bound: the live peers within swarm.max_lead), the share of steps with peer rollouts, the mean
 staleness of the peer rollouts trained on, and what was lost: parcels its client could not send (outbox_dropped),
-peer sequences dropped stale or surplus, and steps redone after the kill (its step at the kill less its
-checkpoint's). From the coordinator: parcels relayed and undeliverable (to a member that is gone).
+peer sequences dropped stale or surplus (dropped_sequences, and stale_dropped and surplus_dropped apart), and steps
+redone after the kill (its step at the kill less its checkpoint's). From the coordinator: parcels relayed and
+undeliverable (to a member that is gone).
 Prints a table and writes benchmarks/results/open_swarm.{json,md}.
 """
 
@@ -171,6 +172,8 @@ def run_scenario(scenario: str, run: pathlib.Path, steps: int, kill_at: int, bac
             "staleness_mean": statistics.fmean(staleness) if staleness else None,
             "outbox_dropped": sum(r.get("outbox_dropped", 0) for r in records),
             "dropped_sequences": sum(r.get("stale_dropped", 0) + r.get("surplus_dropped", 0) for r in records),
+            "stale_dropped": sum(r.get("stale_dropped", 0) for r in records),
+            "surplus_dropped": sum(r.get("surplus_dropped", 0) for r in records),
             "rejected_batches": sum(r.get("rejected_batches", 0) for r in records),
         }
     return {"scenario": scenario, "events": events, "members": members}
@@ -178,7 +181,8 @@ def run_scenario(scenario: str, run: pathlib.Path, steps: int, kill_at: int, bac
 
 def table(results: list[dict]) -> str:
     lines = ["| scenario | member | steps (redone) | steps/s | waited s/step | steps with peer rollouts | staleness | "
-             "lost: unsent parcels / dropped seqs | rejected |", "|---|---|---|---|---|---|---|---|---|"]
+             "unsent parcels | peer sequences dropped (stale or surplus) | rejected |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for scenario in ("steady", "churn"):
         runs = [r for r in results if r["scenario"] == scenario]
         if not runs:
@@ -193,7 +197,7 @@ def table(results: list[dict]) -> str:
             lines.append(f"| {scenario} | {name} | {mean('steps'):.0f} ({mean('redone'):.0f}) | "
                          f"{mean('steps_per_s'):.2f} | {mean('waited_per_step'):.3f} | "
                          f"{100 * mean('with_peer_rollouts'):.0f}% | {mean('staleness_mean'):.2f} | "
-                         f"{mean('outbox_dropped'):.0f} / {mean('dropped_sequences'):.0f} | "
+                         f"{mean('outbox_dropped'):.0f} | {mean('dropped_sequences'):.0f} | "
                          f"{mean('rejected_batches'):.0f} |")
     lines.append("")
     for r in results:

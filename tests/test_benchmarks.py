@@ -191,6 +191,23 @@ def test_open_swarm_benchmark_quick_a_killed_member_redoes_its_steps_since_its_c
     assert events["killed_at"] >= 3 and churn["members"]["tiny-m-lora"]["redone"] == events["killed_at"] - \
         events["checkpoint"] >= 0
     assert "| churn | tiny-m-lora |" in (tmp_path / "open_swarm.md").read_text()
+    assert all(m["dropped_sequences"] == m["stale_dropped"] + m["surplus_dropped"] for m in churn["members"].values())
+
+
+def test_the_open_swarm_table_gives_each_members_dropped_peer_sequences_their_own_column():
+    from benchmarks import open_swarm
+
+    def member(dropped):
+        return {"steps": 40, "redone": 0, "steps_per_s": 1.0, "waited_per_step": 0.5, "with_peer_rollouts": 1.0,
+                "staleness_mean": 0.0, "outbox_dropped": 0, "dropped_sequences": dropped, "rejected_batches": 0}
+
+    events = {"wall_seconds": 1.0, "relayed": 1, "undeliverable": 0, "newcomer_when_tiny_s_at": 25}
+    results = [{"scenario": "churn", "repeat": k, "events": events,
+                "members": {name: member(dropped) for name in (*open_swarm.MEMBERS, open_swarm.NEWCOMER)}}
+               for k, dropped in enumerate((520, 504))]
+    table = open_swarm.table(results)
+    assert "unsent parcels | peer sequences dropped (stale or surplus) | rejected |" in table
+    assert "| churn | tiny-s | 40 (0) | 1.00 | 0.500 | 100% | 0.00 | 0 | 512 | 0 |" in table  # the repeats' mean
 
 
 def test_adversary_summary_pairs_the_receiver_with_the_honest_swarm_seed_by_seed(tmp_path):
