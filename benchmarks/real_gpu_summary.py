@@ -1,6 +1,6 @@
 """Summary of benchmarks/run_real_gpu.sh's runs (issue 41 item 7): held-out accuracy with 95% Wilson intervals,
-training reward by phase, seconds per step, importance weights, and the share of weights that changed; the plot
-learn.png. Reads and writes one results folder:
+training reward by phase (with the share of completions cut at the token limit), seconds per step, importance
+weights, and the share of weights that changed; the plot learn.png. Reads and writes one results folder:
 
     python benchmarks/real_gpu_summary.py benchmarks/results/smollm2_bf16_h100
 """
@@ -31,12 +31,19 @@ def main(folder: pathlib.Path) -> str:
         lo, hi = wilson(round(r["accuracy"] * r["samples"]), r["samples"])
         lines.append(f"| {r['step']} | {r['accuracy']:.4f} ({round(r['accuracy'] * r['samples'])}/{r['samples']}) "
                      f"| {lo:.3f}-{hi:.3f} |")
-    lines += ["", "| steps | mean training reward |", "|---|---|"]
+    lines += ["", "| steps | mean training reward | completions cut at the token limit | reward over the completions "
+              "that stopped, at most |", "|---|---|---|---|"]
     last = train[-1]["step"]
     for a, b in [(1, 10), (11, 25), (26, 50), (51, 75), (76, last)]:
-        xs = [r["reward_mean"] for r in train if a <= r["step"] <= b]
-        if xs:
-            lines.append(f"| {a}-{b} | {statistics.mean(xs):.3f} |")
+        kept = [r for r in train if a <= r["step"] <= b]
+        if kept:
+            reward, cut = (statistics.mean(r[k] for r in kept) for k in ("reward_mean", "truncated_frac"))
+            lines.append(f"| {a}-{b} | {reward:.3f} | {100 * cut:.0f}% | {reward / (1 - cut):.3f} |")
+    lines += ["", ("What the records hold of the completions' form: the share of the sampled completions (temperature "
+                   "1) that ran to max_new_tokens (truncated_frac), and the mean reward over the share that stopped: "
+                   "an upper bound of the accuracy among the completions that stopped (equal to it if no cut "
+                   "completion scored). The eval records hold the held-out greedy accuracy alone, so its gain cannot "
+                   "be split into form and answer from them.")]
     med = {k: statistics.median(r[k] for r in train) for k in ("step_seconds", "gen_seconds", "train_seconds")}
     w = [r["is_weight_mean"] for r in train]
     lines += ["", f"Seconds a step (median): {med['step_seconds']:.2f} ({med['gen_seconds']:.2f} generation, "
