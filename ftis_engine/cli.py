@@ -270,6 +270,9 @@ def study(
     groups: str | None = typer.Option(
         None, "--groups", help="Comma-separated group names (after grid expansion): run and report only these and "
         "the groups they are paired with (baseline, alone), e.g. a study's amendment."),
+    aggregate_only: bool = typer.Option(
+        False, "--aggregate-only", metavar="", help="Run nothing: aggregate the runs finished in --output-dir or kept "
+        "in its records/ (a committed study's directory) into summary.json, report.md, figures and verdicts.md."),
 ) -> None:
     """Run a grid of train runs (separate processes, finished ones skipped) and aggregate them over seeds."""
     from .study import load_study, run_study
@@ -280,9 +283,11 @@ def study(
     spec = load_study(config)
     out = output_dir or pathlib.Path("runs") / f"study-{spec.study}{'-quick' if quick else ''}"
     command = " ".join(["ftis-engine study --config", str(config)] + (["--quick"] if quick else [])
-                       + ([f"--jobs {jobs}"] if jobs else []) + ([f"--groups {','.join(only)}"] if only else []))
+                       + ([f"--jobs {jobs}"] if jobs else []) + ([f"--groups {','.join(only)}"] if only else [])
+                       + (["--aggregate-only"] if aggregate_only else []))
     try:
-        summary = run_study(spec, out, quick=quick, jobs=jobs, command=command, only=only)
+        summary = run_study(spec, out, quick=quick, jobs=jobs, command=command, only=only,
+                            aggregate_only=aggregate_only)
     except RuntimeError as exc:
         _fail(f"{exc}; rerun the same command to retry them (finished runs are kept)", code=1)
     typer.echo(f"{len(summary['groups'])} groups in {out}: summary.json, report.md, "

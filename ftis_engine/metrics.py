@@ -7,12 +7,14 @@ import contextlib
 import ctypes
 import fcntl
 import functools
+import gzip
 import json
 import logging
 import math
 import os
 import pathlib
 import time
+import zlib
 from collections import defaultdict
 
 import torch
@@ -275,13 +277,17 @@ def is_record(record: object) -> bool:
 
 def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]], int]:
     """(the records of a metrics.jsonl, [(line number, text)] of the lines that are not records, its number of
-    lines), from one read. Raises MetricsError when the file cannot be read."""
+    lines), from one read; a name ending in .gz is read through gzip (a study's records/). Raises MetricsError when
+    the file cannot be read."""
     if not path.exists():
         return [], [], 0
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        data = path.read_bytes()
+        text = (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8", errors="replace")
     except OSError as exc:
         raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    except (EOFError, zlib.error):
+        raise MetricsError(f"{path}: cannot read it (not a whole gzip stream)") from None
     records, bad = [], []
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):

@@ -754,3 +754,229 @@ def test_a_report_is_written_again_from_its_summary_with_eval_sizes_from_the_con
     size = len(load_task(groups[0].config.data, 0).evals["tiny-add"])
     assert f"tiny-add {size} questions (sizes from the study's config" in report
     assert (tmp_path / "summary.json").read_text() == before  # the summary is left as it is
+
+
+# ------------------------------------------------------------------------- pre-registered hypotheses and their verdicts
+
+
+def test_holm_adjusted_p_values_match_a_hand_computed_oracle():
+    from ftis_engine.study.aggregate import holm, holm_adjusted
+
+    # sorted 0.005, 0.01, 0.03, 0.04 times 4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04 -> running max 0.02, 0.03, 0.06, 0.06
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm_adjusted([0.6, 0.3]) == pytest.approx([0.6, 0.6])  # 0.3 * 2 = 0.6, then max(0.6, 0.6 * 1)
+    assert holm_adjusted([0.9, 0.8, 0.7]) == [1.0, 1.0, 1.0]  # capped at 1
+    assert holm([0.01, 0.04, 0.03, 0.005], alpha=0.05) == [True, False, False, True]
+
+
+def test_the_equivalence_test_against_a_margin_matches_students_t_with_two_degrees_of_freedom():
+    from ftis_engine.study.aggregate import margin_p
+
+    # mean 0, sd 0.01 over 3 values: se 0.01 / sqrt(3); against a margin of 0.05, t = 0.05 / se = sqrt(75) on each
+    # side, and for 2 degrees of freedom P(T > t) = (1 - t / sqrt(t^2 + 2)) / 2 = (1 - sqrt(75 / 77)) / 2
+    oracle = (1 - math.sqrt(75 / 77)) / 2
+    values = [0.01, -0.01, 0.0]
+    assert margin_p(values, 0.05, "both") == pytest.approx(oracle, rel=1e-9)
+    assert margin_p(values, 0.05, "above") == pytest.approx(oracle, rel=1e-9)
+    # shifted by +0.04: below the upper margin by 0.01 (t = sqrt(3)), above the lower one by 0.09 (t = sqrt(243))
+    shifted = [v + 0.04 for v in values]
+    assert margin_p(shifted, 0.05, "below") == pytest.approx((1 - math.sqrt(3 / 5)) / 2, rel=1e-9)
+    assert margin_p(shifted, 0.05, "above") == pytest.approx((1 - math.sqrt(243 / 245)) / 2, rel=1e-9)
+    assert margin_p(shifted, 0.05, "both") == margin_p(shifted, 0.05, "below")
+    assert margin_p([0.0] * 5, 0.05, "both") == 1 / 32  # no spread: the one-sided sign test on each side
+
+
+def _synthetic_summary():
+    """Groups of one member `m` with eval set `d` and a count `quarantined`, over seeds 0-4."""
+    def group(name, finals, quarantined=(0.0,) * 5):
+        return {"group": name, "seeds": [0, 1, 2, 3, 4], "by_member": {"m": {
+            "final": {"d": interval(list(finals), [0, 1, 2, 3, 4])}, "auc": {}, "early": {}, "curve": {},
+            "train": {"quarantined": interval(list(quarantined), [0, 1, 2, 3, 4])}}}}
+
+    return {"groups": [group("base", [0.50, 0.60, 0.55, 0.45, 0.52]),
+                       group("big", [0.80, 0.91, 0.85, 0.74, 0.83], quarantined=(1.0, 2.0, 0.5, 1.0, 3.0)),  # +0.3
+                       group("worse", [0.20, 0.31, 0.25, 0.14, 0.23]),  # -0.3
+                       group("noise", [0.60, 0.50, 0.65, 0.40, 0.52]),
+                       group("twin", [0.501, 0.598, 0.55, 0.451, 0.52])]}  # base within 0.002
+
+
+def _preregistration(hypotheses, transcribed=None):
+    from ftis_engine.study.config import Preregistration
+
+    return Preregistration.model_validate({"transcribed": transcribed, "hypotheses": hypotheses})
+
+
+def _test(group, claim, vs="base", **extra):
+    return {"group": group, "vs": vs, "member": "m", "measure": "final", "dataset": "d", "claim": claim, **extra}
+
+
+def test_a_small_synthetic_study_gets_its_verdict_table_under_holm():
+    from ftis_engine.study.aggregate import holm_adjusted, margin_p, t_test_p
+    from ftis_engine.study.report import verdicts_markdown
+    from ftis_engine.study.verdicts import judge
+
+    prereg = _preregistration([
+        {"id": "H1", "text": "big beats base", "tests": [_test("big", "above")]},
+        {"id": "H2", "text": "worse beats base", "tests": [_test("worse", "above")]},
+        {"id": "H3", "text": "noise beats base", "tests": [_test("noise", "above")]},
+        {"id": "H4", "text": "twin is base within 0.05", "tests": [_test("twin", "equal", margin=0.05)]},
+        {"id": "H5", "text": "absent beats base", "tests": [_test("absent", "above")]},
+        {"id": "H6", "text": "base never quarantines; big does", "tests": [
+            {"group": "base", "member": "m", "measure": "train.quarantined", "claim": "all-zero"},
+            {"group": "big", "member": "m", "measure": "train.quarantined", "claim": "all-positive"}]},
+    ])
+    verdicts = judge(prereg, [_synthetic_summary()])
+    by_id = {h["id"]: h for h in verdicts["hypotheses"]}
+    # one family of the five tests with a p-value (the counts are outside it; the absent group's counts with p = 1)
+    assert verdicts["families"] == {"all": {"tests": 5, "without_data": 1}}
+    diffs = {"big": [0.30, 0.31, 0.30, 0.29, 0.31], "worse": [-0.30, -0.29, -0.30, -0.31, -0.29],
+             "noise": [0.10, -0.10, 0.10, -0.05, 0.0], "twin": [0.001, -0.002, 0.0, 0.001, 0.0]}
+    raw = [t_test_p(diffs["big"]), t_test_p(diffs["worse"]), t_test_p(diffs["noise"]),
+           margin_p(diffs["twin"], 0.05, "both"), 1.0]
+    expected = holm_adjusted(raw)
+    got = [by_id[h]["tests"][0]["p_holm"] for h in ("H1", "H2", "H3", "H4", "H5")]
+    assert got == pytest.approx(expected)
+    assert [by_id[h]["verdict"] for h in ("H1", "H2", "H3", "H4", "H5", "H6")] == [
+        "holds", "contradicted (1 test: 1 contradicted)", "not detected", "holds", "no data", "holds"]
+    assert by_id["H1"]["tests"][0]["estimate"]["mean"] == pytest.approx(0.302)
+    table = verdicts_markdown("t", verdicts, command="c", sources=["summary.json"])
+    assert "| [H1](#h1) | holds |" in table and "| [H5](#h5) | no data |" in table
+    assert "| big - base: m, final d | > 0 | 0.302 [" in table
+    assert "| base: m, quarantined | 0 on every seed (count) |" in table
+
+
+def test_no_effect_is_refused_without_a_margin_and_a_transcribed_one_reads_not_detected(tmp_path):
+    from pydantic import ValidationError
+
+    from ftis_engine.study.verdicts import judge
+
+    hypothesis = {"id": "H1", "text": "twin costs nothing", "tests": [_test("twin", "equal")]}
+    with pytest.raises(ValidationError, match=r"hypotheses.0.tests.0.margin: a claim of no effect \(equal\) needs an "
+                                              r"equivalence margin"):
+        _preregistration([hypothesis])
+    path = write_study(tmp_path, {**MINIMAL, "preregistration": {"hypotheses": [
+        {**hypothesis, "tests": [{**_test("pair-f-tis", "not-below", vs="pair-nois"), "member": "a"}]}]}})
+    with pytest.raises(StudyError, match=r"^preregistration.hypotheses.0.tests.0.margin: a claim of no effect"):
+        load_study(path)
+    # transcribed from an old registration that fixed no margin: accepted, but "no effect" is never concluded, not
+    # even where every seed's difference is within 0.002 (twin is base seed by seed, nearly)
+    old = judge(_preregistration([hypothesis], transcribed="after the runs"), [_synthetic_summary()])
+    assert old["hypotheses"][0]["verdict"] == "not detected"
+    # the same claim against a margin fixed before the runs can hold
+    fixed = judge(_preregistration([{**hypothesis, "tests": [_test("twin", "equal", margin=0.05)]}]),
+                  [_synthetic_summary()])
+    assert fixed["hypotheses"][0]["verdict"] == "holds"
+    # without a margin, a significant effect in the direction it excludes contradicts it; one it allows satisfies it
+    allowed = judge(_preregistration([{**hypothesis, "tests": [_test("big", "not-below")]},
+                                      {**hypothesis, "id": "H2", "tests": [_test("worse", "not-below")]}],
+                                     transcribed="after the runs"), [_synthetic_summary()])
+    assert [h["verdict"] for h in allowed["hypotheses"]] == ["holds", "contradicted (1 test: 1 contradicted)"]
+
+
+def test_a_hypothesis_naming_an_unknown_group_or_member_is_refused_before_any_run(tmp_path):
+    bad = {"id": "H1", "text": "x", "tests": [{**_test("pair-f-tis", "above", vs="pair-vis"), "member": "a"}]}
+    spec = study_module.StudyConfig.model_validate({**MINIMAL, "preregistration": {"hypotheses": [bad]}})
+    with pytest.raises(StudyError, match=r"^preregistration.hypotheses.0.tests.0.vs: unknown group 'pair-vis'"):
+        plan(spec, tmp_path, quick=False)
+    bad["tests"][0].update(vs="pair-nois", member="zed")
+    spec = study_module.StudyConfig.model_validate({**MINIMAL, "preregistration": {"hypotheses": [bad]}})
+    with pytest.raises(StudyError, match=r"^preregistration.hypotheses.0.tests.0.member: 'zed' is not a member"):
+        plan(spec, tmp_path, quick=False)
+
+
+# ------------------------------------------------------------------------- the order of registration and runs
+
+
+def _git(repo, *args):
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True)
+
+
+@pytest.fixture
+def registered_study(tmp_path):
+    """A study with a pre-registration, committed in a fresh git repository: (the repository, its config)."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.org")
+    _git(repo, "config", "user.name", "t")
+    hypothesis = {"id": "H1", "text": "f-tis beats nois",
+                  "tests": [{**_test("pair-f-tis", "above", vs="pair-nois"), "member": "a"}]}
+    path = write_study(repo, {**MINIMAL, "preregistration": {"hypotheses": [hypothesis]}})
+    _git(repo, "add", path.name)
+    _git(repo, "commit", "-q", "-m", "pre-registration")
+    return repo, path
+
+
+def test_a_committed_pre_registration_is_recorded_with_its_commit(registered_study):
+    from ftis_engine.study.config import registration_files
+    from ftis_engine.study.runner import check_registered
+
+    repo, path = registered_study
+    head = _git(repo, "rev-parse", "HEAD").stdout.strip()
+    [record] = check_registered(registration_files(load_study(path)))
+    assert record["file"] == str(path) and record["commit"] == head and record["committed"]
+
+
+@pytest.mark.parametrize("change", ["edited", "staged", "untracked"])
+def test_a_study_with_an_uncommitted_pre_registration_refuses_to_start_naming_the_file(registered_study, capsys,
+                                                                                        tmp_path, change):
+    repo, path = registered_study
+    if change == "untracked":
+        path = path.rename(repo / "other.yaml")
+    else:
+        path.write_text(path.read_text().replace("f-tis beats nois", "f-tis beats nois by far"))
+        if change == "staged":
+            _git(repo, "add", path.name)
+    result = command_here(capsys, "study", "--config", path, "--output-dir", tmp_path / "out")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{path}: the study's pre-registration" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_pre_registration_in_a_file_of_its_own_is_checked_too(registered_study):
+    from ftis_engine.study.config import registration_files
+    from ftis_engine.study.runner import check_registered
+
+    repo, path = registered_study
+    raw = yaml.safe_load(path.read_text())
+    (repo / "hypotheses.yaml").write_text(yaml.safe_dump(raw.pop("preregistration")))
+    path.write_text(yaml.safe_dump({**raw, "preregistration": "hypotheses.yaml"}))
+    _git(repo, "add", path.name)
+    _git(repo, "commit", "-q", "-m", "the hypotheses in a file of their own, not yet added")
+    spec = load_study(path)
+    assert registration_files(spec) == [path, repo / "hypotheses.yaml"]
+    with pytest.raises(StudyError, match=r"hypotheses.yaml: the study's pre-registration is not committed"):
+        check_registered(registration_files(spec))
+
+
+def test_a_study_records_when_each_run_was_launched_and_keeps_its_records(tmp_path, monkeypatch):
+    """Each launch's start goes into the run's code record and the summary's `launches`; each finished run's
+    metrics.jsonl is kept compressed in records/, and --aggregate-only recomputes the same tables from those alone
+    once the run directories are gone."""
+    import shutil
+
+    from ftis_engine.study import runner
+    from ftis_engine.study.plan import launch_times
+    from ftis_engine.study.runner import record_launch
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    groups = plan(spec, tmp_path, quick=False)
+    for group in groups:
+        for run, final in zip(group.runs, (0.2, 0.4)):
+            _fake_run(run, [(0, 0.1), (2, final)], [1.0], samples=4)
+            record_launch(run, {"commit": "c" * 40, "dirty": False})
+    started = launch_times(groups[0].runs[0])
+    assert len(started) == 1 and started[0].endswith("+00:00")
+    monkeypatch.setattr(runner, "check_runs", lambda *args: None)
+    summary = runner.run_study(spec, tmp_path, progress=False)
+    assert {(x["group"], x["seed"]) for x in summary["launches"]} == {(g.name, s) for g in groups for s in (0, 1)}
+    assert "Runs launched from " in (tmp_path / "report.md").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert all(run.record_path.is_file() for g in groups for run in g.runs)
+    shutil.rmtree(tmp_path / "runs")
+    again = runner.run_study(spec, tmp_path, progress=False, aggregate_only=True)
+    assert [g["by_member"] for g in again["groups"]] == [g["by_member"] for g in summary["groups"]]
+    assert (tmp_path / "report.md").read_text() == report
+    with pytest.raises(StudyError, match=r"^--aggregate-only: .* holds no finished run"):
+        runner.run_study(spec, tmp_path / "elsewhere", progress=False, aggregate_only=True)

@@ -7,16 +7,21 @@ group per combination. Layout of the output directory:
 
     runs/<group>/seed-<s>/   a run directory (train's own)     configs/<group>/seed-<s>.yaml   its config
     logs/<group>-seed-<s>.log its output                       configs/<group>/seed-<s>.code.jsonl  its code
-    summary.json, report.md, figures/*.png                     (the commit of each launch)
+    summary.json, report.md, figures/*.png                     (the commit and start of each launch)
+    verdicts.md              the pre-registered hypotheses     records/<group>/seed-<s>.metrics.jsonl.gz  a
+                             judged (a study with them)        finished run's records, kept to commit
 
 A run is finished when its final_eval.json exists; finished runs are skipped, an interrupted one resumes from its
 newest checkpoint (or starts again when it has none). A finished run whose config differs from the study's is an
 error, never silently reused; one made under another commit is reused with a warning, and the summary and report
-name it.
+name it. A study whose config carries a pre-registration (`preregistration`: hypotheses, each with the tests it
+is judged on) refuses to start while the files that hold it have changes git has not committed, and judges them
+under Holm's correction (verdicts.md); `--aggregate-only` recomputes every output from records/ without running.
 
 The package, by concern: config.py (the schema), plan.py (the runs and their configs), runner.py (the processes),
-aggregate.py (the statistics), report.py (summary.json, report.md, figures), rewrite.py (a finished study's report
-written again from its summary.json).
+aggregate.py (the statistics), verdicts.py (the hypotheses judged; verdicts.md written again from summaries),
+report.py (summary.json, report.md, verdicts.md, figures), rewrite.py (a finished study's report written again
+from its summary.json).
 """
 
 from __future__ import annotations

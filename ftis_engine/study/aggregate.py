@@ -84,7 +84,11 @@ def t_test_p(values: list[float]) -> float:
     if all_equal(values):
         return 1.0 if math.isclose(mean, 0.0, abs_tol=1e-12) else min(1.0, 2.0 / 2**n)
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    t, df = abs(mean) / (sd / math.sqrt(n)), n - 1
+    return _t_two_sided(abs(mean) / (sd / math.sqrt(n)), n - 1)
+
+
+def _t_two_sided(t: float, df: int) -> float:
+    """P(|T| >= t) for Student's T with `df` degrees of freedom, t >= 0 (Abramowitz & Stegun 26.7.3-4)."""
     theta = math.atan(t / math.sqrt(df))
     cos2 = math.cos(theta) ** 2
     if df % 2:  # odd: 2/pi (theta + sin(theta) cos(theta) (1 + 2/3 cos^2 + 2*4/(3*5) cos^4 + ...))
@@ -102,17 +106,49 @@ def t_test_p(values: list[float]) -> float:
     return min(1.0, max(0.0, 1.0 - inside))
 
 
+def t_upper_p(t: float, df: int) -> float:
+    """P(T >= t), one-sided, for Student's T with `df` degrees of freedom."""
+    return _t_two_sided(t, df) / 2 if t >= 0 else 1.0 - _t_two_sided(-t, df) / 2
+
+
+def margin_p(values: list[float], margin: float, side: str) -> float:
+    """p-value that the mean of `values` (n >= 2; paired differences) lies within `margin` of 0: side "above": H0
+    mean <= -margin against mean > -margin (one-sided t-test); "below": H0 mean >= margin against mean < margin;
+    "both": the two one-sided tests together (TOST: the larger of the two p-values; rejecting at alpha is the
+    (1 - 2 alpha) interval lying inside (-margin, margin)). All values equal: the one-sided sign test's 1 / 2^n for
+    each side the values are on (1 for a side they are not)."""
+    n = len(values)
+    if n < 2:
+        raise ValueError(f"a t-test needs 2 values or more, got {n}")
+    if side not in ("above", "below", "both"):
+        raise ValueError(f"side: 'above', 'below' or 'both', not {side!r}")
+    mean = sum(values) / n
+    if all_equal(values):
+        low, high = (1.0 / 2**n if mean > -margin else 1.0), (1.0 / 2**n if mean < margin else 1.0)
+    else:
+        se = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) / math.sqrt(n)
+        low, high = t_upper_p((mean + margin) / se, n - 1), t_upper_p((margin - mean) / se, n - 1)
+    return {"above": low, "below": high, "both": max(low, high)}[side]
+
+
 def holm(p_values: list[float], alpha: float = 0.05) -> list[bool]:
     """Holm's step-down correction: which of a family's hypotheses are rejected at family-wise error `alpha` (the
     k-th smallest p-value against alpha / (m - k + 1), stopping at the first that fails). Valid under any dependence
     between the tests."""
-    order = sorted(range(len(p_values)), key=p_values.__getitem__)
-    rejected = [False] * len(p_values)
+    return [p <= alpha for p in holm_adjusted(p_values)]
+
+
+def holm_adjusted(p_values: list[float]) -> list[float]:
+    """Holm's adjusted p-values: the k-th smallest of m becomes max over j <= k of min(1, (m - j + 1) p_(j)); a
+    hypothesis is rejected at family-wise error alpha exactly when its adjusted p-value is at most alpha (holm)."""
+    m = len(p_values)
+    order = sorted(range(m), key=p_values.__getitem__)
+    adjusted = [1.0] * m
+    running = 0.0
     for rank, i in enumerate(order):
-        if p_values[i] > alpha / (len(p_values) - rank):
-            break
-        rejected[i] = True
-    return rejected
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted
 
 
 def _curve_area(points: list[tuple[int, float]]) -> float:
@@ -123,13 +159,14 @@ def _curve_area(points: list[tuple[int, float]]) -> float:
     return area / (points[-1][0] - points[0][0])
 
 
-def read_run(run_dir: pathlib.Path) -> tuple[dict, dict, dict]:
+def read_run(source: pathlib.Path) -> tuple[dict, dict, dict]:
     """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}, {dataset: {eval set sizes}})
-    of a finished run; an attack success rate's set is its eval set's size."""
+    of a finished run, from its directory or a metrics file (its metrics.jsonl, or the .jsonl.gz a study keeps in
+    records/); an attack success rate's set is its eval set's size."""
     evals: dict[tuple[str, str], list[tuple[int, float]]] = {}
     train: dict[str, dict[str, list[float]]] = {}
     sizes: dict[str, set[int]] = {}
-    for record in read_metrics(run_dir / "metrics.jsonl"):
+    for record in read_metrics(source / "metrics.jsonl" if source.is_dir() else source):
         if record["kind"] == "eval":
             evals.setdefault((record["member"], record["dataset"]), []).append((record["step"], record["accuracy"]))
             if isinstance(record.get("samples"), int):
@@ -158,7 +195,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
     first half, step 0 excluded), and the training stats averaged over steps (then over seeds)."""
     out_groups = []
     for group in groups:
-        finished = [run for run in group.runs if run.finished]
+        finished = [run for run in group.runs if run.metrics_source is not None]  # its directory or its record
         config = group.config
         entry: dict[str, Any] = {
             "group": group.name, "member_set": group.member_set, "members": [m.name for m in config.members],
@@ -170,7 +207,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "alone": group.alone, "also_alone": group.also_alone,
             "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
-        read = {run.seed: read_run(run.run_dir) for run in finished}
+        read = {run.seed: read_run(run.metrics_source) for run in finished}
         per_run = {seed: (evals, train) for seed, (evals, train, _) in read.items()}
         entry["eval_questions"] = eval_questions([sizes for _, _, sizes in read.values()])
         for member in entry["members"]:

@@ -33,6 +33,21 @@ class Run:
         return (self.run_dir / "final_eval.json").is_file()
 
     @property
+    def record_path(self) -> pathlib.Path:
+        """records/<group>/seed-<s>.metrics.jsonl.gz in the study's directory: the finished run's metrics.jsonl,
+        compressed, beside summary.json (runs/ holds checkpoints and is not committed): what --aggregate-only
+        recomputes the study's tables from."""
+        return self.config_path.parents[2] / "records" / self.group / f"seed-{self.seed}.metrics.jsonl.gz"
+
+    @property
+    def metrics_source(self) -> pathlib.Path | None:
+        """Where the finished run's records are read from: its run directory, else its kept record; None when it
+        has neither (not finished)."""
+        if self.finished:
+            return self.run_dir / "metrics.jsonl"
+        return self.record_path if self.record_path.is_file() else None
+
+    @property
     def code_path(self) -> pathlib.Path:
         """configs/<group>/seed-<s>.code.jsonl: the code version of each launch of the run, a JSON line each."""
         return self.config_path.with_name(f"{self.config_path.stem}.code.jsonl")
@@ -216,7 +231,23 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool, only: list[s
         if unknown:
             raise StudyError(f"figures.{f}.members: {unknown[0]!r} is a member of none of its groups "
                              f"({', '.join(sorted(drawn))})")
+    check_hypotheses(study, members)
     return groups
+
+
+def check_hypotheses(study: StudyConfig, members: dict[str, list[str]]) -> None:
+    """Every group and member a pre-registered test names is one of the study's (members: group -> its members)."""
+    if study.preregistration is None:
+        return
+    for h, hypothesis in enumerate(study.preregistration.hypotheses):
+        for t, test in enumerate(hypothesis.tests):
+            where = f"preregistration.hypotheses.{h}.tests.{t}"
+            for field_name, name in (("group", test.group), ("vs", test.vs)):
+                if name is not None and name not in members:
+                    raise StudyError(f"{where}.{field_name}: unknown group {name!r}")
+                if name is not None and test.member not in members[name]:
+                    raise StudyError(f"{where}.member: {test.member!r} is not a member of {name!r} "
+                                     f"({', '.join(members[name])})")
 
 
 def check_reuse(run: Run) -> None:
@@ -255,15 +286,28 @@ def launched_under(run: Run) -> list[str]:
     return list(dict.fromkeys(commits)) or [NOT_RECORDED]
 
 
-def runs_under_other_code(runs: list[Run], commit: str) -> list[dict[str, Any]]:
-    """The runs a study reuses or resumes (a run directory that holds one) that were launched, in whole or in part,
-    under another commit than `commit` or under one not recorded: [{group, seed, commits}]. check_reuse compares
-    configs only; code is not in a config."""
+def launch_times(run: Run) -> list[str]:
+    """When each launch of the run started (UTC, ISO 8601), from its code record; [] when none was recorded (runs
+    launched before studies recorded it)."""
+    import json
+
+    try:
+        lines = run.code_path.read_text(encoding="utf-8").splitlines()
+        records = [json.loads(line) for line in lines if line.strip()]
+    except (OSError, UnicodeDecodeError, ValueError):
+        return []
+    return [str(r["started"]) for r in records if isinstance(r, dict) and r.get("started")]
+
+
+def runs_under_other_code(runs: list[Run], commit: str, kept: bool = False) -> list[dict[str, Any]]:
+    """The runs a study reuses or resumes (a run directory that holds one; with `kept`, --aggregate-only, also a
+    run kept only in records/) that were launched, in whole or in part, under another commit than `commit` or under
+    one not recorded: [{group, seed, commits}]. check_reuse compares configs only; code is not in a config."""
     from ..rundir import holds_run
 
     other = []
     for run in runs:
-        if not holds_run(run.run_dir):
+        if not holds_run(run.run_dir) and not (kept and run.metrics_source is not None):
             continue
         commits = launched_under(run)
         if any(c != commit for c in commits):

@@ -150,6 +150,8 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
     if summary.get("command"):
         lines += ["Made by:", "", f"    {summary['command']}", ""]
     lines += [_code_line(summary), ""]
+    for said in (_launch_line(summary), _verdicts_line(summary)):
+        lines += [said, ""] if said else []
     lines += [_reading(summary), ""]
     shown, excluding = cells.counts()
     if shown:
@@ -180,6 +182,37 @@ def _code_line(summary: dict) -> str:
         line += (f" {len(other)} of its runs were made, in whole or in part, under other code or code not recorded "
                  f"(their numbers mix code versions): {runs}.")
     return line
+
+
+def _launch_line(summary: dict) -> str:
+    """When the runs were launched, and when the pre-registration was last committed: a run launched before that
+    commit ran before its hypotheses were fixed, and the line says so."""
+    from datetime import datetime
+
+    times = sorted(datetime.fromisoformat(t) for launch in summary.get("launches") or [] for t in launch["started"])
+    registered = [r for r in (summary.get("preregistration") or {}).get("registered", []) if r.get("committed")]
+    parts = []
+    if registered:
+        parts.append("Pre-registration: " + "; ".join(f"`{r['file']}` last committed in {r['commit'][:12]} at "
+                                                      f"{r['committed']}" for r in registered) + ".")
+    if times:
+        parts.append(f"Runs launched from {times[0].isoformat()} to {times[-1].isoformat()} (each run's launches: "
+                     "`launches` in summary.json).")
+        last = max((datetime.fromisoformat(r["committed"]) for r in registered), default=None)
+        early = [t for t in times if last is not None and t < last]
+        if early:
+            parts.append(f"**{len(early)} launch(es) came before the pre-registration's last commit**: those runs "
+                         "started before their hypotheses were fixed.")
+    return " ".join(parts)
+
+
+def _verdicts_line(summary: dict) -> str:
+    verdicts = summary.get("verdicts")
+    if not verdicts:
+        return ""
+    said = "; ".join(f"{h['id']} {h['verdict']}" for h in verdicts["hypotheses"])
+    return (f"Pre-registered hypotheses, judged under Holm's correction within their family in "
+            f"[verdicts.md](verdicts.md): {said}.")
 
 
 def _reading(summary: dict) -> str:
@@ -364,6 +397,85 @@ def _paired_table(groups: list[dict], datasets: list[str], key: str, intro: str,
     return lines + ["", _family_line(tested, excluding, sum(survives)), ""] if tested else lines + [""]
 
 
+VERDICT_RULES = (
+    "Each test is one comparison, seed by seed: a group's value minus the group it names (paired on the seeds both "
+    "have), minus the same runs' eval at a step, or the group's own value against the one the claim names. "
+    "Estimate: mean and 95% t-interval over seeds (intervals of shares set within their bounds, `*`). p: the "
+    "two-sided t-test of no difference (p < 0.05 exactly when the interval excludes 0); for a claim of no effect "
+    "with a registered margin, the equivalence test against that margin (TOST; one side of it for 'not below' or "
+    "'not above'). Holm p: p adjusted by Holm's step-down correction within the test's family (the family-wise error "
+    "rate is alpha for the family). A claimed effect **holds** when its Holm p is at most alpha with the sign "
+    "claimed, is **contradicted** when it is significant with the other sign, and is otherwise **not detected**. "
+    "A claim of no effect holds only against a margin fixed before the runs (else, with a margin, **not shown**); "
+    "without one the data can only fail to detect an effect, so it reads **not detected** at best, and a "
+    "significant effect in the direction it excludes contradicts it. Counts (every seed's mean over steps 0, or "
+    "above 0) are observations without a test, outside the family. A test whose groups are not in the summaries "
+    "read has **no data** and counts in its family with p = 1.")
+
+CLAIM_SIGNS = {"above": ">", "below": "<", "equal": "=", "not-below": "≥", "not-above": "≤"}
+
+
+def _test_label(test: dict) -> str:
+    what = test["measure"].removeprefix("train.") if test["measure"].startswith("train.") \
+        else f"{test['measure']} {test['dataset']}"
+    if test["vs"] is not None:
+        return f"{test['group']} - {test['vs']}: {test['member']}, {what}"
+    if test["vs_step"] is not None:
+        return f"{test['group']}: {test['member']}, {what} - step {test['vs_step']}"
+    return f"{test['group']}: {test['member']}, {what}"
+
+
+def _claim_label(test: dict) -> str:
+    if test["claim"] == "all-zero":
+        return "0 on every seed (count)"
+    if test["claim"] == "all-positive":
+        return "> 0 on every seed (count)"
+    reference = "0" if test["vs"] is not None or test["vs_step"] is not None else f"{test['value']:g}"
+    label = f"{CLAIM_SIGNS[test['claim']]} {reference}"
+    if test["claim"] in ("above", "below"):
+        return label
+    return label + (f" within ±{test['margin']:g}" if test["margin"] is not None else " (no margin registered)")
+
+
+def _p_text(p: float | None) -> str:
+    if p is None:
+        return "–"
+    return f"{p:.1e}" if p < 0.001 else f"{p:.3f}"
+
+
+def verdicts_markdown(study: str, verdicts: dict, command: str = "", sources: list[str] | None = None) -> str:
+    """verdicts.md: each pre-registered hypothesis as registered (its text), its tests (estimate, p, Holm p,
+    verdict) and its overall verdict, under the rules of verdicts.py (VERDICT_RULES)."""
+    lines = [f"# Study `{study}`: the pre-registered hypotheses", ""]
+    if command:
+        lines += ["Made by:", "", f"    {command}", ""]
+    if sources:
+        lines += ["From: " + ", ".join(f"`{s}`" for s in sources) + ".", ""]
+    if verdicts.get("transcribed"):
+        lines += [f"Transcribed: {verdicts['transcribed']}", ""]
+    families = "; ".join(f"family `{name}`: {f['tests']} tests" + (f" ({f['without_data']} without data)"
+                                                                     if f["without_data"] else "")
+                         for name, f in verdicts["families"].items())
+    lines += [VERDICT_RULES + f" Alpha {verdicts['alpha']:g}; {families}.", ""]
+    lines += ["| hypothesis | verdict |", "|---|---|"]
+    lines += [f"| [{h['id']}](#{h['id'].lower()}) | {h['verdict']} |" for h in verdicts["hypotheses"]]
+    lines.append("")
+    for h in verdicts["hypotheses"]:
+        lines += [f"## {h['id']}", "", "> " + " ".join(h["text"].split()), ""]
+        lines += ["| test | claim | estimate | seeds | p | Holm p | verdict |", "|---|---|---|---|---|---|---|"]
+        for test in h["tests"]:
+            estimate = test["estimate"]
+            bounds = None if estimate is None or test["measure"].startswith("train.") else (
+                DIFFERENCE_BOUNDS if test["vs"] is not None or test["vs_step"] is not None else ACCURACY_BOUNDS)
+            seeds = seed_list(estimate["seeds"]) if estimate and "seeds" in estimate else "–"
+            lines.append(f"| {_test_label(test)} | {_claim_label(test)} | {_fmt(estimate, bounds=bounds)} | {seeds} | "
+                         f"{_p_text(test['p'])} | {_p_text(test['p_holm'])} | {test['verdict']} |")
+        lines += ["", f"Verdict: **{h['verdict']}**.", ""]
+        if h["untested"]:
+            lines += ["Not tested:", ""] + [f"- {part}" for part in h["untested"]] + [""]
+    return "\n".join(lines)
+
+
 def curve_lines(chosen: list[dict], member: str, dataset: str) -> tuple[list[tuple[dict, dict, list[int]]], str]:
     """The lines of one panel: [(group, curve (steps, mean, low, high), its seeds)] and a note for the title. Groups
     that ran the same seeds are drawn as they are. Groups that ran different seeds are drawn on the seeds they all
@@ -530,6 +642,10 @@ def write_outputs(study: StudyConfig, groups: list[Group], summary: dict, output
     partial.write_text(json.dumps(summary, indent=1))
     os.replace(partial, output_dir / "summary.json")
     (output_dir / "report.md").write_text(report_markdown(summary, figures))
+    if summary.get("verdicts"):
+        (output_dir / "verdicts.md").write_text(verdicts_markdown(summary["study"], summary["verdicts"],
+                                                                  command=summary.get("command", ""),
+                                                                  sources=["summary.json"]))
 
 
 def eval_questions_from_config(study: StudyConfig, summary: dict) -> dict[str, int | list[int]]:

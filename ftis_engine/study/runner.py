@@ -3,6 +3,7 @@ aggregate and the outputs."""
 
 from __future__ import annotations
 
+import gzip
 import itertools
 import json
 import logging
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from datetime import datetime, timezone
 
 from ..checkpoint import latest_checkpoint
 from ..config import ConfigError, dump_config
@@ -22,8 +24,8 @@ from ..rundir import RunLock
 from ..preflight import check_before_launch
 from ..tasks import TaskError, load_task
 from .aggregate import aggregate
-from .config import StudyConfig, StudyError
-from .plan import Group, Run, check_reuse, plan, runs_under_other_code
+from .config import StudyConfig, StudyError, registration_files
+from .plan import Group, Run, check_reuse, launch_times, plan, runs_under_other_code
 from .report import write_outputs
 
 log = logging.getLogger("ftis_engine")
@@ -56,10 +58,63 @@ def code_version(root: pathlib.Path | None = None) -> dict:
 
 
 def record_launch(run: Run, code: dict) -> None:
-    """Append the code version of this launch to the run's code record (plan.Run.code_path)."""
+    """Append this launch to the run's code record (plan.Run.code_path): the code version and when it started
+    (UTC; summary.json's `launches`)."""
     run.code_path.parent.mkdir(parents=True, exist_ok=True)
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with run.code_path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps({"commit": code["commit"], "dirty": code["dirty"]}) + "\n")
+        f.write(json.dumps({"commit": code["commit"], "dirty": code["dirty"], "started": started}) + "\n")
+
+
+def check_registered(paths: list[pathlib.Path]) -> list[dict]:
+    """A study's pre-registration must be committed before its runs start: each file that holds it (its config, the
+    file its `preregistration` names) that lies in a git checkout must be tracked and without changes git has not
+    committed (staged or not: `git diff --quiet HEAD` on it); else StudyError in one line naming the file. Returns,
+    per file, its last commit and that commit's time ({"file", "commit", "committed"}; None outside a checkout)."""
+    out = []
+    for path in paths:
+        folder = path.resolve().parent
+
+        def git(*args: str) -> subprocess.CompletedProcess | None:
+            try:
+                return subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+
+        inside = git("rev-parse", "--is-inside-work-tree")
+        if inside is None or inside.returncode != 0 or inside.stdout.strip() != "true":
+            out.append({"file": str(path), "commit": None, "committed": None})
+            continue
+        tracked = git("ls-files", "--error-unmatch", "--", path.name)
+        if tracked is None or tracked.returncode != 0:
+            raise StudyError(f"{path}: the study's pre-registration is not committed (git does not track this file); "
+                             "commit it before the study starts")
+        changed = git("diff", "--quiet", "HEAD", "--", path.name)
+        if changed is None or changed.returncode != 0:
+            raise StudyError(f"{path}: the study's pre-registration has changes git has not committed; commit them "
+                             "before the study starts")
+        last = git("log", "-1", "--format=%H %cI", "--", path.name)
+        commit, _, committed = (last.stdout.strip() if last is not None and last.returncode == 0 else "").partition(" ")
+        out.append({"file": str(path), "commit": commit or None, "committed": committed or None})
+    return out
+
+
+def keep_records(runs: list[Run]) -> list[pathlib.Path]:
+    """Each finished run's metrics.jsonl, gzip-compressed (no time stamp: the same records give the same bytes), at
+    its record_path in the study's directory, written again only when it changed. Returns the records written."""
+    written = []
+    for run in runs:
+        if not run.finished:
+            continue
+        packed = gzip.compress((run.run_dir / "metrics.jsonl").read_bytes(), mtime=0)
+        if run.record_path.is_file() and run.record_path.read_bytes() == packed:
+            continue
+        run.record_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = run.record_path.with_name(run.record_path.name + ".tmp")
+        partial.write_bytes(packed)
+        os.replace(partial, run.record_path)
+        written.append(run.record_path)
+    return written
 
 
 class Launcher:
@@ -150,16 +205,21 @@ def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None
 
 
 def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = False, jobs: int | None = None,
-              command: str = "", progress: bool = True, only: list[str] | None = None) -> dict:
+              command: str = "", progress: bool = True, only: list[str] | None = None,
+              aggregate_only: bool = False) -> dict:
     """Plan, run what is not finished (`jobs` at once), aggregate; returns the summary. only: those groups and
-    the groups they are paired with (--groups). Raises StudyError on a bad config and RuntimeError naming the failed
-    runs' logs (after the others have finished)."""
+    the groups they are paired with (--groups). aggregate_only: run nothing, aggregate the runs finished or kept in
+    records/ (--aggregate-only). Raises StudyError on a bad config (or a pre-registration with changes git has not
+    committed: check_registered) and RuntimeError naming the failed runs' logs (after the others have finished)."""
+    # a quick study is the pipeline's smoke test, never a result, and --aggregate-only starts no run: either may go
+    # on while a registration is being written
+    registered = check_registered(registration_files(study)) if not (quick or aggregate_only) else []
     groups = plan(study, output_dir, quick, only)
     runs = [run for group in groups for run in group.runs]
     for run in runs:
         check_reuse(run)
     code = code_version()
-    other = runs_under_other_code(runs, code["commit"])
+    other = runs_under_other_code(runs, code["commit"], kept=aggregate_only)
     if other:  # a warning, not a refusal: the config is the same, and a run's code is recorded only since this
         shown = ", ".join(f"{o['group']} seed {o['seed']} ({'/'.join(c[:12] for c in o['commits'])})"
                           for o in other[:3])
@@ -167,20 +227,25 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
                     "(%s) or under code not recorded: %s%s. Their numbers will mix code versions (summary.json and "
                     "report.md name them); delete their run directories to redo them on this code.", len(other),
                     len(runs), code["commit"][:12], shown, ", ..." if len(other) > 3 else "")
+    if aggregate_only and not any(run.metrics_source is not None for run in runs):
+        raise StudyError(f"--aggregate-only: {output_dir} holds no finished run of this study and no records/ of one")
     # seed by seed: a study stopped half way has every group at the same number of seeds
     todo = [run for nth in itertools.zip_longest(*(group.runs for group in groups)) for run in nth
-            if run is not None and not run.finished]
-    check_runs(study, groups, todo)
+            if run is not None and not run.finished and not aggregate_only]
+    if not aggregate_only:
+        check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
     with RunLock(output_dir, kind="study"):
         return _run(study, groups, runs, todo, output_dir, quick, jobs, command, progress, only,
-                    {"code": code, "other_code": other})
+                    {"code": code, "other_code": other, "registered": registered})
 
 
 def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Run], output_dir: pathlib.Path,
          quick: bool, jobs: int | None, command: str, progress: bool, only: list[str] | None = None,
          code: dict | None = None) -> dict:
-    """code: {"code": code_version(), "other_code": runs_under_other_code(...)}, into summary.json."""
+    """code: {"code": code_version(), "other_code": runs_under_other_code(...), "registered": check_registered(...)},
+    into summary.json (`registered` under `preregistration`), with each run's launch times (`launches`) and, for a
+    study with a pre-registration, its hypotheses' verdicts (`verdicts`, verdicts.md)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     code = code or {"code": {"commit": UNKNOWN, "dirty": None}, "other_code": []}
@@ -203,8 +268,17 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
             except BaseException:  # Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt): stop every run
                 launcher.stop()
                 raise
+    keep_records(runs)
     summary = aggregate(study, groups, quick=quick, command=command)
-    summary.update(code)
+    summary.update({key: value for key, value in code.items() if key != "registered"})
+    summary["launches"] = [{"group": run.group, "seed": run.seed, "started": times} for run in runs
+                           if (times := launch_times(run))]
+    if study.preregistration is not None:
+        from .verdicts import judge  # here, not at the top: `python -m ftis_engine.study.verdicts` runs that module
+
+        summary["preregistration"] = {"registered": code.get("registered") or [],
+                                      "transcribed": study.preregistration.transcribed}
+        summary["verdicts"] = judge(study.preregistration, [summary])
     if only:
         summary["only"] = list(only)
     summary["seconds"] = round(time.perf_counter() - started, 1)
