@@ -884,6 +884,59 @@ def test_a_hypothesis_naming_an_unknown_group_or_member_is_refused_before_any_ru
         plan(spec, tmp_path, quick=False)
 
 
+TRANSCRIBED = {"adversary": ["benchmarks/results/adversary_study", "benchmarks/results/adversary_study/part2",
+                             "benchmarks/results/adversary_study/part3"],
+               "real-models": ["benchmarks/results/real_models"]}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSCRIBED))
+def test_a_transcribed_hypothesis_keeps_its_registrations_words(name):
+    """Every hypothesis of a transcribed pre-registration quotes the registration (the config's comments) word for
+    word, and the config is what names the transcription."""
+    from ftis_engine.study.config import registration_files
+
+    path = ROOT / "configs" / "study" / f"{name}.yaml"
+    spec = load_study(path)
+    assert spec.preregistration.transcribed and registration_files(spec)[0] == path
+    comments = " ".join(line.split("#", 1)[1].strip() for line in path.read_text().splitlines() if "#" in line)
+    comments = " ".join(comments.split())
+    for hypothesis in spec.preregistration.hypotheses:
+        words = " ".join(hypothesis.text.split())
+        assert f"{hypothesis.id} {words}" in comments, hypothesis.id
+
+
+@pytest.mark.parametrize("name", sorted(TRANSCRIBED))
+def test_the_committed_verdicts_are_what_the_command_recomputes_from_the_committed_summaries(name, tmp_path):
+    """docs/studies.md's command for a published study's verdicts, run on copies of its committed summaries, writes
+    its committed verdicts.md."""
+    import shutil
+
+    from ftis_engine.study import verdicts
+
+    dirs = TRANSCRIBED[name]
+    copies = []
+    for k, folder in enumerate(dirs):
+        (tmp_path / str(k)).mkdir()
+        shutil.copy(ROOT / folder / "summary.json", tmp_path / str(k) / "summary.json")
+        copies.append(tmp_path / str(k))
+    verdicts.main(["--config", f"configs/study/{name}.yaml", *(x for d in copies for x in ("--dir", str(d)))])
+    text = (copies[0] / "verdicts.md").read_text()
+    for copy, folder in sorted(zip(copies, dirs), key=lambda pair: -len(str(pair[0]))):
+        text = text.replace(str(copy), folder)
+    assert text == (ROOT / dirs[0] / "verdicts.md").read_text()
+
+
+def test_the_committed_report_of_a_published_study_is_what_rewrite_recomputes_from_its_summary(tmp_path):
+    import shutil
+
+    from ftis_engine.study import rewrite
+
+    shutil.copy(ROOT / "benchmarks/results/adversary_study/part3/summary.json", tmp_path / "summary.json")
+    rewrite.main(["--config", str(ROOT / "configs/study/adversary.yaml"), "--dir", str(tmp_path), "--no-figures"])
+    committed = ROOT / "benchmarks/results/adversary_study/part3/report.md"
+    assert (tmp_path / "report.md").read_text() == committed.read_text()
+
+
 # ------------------------------------------------------------------------- the order of registration and runs
 
 
