@@ -8,7 +8,11 @@ and `builtin:tiny-m-bpe` are the same shapes with a second tokenizer, a small BP
 text (ftis_engine/assets/tiny-bpe-tokenizer: the same 101 symbols plus merges, so every ASCII text round-trips):
 two "families" that tokenise the same text differently. Three more, `builtin:shape-0.5b`, `builtin:shape-1.5b`
 and `builtin:shape-3b`, have the layer shapes of Qwen2.5-0.5B, -1.5B and -3B (the character tokenizer, so a far
-smaller embedding): random stand-ins for GPU measurements where nothing can be downloaded.
+smaller embedding): random stand-ins for GPU measurements where nothing can be downloaded. Their `-qwen` twins
+(`builtin:shape-1.5b-qwen` ...) take Qwen2.5's vocabulary too: the packaged Qwen2.5-Coder's tokenizer (151,936 ids,
+`ftis-engine models fetch qwen2.5-coder-0.5b-instruct` first; only its tokenizer files are read, so a GPU machine
+without network needs those, about 12 MB, and the folder's ftis-package.json, not the weights) and an embedding and
+head of 151,936 x d as the real models have: the shapes at their real size, the fused head with a real vocabulary.
 """
 
 from __future__ import annotations
@@ -48,14 +52,34 @@ TINY_MODELS = {
 }
 TINY_MODELS["tiny-s-bpe"] = TINY_MODELS["tiny-s"]  # the same shapes, the BPE tokenizer
 TINY_MODELS["tiny-m-bpe"] = TINY_MODELS["tiny-m"]
+for _shape in ("shape-0.5b", "shape-1.5b", "shape-3b"):  # the same shapes, Qwen2.5's tokenizer and vocabulary
+    TINY_MODELS[f"{_shape}-qwen"] = TINY_MODELS[_shape]
 # context length (max_position_embeddings): the tiny models' 1024, the shapes' that of the Qwen2.5 models they mimic
 CONTEXT = {"tiny-s": 1024, "tiny-m": 1024, "tiny-l": 1024, "tiny-s-bpe": 1024, "tiny-m-bpe": 1024,
-           "shape-0.5b": 32768, "shape-1.5b": 32768, "shape-3b": 32768}
+           "shape-0.5b": 32768, "shape-1.5b": 32768, "shape-3b": 32768,
+           "shape-0.5b-qwen": 32768, "shape-1.5b-qwen": 32768, "shape-3b-qwen": 32768}
+# The `-qwen` built-ins' tokenizer, and the ids their config gives the end of a turn and padding (Qwen2.5's
+# <|im_end|> and <|endoftext|>, as the packaged model's config.json has them); the others' are the shipped
+# tokenizers' <|endoftext|>, id 0.
+QWEN_TOKENIZER = "packaged:qwen2.5-coder-0.5b-instruct"
+QWEN_VOCAB_SIZE = 151_936
+SPECIAL_IDS = {"qwen": dict(eos_token_id=151_645, pad_token_id=151_643),
+               "shipped": dict(eos_token_id=0, pad_token_id=0)}
+
+
+def builtin_tokenizer(spec: str) -> str:
+    """Which tokenizer a built-in model takes: `qwen` (the packaged Qwen2.5-Coder's), `bpe` or `char` (shipped)."""
+    name = builtin_name(spec)
+    return "qwen" if name.endswith("-qwen") else "bpe" if name.endswith("-bpe") else "char"
 
 
 def builtin_tokenizer_dir(spec: str) -> pathlib.Path:
-    """The shipped tokenizer of a built-in model."""
-    return BPE_TOKENIZER_DIR if builtin_name(spec).endswith("-bpe") else TOKENIZER_DIR
+    """The folder a built-in model's tokenizer loads from: a shipped asset, or the fetched packaged Qwen2.5-Coder
+    (ModelSpecError naming the command that fetches it when it is not there)."""
+    kind = builtin_tokenizer(spec)
+    if kind == "qwen":
+        return pathlib.Path(source(QWEN_TOKENIZER))
+    return BPE_TOKENIZER_DIR if kind == "bpe" else TOKENIZER_DIR
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -217,9 +241,13 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
 
     if is_builtin(spec):
         shape = TINY_MODELS[builtin_name(spec)]
+        special = SPECIAL_IDS["qwen" if builtin_tokenizer(spec) == "qwen" else "shipped"]
+        if builtin_tokenizer(spec) == "qwen" and vocab_size != QWEN_VOCAB_SIZE:
+            raise ModelSpecError(f"{spec} takes Qwen2.5's vocabulary of {QWEN_VOCAB_SIZE:,} ids; its tokenizer has "
+                                 f"{vocab_size:,} (is {QWEN_TOKENIZER} the model `ftis-engine models fetch` builds?)")
         config = Qwen2Config(
             vocab_size=vocab_size, max_position_embeddings=CONTEXT[builtin_name(spec)], rope_theta=10000.0,
-            bos_token_id=None, eos_token_id=0, pad_token_id=0, attn_implementation=attn_implementation, **shape,
+            bos_token_id=None, attn_implementation=attn_implementation, **special, **shape,
         )
         device = torch.device(device if device is not None else "cpu")
         with torch.random.fork_rng(devices=[]), device:

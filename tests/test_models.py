@@ -160,3 +160,51 @@ def test_on_a_gpu_a_builtin_repeats_with_its_seed_and_leaves_the_gpus_stream_see
     assert torch.equal(drawn, torch.rand(4, device=device)) and not torch.equal(drawn, after)
     again = models.load_model("builtin:tiny-m", 101, torch.float32, 3, "sdpa", device).state_dict()
     assert all(t.device == device and torch.equal(t, again[k]) for k, t in first.items())
+
+
+def test_a_qwen_vocabulary_shape_has_the_real_models_embedding_head_and_special_ids():
+    """builtin:shape-1.5b-qwen is Qwen2.5-1.5B at its real size: 1,543,714,304 parameters, of which the tied embedding
+    and head are 151,936 x 1,536; it ends a turn at <|im_end|> and pads with <|endoftext|> as Qwen2.5 does. Its
+    shipped-tokenizer twin keeps an embedding of the 101 ids it is given."""
+    model = models.load_model("builtin:shape-1.5b-qwen", 151_936, torch.bfloat16, 0, "sdpa", torch.device("meta"))
+    assert model.get_input_embeddings().weight.shape == model.get_output_embeddings().weight.shape == (151_936, 1536)
+    assert sum(p.numel() for p in model.parameters()) == 1_543_714_304
+    assert (model.config.eos_token_id, model.config.pad_token_id) == (151_645, 151_643)
+    small = models.load_model("builtin:shape-1.5b", 101, torch.bfloat16, 0, "sdpa", torch.device("meta"))
+    assert small.get_input_embeddings().weight.shape == (101, 1536) and small.config.eos_token_id == 0
+    assert models.check_model_spec("builtin:shape-3b-qwen") == 32768
+
+
+def test_a_qwen_vocabulary_shape_refuses_a_tokenizer_of_another_size():
+    with pytest.raises(models.ModelSpecError, match="builtin:shape-0.5b-qwen takes Qwen2.5's vocabulary of 151,936"):
+        models.load_model("builtin:shape-0.5b-qwen", 101, torch.float32, 0, "sdpa", torch.device("meta"))
+
+
+def test_a_qwen_vocabulary_shape_reads_the_packaged_qwen_tokenizer_and_names_its_fetch(tmp_path, monkeypatch):
+    """Its tokenizer is the fetched packaged Qwen2.5-Coder's (a stand-in folder here: the real one is half a
+    gigabyte to fetch); before the fetch, the error names the command."""
+    from ftis_engine import packaged
+
+    monkeypatch.setenv("FTIS_CACHE_DIR", str(tmp_path))
+    with pytest.raises(models.ModelSpecError, match="run `ftis-engine models fetch qwen2.5-coder-0.5b-instruct`"):
+        models.load_tokenizer("builtin:shape-1.5b-qwen")
+    folder = packaged.model_dir("qwen2.5-coder-0.5b-instruct")
+    models.build_bpe_tokenizer().save_pretrained(str(folder))  # a tokenizer that is not the built-ins' own
+    (folder / packaged.MARKER).write_text("{}")  # a fetched folder: its tokenizer is all a built-in reads
+    assert models.builtin_tokenizer_dir("builtin:shape-1.5b-qwen") == folder
+    tokenizer = models.load_tokenizer("builtin:shape-1.5b-qwen")
+    assert tokenizer.get_vocab() == models.load_tokenizer("builtin:tiny-s-bpe").get_vocab()
+    assert models.load_tokenizer("builtin:shape-1.5b").get_vocab() == models.build_tiny_tokenizer().get_vocab()
+
+
+def test_the_fetched_qwen_tokenizer_has_the_vocabulary_and_special_ids_the_qwen_shapes_assume():
+    """Runs where the packaged model is fetched into FTIS_CACHE_DIR (a test session's own cache never holds it: set
+    FTIS_CACHE_DIR to a cache that does); checked by hand on 2026-11-28 against the fetched model."""
+    from ftis_engine import packaged
+
+    if not (packaged.model_dir("qwen2.5-coder-0.5b-instruct") / packaged.MARKER).is_file():
+        pytest.skip("qwen2.5-coder-0.5b-instruct is not fetched into FTIS_CACHE_DIR")
+    tokenizer = models.load_tokenizer("builtin:shape-0.5b-qwen")
+    assert len(tokenizer) == models.QWEN_VOCAB_SIZE
+    assert (tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_end|>", models.SPECIAL_IDS["qwen"]["eos_token_id"])
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|endoftext|>", models.SPECIAL_IDS["qwen"]["pad_token_id"])
