@@ -1033,3 +1033,18 @@ def test_a_study_records_when_each_run_was_launched_and_keeps_its_records(tmp_pa
     assert (tmp_path / "report.md").read_text() == report
     with pytest.raises(StudyError, match=r"^--aggregate-only: .* holds no finished run"):
         runner.run_study(spec, tmp_path / "elsewhere", progress=False, aggregate_only=True)
+
+
+def test_the_report_says_when_a_run_was_launched_before_its_pre_registration_was_last_committed():
+    from ftis_engine.study.report import _launch_line
+
+    summary = {"launches": [{"group": "g", "seed": 0, "started": ["2026-11-25T15:00:00+00:00"]},
+                            {"group": "g", "seed": 1, "started": ["2026-11-25T15:10:00+00:00"]}],
+               "preregistration": {"registered": [{"file": "s.yaml", "commit": "a" * 40,
+                                                   "committed": "2026-11-25T15:00:45+00:00"}]}}
+    line = _launch_line(summary)
+    assert "`s.yaml` last committed in aaaaaaaaaaaa at 2026-11-25T15:00:45+00:00" in line
+    assert "Runs launched from 2026-11-25T15:00:00+00:00 to 2026-11-25T15:10:00+00:00" in line
+    assert "**1 launch(es) came before the pre-registration's last commit**" in line
+    summary["launches"].pop(0)
+    assert "came before" not in _launch_line(summary)
