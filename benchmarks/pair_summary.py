@@ -7,6 +7,8 @@ It reads a results folder as benchmarks/run_pair_gpu.sh leaves it (any file may 
     <run>.metrics.jsonl   an ftis-engine run's metrics (run: pair-sync, pair-async, alone, or any other name)
     trl.json              benchmarks/trl_grpo.py's result
     <stage>.gpumem        nvidia-smi's memory.used (MiB), one sample a line, taken while that stage ran
+    <run>.settings.json   what an ftis-engine run ran with, per member (`--settings RUN_DIR`, where the run ran)
+    trl.settings.json     what TRL ran with, for a trl.json written before trl_grpo.py recorded it
     device.txt            the GPU's name
 
 and writes <output>.json and <output>.md:
@@ -24,6 +26,14 @@ holds what the phases leave out (logging, the loop).
 its peer's (off-policy), so there it is not the own-rollout parity check: `own_ratio_mean` is (exp(l - g) over
 the member's own tokens). Peak memory: nvidia-smi's samples of the whole device during the stage, and the train
 records' `gpu_peak_gib` (torch's peak in the member's process) and `gpu_used_gib` (the device, engines included).
+
+Like for like: each side's settings (SETTINGS: compute precision, master dtype, attention, compiled layers,
+vocabulary size, completions a step and their length) go into the JSON, ours from <run>.settings.json, TRL's from
+its own JSON. TRL over ours is never given alone: the table beside it lists each side's settings, and the ratio
+carries `unlike: ...` with every setting that differs or is unknown (the 2x goal is judged only like for like).
+Ratios by the medians and by the means of the steps after the first `--skip`.
+
+    python benchmarks/pair_summary.py --settings /tmp/pair-runs/alone > alone.settings.json   # where the run ran
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import pathlib
 import statistics
 
 GIB = 2**30
+SETTINGS = ("precision", "master_dtype", "attention", "compile", "vocab_size", "batch", "length")
 EXCHANGE_KEYS = ("exchange_seconds", "exchange_wait_seconds")  # the exchange's share of step_seconds
 
 
@@ -110,6 +121,7 @@ def run_summary(records: list[dict], skip: int) -> dict:
         "members": {name: member_summary(rs, skip) for name, rs in members.items()},
         "steps": len(kept),
         "step_seconds": median(slowest[s] for s in kept),
+        "step_seconds_mean": mean(slowest[s] for s in kept),
         "wall_step_seconds": median(ended[s] - ended[s - 1] for s in kept if s in ended and s - 1 in ended),
         "step_tokens_per_s": ratio(gen_tokens, sum(slowest[s] for s in kept)),
     }
@@ -124,6 +136,7 @@ def trl_summary(result: dict, skip: int) -> dict:
         "device": result.get("device"), "versions": result.get("versions"), "config": result.get("config"),
         "steps": len(kept),
         "step_seconds": median(s["seconds"] for s in kept),
+        "step_seconds_mean": mean(s["seconds"] for s in kept),
         "gen_seconds": median(s["gen_seconds"] for s in kept),
         "weight_sync_seconds": median(s["weight_sync_seconds"] for s in kept),
         "score_seconds": median(s["score_seconds"] for s in kept),
@@ -136,7 +149,56 @@ def trl_summary(result: dict, skip: int) -> dict:
         "is_weight_mean": own.get("is_weight_mean"),
         "completion_len_mean": own.get("completion_len_mean"),
         "truncated_frac": own.get("truncated_frac"),
+        "settings": result.get("settings"),
     }
+
+
+def ours_settings(run_dir: pathlib.Path) -> dict[str, dict]:
+    """What each member of an ftis-engine run ran with, from its resolved config.yaml, `auto` resolved by the
+    engine's own rules for the member's device on this machine (run it where the run ran: attention's `auto` depends
+    on the GPU's torch): {member: {SETTINGS}}; `compile` is the decoder layers' mode (train.layers)."""
+    from ftis_engine import layers, precision
+    from ftis_engine.config import load_config
+    from ftis_engine.members import attention_implementation
+    from ftis_engine.preflight import member_device
+
+    config = load_config(run_dir / "config.yaml")
+    out = {}
+    for index, member in enumerate(config.members):
+        device = member_device(config, index, None)
+        out[member.name] = {
+            "precision": str(precision.compute_dtype(member.dtype, device)).removeprefix("torch."),
+            "master_dtype": member.master_dtype,
+            "attention": attention_implementation(config.train.attn_implementation, device),
+            "compile": layers.resolve(config.train.layers, device),
+            "vocab_size": vocab_size(member.model),
+            "batch": config.rollout.prompts_per_step * config.rollout.group_size,
+            "length": config.rollout.max_new_tokens,
+        }
+    return out
+
+
+def vocab_size(spec: str) -> int:
+    """The rows of a model's embedding: a built-in's are its tokenizer's ids, any other model's its config's."""
+    from ftis_engine.models import is_builtin, load_tokenizer, source
+
+    if is_builtin(spec):
+        return len(load_tokenizer(spec))
+    from transformers import AutoConfig
+
+    return int(AutoConfig.from_pretrained(source(spec)).vocab_size)
+
+
+def unlike(ours: dict | None, theirs: dict | None) -> list[str]:
+    """The SETTINGS in which two sides differ, or that one side does not record ("attention (unknown)")."""
+    out = []
+    for key in SETTINGS:
+        a, b = (ours or {}).get(key), (theirs or {}).get(key)
+        if a is None or b is None:
+            out.append(f"{key} (unknown)")
+        elif a != b:
+            out.append(key)
+    return out
 
 
 def gpu_memory_peak_gib(path: pathlib.Path) -> float | None:
@@ -161,19 +223,32 @@ def summarize(results: pathlib.Path, skip: int = 1) -> dict:
         name = path.name.removesuffix(".metrics.jsonl")
         records = read_train_records(path)
         if records:
+            settings = results / f"{name}.settings.json"
             out["runs"][name] = {**run_summary(records, skip), "gpu_memory_peak_gib":
-                                 gpu_memory_peak_gib(results / f"{name}.gpumem")}
+                                 gpu_memory_peak_gib(results / f"{name}.gpumem"),
+                                 "settings": json.loads(settings.read_text()) if settings.exists() else None}
     trl = results / "trl.json"
     if trl.exists():
-        out["trl"] = {**trl_summary(json.loads(trl.read_text()), skip),
+        result, settings = json.loads(trl.read_text()), results / "trl.settings.json"
+        if result.get("settings") is None and settings.exists():  # a run from before trl_grpo.py recorded them
+            result["settings"] = json.loads(settings.read_text())
+        out["trl"] = {**trl_summary(result, skip),
                       "gpu_memory_peak_gib": gpu_memory_peak_gib(results / "trl.gpumem")}
         out["device"] = out["device"] or out["trl"]["device"]
     alone = out["runs"].get("alone")
     if alone is not None and "trl" in out:
         speedup = ratio(out["trl"]["step_seconds"], alone["step_seconds"])
+        ours = next(iter((alone["settings"] or {}).values()), None)  # its one member's
+        differ = unlike(ours, out["trl"]["settings"])
         out["trl_vs_alone"] = {"ours_step_seconds": alone["step_seconds"],
-                               "trl_step_seconds": out["trl"]["step_seconds"],
-                               "trl_over_ours": speedup, "goal_2x_met": speedup is not None and speedup >= 2.0}
+                               "trl_step_seconds": out["trl"]["step_seconds"], "trl_over_ours": speedup,
+                               "ours_step_seconds_mean": alone["step_seconds_mean"],
+                               "trl_step_seconds_mean": out["trl"]["step_seconds_mean"],
+                               "trl_over_ours_mean": ratio(out["trl"]["step_seconds_mean"], alone["step_seconds_mean"]),
+                               "ours_settings": ours, "trl_settings": out["trl"]["settings"],
+                               "unlike": differ, "like_for_like": not differ,
+                               # the goal is judged like for like only
+                               "goal_2x_met": None if differ else speedup is not None and speedup >= 2.0}
     return out
 
 
@@ -229,18 +304,41 @@ def markdown(summary: dict) -> str:
                   f"peak {_f(trl['gpu_memory_peak_gib'], 1)} GiB."), ""]
     versus = summary.get("trl_vs_alone")
     if versus is not None:
+        lines += settings_table(versus)
+        like = "like for like" if versus["like_for_like"] else f"unlike: {', '.join(versus['unlike'])}"
+        goal = ("not judged: the runs differ" if versus["goal_2x_met"] is None
+                else "met" if versus["goal_2x_met"] else "not met")
         lines += [(f"**TRL / ours alone, seconds per step: {_f(versus['trl_step_seconds'])} / "
-                  f"{_f(versus['ours_step_seconds'])} = {_f(versus['trl_over_ours'])}x** (goal: >= 2x; "
-                  f"{'met' if versus['goal_2x_met'] else 'not met'})."), ""]
+                  f"{_f(versus['ours_step_seconds'])} = {_f(versus['trl_over_ours'])}x ({like})** by the medians; "
+                  f"{_f(versus['trl_step_seconds_mean'])} / {_f(versus['ours_step_seconds_mean'])} = "
+                  f"{_f(versus['trl_over_ours_mean'])}x by the means (goal: >= 2x; {goal})."), ""]
     return "\n".join(lines)
+
+
+def settings_table(versus: dict) -> list[str]:
+    """Each side's SETTINGS, those that differ or are unknown marked."""
+    differ = {item.split(" ")[0] for item in versus["unlike"]}
+    lines = ["| setting | ours alone | TRL | |", "| --- | --- | --- | --- |"]
+    for key in SETTINGS:
+        a, b = ((versus[side] or {}).get(key) for side in ("ours_settings", "trl_settings"))
+        lines.append(f"| {key} | {'-' if a is None else a} | {'-' if b is None else b} | "
+                     f"{'**differs**' if key in differ else ''} |")
+    return lines + [""]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--results", required=True, help="the folder benchmarks/run_pair_gpu.sh wrote")
-    parser.add_argument("--output", required=True, help="path prefix: writes <output>.json and <output>.md")
+    parser.add_argument("--results", help="the folder benchmarks/run_pair_gpu.sh wrote")
+    parser.add_argument("--output", help="path prefix: writes <output>.json and <output>.md")
     parser.add_argument("--skip", type=int, default=1, help="leave the first SKIP steps out of the medians")
+    parser.add_argument("--settings", type=pathlib.Path, metavar="RUN_DIR",
+                        help="print what the ftis-engine run in RUN_DIR ran with (JSON), and nothing else")
     args = parser.parse_args(argv)
+    if args.settings is not None:
+        print(json.dumps(ours_settings(args.settings), indent=2))
+        return 0
+    if not args.results or not args.output:
+        parser.error("--results and --output are required (or --settings RUN_DIR)")
     summary = summarize(pathlib.Path(args.results), args.skip)
     out = pathlib.Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,11 @@
 #
 # install    vLLM and what it needs from the joined pieces (benchmarks/run_vllm_gpu.sh install; once per machine)
 # alone      ftis-engine train --config configs/gpu/alone-shape-1.5b.yaml                  -> alone.metrics.jsonl
+#            (ALONE_ARGS adds arguments: "--set members.0.model=builtin:shape-1.5b-qwen" for Qwen2.5's vocabulary,
+#            with the packaged Qwen2.5-Coder's tokenizer files and ftis-package.json under $FTIS_CACHE_DIR/models/)
 # trl        TRL from .whl-trl (carried in this call or an earlier one), then benchmarks/trl_grpo.py -> trl.json
+#            (float32 masters under bf16 autocast and compiled layers, as ours; TRL_ARGS adds arguments, e.g.
+#            TRL_ARGS="--precision bf16 --layers eager" as on 2026-11-27, or "--model builtin:shape-1.5b-qwen")
 # pair-sync  ftis-engine train --config configs/gpu/pair-shapes.yaml --nproc 2             -> pair-sync.metrics.jsonl
 # pair-async the same with --set swarm.mode=async                                          -> pair-async.metrics.jsonl
 # summary    benchmarks/pair_summary.py over all of it                        -> pair_h100.{json,md} (or _h200)
@@ -39,6 +43,9 @@ train() {  # run name, then arguments of ftis-engine train; its metrics.jsonl is
     ${STEPS:+--set train.steps=$STEPS} "$@"
   rc=$?
   cp "$runs/$name/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+  # what it ran with (auto resolved here, as the run resolved it), for pair_summary's like-for-like check
+  python3 benchmarks/pair_summary.py --settings "$runs/$name" > "$out/$name.settings.json" 2>/dev/null ||
+    rm -f "$out/$name.settings.json"
   return $rc
 }
 
@@ -59,13 +66,14 @@ for stage in "${stages[@]}"; do
     install)
       OUT='' RESULTS="$out/vllm-install" bash benchmarks/run_vllm_gpu.sh install &&
       nvidia-smi --query-gpu=name --format=csv,noheader | head -1 > "$out/device.txt" ;;
-    alone) train alone --config configs/gpu/alone-shape-1.5b.yaml ;;
+    alone) train alone --config configs/gpu/alone-shape-1.5b.yaml ${ALONE_ARGS:-} ;;
     trl)
       if [ ! -f "$site/.trl-done" ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl-trl/*.whl &&
         touch "$site/.trl-done"
       fi &&
-      timeout -k 10 "$limit" python3 benchmarks/trl_grpo.py ${STEPS:+--steps $STEPS} --output "$out/trl.json" ;;
+      timeout -k 10 "$limit" python3 benchmarks/trl_grpo.py ${STEPS:+--steps $STEPS} ${TRL_ARGS:-} \
+        --output "$out/trl.json" ;;
     # no step-0 eval (64 greedy completions a member, to 512 tokens): seconds of a 15-minute session for nothing the
     # issue measures; the final eval stays
     pair-sync) train pair-sync --config configs/gpu/pair-shapes.yaml --nproc 2 --set checkpoint.save_optimizer=false \

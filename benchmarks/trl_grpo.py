@@ -4,8 +4,14 @@
 What it runs, matched to that config:
 
 - model: ftis-engine's built-in loader (random weights, Qwen2.5-1.5B's layer shapes by default, seed 0 as the
-  config's member 0), saved with the shipped tokenizer by the vLLM generator's own `save_for_engine`, loaded
-  back by TRL in bf16 with the same attention (sdpa);
+  config's member 0), saved with its tokenizer by the vLLM generator's own `save_for_engine`, loaded back with the
+  same attention (sdpa) and handed to TRL as a model. `--model builtin:shape-1.5b-qwen` takes Qwen2.5's vocabulary
+  (151,936 ids, the packaged Qwen2.5-Coder's tokenizer) where the default's shipped tokenizer has 101 ids;
+- precision (`--precision`): `fp32-master` (the default, as ours trains: float32 weights and AdamW states, bf16
+  compute under autocast, TRL's `bf16=True` on a float32 model), `bf16` (weights and states in bf16: the
+  2026-11-27 run, benchmarks/results/pair_h200) or `fp32` (the CPU quick mode's);
+- decoder layers (`--layers`): compiled one at a time as ours compiles them (ftis_engine.layers.compile_layers) or
+  eager; `auto` as ours' `train.layers: auto`: compiled on a GPU, eager on a CPU. The 2026-11-27 run was eager;
 - prompts: the built-in task's training questions (tiny-last), prompted as the engine prompts them; the reward
   wraps the task's own reward;
 - batch: 12 prompts x 12 completions = 144 a step (one member's half of the paper's 24 x 12), one optimizer
@@ -23,6 +29,10 @@ What it runs, matched to that config:
 - optimizer: AdamW at a constant 1e-6, no weight decay, gradient clip 1.0 (ours: Adam, same numbers);
   activation checkpointing (non-reentrant) on both sides.
 
+The JSON's `settings` say what ran, in the words benchmarks/pair_summary.py compares both sides in: precision
+(the compute dtype), master_dtype, attention, compile (the decoder layers: compile or eager), vocab_size, batch
+(completions a step) and length (new tokens).
+
 Seconds per step: a TrainerCallback between on_step_begin and on_step_end (generation, scoring, every
 micro-batch and the optimizer step), CUDA synchronised at both ends; inside it, generation (TRL's
 `_generate_single_turn`: wake, generate, sleep), weight sync (`sync_weights`) and scoring (the rest of
@@ -32,6 +42,7 @@ completion's ids). Peak memory: torch's max_memory_allocated and the device's us
 (the runner also samples nvidia-smi, which sees vLLM's pool as well).
 
     python benchmarks/trl_grpo.py --output /tmp/pair-results/trl.json                # GPU, vLLM colocate
+    python benchmarks/trl_grpo.py --precision bf16 --layers eager --output x.json    # as run on 2026-11-27
     python benchmarks/trl_grpo.py --quick --output /tmp/trl-quick.json               # CPU, no vLLM: a smoke test
 """
 
@@ -55,6 +66,10 @@ import torch
 
 GIB = 2**30
 PROMPT_TOKENS = 512  # the engine's data.max_prompt_tokens default: its vLLM context is this + max_new_tokens
+# --precision: (weights and optimizer states, compute); bf16 compute on float32 weights is autocast (TRL's bf16=True)
+PRECISIONS = {"fp32-master": (torch.float32, torch.bfloat16), "bf16": (torch.bfloat16, torch.bfloat16),
+              "fp32": (torch.float32, torch.float32)}
+LAYERS = ("auto", "eager", "compile")
 
 
 # the GRPOConfig fields the JSON records (after TRL's own defaults and derivations)
@@ -194,10 +209,23 @@ def export_model(spec: str, seed: int, dtype: torch.dtype, attn: str, directory:
     return tokenizer
 
 
-def compile_engine_as_ours() -> None:
-    """TRL builds its vLLM engine with arguments of its own: give it ours' compilation setting as well (inductor's
-    combo kernels off, which with torch 2.11 fail an assertion compiling a Qwen2: ftis_engine/generation/vllm.py),
-    so that both engines compile the same kernels. Everything else of TRL's engine stays TRL's."""
+def trainer_model(directory: pathlib.Path, master: torch.dtype, attn: str, layer_mode: str):
+    """The model TRL trains: the exported one loaded back with its weights in `master` (float32 masters, or bf16),
+    its decoder layers compiled as ours compiles them when `layer_mode` is `compile`."""
+    from transformers import AutoModelForCausalLM
+
+    from ftis_engine import layers
+
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=master, attn_implementation=attn)
+    layers.compile_layers(model, layer_mode)
+    return model
+
+
+def engine_as_ours() -> None:
+    """TRL builds its vLLM engine with arguments of its own: give it ours' compilation setting (inductor's combo
+    kernels off, which with torch 2.11 fail an assertion compiling a Qwen2: ftis_engine/generation/vllm.py), so that
+    both engines compile the same kernels, and ours' dtype, bf16 (TRL leaves it to the saved weights' dtype: float32
+    masters would have it generate in float32). Everything else of TRL's engine stays TRL's."""
     import trl.generation.vllm_generation as trl_vllm
 
     from ftis_engine.generation.vllm import COMPILATION_CONFIG
@@ -206,6 +234,7 @@ def compile_engine_as_ours() -> None:
 
     def llm(*args, **kwargs):
         kwargs.setdefault("compilation_config", copy.deepcopy(COMPILATION_CONFIG))
+        kwargs.setdefault("dtype", "bfloat16")
         return engine(*args, **kwargs)
 
     trl_vllm.LLM = llm
@@ -222,9 +251,8 @@ def grpo_config(args, work: pathlib.Path):
         "temperature": args.temperature, "top_p": 1.0,
         "learning_rate": args.lr, "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0,
         "max_grad_norm": 1.0, "beta": 0.0, "epsilon": 0.2, "loss_type": "grpo", "scale_rewards": "group",
-        "num_iterations": 1, "bf16": not args.quick,
+        "num_iterations": 1, "bf16": PRECISIONS[args.precision][1] == torch.bfloat16,
         "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": False},
-        "model_init_kwargs": {"dtype": "float32" if args.quick else "bfloat16", "attn_implementation": args.attn},
         "use_vllm": args.vllm, "logging_steps": 1, "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
         "dataloader_num_workers": 0, "use_cpu": args.quick or not torch.cuda.is_available(),
     }
@@ -270,6 +298,12 @@ def parse_args(argv=None):
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--attn", default="sdpa", help="attn_implementation of the trained model")
+    parser.add_argument("--precision", choices=list(PRECISIONS), default=None,
+                        help="fp32-master (default: float32 weights and AdamW states, bf16 autocast, as ours), bf16 "
+                             "(pure bf16, the 2026-11-27 run) or fp32 (the default with --quick)")
+    parser.add_argument("--layers", choices=LAYERS, default="auto",
+                        help="decoder layers compiled as ours compiles them, or eager; auto: compiled on a GPU (ours' "
+                             "train.layers: auto)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--no-sleep", action="store_true", help="keep the vLLM engine awake during updates")
     parser.add_argument("--no-is-correction", action="store_true",
@@ -283,6 +317,7 @@ def parse_args(argv=None):
         args.model, args.steps, args.prompts, args.group, args.micro_batch, args.max_new_tokens = (
             "builtin:tiny-s", 2, 2, 4, 4, 8)
     args.vllm = not args.quick
+    args.precision = args.precision or ("fp32" if args.quick else "fp32-master")
     if (args.prompts * args.group) % args.micro_batch:
         parser.error(f"--micro-batch {args.micro_batch} must divide the step's {args.prompts} x {args.group} "
                      "completions")
@@ -297,6 +332,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from trl import GRPOTrainer
 
+    from ftis_engine import layers
     from ftis_engine.config import DataSettings
     from ftis_engine.tasks import load_task
 
@@ -308,16 +344,24 @@ def main(argv=None) -> int:
     clock = PhaseClock()
     with tempfile.TemporaryDirectory(prefix="trl-grpo-") as tmp:
         work = pathlib.Path(tmp)
-        dtype = torch.float32 if args.quick else torch.bfloat16
-        tokenizer = export_model(args.model, args.seed, dtype, args.attn, work / "model")
+        master, compute = PRECISIONS[args.precision]
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.quick else "cpu")
+        layer_mode = layers.resolve(args.layers, device)
+        tokenizer = export_model(args.model, args.seed, master, args.attn, work / "model")
         task = load_task(DataSettings(task=args.task), args.seed)
         config = grpo_config(args, work)
         if args.vllm:
-            compile_engine_as_ours()
+            engine_as_ours()
+        model = trainer_model(work / "model", master, args.attn, layer_mode)
+        settings = {"precision": str(compute).removeprefix("torch."),
+                    "master_dtype": str(master).removeprefix("torch."), "attention": args.attn,
+                    "compile": "compile" if layers.compiled(model) else "eager",
+                    "vocab_size": model.get_output_embeddings().weight.shape[0],
+                    "batch": args.prompts * args.group, "length": args.max_new_tokens}
         start = time.perf_counter()
         init_seconds, timed, error = None, {}, None
         try:  # the trainer's start (its vLLM engine) may fail too: the JSON still says what stopped the run
-            trainer = GRPOTrainer(model=str(work / "model"), reward_funcs=task_reward(task, tally), args=config,
+            trainer = GRPOTrainer(model=model, reward_funcs=task_reward(task, tally), args=config,
                                   train_dataset=task_dataset(task, tokenizer), processing_class=tokenizer,
                                   callbacks=[step_callback(clock, tally, steps, logs)])
             init_seconds = time.perf_counter() - start
@@ -338,9 +382,9 @@ def main(argv=None) -> int:
         "config": {"model": args.model, "task": args.task, "steps": args.steps, "prompts": args.prompts,
                    "group": args.group, "micro_batch": args.micro_batch, "max_new_tokens": args.max_new_tokens,
                    "temperature": args.temperature, "lr": args.lr, "attn": args.attn, "seed": args.seed,
-                   "use_vllm": args.vllm, "quick": args.quick,
+                   "use_vllm": args.vllm, "quick": args.quick, "precision": args.precision, "layers": args.layers,
                    "grpo": {k: getattr(config, k, None) for k in GRPO_FIELDS + (VLLM_FIELDS if args.vllm else ())}},
-        "phases_timed": timed, "init_seconds": init_seconds, "error": error,
+        "settings": settings, "phases_timed": timed, "init_seconds": init_seconds, "error": error,
         "steps": steps, "summary": summarize(steps, logs), "logs": logs,
     }
     result["config"]["grpo"] = {k: str(v) if not isinstance(v, (int, float, str, bool, type(None))) else v
@@ -352,6 +396,9 @@ def main(argv=None) -> int:
     if error is not None:
         print(f"TRL stopped after {s['steps']} steps ({error}); wrote {out}")
         return 1
+    if not s["steps"]:
+        print(f"TRL trained no step; wrote {out}")
+        return 0
     print(f"TRL {result['versions']['trl']} on {result['device']}: median {s['median_step_seconds']:.2f} s/step "
           f"over {s['steps']} steps, {s['tokens_per_s']:.0f} generated tokens/s; wrote {out}")
     return 0

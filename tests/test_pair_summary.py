@@ -91,13 +91,23 @@ def test_gpu_memory_peak_is_the_largest_nvidia_smi_sample(tmp_path):
     assert pair_summary.gpu_memory_peak_gib(tmp_path / "absent.gpumem") is None
 
 
-def write_results(folder, trl_seconds):
+SETTINGS = {"precision": "bfloat16", "master_dtype": "float32", "attention": "sdpa", "compile": "compile",
+            "vocab_size": 151936, "batch": 144, "length": 512}
+
+
+def write_results(folder, trl_seconds, trl_settings=SETTINGS, ours_settings=SETTINGS):
+    """A results folder; each side's settings (None: not recorded) alike by default."""
     folder.mkdir()
     for name, records in (("alone", ALONE), ("pair-sync", PAIR)):
         lines = [{"step": 0, "member": r, "kind": "eval", "dataset": "tiny-last", "accuracy": 0.0, "samples": 16}
                  for r in ("m",)] + records
         (folder / f"{name}.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    (folder / "trl.json").write_text(json.dumps(trl_result(trl_seconds)))
+    if ours_settings is not None:
+        (folder / "alone.settings.json").write_text(json.dumps({"m": ours_settings}))
+    trl = trl_result(trl_seconds)
+    if trl_settings is not None:
+        trl["settings"] = trl_settings
+    (folder / "trl.json").write_text(json.dumps(trl))
     (folder / "alone.gpumem").write_text("2048\n30720\n")
 
 
@@ -108,7 +118,8 @@ def test_trl_over_ours_is_the_ratio_of_the_median_steps(tmp_path):
     assert versus["ours_step_seconds"] == pytest.approx(11.0)
     assert versus["trl_step_seconds"] == pytest.approx(28.0)
     assert versus["trl_over_ours"] == pytest.approx(28.0 / 11.0)
-    assert versus["goal_2x_met"] is True
+    assert versus["goal_2x_met"] is True and versus["like_for_like"] and versus["unlike"] == []
+    assert versus["trl_over_ours_mean"] == pytest.approx((30.0 + 26.0) / (10.0 + 12.0))  # steps 2-3 each
     assert summary["device"] == "NVIDIA H100 80GB HBM3"  # no device.txt: TRL's record names it
     assert summary["runs"]["alone"]["gpu_memory_peak_gib"] == pytest.approx(30.0)
 
@@ -127,5 +138,41 @@ def test_main_writes_the_json_and_the_table(tmp_path):
     saved = json.loads((tmp_path / "out" / "pair.json").read_text())
     assert saved["trl_vs_alone"]["trl_over_ours"] == pytest.approx(28.0 / 11.0)
     table = (tmp_path / "out" / "pair.md").read_text()
-    assert "28.00 / 11.00 = 2.55x" in table
+    assert "28.00 / 11.00 = 2.55x (like for like)" in table
+    assert saved["trl"]["settings"] == saved["runs"]["alone"]["settings"]["m"] == SETTINGS
     assert "| pair-sync | b | 23.00 |" in table  # median(25, 21)
+
+
+def test_a_ratio_between_runs_that_differ_names_each_difference_and_judges_no_goal(tmp_path):
+    """The 2026-11-27 comparison: TRL in pure bf16 and eager against float32 masters and compiled layers."""
+    trl = {**SETTINGS, "master_dtype": "bfloat16", "compile": "eager"}
+    write_results(tmp_path / "results", [40.0, 30.0, 26.0], trl_settings=trl)
+    summary = pair_summary.summarize(tmp_path / "results", skip=1)
+    versus = summary["trl_vs_alone"]
+    assert versus["unlike"] == ["master_dtype", "compile"] and not versus["like_for_like"]
+    assert versus["goal_2x_met"] is None  # 2.55x, but not between like runs
+    table = pair_summary.markdown(summary)
+    assert "28.00 / 11.00 = 2.55x (unlike: master_dtype, compile)**" in table
+    assert "| master_dtype | float32 | bfloat16 | **differs** |" in table
+    assert "| compile | compile | eager | **differs** |" in table and "| attention | sdpa | sdpa |  |" in table
+    assert "goal: >= 2x; not judged: the runs differ" in table
+
+
+def test_a_side_that_records_no_settings_is_never_like_for_like(tmp_path):
+    write_results(tmp_path / "results", [40.0, 30.0, 26.0], trl_settings=None)
+    versus = pair_summary.summarize(tmp_path / "results", skip=1)["trl_vs_alone"]
+    assert versus["unlike"] == [f"{key} (unknown)" for key in pair_summary.SETTINGS]
+    assert versus["goal_2x_met"] is None
+
+
+def test_ours_settings_are_what_the_engine_resolves_for_each_member(tmp_path):
+    """configs/tiny.yaml on this CPU: float32 compute and masters, sdpa and eager layers (auto on a CPU), the
+    built-ins' vocabularies (the character tokenizer's 101 ids), 8 prompts x 16 completions of 2 tokens."""
+    import shutil
+
+    shutil.copy(pair_summary.pathlib.Path(__file__).parents[1] / "configs" / "tiny.yaml", tmp_path / "config.yaml")
+    settings = pair_summary.ours_settings(tmp_path)
+    expected = {"precision": "float32", "master_dtype": "float32", "attention": "sdpa", "compile": "eager",
+                "vocab_size": 101, "batch": 128, "length": 2}
+    assert settings == {"tiny-s": expected, "tiny-m-lora": expected}
+    assert pair_summary.main(["--settings", str(tmp_path)]) == 0

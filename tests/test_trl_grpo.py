@@ -70,6 +70,61 @@ def test_micro_batch_must_divide_the_steps_completions():
         trl_grpo.parse_args(["--micro-batch", "10", "--output", "x.json"])  # 144 completions
 
 
+def test_the_precision_defaults_to_float32_masters_as_ours_trains():
+    assert trl_grpo.parse_args(["--output", "x.json"]).precision == "fp32-master"
+    assert trl_grpo.parse_args(["--precision", "bf16", "--output", "x.json"]).precision == "bf16"
+    assert trl_grpo.parse_args(["--quick", "--output", "x.json"]).precision == "fp32"  # the CPU smoke test
+    assert trl_grpo.parse_args(["--output", "x.json"]).layers == "auto"
+
+
+@pytest.mark.parametrize("precision, layer_mode", [("fp32-master", "compile"), ("bf16", "eager")])
+def test_trls_model_holds_the_masters_dtype_and_compiles_its_layers_as_ours(tmp_path, precision, layer_mode):
+    """fp32-master: float32 weights (AdamW's states follow them), TRL's bf16=True then autocasts; bf16: the
+    2026-11-27 run's bf16 weights. compile: each decoder layer as ftis_engine.layers compiles ours."""
+    from ftis_engine import layers
+
+    master = trl_grpo.PRECISIONS[precision][0]
+    trl_grpo.export_model("builtin:tiny-s", 0, master, "sdpa", tmp_path / "m")
+    model = trl_grpo.trainer_model(tmp_path / "m", master, "sdpa", layer_mode)
+    assert {p.dtype for p in model.parameters()} == {master}
+    assert layers.compiled(model) == (layer_mode == "compile")
+    assert model.config._attn_implementation == "sdpa"
+
+
+@needs_trl
+def test_the_grpo_config_autocasts_to_bf16_unless_the_precision_is_fp32(tmp_path):
+    for precision, bf16 in (("fp32-master", True), ("bf16", True), ("fp32", False)):
+        args = trl_grpo.parse_args(["--precision", precision, "--output", "x.json"])
+        assert trl_grpo.grpo_config(args, tmp_path).bf16 is bf16
+
+
+@needs_trl
+def test_the_json_says_what_ran_and_trl_trains_the_model_built_for_it(tmp_path, monkeypatch):
+    """The settings pair_summary.py compares, and the model TRL is given: float32 masters with compiled layers
+    here (TRL's own training is stood in for: compiling on a CPU takes minutes)."""
+    import trl
+
+    from ftis_engine import layers
+
+    given = {}
+
+    class Trainer:
+        def __init__(self, model, args, **kwargs):
+            given.update(model=model, args=args)
+
+        def train(self):
+            pass
+
+    monkeypatch.setattr(trl, "GRPOTrainer", Trainer)
+    assert trl_grpo.main(["--quick", "--precision", "fp32-master", "--layers", "compile",
+                          "--output", str(tmp_path / "trl.json")]) == 0
+    assert {p.dtype for p in given["model"].parameters()} == {torch.float32} and given["args"].bf16
+    assert layers.compiled(given["model"])
+    settings = json.loads((tmp_path / "trl.json").read_text())["settings"]
+    assert settings == {"precision": "bfloat16", "master_dtype": "float32", "attention": "sdpa",
+                        "compile": "compile", "vocab_size": 101, "batch": 8, "length": 8}
+
+
 @needs_trl
 def test_the_grpo_config_matches_ours_alone(tmp_path):
     """configs/gpu/alone-shape-1.5b.yaml's numbers: 144 completions a step in one optimizer step, groups of 12,
@@ -96,19 +151,22 @@ def test_quick_mode_trains_two_steps_on_cpu(tmp_path):
                                                 + step["score_seconds"] + step["update_seconds"])
     assert result["config"]["grpo"]["loss_type"] == "grpo"
     assert result["summary"]["median_step_seconds"] > 0
+    assert result["settings"] == {"precision": "float32", "master_dtype": "float32", "attention": "sdpa",
+                                  "compile": "eager", "vocab_size": 101, "batch": 8, "length": 8}
 
 
 @needs_trl
-def test_trls_engine_gets_ours_compilation_setting(monkeypatch):
+def test_trls_engine_gets_ours_compilation_setting_and_dtype(monkeypatch):
     import trl.generation.vllm_generation as trl_vllm
 
     from ftis_engine.generation.vllm import COMPILATION_CONFIG
 
     seen = {}
     monkeypatch.setattr(trl_vllm, "LLM", lambda **kwargs: seen.update(kwargs), raising=False)
-    trl_grpo.compile_engine_as_ours()
+    trl_grpo.engine_as_ours()
     trl_vllm.LLM(model="m", max_num_batched_tokens=4096)
-    assert seen == {"model": "m", "max_num_batched_tokens": 4096, "compilation_config": COMPILATION_CONFIG}
+    assert seen == {"model": "m", "max_num_batched_tokens": 4096, "compilation_config": COMPILATION_CONFIG,
+                    "dtype": "bfloat16"}  # float32 masters saved for the engine: it still generates in bf16
 
 
 @needs_trl
