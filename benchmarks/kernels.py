@@ -332,8 +332,8 @@ def add_floor(rows: list[dict], matmul: dict) -> None:
 
 
 def markdown(rows: list[dict], matmul: dict) -> str:
-    lines = ["| d | N | peer | sequences filtered | fwd+bwd ms | peak MiB | TFLOP/s (6NVd) | of matmul rate | "
-             "of its floor (8NVd) | time vs ours | ours mem / peer |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [("| d | N | peer | sequences filtered | fwd+bwd ms | peak MiB | TFLOP/s (6NVd) | of matmul rate | "
+              "of its floor (8NVd) | time vs ours | ours mem / peer |"), "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         filtered = f"{100 * r['filtered_frac']:.0f}%" if "filtered_frac" in r else "- (no filter)"
         if "skipped" in r:

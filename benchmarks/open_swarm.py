@@ -180,8 +180,8 @@ def run_scenario(scenario: str, run: pathlib.Path, steps: int, kill_at: int, bac
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| scenario | member | steps (redone) | steps/s | waited s/step | steps with peer rollouts | staleness | "
-             "unsent parcels | peer sequences dropped (stale or surplus) | rejected |",
+    lines = [("| scenario | member | steps (redone) | steps/s | waited s/step | steps with peer rollouts | staleness | "
+              "unsent parcels | peer sequences dropped (stale or surplus) | rejected |"),
              "|---|---|---|---|---|---|---|---|---|---|"]
     for scenario in ("steady", "churn"):
         runs = [r for r in results if r["scenario"] == scenario]

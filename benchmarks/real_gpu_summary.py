@@ -31,8 +31,8 @@ def main(folder: pathlib.Path) -> str:
         lo, hi = wilson(round(r["accuracy"] * r["samples"]), r["samples"])
         lines.append(f"| {r['step']} | {r['accuracy']:.4f} ({round(r['accuracy'] * r['samples'])}/{r['samples']}) "
                      f"| {lo:.3f}-{hi:.3f} |")
-    lines += ["", "| steps | mean training reward | completions cut at the token limit | reward over the completions "
-              "that stopped, at most |", "|---|---|---|---|"]
+    lines += ["", ("| steps | mean training reward | completions cut at the token limit | reward over the completions "
+                   "that stopped, at most |"), "|---|---|---|---|"]
     last = train[-1]["step"]
     for a, b in [(1, 10), (11, 25), (26, 50), (51, 75), (76, last)]:
         kept = [r for r in train if a <= r["step"] <= b]
