@@ -17,6 +17,7 @@ import typer
 
 from .checkpoint import CheckpointWriteError
 from .config import ConfigError, RunConfig, dump_config, load_config
+from .generation import EngineError
 from .progress import quiet_libraries
 from .tasks import TaskError
 from .update import DivergenceError
@@ -382,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         code = app(args=argv, standalone_mode=False)
     except (ConfigError, TaskError, UsageFailure) as exc:
         _fail(str(exc))
-    except DivergenceError as exc:
+    except (DivergenceError, EngineError) as exc:
         _fail(str(exc), code=1)
     except Interrupted as exc:
         _fail(str(exc), code=INTERRUPTED)

@@ -92,12 +92,37 @@ class LoraSettings(_Section):
 class VllmSettings(_Section):
     gpu_memory_utilization: float = Field(
         0.3, gt=0.0, le=1.0,
-        description="Fraction of the GPU's total memory vLLM may take (weights + KV cache); the trainer shares the rest.",
+        description="Fraction of the GPU's total memory vLLM may take (weights + KV cache); the trainer shares the "
+                    "rest. GPU only: an engine on the CPU takes kv_cache_gib instead.",
+    )
+    kv_cache_gib: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False,
+        description="The engine's KV cache in GiB (vLLM's kv_cache_memory_bytes; on a GPU it replaces "
+                    "gpu_memory_utilization's share). Default: on a GPU that share; on the CPU what the run needs "
+                    "(every sequence of a step's generation at the engine's full length, at least 0.25 GiB); the "
+                    "environment's VLLM_CPU_KVCACHE_SPACE, when set, wins on the CPU.",
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        "bfloat16", description="The engine's compute dtype; the trainer's float32 masters are pushed in it. float32 "
+                                "makes the engine's log-probs the trainer's to ~1e-5 (tests; slower).",
     )
     max_model_len: int | None = Field(None, gt=0, description="vLLM context length; default prompt + max_new_tokens.")
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower decode, faster start, less memory).")
+    enforce_eager: bool | None = Field(
+        None, description="true: no CUDA graphs and no torch.compile (slower decode, faster start, less memory). "
+                          "Default: false on a GPU, true on the CPU (vLLM-CPU's compile adds about 85 s a start).",
+    )
     sleep_level: Literal[1, 2] = Field(
-        1, description="Sleep level during the update: 1 offloads weights to CPU, 2 discards them (reloaded by sync)."
+        1, description="Sleep level during the update: 1 offloads weights to CPU, 2 discards them (reloaded by sync). "
+                       "GPU only: where the platform has no sleep mode (the CPU) the engine stays awake, and a level "
+                       "set explicitly is warned about once.",
+    )
+    lora_push: Literal["auto", "adapter", "merged"] = Field(
+        "auto", description="How a LoRA member's weights reach its engine: adapter (only the adapter, as a new LoRA "
+                            "request; the engine applies it with its LoRA kernels) or merged (each adapted layer's "
+                            "base weight plus B A x scale, computed apart from the trainer's model and pushed as a "
+                            "full member's are; the engine runs without LoRA). auto: adapter on a GPU, merged on the "
+                            "CPU, whose LoRA kernels copy the adapter's weights for every token (about 50x slower "
+                            "generation for a rank-128 adapter).",
     )
     per_request_seed: bool = Field(
         True, description="true: every completion has a seed of its own, so its tokens do not depend on how the "

@@ -228,6 +228,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     ranks found alike: rank 0 alone) and exit 2. join: the open swarm's coordinator (a member on several ranks:
     its leader holds the exchange, openswarm/member.py)."""
     from .exchange.links import PeerLost, TransportError
+    from .generation import EngineError
     from .openswarm.client import JoinRefused
     from .preflight import check_placement
     from .progress import quiet_libraries
@@ -296,8 +297,8 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     except JoinRefused as exc:
         sys.stderr.write(f"error: --join: the coordinator refused {config_data['members'][0]['name']}: {exc}\n")
         stop(CONFIG_ERROR_EXIT)
-    except DivergenceError as exc:
-        sys.stderr.write(f"error: {exc}\n")
+    except (DivergenceError, EngineError) as exc:
+        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
         stop(DIVERGED_EXIT)
     except (ConfigError, TaskError) as exc:
         if rank == 0 or not isinstance(exc, AgreedError):

@@ -30,10 +30,11 @@ SHARED_ENGINES_LIMIT = 0.9
 def check_placement(config: RunConfig) -> None:
     """members.N.ranks and members.N.device, before any process starts: a device must exist, and the vLLM engines
     of members placed on one GPU must leave room for training (each takes its gpu_memory_utilization share of
-    the whole GPU while awake; asleep, during the updates, almost nothing)."""
+    the whole GPU while awake; asleep, during the updates, almost nothing). Engines on the CPU take kv_cache_gib of
+    the host's memory, not a share of a device."""
     engines: dict[str, list[int]] = {}
     for i, member in enumerate(config.members):
-        if member.device is not None and member.generator == "vllm":
+        if member.device is not None and member.device.startswith("cuda") and member.generator == "vllm":
             key = member.device if ":" in member.device or member.device != "cuda" else "cuda:0"
             engines.setdefault(key, []).append(i)
     for device, placed in engines.items():
@@ -237,13 +238,27 @@ def member_device(config: RunConfig, index: int, local_rank: int | None) -> torc
     return resolve_device(config.train.device, local_rank if local_rank is not None else index)
 
 
+def _device_type(spec: str) -> str:
+    """The kind of device a device setting names (auto: cuda where there is a GPU), before check_device checks it."""
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        return torch.device(spec).type
+    except RuntimeError:
+        return spec
+
+
 def check_generator_placement(config: RunConfig, distributed: bool) -> None:
-    """vLLM engines join the process's torch.distributed world: one engine per process, and in a multi-process
-    run every rank builds one (all members use vllm) or none does."""
+    """vLLM engines join the process's torch.distributed world: in a multi-process run every rank builds one (all
+    members use vllm) or none does. One process holds at most one engine on a GPU: two in-process engines share
+    vLLM's process-wide state (its parallel groups; the first one shut down tears them down for both) and have
+    never been run on a GPU with sleep and wake between updates. Engines on the CPU, sized in GiB, never asleep and
+    never shut down before the process ends, share a process (tested: tests/test_vllm_cpu.py)."""
     vllm = [i for i, m in enumerate(config.members) if m.generator == "vllm"]
-    if not distributed and len(vllm) > 1:
-        raise ConfigError(f"members.{vllm[1]}.generator: one vLLM engine per process; run one process per member "
-                          f"with --nproc {len(config.members)} (or torchrun)")
+    on_gpu = [i for i in vllm if _device_type(config.members[i].device or config.train.device) != "cpu"]
+    if not distributed and len(on_gpu) > 1:
+        raise ConfigError(f"members.{on_gpu[1]}.generator: one vLLM engine on a GPU per process; run one process per "
+                          f"member with --nproc {len(config.members)} (or torchrun)")
     if distributed and 0 < len(vllm) < len(config.members):
         other = next(i for i in range(len(config.members)) if i not in vllm)
         raise ConfigError(f"members.{other}.generator: in a multi-process run either every member uses vllm or "
@@ -258,7 +273,7 @@ def check_members(config: RunConfig, members: list[int] | None = None) -> list[o
         if config.members[i].generator == "vllm":
             from .generation.vllm import check_available
 
-            problem = check_available()
+            problem = check_available(member_device(config, i, None))
             if problem:
                 raise ConfigError(f"members.{i}.generator: {problem}")
     for i in chosen:

@@ -222,7 +222,7 @@ def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):
     from ftis_engine.config import ConfigError, load_config
 
     monkeypatch.setattr(preflight, "check_model_spec", lambda spec: pytest.fail("a model was looked up first"))
-    monkeypatch.setattr("ftis_engine.generation.vllm.check_available", lambda: "vLLM is not installed (hint)")
+    monkeypatch.setattr("ftis_engine.generation.vllm.check_available", lambda device=None: "vLLM is not installed (hint)")
     cfg = load_config(TINY, ["members.0.generator=vllm", "members.0.model=Some/HubModel"])
     with pytest.raises(ConfigError, match="members.0.generator: vLLM is not installed"):
         preflight.check_members(cfg)

@@ -197,7 +197,9 @@ def test_a_vllm_engine_that_fails_to_start_leaves_no_temporary_weights(monkeypat
 
     fake.LLM = LLM
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    monkeypatch.setattr(vllm_gen, "check_available", lambda: None)
+    monkeypatch.setattr(vllm_gen, "check_available", lambda device=None: None)
+    monkeypatch.setattr(vllm_gen, "engine_platform", lambda: type("Platform", (), {
+        "device_type": "cpu", "is_sleep_mode_available": staticmethod(lambda: False)})())
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     m, config = member(0)
     with pytest.raises(RuntimeError, match="CUDA out of memory"):

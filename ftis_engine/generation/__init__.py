@@ -17,6 +17,11 @@ from typing import Protocol
 import torch
 
 
+class EngineError(RuntimeError):
+    """A generator's engine could not take the trainer's weights: it may hold a mix of old and new ones, so the member
+    stops (one line, exit code 1); its newest complete checkpoint is intact."""
+
+
 @dataclass
 class Completion:
     token_ids: torch.Tensor  # int32 [L], up to and including EOS when it stopped there

