@@ -63,13 +63,14 @@ PROCESS_OVERHEAD_BYTES = 1 << 30
 def model_shape(spec: str) -> dict | None:
     """hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size and
     tie_word_embeddings of a built-in or a local/cached HF model (its config only, no weights); None when unknown."""
-    from .models import BPE_VOCAB_SIZE, TINY_MODELS, builtin_name, is_builtin
+    from .models import BPE_VOCAB_SIZE, QWEN_VOCAB_SIZE, TINY_MODELS, builtin_name, builtin_tokenizer, is_builtin
 
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
     if is_builtin(spec):
         name = builtin_name(spec)
         shape = {k: TINY_MODELS[name][k] for k in keys}
-        return {**shape, "vocab_size": BPE_VOCAB_SIZE if name.endswith("-bpe") else 101,
+        vocab = {"qwen": QWEN_VOCAB_SIZE}.get(builtin_tokenizer(spec), BPE_VOCAB_SIZE if name.endswith("-bpe") else 101)
+        return {**shape, "vocab_size": vocab,
                 "tie_word_embeddings": TINY_MODELS[name]["tie_word_embeddings"], "attention_bias": True}
     try:
         from transformers import AutoConfig

@@ -68,6 +68,8 @@ def test_the_parameter_count_behind_the_memory_plan_is_exact():
     assert parameter_counts(model_shape("builtin:tiny-m"), lora)[1] == trainable
     # the Qwen2.5-1.5B shape with its real vocabulary is Qwen2.5-1.5B's 1.54B parameters
     assert parameter_counts({**model_shape("builtin:shape-1.5b"), "vocab_size": 151936}, None)[0] == 1_543_714_304
+    # the -qwen shapes carry Qwen2.5's vocabulary into the memory plan (their embedding and head: 233 M at 1.5B)
+    assert parameter_counts(model_shape("builtin:shape-1.5b-qwen"), None)[0] == 1_543_714_304
 
 
 def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_lower():

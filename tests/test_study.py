@@ -1003,6 +1003,39 @@ def test_a_pre_registration_in_a_file_of_its_own_is_checked_too(registered_study
         check_registered(registration_files(spec))
 
 
+def test_a_linked_pre_registration_is_judged_by_the_file_it_points_to(registered_study, tmp_path):
+    """A committed config reached through a symbolic link in another folder is committed (git is asked about the
+    file, in its own folder); a link in a checkout to a file outside any checkout is outside one."""
+    from ftis_engine.study.runner import check_registered
+
+    repo, path = registered_study
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "link.yaml").symlink_to(path)
+    [record] = check_registered([elsewhere / "link.yaml"])
+    assert record["commit"] == _git(repo, "rev-parse", "HEAD").stdout.strip()
+    path.write_text(path.read_text() + "# changed\n")
+    with pytest.raises(StudyError, match=r"link.yaml: the study's pre-registration has changes"):
+        check_registered([elsewhere / "link.yaml"])
+    outside = tmp_path / "outside.yaml"
+    outside.write_text("study: x\n")
+    (repo / "inside.yaml").symlink_to(outside)
+    assert check_registered([repo / "inside.yaml"]) == [{"file": str(repo / "inside.yaml"), "commit": None,
+                                                          "committed": None}]
+
+
+def test_an_aggregate_only_report_keeps_the_registrations_commit_without_refusing(registered_study):
+    """--aggregate-only starts no run, so an uncommitted change does not stop it; the report it recomputes still
+    names when the registration was committed (and so which launches came before it)."""
+    from ftis_engine.study.config import registration_files
+    from ftis_engine.study.runner import check_registered
+
+    repo, path = registered_study
+    path.write_text(path.read_text() + "# changed\n")
+    [record] = check_registered(registration_files(load_study(path)), refuse=False)
+    assert record["commit"] == _git(repo, "rev-parse", "HEAD").stdout.strip() and record["committed"]
+
+
 def test_a_study_records_when_each_run_was_launched_and_keeps_its_records(tmp_path, monkeypatch):
     """Each launch's start goes into the run's code record and the summary's `launches`; each finished run's
     metrics.jsonl is kept compressed in records/, and --aggregate-only recomputes the same tables from those alone

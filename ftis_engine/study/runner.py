@@ -66,14 +66,17 @@ def record_launch(run: Run, code: dict) -> None:
         f.write(json.dumps({"commit": code["commit"], "dirty": code["dirty"], "started": started}) + "\n")
 
 
-def check_registered(paths: list[pathlib.Path]) -> list[dict]:
+def check_registered(paths: list[pathlib.Path], refuse: bool = True) -> list[dict]:
     """A study's pre-registration must be committed before its runs start: each file that holds it (its config, the
     file its `preregistration` names) that lies in a git checkout must be tracked and without changes git has not
-    committed (staged or not: `git diff --quiet HEAD` on it); else StudyError in one line naming the file. Returns,
-    per file, its last commit and that commit's time ({"file", "commit", "committed"}; None outside a checkout)."""
+    committed (staged or not: `git diff --quiet HEAD` on it); else StudyError in one line naming the file. A symbolic
+    link is judged by the file it points to, in that file's checkout. Returns, per file, its last commit and that
+    commit's time ({"file", "commit", "committed"}; None outside a checkout, or not committed when `refuse` is False:
+    a report recomputed from records still says when the registration was committed)."""
     out = []
-    for path in paths:
-        folder = path.resolve().parent
+    for given in paths:
+        path = given.resolve()
+        folder = path.parent
 
         def git(*args: str) -> subprocess.CompletedProcess | None:
             try:
@@ -83,19 +86,19 @@ def check_registered(paths: list[pathlib.Path]) -> list[dict]:
 
         inside = git("rev-parse", "--is-inside-work-tree")
         if inside is None or inside.returncode != 0 or inside.stdout.strip() != "true":
-            out.append({"file": str(path), "commit": None, "committed": None})
+            out.append({"file": str(given), "commit": None, "committed": None})
             continue
         tracked = git("ls-files", "--error-unmatch", "--", path.name)
-        if tracked is None or tracked.returncode != 0:
-            raise StudyError(f"{path}: the study's pre-registration is not committed (git does not track this file); "
-                             "commit it before the study starts")
+        if refuse and (tracked is None or tracked.returncode != 0):
+            raise StudyError(f"{given}: the study's pre-registration is not committed (git does not track this "
+                             "file); commit it before the study starts")
         changed = git("diff", "--quiet", "HEAD", "--", path.name)
-        if changed is None or changed.returncode != 0:
-            raise StudyError(f"{path}: the study's pre-registration has changes git has not committed; commit them "
+        if refuse and (changed is None or changed.returncode != 0):
+            raise StudyError(f"{given}: the study's pre-registration has changes git has not committed; commit them "
                              "before the study starts")
         last = git("log", "-1", "--format=%H %cI", "--", path.name)
         commit, _, committed = (last.stdout.strip() if last is not None and last.returncode == 0 else "").partition(" ")
-        out.append({"file": str(path), "commit": commit or None, "committed": committed or None})
+        out.append({"file": str(given), "commit": commit or None, "committed": committed or None})
     return out
 
 
@@ -213,7 +216,7 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
     committed: check_registered) and RuntimeError naming the failed runs' logs (after the others have finished)."""
     # a quick study is the pipeline's smoke test, never a result, and --aggregate-only starts no run: either may go
     # on while a registration is being written
-    registered = check_registered(registration_files(study)) if not (quick or aggregate_only) else []
+    registered = [] if quick else check_registered(registration_files(study), refuse=not aggregate_only)
     groups = plan(study, output_dir, quick, only)
     runs = [run for group in groups for run in group.runs]
     for run in runs:
