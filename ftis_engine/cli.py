@@ -17,6 +17,7 @@ import typer
 
 from .checkpoint import CheckpointWriteError
 from .config import ConfigError, RunConfig, dump_config, load_config
+from .errors import error_line
 from .generation import EngineError
 from .progress import quiet_libraries
 from .tasks import TaskError
@@ -428,5 +429,5 @@ def _caused_by_interrupt(exc: BaseException) -> bool:
 
 
 def _fail(message: str, code: int = 2) -> None:
-    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.write(error_line(message))
     sys.exit(code)

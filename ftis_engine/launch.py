@@ -26,7 +26,7 @@ import uuid
 import torch
 
 from .config import ConfigError, RunConfig, validate_config
-from .errors import first_line
+from .errors import error_line, first_line
 from .layout import describe_layout, describe_role, process_roles, world_size
 
 log = logging.getLogger("ftis_engine.launch")
@@ -295,14 +295,14 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
 
             run_sampler(swarm, start_step)
     except JoinRefused as exc:
-        sys.stderr.write(f"error: --join: the coordinator refused {config_data['members'][0]['name']}: {exc}\n")
+        sys.stderr.write(error_line(f"--join: the coordinator refused {config_data['members'][0]['name']}: {exc}"))
         stop(CONFIG_ERROR_EXIT)
     except (DivergenceError, EngineError) as exc:
-        sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
+        sys.stderr.write(error_line(str(exc)))
         stop(DIVERGED_EXIT)
     except (ConfigError, TaskError) as exc:
         if rank == 0 or not isinstance(exc, AgreedError):
-            sys.stderr.write(f"error: {' '.join(str(exc).split())}\n")
+            sys.stderr.write(error_line(str(exc)))
         stop(CONFIG_ERROR_EXIT)
     except Exception as exc:  # a dead or hung peer surfaces here as a collective's error or timeout
         if isinstance(exc, TransportError):  # the exchange's own failure, with its cause
@@ -312,7 +312,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
             what = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)"
         else:
             what = "failed"
-        sys.stderr.write(f"error: rank {rank} {what}: {type(exc).__name__}: {first_line(exc)}\n")
+        sys.stderr.write(error_line(f"rank {rank} {what}: {type(exc).__name__}: {first_line(exc)}"))
         if what == "failed" or isinstance(exc, TransportError):
             import traceback
 

@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
+from .errors import shown
+
 
 class Progress:
     """Transient bars, one per phase; disabled bars still print summary lines."""
@@ -70,9 +72,25 @@ def summary_line(step: int, steps: int, records: list[dict], step_seconds: float
     return f"step {step}/{steps} | " + " | ".join(parts) + timing
 
 
+class ShownFormatter(logging.Formatter):
+    """The engine's log lines with their message escaped (errors.shown): a warning may quote what a peer or a
+    coordinator sent (a name, a reason), and none of it may drive the terminal or forge a line."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        if record.name == "ftis_engine" or record.name.startswith("ftis_engine."):
+            record.message = shown(record.message, limit=None)
+        return super().formatMessage(record)
+
+
 def quiet_libraries() -> None:
-    """Warnings to stderr as one line each; no third-party progress bars (ours say what is happening)."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    """Warnings to stderr as one line each, the engine's escaped (ShownFormatter); no third-party progress bars
+    (ours say what is happening)."""
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig, with the engine's lines escaped
+        handler = logging.StreamHandler()
+        handler.setFormatter(ShownFormatter("%(levelname)s %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
     from transformers.utils import logging as hf_logging

@@ -623,3 +623,83 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
     assert (got.parcels, got.foreign_refused, len(ex.mailbox)) == ([], 0, 1)
     got = ex.receive(0, 4)
     assert ([p.sender for p in got.parcels], got.foreign_refused) == ([ex.book.number("bpe")], 0)
+
+
+# ------------------------------------------------------------------------------------------------ shown to a person
+
+ANSI = "\x1b[2J\x1b[H\x1b[31mFAKE\x07"  # clears the screen, homes the cursor, writes red, rings the bell
+
+
+def test_outside_text_is_shown_escaped_and_cut():
+    from ftis_engine.errors import shown
+
+    assert shown(ANSI) == "\\x1b[2J\\x1b[H\\x1b[31mFAKE\\x07"
+    assert shown("a\nb\u202ec\u200bd\ud800") == "a\\nb\\u202ec\\u200bd\\ud800"  # line breaks, bidi, zero width
+    assert shown("x" * 1000, limit=50) == "x" * 50 + "..." and shown("é" * 5) == "é" * 5
+    assert shown("\x1b" * 100, limit=10) == "\\x1b\\x1b..."  # never half an escape
+
+
+def test_a_hostile_coordinators_refusal_reaches_the_terminal_escaped_cut_and_in_one_line(tmp_path, capsys):
+    """A coordinator (untrusted, docs/async.md) answers a join with a refusal whose reason would clear the screen
+    and forge text: the member's one error line carries it escaped and cut, and nothing of the run is left."""
+    from .helpers import command_here
+
+    router = zmq.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.RCVTIMEO, 60_000)
+    router.bind("tcp://127.0.0.1:*")
+    address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def refuse() -> None:
+        identity, *_ = router.recv_multipart()
+        router.send_multipart([identity, *pack("refuse", {"reason": ANSI + "\nerror: forged line " + "y" * 5000})])
+
+    thread = threading.Thread(target=refuse, daemon=True)
+    thread.start()
+    try:
+        result = command_here(capsys, "train", "--config", ROOT / "configs/swarm/tiny-s.yaml", "--join", address,
+                              "--output-dir", tmp_path / "runs", "--set", "swarm.timeout_s=60")
+    finally:
+        thread.join(60)
+        router.close()
+    assert result.returncode == 2
+    (line,) = result.stderr.splitlines()
+    assert line.startswith("error: --join: the coordinator refused tiny-s: \\x1b[2J\\x1b[H\\x1b[31mFAKE\\x07\\n")
+    assert all(c.isprintable() for c in line) and len(line) < 400 and line.endswith("...")
+
+
+def test_a_member_list_or_parcel_under_a_name_no_join_can_take_is_counted_and_dropped():
+    """Names, tokenizers and sources reach logs and records: the client takes only what the coordinator admits at
+    a join (a member's or a sampler's name, a sha256, a plain source), so none can carry an escape."""
+    got = []
+    client = quiet_client(on_parcel=lambda *p: got.append(p))
+    good = {"me": {"step": 0, "tokenizer": TOKENIZER, "source": ""}}
+    client._receive(None, pack("members", {"members": good}))
+    for members in ({**good, ANSI: {"step": 0, "tokenizer": TOKENIZER, "source": ""}},
+                    {**good, "peer": {"step": 0, "tokenizer": TOKENIZER, "source": "builtin:" + ANSI}},
+                    {**good, "peer": {"step": 0, "tokenizer": "not a digest", "source": ""}}):
+        client._receive(None, pack("members", {"members": members}))
+    client._receive(None, parcel(name=ANSI))
+    assert client.malformed == 4 and client.members() == good and got == []
+    client._receive(None, parcel(name="peer/sampler-0"))
+    assert len(got) == 1
+
+
+def test_the_coordinator_echoes_a_strangers_name_escaped(tmp_path):
+    lines = []
+    coordinator = Coordinator(SHARED, lease_s=10, max_body=100, echo=lines.append)
+    refusal(coordinator.handle(b"X", join(ANSI), now=0))
+    coordinator.handle(b"Y", pack("join", {"name": "b", "tokenizer": TOKENIZER, "source": "", "dataset": DATA,
+                                           "step": 0, "shared": {**SHARED, ANSI: 1}}), now=0)
+    assert len(lines) == 2 and all(c.isprintable() for line in lines for c in line), lines
+    assert "\\x1b[2J" in lines[0] and "\\x1b[2J" in lines[1]
+
+
+def test_the_engines_log_lines_are_escaped():
+    import logging
+
+    from ftis_engine.progress import ShownFormatter
+
+    formatter = ShownFormatter("%(levelname)s %(name)s: %(message)s")
+    record = logging.LogRecord("ftis_engine.exchange", logging.WARNING, __file__, 1, "peer %s: %s", ("a", ANSI), None)
+    assert formatter.format(record) == "WARNING ftis_engine.exchange: peer a: \\x1b[2J\\x1b[H\\x1b[31mFAKE\\x07"

@@ -7,9 +7,13 @@ cannot go out (no connection: the coordinator is down, or a full queue) are drop
 without bound.
 
 What comes in is untrusted (the coordinator relays strangers, and may be one): a message that breaks the wire format,
-a parcel of no words, a member list whose entries are not {step, tokenizer, source} of their types, or a frame larger
-than the largest honest parcel or header (ZMQ_MAXMSGSIZE: never read, the connection is closed and dialled again)
-is counted and dropped; a parcel that makes `on_parcel` raise is counted and logged, and the thread goes on.
+a parcel of no words or under a name no member or sampler can have, a member list whose names are not such names or
+whose entries are not {step, tokenizer, source} of their types and formats (a sha256 digest, a tokenizer source:
+coordinator.join_problem, the coordinator's own rule for a join), or a frame larger than the largest honest parcel
+or header (ZMQ_MAXMSGSIZE: never read, the connection is closed and dialled again) is counted and dropped; a parcel
+that makes `on_parcel` raise is counted and logged, and the thread goes on. So every name, tokenizer and source the
+member logs or records is plain printable text; a refusal's reason, free text, is kept escaped and cut
+(errors.shown), as it will be shown to a person.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import time
 import uuid
 from collections.abc import Callable
 
+from ..errors import shown
+from .coordinator import join_problem
 from .wire import MAX_HEADER, WireError, pack, parcel_mac, unpack
 
 log = logging.getLogger("ftis_engine.exchange")
@@ -212,8 +218,8 @@ class SwarmClient:
             self._beat_s = min(1.0, header["lease_s"] / 4)  # its step, fresh for the peers' lead bound
             self._set_members(header["members"])
             self._joined.set()
-        elif kind == "refuse":
-            self.refused = header["reason"]
+        elif kind == "refuse":  # shown to a person as the command's error: escaped and cut here, where it enters
+            self.refused = shown(header["reason"], limit=300)
             self._stop.set()
         elif kind == "members":
             self._set_members(header["members"])
@@ -221,7 +227,8 @@ class SwarmClient:
             self._joined.clear()
             self._send(socket, self._join())
         elif kind == "parcel" and header["name"] != self.name:
-            if header["words"] >= 1 and len(body) == 4 * header["words"]:  # an honest empty step is one word
+            # an honest empty step is one word; a name is a member's or a sampler's (what the coordinator admits)
+            if header["words"] >= 1 and len(body) == 4 * header["words"] and _named_as_admitted(header["name"]):
                 self._deliver(header, body)
             else:
                 self.malformed += 1
@@ -236,18 +243,25 @@ class SwarmClient:
             self.parcel_errors += 1
             if self.parcel_errors <= 3:
                 log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s%s", self.name,
-                            header["name"][:100], header["step"], type(exc).__name__, exc,
+                            header["name"], header["step"], type(exc).__name__, shown(exc),
                             " (further ones are counted, not logged)" if self.parcel_errors == 3 else "")
 
     def _set_members(self, members: dict) -> None:
-        """Take the coordinator's member list if every entry is {step, tokenizer, source} of their types (a list
-        that breaks it is counted and the last good one kept)."""
+        """Take the coordinator's member list if every name is one a join may take and every entry is {step,
+        tokenizer, source} of their types and formats (a list that breaks it is counted and the last good one
+        kept)."""
         if all(isinstance(v, dict) and set(v) == set(VIEW_FIELDS) and all(
                 isinstance(v[f], t) and not isinstance(v[f], bool) for f, t in VIEW_FIELDS.items())
-               for v in members.values()):
+               and _named_as_admitted(name, v["tokenizer"], v["source"]) for name, v in members.items()):
             with self._lock:
                 self._departed.update(name for name, seen in self._members.items()
                                       if name not in members or members[name]["step"] < seen["step"])
                 self._members = members
         else:
             self.malformed += 1
+
+
+def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "") -> bool:
+    """Whether a name (and a member list entry's tokenizer digest and source) is one the coordinator admits at a
+    join (coordinator.join_problem): a member's or a sampler's name, a sha256, a source of plain characters."""
+    return join_problem({"name": name, "tokenizer": tokenizer, "source": source, "dataset": "0" * 64}) is None

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 
 from ..config import SAFE_NAME, RunConfig, value_differences
+from ..errors import shown
 from .wire import MAC, MAX_HEADER, SAMPLER_INDEX, SAMPLER_MARK, WireError, pack, unpack
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
@@ -73,7 +74,7 @@ def first_difference(swarm: dict, member: dict) -> str | None:
     if not differences:
         return None
     field, ours, theirs = differences[0]
-    return f"{_cut(str(field))}: the swarm says {_cut(repr(ours))}, this member {_cut(repr(theirs))}"
+    return f"{_shown(str(field))}: the swarm says {_shown(repr(ours))}, this member {_shown(repr(theirs))}"
 
 
 def join_problem(header: dict) -> str | None:
@@ -81,15 +82,20 @@ def join_problem(header: dict) -> str | None:
     when nothing is. The caps keep every member list within one header (module docstring)."""
     name, owner, _, index = header["name"], *header["name"].rpartition(SAMPLER_MARK)
     if not (SAFE_NAME.fullmatch(name) or (SAFE_NAME.fullmatch(owner) and SAMPLER_INDEX.fullmatch(index))):
-        return (f"name: {_cut(repr(name))} is neither a member's name (1-{MAX_NAME} letters, digits and _ . + = @ -) "
+        return (f"name: {_shown(repr(name))} is neither a member's name (1-{MAX_NAME} letters, digits and _ . + = @ -) "
                 f"nor one of its samplers' (<member>{SAMPLER_MARK}<k>)")
     for field in ("tokenizer", "dataset"):
         if not DIGEST.fullmatch(header[field]):
-            return f"{field}: {_cut(repr(header[field]))} is not a sha256 hex digest (64 of 0-9a-f)"
+            return f"{field}: {_shown(repr(header[field]))} is not a sha256 hex digest (64 of 0-9a-f)"
     if not SOURCE.fullmatch(header["source"]):
-        return (f"source: {_cut(repr(header['source']))} is not a tokenizer source (at most {MAX_SOURCE} letters, "
+        return (f"source: {_shown(repr(header['source']))} is not a tokenizer source (at most {MAX_SOURCE} letters, "
                 "digits and : / _ . @ + = -)")
     return None
+
+
+def _shown(text: str) -> str:
+    """A stranger's text in a refusal, the log or the echo: escaped and cut to 100 characters (errors.shown)."""
+    return shown(text, 100)
 
 
 def _identity(value) -> bytes:
@@ -98,10 +104,6 @@ def _identity(value) -> bytes:
         return bytes.fromhex(value) if isinstance(value, str) else b""
     except ValueError:
         return b""
-
-
-def _cut(text: str, limit: int = 100) -> str:
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -200,7 +202,7 @@ class Coordinator:
             return []
         if entry is None or entry.identity != identity:
             self.refused += 1
-            return [(identity, pack("rejoin", {"reason": f"{_cut(repr(name))} is not a live member here"}))]
+            return [(identity, pack("rejoin", {"reason": f"{_shown(repr(name))} is not a live member here"}))]
         entry.last_seen = now
         if kind in ("beat", "parcel") and self._past_the_run(name, header["step"]):
             self.refused += 1
@@ -308,7 +310,7 @@ class Coordinator:
         noisy = event in ("refuse", "malformed")
         if noisy and not self._may_log(now):
             return
-        record = {"time": time.time(), "event": event, "member": _cut(name) if noisy and name else name, **fields}
+        record = {"time": time.time(), "event": event, "member": _shown(name) if noisy and name else name, **fields}
         if not noisy:
             record["live"] = sorted(self.live)  # what a restarted coordinator restores from (the newest one)
         if self._log is not None:
@@ -316,7 +318,8 @@ class Coordinator:
             self._log.flush()
         if self._echo is not None and event != "malformed":
             extra = " ".join(f"{k}={v}" for k, v in fields.items())
-            self._echo(f"{event}: {record['member']} {extra} | live: {', '.join(sorted(self.live)) or '-'}")
+            self._echo(shown(f"{event}: {record['member']} {extra} | live: {', '.join(sorted(self.live)) or '-'}",
+                             limit=None))
 
     def _may_log(self, now: float) -> bool:
         """Whether one more refusal or malformed message may be logged this minute (else it is counted)."""

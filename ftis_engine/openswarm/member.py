@@ -48,6 +48,7 @@ import time
 import torch
 
 from ..config import RunConfig
+from ..errors import shown
 from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
@@ -346,7 +347,8 @@ class OpenExchange:
             self._tried.add(name)
             if problem is not None:
                 self._unloadable.add((name, announced))
-                log.warning("%s: peer %s has another tokenizer and is not trained on: %s", self.name, name, problem)
+                log.warning("%s: peer %s has another tokenizer and is not trained on: %s", self.name, name,
+                            shown(problem))
 
     def _published(self) -> dict[str, int]:
         """Each live peer's newest published step: its parcels, or the coordinator's word (a step past the run
