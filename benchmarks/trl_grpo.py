@@ -196,7 +196,7 @@ def task_dataset(task, tokenizer):
 def export_model(spec: str, seed: int, dtype: torch.dtype, attn: str, directory: pathlib.Path):
     """Build the built-in model as ftis-engine builds member 0 (same seed, on the same device: a GPU's draws differ
     from the CPU's) and save it with its tokenizer where TRL and vLLM load from; returns the tokenizer."""
-    from ftis_engine.generation.vllm import save_for_engine
+    from ftis_engine.generation.engine_weights import save_for_engine
     from ftis_engine.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(spec)

@@ -18,7 +18,7 @@ needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="
 def test_save_for_engine_writes_a_model_that_loads_back_identical(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ftis_engine.generation.vllm import save_for_engine
+    from ftis_engine.generation.engine_weights import save_for_engine
     from ftis_engine.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-s")

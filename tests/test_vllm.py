@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ftis_engine.config import ConfigError, load_config
+from ftis_engine.generation import engine_weights
 from ftis_engine.generation import vllm as vllm_gen
 from ftis_engine.preflight import check_generator_placement
 
@@ -290,7 +291,7 @@ def test_a_weight_push_sends_the_float32_masters_to_the_engine_in_bf16():
     gen._push()
     state = m.model.state_dict()
     assert {p.dtype for p in m.model.parameters()} == {torch.float32}
-    assert {name for name, _ in received} == set(vllm_gen.checkpoint_names(m.model, state))
+    assert {name for name, _ in received} == set(engine_weights.checkpoint_names(m.model, state))
     assert all(t.dtype == torch.bfloat16 for _, t in received)
     assert all(torch.equal(t, state[name].bfloat16()) for name, t in received if name in state)
     # streamed: the loader gets an iterator, one tensor cast at a time, not a bf16 copy of the whole model
@@ -312,7 +313,7 @@ def test_a_sharded_full_members_weights_stream_into_the_engine_one_gathered_tens
         return tensor
 
     monkeypatch.setattr(vllm_gen, "is_sharded", lambda p: True)
-    monkeypatch.setattr(vllm_gen, "full", gather)
+    monkeypatch.setattr(engine_weights, "full", gather)
     received = []
 
     def load_weights(weights):
@@ -321,13 +322,14 @@ def test_a_sharded_full_members_weights_stream_into_the_engine_one_gathered_tens
             received.append((name, tensor))
 
     gen = _bare_generator()
-    gen.lora, gen._asleep, gen._stale, gen._gathered, gen.llm, gen.push_seconds = False, True, False, None, _Engine(load_weights), 0.0
+    gen.lora, gen._asleep, gen._stale, gen._gathered = False, True, False, None
+    gen.llm, gen.push_seconds = _Engine(load_weights), 0.0
     gen.sync(m.model)
     assert gen._stale and gen._gathered is None and events == []  # asleep: nothing gathered, nothing kept
     gen._push()
     state = m.model.state_dict()
     assert events == ["gather", "load"] * len(state)  # each tensor gathered as it is loaded, none ahead
-    assert {n for n, _ in received} == set(vllm_gen.checkpoint_names(m.model, state))
+    assert {n for n, _ in received} == set(engine_weights.checkpoint_names(m.model, state))
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, state[n].bfloat16()) for n, t in received if n in state)
 
 
@@ -340,7 +342,7 @@ def test_a_lora_members_engine_loads_its_base_under_the_base_models_own_names(tm
 
     m, _ = member(1)  # tiny-m with a LoRA adapter
     assert hasattr(m.model, "peft_config")
-    vllm_gen.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
+    engine_weights.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).state_dict()
     with m.model.disable_adapter():
         expected = {k.replace(".base_layer.", "."): v for k, v in m.model.get_base_model().state_dict().items()
@@ -359,7 +361,7 @@ def test_an_engine_of_a_member_led_by_rank_1_finds_its_weights(tmp_path, monkeyp
 
     m, _ = member(1, *overrides)
     as_rank_1_of_a_world(monkeypatch)
-    vllm_gen.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
+    engine_weights.save_for_engine(m.model, m.tokenizer, tmp_path / "base")
     monkeypatch.undo()
     loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).state_dict()
     base = m.model.get_base_model() if hasattr(m.model, "peft_config") else m.model
@@ -379,10 +381,10 @@ def test_the_engine_starts_from_the_trainers_weights_where_they_differ_from_the_
     import types
 
     saved = []
-    monkeypatch.setattr(vllm_gen, "save_for_engine", lambda model, tokenizer, directory: saved.append(directory)
+    monkeypatch.setattr(engine_weights, "save_for_engine", lambda model, tokenizer, directory: saved.append(directory)
                         or str(directory))
     settings = types.SimpleNamespace(model=spec, warm_start=object() if warm else None)
-    source = vllm_gen.engine_source(object(), object(), settings, tmp_path / "base")
+    source = engine_weights.engine_source(object(), object(), settings, tmp_path / "base")
     assert (saved == [tmp_path / "base"] and source == str(tmp_path / "base")) if written else \
         (saved == [] and source == spec)
 
@@ -763,7 +765,7 @@ def test_on_the_cpu_the_weights_go_in_through_reload_weights_in_the_engines_dtyp
     gen.sync(m.model)  # awake: pushed at once
     state = m.model.state_dict()
     assert gen.llm.calls == ["reload_weights", "reset_prefix_cache"] and not gen._stale
-    assert {n for n, _ in gen.llm.received} == set(vllm_gen.checkpoint_names(m.model, state))
+    assert {n for n, _ in gen.llm.received} == set(engine_weights.checkpoint_names(m.model, state))
     assert all(t.dtype == torch.float32 and torch.equal(t, state[n]) for n, t in gen.llm.received if n in state)
 
 
@@ -828,13 +830,13 @@ def test_the_cpus_kv_cache_is_sized_from_the_runs_need():
     30 layers, 3 KV heads of 64: 23,040 bytes a bf16 token), in 1/16 GiB, at least a quarter GiB; at most
     MOST_SEQUENCES run at once."""
     smol = types.SimpleNamespace(num_attention_heads=9, num_key_value_heads=3, hidden_size=576, num_hidden_layers=30)
-    assert vllm_gen.kv_cache_bytes(smol, torch.bfloat16, 2048, 64) == 45 * (1 << 26)  # 2.8125 GiB, 45/16
-    assert vllm_gen.kv_cache_bytes(smol, torch.bfloat16, 2049, 64) == 46 * (1 << 26)  # a little more: 46/16
-    assert vllm_gen.kv_cache_bytes(smol, torch.bfloat16, 100, 4) == 1 << 28  # 9 MB needed: the floor
-    assert vllm_gen.kv_cache_bytes(smol, torch.float32, 2048, 10_000) == vllm_gen.kv_cache_bytes(
-        smol, torch.float32, 2048, vllm_gen.MOST_SEQUENCES)
+    assert engine_weights.kv_cache_bytes(smol, torch.bfloat16, 2048, 64) == 45 * (1 << 26)  # 2.8125 GiB, 45/16
+    assert engine_weights.kv_cache_bytes(smol, torch.bfloat16, 2049, 64) == 46 * (1 << 26)  # a little more: 46/16
+    assert engine_weights.kv_cache_bytes(smol, torch.bfloat16, 100, 4) == 1 << 28  # 9 MB needed: the floor
+    assert engine_weights.kv_cache_bytes(smol, torch.float32, 2048, 10_000) == engine_weights.kv_cache_bytes(
+        smol, torch.float32, 2048, engine_weights.MOST_SEQUENCES)
     no_kv_heads = types.SimpleNamespace(num_attention_heads=4, hidden_size=256, num_hidden_layers=2, head_dim=None)
-    assert vllm_gen.kv_cache_bytes(no_kv_heads, torch.float32, 1 << 20, 1) == 2 * 2 * 4 * 64 * 4 * (1 << 20)
+    assert engine_weights.kv_cache_bytes(no_kv_heads, torch.float32, 1 << 20, 1) == 2 * 2 * 4 * 64 * 4 * (1 << 20)
 
 
 @pytest.mark.parametrize("lora_push", ["auto", "adapter", "merged"])
@@ -863,7 +865,8 @@ def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_p
     gen = vllm_gen.VLLMGenerator(m.model, m.tokenizer, torch.device("cpu"), config.members[1], config, seed=0)
     try:
         assert built["enable_sleep_mode"] is False and built["enforce_eager"] is True and built["dtype"] == "float32"
-        assert "gpu_memory_utilization" not in built and built["kv_cache_memory_bytes"] >= vllm_gen.LEAST_CPU_KV_CACHE
+        assert "gpu_memory_utilization" not in built
+        assert built["kv_cache_memory_bytes"] >= engine_weights.LEAST_CPU_KV_CACHE
         assert gen.merged == (lora_push != "adapter") and ("enable_lora" in built) == (lora_push == "adapter")
     finally:
         gen.close()

@@ -48,6 +48,7 @@ from ..errors import first_line
 from ..fsdp import full, is_sharded
 from ..saving import save_pretrained
 from . import Completion, EngineError, SamplingSettings, eos_token_ids, warn_if_biased
+from .engine_weights import GIB, checkpoint_names, engine_source, engine_weights, kv_cache_bytes, merged_state
 
 log = logging.getLogger("ftis_engine.vllm")
 
@@ -59,8 +60,6 @@ LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM >= 0.11 turns on inductor's combo kernels under torch >= 2.9; with torch 2.11 their benchmarking fails an
 # assertion (len(launchers) == 1) while compiling a Qwen2 (vLLM 0.24, H100): keep them off
 COMPILATION_CONFIG = {"inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}
-GIB = 1 << 30
-LEAST_CPU_KV_CACHE = GIB // 4
 # the engine's loader restores a layer that holds buffers but no checkpoint weights (the rotary embedding's cos/sin
 # cache) from its own copy and logs that it "failed to load" it; pushes are checked by own_ratio_mean instead
 _RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
@@ -139,45 +138,6 @@ def completions_from_vllm(request_output, eos_ids: set[int]) -> list[Completion]
     return completions
 
 
-def checkpoint_names(model, state: dict) -> dict:
-    """The state dict under the checkpoint's weight names, which vLLM's loaders expect: transformers >= 5 renames
-    some families' weights on load (e.g. fused MoE experts); older versions keep the checkpoint's names."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:
-        return state
-    return revert_weight_conversion(model, state)
-
-
-def save_for_engine(model, tokenizer, directory: pathlib.Path) -> str:
-    """Write a model's weights (in its dtype) and its tokenizer where an engine that loads from disk can read them
-    (vLLM; also TRL's GRPOTrainer, benchmarks/trl_grpo.py); returns the directory as a string. A LoRA member's
-    model (peft) is written as its base alone, under the base model's own names: peft's wrapped layers keep the
-    base weight as `<layer>.base_layer.weight`, which no engine's loader knows; the adapter goes to the engine
-    separately."""
-    if hasattr(model, "peft_config"):
-        base = model.get_base_model()
-        state = {name.replace(".base_layer.", "."): tensor for name, tensor in base.state_dict().items()
-                 if ".lora_" not in name}
-        save_pretrained(base, directory, state_dict=state)
-    else:
-        save_pretrained(model, directory)
-    tokenizer.save_pretrained(str(directory))
-    return str(directory)
-
-
-def engine_source(model, tokenizer, settings, directory: pathlib.Path) -> str:
-    """Where the engine loads the member's starting weights from: the packaged model's or hub's own files, unless
-    the trainer's weights differ from them (a built-in model's random init, or a warm start: the engine would
-    otherwise generate step 1's rollouts, and a LoRA member all of them, from weights the trainer does not hold),
-    then the trainer's weights written to `directory`."""
-    from ..models import source as model_source
-
-    if settings.model.startswith("builtin:") or settings.warm_start is not None:
-        return save_for_engine(model, tokenizer, directory)
-    return model_source(settings.model)  # a packaged model's folder, or the hub id / local path as given
-
-
 def request_seed(seed: int, request: int, n: int) -> int:
     """The seed of request `request` of a call seeded `seed` (vLLM seeds its j-th completion with it + j), in
     [0, 2^31 - n). A hash: two requests' n seeds meet only by chance (about 2n in 2^31 for any two). seed + i * n met
@@ -198,50 +158,6 @@ def _engine_takes(name: str) -> bool:
 
 def _lora_rank(r: int) -> int:
     return next(x for x in LORA_RANKS if x >= r)
-
-
-def _engine_weights(named: dict, dtype: torch.dtype):
-    """(name, tensor) pairs for the engine's loader, each gathered (a sharded tensor: a collective over its member's
-    ranks) and floating ones cast to the engine's dtype as it is taken. A value may be a function that makes the
-    tensor (a merged LoRA layer): it is called only when its turn comes."""
-    for name, tensor in named.items():
-        value = tensor() if callable(tensor) else full(tensor.detach())
-        yield name, (value.to(dtype) if value.is_floating_point() else value)
-
-
-def lora_layers(model) -> dict[str, torch.nn.Module]:
-    """A peft model's LoRA-adapted layers by the name of the base weight they adapt (`...q_proj.weight`, the
-    base model's own name)."""
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    return {f"{name}.weight": module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-
-
-def merged_weight(layer) -> torch.Tensor:
-    """An adapted layer's weight as one matrix: base + B A x scale (peft's LoRA delta for a Linear, fan_in_fan_out
-    honoured), in float32, from gathered tensors; the trainer's model is only read."""
-    (adapter,) = layer.active_adapters
-    base = full(layer.get_base_layer().weight.detach()).float()
-    delta = full(layer.lora_B[adapter].weight.detach()).float() @ full(layer.lora_A[adapter].weight.detach()).float()
-    delta = delta * layer.scaling[adapter]
-    if getattr(layer, "fan_in_fan_out", False):
-        delta = delta.T
-    return base + delta
-
-
-def merged_state(model) -> dict:
-    """What a LoRA member's engine holds when it runs without LoRA: every base weight under the base model's names,
-    each adapted one as a function that merges it when the loader takes it (one merged matrix alive at a time)."""
-    adapted = lora_layers(model)
-    state = {}
-    for name, tensor in model.get_base_model().state_dict().items():
-        if ".lora_" in name:
-            continue
-        name = name.replace(".base_layer.", ".")
-        layer = adapted.get(name)
-        state[name] = (lambda layer=layer: merged_weight(layer)) if layer is not None else tensor
-    return state
 
 
 class _RestoredBuffers(logging.Filter):
@@ -271,18 +187,6 @@ def _seeded_rng(device: torch.device, seed: int):
 
 
 ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-MOST_SEQUENCES = 256  # vLLM's default max_num_seqs: what an engine runs at once however many a call holds
-
-
-def kv_cache_bytes(model_config, dtype: torch.dtype, max_len: int, sequences: int) -> int:
-    """What an engine's KV cache needs to hold `sequences` sequences (at most MOST_SEQUENCES at once) of `max_len`
-    tokens: keys and values of every layer's KV heads, in the engine's dtype; at least LEAST_CPU_KV_CACHE."""
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-    need = per_token * max_len * min(sequences, MOST_SEQUENCES)
-    return max(LEAST_CPU_KV_CACHE, -(-need // (GIB // 16)) * (GIB // 16))  # in 1/16 GiB
 
 
 class VLLMGenerator:
@@ -441,7 +345,7 @@ class VLLMGenerator:
                 # second copy of the whole model, on the GPU or the host
                 named = (merged_state(self._model) if self.merged
                          else checkpoint_names(self._model, self._model.state_dict()))
-                weights = _engine_weights(named, self.dtype)
+                weights = engine_weights(named, self.dtype)
                 if self.on_cpu:  # the CPU's linear layers hold repacked copies: the worker's reload redoes them
                     self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
                 else:
