@@ -93,7 +93,7 @@ def train(
         return
     run_dir = run_directory(cfg)
     if join is not None:
-        _train_joined(cfg, run_dir, join, resume, nproc)
+        _train_joined(cfg, run_dir, join, resume, nproc, max_restarts)
         return
     if nproc > 1 or under_torchrun():
         from .launch import launch_distributed
@@ -120,19 +120,25 @@ def train(
     typer.echo(f"run directory: {run_dir}", err=True)
 
 
-def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int) -> None:
+def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int,
+                  max_restarts: int | None) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from .openswarm.client import JoinRefused
     from .layout import world_size
     from .openswarm.member import JoinError, check_joinable
+    from .openswarm.wire import address_problem
     from .progress import Progress
     from .run import train as run_training
     from .rundir import RunLock
     from .session import open_run
     from .wiring import connect_local
 
-    if not address.startswith(("tcp://", "ipc://")):
-        raise UsageFailure(f"--join: {address!r} is not an address like tcp://HOST:PORT")
+    problem = address_problem(address, bind=False) or host_problem(address)
+    if problem:
+        raise UsageFailure(f"--join: {address!r} {problem}")
+    if max_restarts is not None:  # the config's swarm.max_restarts is refused alike (check_joinable)
+        raise UsageFailure("--max-restarts: a member of an open swarm comes back with --resume --join, not by an "
+                           "elastic restart (its name is held until its lease runs out); drop --max-restarts")
     try:
         check_joinable(cfg, nproc)
     except JoinError as exc:
@@ -157,12 +163,33 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
                 run_training(swarm, start_step)
             except JoinRefused as exc:
                 raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
-            except TimeoutError as exc:
+            except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
                 raise UsageFailure(f"--join: {exc}") from None
     except KeyboardInterrupt:
         exchange.finish()
         raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
+
+
+def host_problem(address: str) -> str | None:
+    """Why a tcp address's host name resolves to no address here (ZeroMQ would dial it, unresolved, until
+    swarm.timeout_s), as the rest of a sentence; None when it resolves or is an address itself."""
+    import ipaddress
+    import socket
+
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if not address.startswith("tcp://") or host == "*":
+        return None
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"names a host that does not resolve here ({getattr(exc, 'strerror', None) or exc})"
+    return None
 
 
 def interrupted_hint(run_dir: pathlib.Path) -> str:
@@ -346,28 +373,40 @@ def swarm_serve(
 ) -> None:
     """Run the open swarm's coordinator in the foreground (Ctrl-C ends it): it checks each joining member's shared
     settings and dataset, keeps the live set by leases and relays every member's parcels to the others."""
-    from .openswarm.coordinator import Coordinator, load_swarm_config, max_parcel_bytes, shared_settings
+    from .openswarm.coordinator import Coordinator, SwarmLogError, load_swarm_config, max_parcel_bytes, shared_settings
+    from .openswarm.wire import address_problem
+    from .rundir import RunLock
 
     cfg = load_swarm_config(config, set_)
-    if not bind.startswith(("tcp://", "ipc://")):
-        raise UsageFailure(f"--bind: {bind!r} is not an address like tcp://HOST:PORT")
-    output_dir.mkdir(parents=True, exist_ok=True)
-    coordinator = Coordinator(shared_settings(cfg), cfg.swarm.lease_s, max_parcel_bytes(cfg),
-                              log_path=output_dir / "coordinator.jsonl", echo=lambda line: typer.echo(line, err=True))
-    stop = threading.Event()
-    bound: list[str] = []
-    import zmq
+    problem = address_problem(bind, bind=True) or host_problem(bind)
+    if problem:
+        raise UsageFailure(f"--bind: {bind!r} {problem}")
+    log = output_dir / "coordinator.jsonl"
+    # one coordinator at a time in a directory, as one run in a run directory; one that fails before it is bound
+    # (another swarm's log there, an address it cannot bind) leaves nothing behind
+    with RunLock(output_dir, kind="coordinator"):
+        if log.exists() and not log.is_file():
+            raise UsageFailure(f"--output-dir {output_dir}: its coordinator.jsonl is not a file (a coordinator's log "
+                               "is); move it away")
+        try:
+            coordinator = Coordinator(shared_settings(cfg), cfg.swarm.lease_s, max_parcel_bytes(cfg), log_path=log,
+                                      echo=lambda line: typer.echo(line, err=True))
+        except SwarmLogError as exc:
+            raise UsageFailure(f"--output-dir {output_dir}: {exc}") from None
+        stop = threading.Event()
+        bound: list[str] = []
+        import zmq
 
-    try:
-        coordinator.serve(bind, stop, bound)
-    except zmq.ZMQError as exc:
-        if bound:
-            raise
-        raise UsageFailure(f"--bind {bind}: {exc}") from None
-    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a coordinator ends: the summary line follows
-        pass
+        try:
+            coordinator.serve(bind, stop, bound)
+        except zmq.ZMQError as exc:
+            if bound:
+                raise
+            raise UsageFailure(f"--bind {bind}: {exc}") from None
+        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a coordinator ends: the summary line follows
+            pass
     typer.echo(f"coordinator stopped: {coordinator.relayed} parcels relayed, {coordinator.undeliverable} "
-               f"undeliverable, {coordinator.refused} refused; log: {output_dir / 'coordinator.jsonl'}", err=True)
+               f"undeliverable, {coordinator.refused} refused; log: {log}", err=True)
 
 
 # typer raises click's UsageError (its own vendored click in recent versions): reach it through a public class.

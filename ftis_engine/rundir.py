@@ -154,10 +154,12 @@ class RunLock:
     """Holds a directory for one run (train, or an --nproc launcher for its ranks) or one study: `<dir>/.lock`,
     locked with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A
     second one into the same directory stops with one line naming the holder. A directory this lock created and
-    that was left empty is removed again, so a run that fails before its first step leaves nothing behind."""
+    that was left with nothing of a run (no record: at most its config.yaml and an empty metrics.jsonl) is removed
+    again, so a run that fails before its first record leaves nothing behind."""
 
     # kind -> (the field a message names, what to choose instead)
-    KINDS = {"run": ("run_name", "another run_name/--output-dir"), "study": ("--output-dir", "another --output-dir")}
+    KINDS = {"run": ("run_name", "another run_name/--output-dir"), "study": ("--output-dir", "another --output-dir"),
+             "coordinator": ("--output-dir", "another --output-dir")}
 
     def __init__(self, run_dir: pathlib.Path, kind: str = "run"):
         self.run_dir = run_dir
@@ -170,11 +172,15 @@ class RunLock:
         field, instead = self.KINDS[self.kind]
         self._top = next((d for d in reversed([self.run_dir, *self.run_dir.parents]) if not d.exists()), None)
         self._created = self._top is not None
+        where = "output_dir" if self.kind == "run" else field
+        taken = next((d for d in [self.run_dir, *self.run_dir.parents] if d.exists()), None)
+        if taken is not None and not taken.is_dir():
+            raise RunDirError(f"{where}: {taken} is not a directory" + (f", so {self.run_dir} cannot be made"
+                                                                         if taken != self.run_dir else ""))
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            where = "output_dir" if self.kind == "run" else field
             raise RunDirError(f"{where}: cannot write to {self.run_dir} ({exc.strerror or type(exc).__name__})"
                               ) from None
         try:
@@ -199,8 +205,10 @@ class RunLock:
         if self._fd is None:
             return
         leftover = sorted(p.name for p in self.run_dir.iterdir())
-        empty = [[".lock"], [".lock", "metrics.jsonl"]] if self.kind == "run" else [[".lock"]]
-        if self._created and leftover in empty and not has_logged(self.run_dir):
+        # a run that stopped before its first record (a refused join, a failure at start) wrote at most its resolved
+        # config and an empty log: nothing a person needs, and a rerun writes them again
+        empty = {".lock", "config.yaml", "metrics.jsonl"} if self.kind == "run" else {".lock"}
+        if self._created and set(leftover) <= empty and not has_logged(self.run_dir):
             for name in leftover:
                 (self.run_dir / name).unlink()
             for directory in [self.run_dir, *self.run_dir.parents]:  # up to the first one this lock created

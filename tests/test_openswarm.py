@@ -98,7 +98,7 @@ def test_joins_are_checked_and_every_member_hears_of_every_change(tmp_path):
         assert reply[1][1] == b"refuse" and json.loads(reply[1][2])["reason"].startswith(said)
     assert sorted(coordinator.live) == ["a", "b"]
     events = [json.loads(line)["event"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
-    assert events == ["join", "join", "refuse", "refuse", "refuse"]
+    assert events == ["start", "join", "join", "refuse", "refuse", "refuse"]
 
 
 def test_a_parcel_goes_to_every_other_live_member_and_a_stranger_is_told_to_rejoin():
@@ -306,6 +306,91 @@ def test_swarm_serve_refuses_a_config_with_members_or_a_bad_address_in_one_line(
         assert done.returncode == 2 and done.stderr.startswith(said) and "Traceback" not in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("bind, said", [
+    ("tcp://127.0.0.1:abc", "has 'abc' for its port"),
+    ("tcp://127.0.0.1", "has no port"),
+    ("tcp://", "has no port"),
+    ("tcp://:5555", "has no host"),
+    ("tcp://127.0.0.1:99999", "has '99999' for its port"),  # ZeroMQ bound a random port
+    ("tcp://127.0.0.1:-1", "has '-1' for its port"),  # ZeroMQ bound 65535
+    ("tcp://127.0.0.1:5555x", "has '5555x' for its port"),  # ZeroMQ bound 5555
+    ("tcp://[::1]", "has no port"),
+    ("tcp://[no:such:v6]:5555", "which is no IPv6 address"),
+    ("tcp://nosuchhost.invalid:5555", "names a host that does not resolve here"),
+    ("tcp://192.0.2.1:5555", "Cannot assign requested address"),  # TEST-NET-1: an address of no interface here
+    ("ipc:///no/such/directory/swarm.sock", "No such file or directory"),
+    ("ipc://", "has no path"),
+])
+def test_swarm_serve_refuses_an_address_it_cannot_bind_in_one_line_and_writes_nothing(tmp_path, capsys, bind, said):
+    from .helpers import ROOT, command_here
+
+    done = command_here(capsys, "swarm", "serve", "--config", ROOT / "configs/swarm/swarm.yaml", "--bind", bind,
+                        "--output-dir", tmp_path / "swarm")
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith("error: --bind") and said in line, done.stderr
+    assert not (tmp_path / "swarm").exists()
+
+
+def test_swarm_serve_into_a_file_or_onto_a_log_that_is_a_directory_is_one_line(tmp_path, capsys):
+    from .helpers import ROOT, command_here
+
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "swarm" / "coordinator.jsonl").mkdir(parents=True)
+    for out, said in [(tmp_path / "afile", f"error: --output-dir: {tmp_path / 'afile'} is not a directory"),
+                      (tmp_path / "swarm", f"error: --output-dir {tmp_path / 'swarm'}: its coordinator.jsonl is not a "
+                                           "file")]:
+        done = command_here(capsys, "swarm", "serve", "--config", ROOT / "configs/swarm/swarm.yaml", "--bind",
+                            "tcp://127.0.0.1:0", "--output-dir", out)
+        (line,) = done.stderr.splitlines()
+        assert done.returncode == 2 and line.startswith(said), done.stderr
+    assert (tmp_path / "afile").read_text() == "mine" and sorted(p.name for p in (tmp_path / "swarm").iterdir()) == [
+        ".lock", "coordinator.jsonl"]
+
+
+def test_a_second_coordinator_in_one_output_dir_is_refused_in_one_line(tmp_path, capsys):
+    """Two coordinators appended to one coordinator.jsonl, and a restarted one restored the other swarm's member:
+    swarm serve locks its --output-dir as a run locks its directory."""
+    from ftis_engine.rundir import RunLock
+
+    from .helpers import ROOT, command_here
+
+    with RunLock(tmp_path, kind="coordinator"):  # as a running `swarm serve` holds it
+        done = command_here(capsys, "swarm", "serve", "--config", ROOT / "configs/swarm/swarm.yaml", "--bind",
+                            "tcp://127.0.0.1:0", "--set", "seed=5", "--output-dir", tmp_path)
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith(f"error: --output-dir: {tmp_path} is in use by another "
+                                                    "coordinator (pid "), line
+    assert not (tmp_path / "coordinator.jsonl").exists()
+
+
+def test_a_coordinator_restarted_with_other_shared_settings_is_refused_at_start_naming_them(tmp_path, capsys):
+    """A swarm stopped, then `swarm serve` on its --output-dir with another data.task: it restored the old
+    training set's hash and refused every correct member. Refused at start, naming the fields; the log untouched."""
+    from ftis_engine.openswarm.coordinator import SwarmLogError, load_swarm_config
+
+    from .helpers import ROOT, command_here
+
+    swarm_yaml = ROOT / "configs/swarm/swarm.yaml"
+    log = tmp_path / "coordinator.jsonl"
+    old = Coordinator(shared_settings(load_swarm_config(swarm_yaml)), lease_s=10, max_body=100, log_path=log)
+    old.handle(b"A", join("a", shared=old.shared), now=0)
+    del old
+    written = log.read_bytes()
+    done = command_here(capsys, "swarm", "serve", "--config", swarm_yaml, "--bind", "tcp://127.0.0.1:0", "--set",
+                        "data.task=tiny-add", "--set", "seed=5", "--output-dir", tmp_path)
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line == (
+        f"error: --output-dir {tmp_path}: {log} is the log of a swarm with other shared settings: seed (0 there, 5 "
+        "here), data.task ('tiny-last' there, 'tiny-add' here); restart it with that swarm's settings, or give this "
+        "swarm a fresh --output-dir"), line
+    assert log.read_bytes() == written
+    with pytest.raises(SwarmLogError, match="recorded no shared settings"):  # a log of before the start records
+        (tmp_path / "legacy.jsonl").write_text(written.decode().split("\n", 1)[1])
+        Coordinator(SHARED, lease_s=10, max_body=100, log_path=tmp_path / "legacy.jsonl")
+    restarted = Coordinator(shared_settings(load_swarm_config(swarm_yaml)), lease_s=10, max_body=100, log_path=log)
+    assert sorted(restarted.live) == ["a"]  # its own settings: restored
+
+
 @pytest.mark.slow
 def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_path):
     from ftis_engine.config import load_config
@@ -335,7 +420,7 @@ def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_p
         out, err = serve.communicate(timeout=30)
         assert serve.returncode == 0 and err.startswith("coordinator stopped: 0 parcels relayed"), err
         events = [json.loads(line)["event"] for line in (tmp_path / "coordinator.jsonl").read_text().splitlines()]
-        assert events == ["join", "leave"]
+        assert events == ["start", "join", "leave"]
     finally:
         serve.kill()
 
@@ -506,6 +591,38 @@ def test_a_member_config_that_cannot_join_is_refused_in_one_line(tmp_path, capsy
                                                            "exactly one member"), done.stderr
 
 
+@pytest.mark.parametrize("address, extra, said", [
+    ("tcp://127.0.0.1:abc", [], "error: --join: 'tcp://127.0.0.1:abc' has 'abc' for its port"),
+    ("ipc://", [], "error: --join: 'ipc://' has no path"),
+    ("tcp://127.0.0.1:0", [], "error: --join: 'tcp://127.0.0.1:0' has '0' for its port"),
+    ("tcp://*:5555", [], "error: --join: 'tcp://*:5555' has '*' for its host"),
+    ("tcp://nosuchhost.invalid:5555", [], "error: --join: 'tcp://nosuchhost.invalid:5555' names a host that does "
+                                          "not resolve here"),
+    ("tcp://127.0.0.1:5555", ["--max-restarts", "3"], "error: --max-restarts: a member of an open swarm comes back "
+                                                      "with --resume --join"),
+])
+def test_a_join_address_or_option_that_cannot_be_is_one_line_and_leaves_nothing(tmp_path, capsys, address, extra,
+                                                                                 said):
+    from .helpers import ROOT, command_here
+
+    done = command_here(capsys, "train", "--config", ROOT / "configs/swarm/tiny-s.yaml", "--join", address, *extra,
+                        "--output-dir", tmp_path / "runs")
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith(said), done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_join_nobody_answers_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
+    from .helpers import ROOT, command_here
+
+    done = command_here(capsys, "train", "--config", ROOT / "configs/swarm/tiny-s.yaml", "--join",
+                        f"tcp://127.0.0.1:{free_port()}", "--set", "swarm.timeout_s=1", "--output-dir",
+                        tmp_path / "runs")
+    assert done.returncode == 2 and done.stderr.splitlines()[-1].startswith(
+        "error: --join: no answer from the coordinator at tcp://127.0.0.1:"), done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow
 def test_a_member_whose_shared_settings_differ_is_refused_at_join_in_one_line(tmp_path):
     running = Running()
@@ -633,7 +750,7 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     new.handle(b"A", pack("beat", {"name": "a", "step": 4}), now=104)
     assert kinds(new.expire(now=106)) == [(b"A", "members")] and sorted(new.live) == ["a"]  # b's lease ran out
     events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
-    assert events[4:] == ["restored", "refuse", "rejoin", "expired"]
+    assert events == ["start", "join", "join", "join", "leave", "start", "restored", "refuse", "rejoin", "expired"]
     fresh = Coordinator(SHARED, lease_s=5, max_body=100, log_path=tmp_path / "none.jsonl")
     assert fresh.live == {}
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from ..errors import shown
 from .coordinator import join_problem
-from .wire import MAX_HEADER, WireError, pack, parcel_mac, unpack
+from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -73,7 +73,8 @@ class SwarmClient:
     # ------------------------------------------------------------------------------------------- the member's side
 
     def start(self, timeout: float) -> None:
-        """Connect and join; raises JoinRefused with the coordinator's reason, or TimeoutError."""
+        """Connect and join; raises JoinRefused with the coordinator's reason, TimeoutError, or ConnectionError
+        when ZeroMQ cannot dial the address."""
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._joined.is_set() and self.refused is None and self.error is None:
@@ -81,6 +82,10 @@ class SwarmClient:
                 self.close()
                 raise TimeoutError(f"no answer from the coordinator at {self.address} within {timeout:g} s")
             self._joined.wait(0.05)
+        import zmq
+
+        if isinstance(self.error, zmq.ZMQError) and not self._joined.is_set():  # the address cannot be dialled
+            raise ConnectionError(f"cannot dial the coordinator at {self.address} ({self.error})")
         self.check()
 
     def check(self) -> None:
@@ -146,6 +151,7 @@ class SwarmClient:
         # a frame over the largest honest one is never read (libzmq closes the connection; it is dialled again)
         socket.setsockopt(zmq.MAXMSGSIZE, self._max_body + MAX_HEADER)
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        socket.setsockopt(zmq.IPV6, ipv6(self.address))
         try:
             socket.connect(self.address)
             self._send(socket, self._join())

@@ -9,7 +9,10 @@ expires. Every change, and every second (or lease / 4), goes to every live membe
 newest step heard: the lead bound's view). A member whose message the coordinator cannot place (unknown, e.g.
 after the coordinator restarted) is told to rejoin. A coordinator restarted on the log of the one before it
 (the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
-first to rejoin still waits for the others (the lead bound) instead of running ahead alone; a place is held for the
+first to rejoin still waits for the others (the lead bound) instead of running ahead alone. Each coordinator's part of
+its log begins with a `start` record of the swarm's shared settings: one whose settings differ from the newest there
+is refused at start (SwarmLogError, naming the fields), never left to refuse every correct member with what it
+restored; `swarm serve` locks its --output-dir as a run locks its directory (rundir.RunLock). A place is held for the
 connection that had it (its identity is in its join's log line, a secret between it and the coordinator), so no
 stranger takes a member's name in that window and has the member refused when it comes back. A member's step (in a
 join, a beat or a parcel) past train.steps is refused: taken, it would turn off its peers' lead bound for it.
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 
 from ..config import SAFE_NAME, RunConfig, value_differences
 from ..errors import shown
-from .wire import MAC, MAX_HEADER, SAMPLER_INDEX, SAMPLER_MARK, WireError, pack, unpack
+from .wire import MAC, MAX_HEADER, SAMPLER_INDEX, SAMPLER_MARK, WireError, ipv6, pack, unpack
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
 # optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
@@ -121,6 +124,10 @@ class Live:
 Outgoing = list[tuple[bytes, list[bytes]]]  # (routing identity, frames)
 
 
+class SwarmLogError(ValueError):
+    """A coordinator's log that is not this swarm's to restart on (its output directory holds another swarm's)."""
+
+
 class Coordinator:
     def __init__(self, shared: dict, lease_s: float, max_body: int, log_path: pathlib.Path | None = None,
                  echo=None, now: float | None = None):
@@ -135,22 +142,54 @@ class Coordinator:
         self.suppressed = 0  # refusals and malformed messages not logged (over MAX_NOISY a minute)
         self._noisy: tuple[float, int] = (float("-inf"), 0)  # (start of the current minute, noisy records in it)
         self._echo = echo
-        restored, self.dataset = self._restore(log_path) if log_path is not None else ({}, None)
-        self._log = open(log_path, "a", encoding="utf-8") if log_path is not None else None
+        self._log_path, self._log = log_path, None  # opened by the first record, or by serve once it is bound
+        restored, self.dataset, recorded, logged = self._restore(log_path) if log_path is not None else \
+            ({}, None, None, False)
+        if logged and recorded is None:
+            raise SwarmLogError(f"{log_path} holds the log of a coordinator that recorded no shared settings (an "
+                                "earlier version), so nothing says it was this swarm's; give this swarm a fresh "
+                                "--output-dir")
+        changes = value_differences(recorded, shared) if recorded is not None else []
+        if changes:
+            said = ", ".join(f"{_shown(str(k))} ({_shown(repr(a))} there, {_shown(repr(b))} here)"
+                             for k, a, b in changes[:3])
+            said += f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+            raise SwarmLogError(f"{log_path} is the log of a swarm with other shared settings: {said}; restart it "
+                                "with that swarm's settings, or give this swarm a fresh --output-dir")
+        self._restored = sorted(restored)
         if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
             now = time.monotonic() if now is None else now
             for name, (tokenizer, step, source, claim) in restored.items():
                 self.live[name] = Live(b"", tokenizer, step, now, now, source, claim)
-            self._record(now, "restored", None, members=sorted(restored), dataset=self.dataset)
+
+    def open_log(self, now: float) -> None:
+        """Start this coordinator's part of the log: a `start` record with the swarm's shared settings and lease
+        (what a restart on this log must have: _restore), then, restarted, the members whose places it holds.
+        Called by serve once its socket is bound (a coordinator that cannot bind writes nothing), else by the first
+        record."""
+        if self._log is not None or self._log_path is None:
+            return
+        self._log = open(self._log_path, "a", encoding="utf-8")
+        self._log.write(json.dumps({"time": time.time(), "event": "start", "member": None, "shared": self.shared,
+                                    "lease_s": self.lease_s}) + "\n")
+        self._log.flush()
+        if self._restored:
+            self._record(now, "restored", None, members=self._restored, dataset=self.dataset)
 
     @staticmethod
-    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes]], str | None]:
+    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes]], str | None, dict | None,
+                                                  bool]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source, the connection identity it joined from)), and the swarm's training-set
-        hash (the first logged: every later join had to match it); ({}, None) for a new log. A member that is gone
-        holds its place for one lease at most. Read a line at a time: the log grows with the run."""
+        newest step logged, tokenizer source, the connection identity it joined from)), the swarm's training-set
+        hash (the first logged: every later join had to match it), the shared settings its newest `start` record
+        holds and whether the log holds any record; ({}, None, None, False) for a new log. A member that is gone
+        holds its place for one lease at most. Read a line at a time: the log grows with the run. Every coordinator
+        that wrote to a log had its settings (each was refused at start otherwise) and held its directory's lock
+        (swarm serve's RunLock), so all of it is one swarm's."""
         if not log_path.is_file():
-            return {}, None
+            return {}, None, None, False
+        recorded: dict | None = None
+        logged = False
         tokenizers: dict[str, str] = {}
         sources: dict[str, str] = {}
         identities: dict[str, bytes] = {}
@@ -165,6 +204,9 @@ class Coordinator:
                     continue
                 if not isinstance(record, dict):
                     continue
+                logged = True
+                if record.get("event") == "start" and isinstance(record.get("shared"), dict):
+                    recorded = record["shared"]
                 name = record.get("member")
                 if isinstance(record.get("tokenizer"), str) and isinstance(name, str):
                     tokenizers[name] = record["tokenizer"]
@@ -181,7 +223,7 @@ class Coordinator:
                    if isinstance(name, str) and name in tokenizers and join_problem(
                        {"name": name, "tokenizer": tokenizers[name], "source": sources[name], "dataset": "0" * 64})
                    is None}
-        return dict(list(members.items())[:MAX_LIVE]), dataset
+        return dict(list(members.items())[:MAX_LIVE]), dataset, recorded, logged
 
     # ---------------------------------------------------------------------------------------------- decisions
 
@@ -313,6 +355,7 @@ class Coordinator:
         record = {"time": time.time(), "event": event, "member": _shown(name) if noisy and name else name, **fields}
         if not noisy:
             record["live"] = sorted(self.live)  # what a restarted coordinator restores from (the newest one)
+        self.open_log(now)
         if self._log is not None:
             self._log.write(json.dumps(record) + "\n")
             self._log.flush()
@@ -335,6 +378,7 @@ class Coordinator:
         return False
 
     def _log_suppressed(self) -> None:
+        self.open_log(time.monotonic())
         if self._log is not None:
             self._log.write(json.dumps({"time": time.time(), "event": "suppressed", "member": None,
                                         "count": self.suppressed}) + "\n")
@@ -359,6 +403,7 @@ class Coordinator:
         socket.setsockopt(zmq.MAXMSGSIZE, self.max_body + MAX_HEADER)
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.IPV6, ipv6(address))  # an [IPv6] host; set for others, it would rename their endpoint
         try:
             deadline = time.monotonic() + 5.0
             while True:  # a coordinator restarted at once may find its old socket's port not yet released
@@ -370,10 +415,11 @@ class Coordinator:
                         raise
                     time.sleep(0.1)
             endpoint = socket.getsockopt_string(zmq.LAST_ENDPOINT)
-            if bound is not None:
-                bound.append(endpoint)
             if self._echo is not None:
                 self._echo(f"coordinator listening on {endpoint} (lease {self.lease_s:g} s)")
+            self.open_log(time.monotonic())
+            if bound is not None:
+                bound.append(endpoint)
             poller = zmq.Poller()
             poller.register(socket, zmq.POLLIN)
             next_expiry = next_view = time.monotonic()

@@ -114,3 +114,51 @@ def mac_matches(key: bytes, name: str, step: int, version: int, body: bytes, mac
     """Whether `mac` (as received: any string) is this parcel's signature under `key`; compared in constant time."""
     return bool(MAC.fullmatch(mac)) and hmac.compare_digest(parcel_mac(key, name, step, version, body).encode(),
                                                            mac.encode())
+
+
+HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")  # a host name, an IPv4 address or an interface
+IPC_PATH_BYTES = 107  # what a Unix socket's path holds (sun_path, 108 bytes with its NUL)
+
+
+def address_problem(address: str, bind: bool) -> str | None:
+    """Why `address` is not one the coordinator binds (bind: `swarm serve --bind`) or a member dials (`train
+    --join`), as the rest of a sentence that starts with the address; None when it is one. tcp://HOST:PORT with a
+    host name, an IPv4 address or an [IPv6] one and a port of 1-65535 (binding: also 0 or *, a free port, and the
+    host * for every interface); ipc://PATH with a path a Unix socket holds. ZeroMQ itself takes ports past 65535,
+    negative ones or with letters after them (it bound :99999 to a random port, :5555x to 5555)."""
+    if address.startswith("ipc://"):
+        path = address[len("ipc://"):]
+        if not path:
+            return "has no path (ipc:///tmp/swarm.sock)"
+        if len(path.encode(errors="replace")) > IPC_PATH_BYTES:
+            return f"has a path of more than the {IPC_PATH_BYTES} bytes a Unix socket's path holds"
+        return None
+    if not address.startswith("tcp://"):
+        return "is not an address like tcp://HOST:PORT (or ipc://PATH)"
+    rest = address[len("tcp://"):]
+    host, colon, port = rest.rpartition(":")
+    if not colon or (rest.startswith("[") and rest.endswith("]")):
+        return "has no port: tcp://HOST:PORT"
+    if not host:
+        return "has no host: tcp://HOST:PORT"
+    if host.startswith("[") and host.endswith("]"):
+        import ipaddress
+
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"has {host[:60]!r} in brackets, which is no IPv6 address"
+    elif not (HOST.fullmatch(host) or (bind and host == "*")):
+        return (f"has {host[:60]!r} for its host: a name, an IPv4 address or an [IPv6] one"
+                + (" (or * for every interface)" if bind else ""))
+    if bind and port in ("*", "0"):
+        return None
+    if not re.fullmatch(r"[1-9][0-9]{0,4}", port) or int(port) > 65535:
+        return (f"has {port[:20]!r} for its port: a number of 1-65535"
+                + (" (or 0 or * for a free one)" if bind else ""))
+    return None
+
+
+def ipv6(address: str) -> bool:
+    """Whether a tcp address names an [IPv6] host (its socket needs ZMQ_IPV6)."""
+    return address.startswith("tcp://[")
