@@ -507,6 +507,11 @@ class LatencySettings(_Section):
         return self.max == 0
 
 
+# The shortest open-swarm lease: a member beats every lease / 4 from its I/O thread (polling every 20 ms) and the
+# coordinator checks leases every lease / 4; a 1e-9 s lease gave 879 join/expire pairs in a 6-step run.
+MIN_LEASE_S = 1.0
+
+
 class SwarmSettings(_Section):
     mode: Literal["sync", "async"] = Field(
         "sync", description="sync: every member waits for every member each step (the F-TIS paper); async: nobody "
@@ -544,9 +549,10 @@ class SwarmSettings(_Section):
                     "member's eval.",
     )
     lease_s: float = Field(
-        10.0, gt=0.0, le=86400.0, allow_inf_nan=False,
+        10.0, le=86400.0, allow_inf_nan=False,
         description="Open swarm (ftis-engine swarm serve): a member not heard from (heartbeats every second or "
-                    "lease / 4, parcels) for this long is dropped from the live set; the coordinator's setting.")
+                    "lease / 4, parcels) for this long is dropped from the live set; the coordinator's setting. At "
+                    f"least {MIN_LEASE_S:g} s.")
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="The default group's backend. auto: nccl when members are on GPUs, else gloo; gloo when "
                             "any member sets members.N.device (ranks may share a GPU, which NCCL refuses). A member "
@@ -557,6 +563,16 @@ class SwarmSettings(_Section):
                             "member's own group, NCCL GPU to GPU (gloo on CPU or when members set a device). auto: "
                             "broadcast when the ranks are on distinct GPUs (NCCL), else links.")
     max_restarts: int = Field(0, ge=0, description="--nproc: elastic restarts of all ranks after a failure.")
+
+    @field_validator("lease_s")
+    @classmethod
+    def _a_lease_beats_can_keep(cls, value: float) -> float:
+        if not value >= MIN_LEASE_S:
+            raise ValueError(f"{value:g} s is shorter than a member's beats can keep: they go out every lease / 4 "
+                             "from a thread that shares its process with training, so a lease below "
+                             f"{MIN_LEASE_S:g} s drops members that are alive (they rejoin without end and never "
+                             f"see each other); at least {MIN_LEASE_S:g}")
+        return value
 
 
 class CheckpointSettings(_Section):
