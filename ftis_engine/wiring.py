@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .exchange import Exchange
 from .layout import Role, endpoint_ranks, member_ranks, process_roles, weights_group_ranks
 
@@ -54,19 +55,108 @@ def connect_local(config: RunConfig, evaluating: bool = False, join: str | None 
 
 
 def round_store(rank: int, world: int, timeout: datetime.timedelta):
-    """The rendezvous store under a prefix unique to this launch and restart round. torch's env:// default keys
-    every round alike, and the agent's store outlives a restart, so after an elastic restart a rank could read the
-    address a dead rank published in the previous round and fail to connect (tests/test_placement's kill -9 runs
-    do, without the count). Known limit: each node's agent counts its own restarts (a node restarted because
-    another node's worker failed still counts 0), so under torchrun across nodes a restart meets under different
-    prefixes and times out; restart every node's job instead (docs/distributed.md)."""
+    """The rendezvous store under a prefix unique to this launch and restart round. The elastic agent's store (torchrun
+    and --nproc share it with their workers) outlives a restart, and torch's env:// default keys every round alike,
+    so a rank could read the address a dead rank published in an earlier round and fail to connect. The round's
+    number is agreed over that store (agree_round), not taken from TORCHELASTIC_RESTART_COUNT: each node's agent
+    counts its own restarts (one whose workers restarted because another node's failed counts 0), so across nodes the
+    counts differ and the ranks met under different prefixes until swarm.timeout_s. A store that rank 0 hosts (a
+    world launched by hand, or torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) is new every round."""
     from torch.distributed import PrefixStore, TCPStore
 
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # the agent hosts it (torchrun, --nproc)
     store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                      is_master=rank == 0 and not agent_store, timeout=timeout)
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "manual")
-    return PrefixStore(f"ftis/{run_id}/round-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    base = f"ftis/{os.environ.get('TORCHELASTIC_RUN_ID', 'manual')}"
+    number = agree_round(store, base, rank, world, timeout) if agent_store else 0
+    return PrefixStore(f"{base}/round-{number}", store)
+
+
+def agree_round(store, base: str, rank: int, world: int, timeout: datetime.timedelta, poll_s: float = 0.02) -> int:
+    """A number for this round of the world's ranks, the same on every rank and never one an earlier round used, over
+    a store that keeps every earlier round's keys (`base`: this launch's prefix in it). Every rank calls it.
+
+    Rank 0 draws the next number (an atomic counter), publishes it as the current round and waits until every other
+    rank has acknowledged it, then says go. Another rank acknowledges each published number newer than any it has
+    acknowledged before (remembered in the store, so a rank restarted acknowledges a number once per launch) and
+    takes the first whose go it sees. A number left by an earlier round cannot be taken: its go needs this rank's
+    acknowledgement, given only now, by the rank 0 that drew it, which is then alive now; and an agent starts a
+    round's workers only when every worker of the round before has ended, so that rank 0 is this round's. Raises
+    TimeoutError (rank 0: torch's DistStoreError) when the others do not come within `timeout`."""
+    def key(*parts) -> str:
+        return "/".join([base, *map(str, parts)])
+
+    if rank == 0:
+        number = store.add(key("rounds"), 1)
+        store.set(key("round"), str(number))
+        if world > 1:
+            store.wait([key(number, "ack", r) for r in range(1, world)], timeout)
+        store.set(key(number, "go"), "1")
+        return number
+    acknowledged = store.add(key("acknowledged", rank), 0)  # by this rank in earlier rounds: never taken now
+    mine = None  # the newest number this call acknowledged
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        if store.check([key("round")]):
+            number = int(store.get(key("round")))
+            if number > acknowledged:
+                store.add(key("acknowledged", rank), number - acknowledged)  # first: never acknowledged twice
+                acknowledged = mine = number
+                store.set(key(number, "ack", rank), "1")
+        if mine is not None and store.check([key(mine, "go")]):
+            return mine
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 did not open this restart round within {timeout.total_seconds():.0f} s "
+                               "(swarm.timeout_s)")
+        time.sleep(poll_s)
+
+
+def gloo_interface(environ=os.environ) -> str | None:
+    """The network interface gloo should listen on, for GLOO_SOCKET_IFNAME when it is unset, or None to leave gloo
+    to its default. Gloo listens on the address this host's name resolves to; where that is a loopback address (a
+    Debian-style /etc/hosts maps the name to 127.0.1.1; containers that share a name) ranks on other nodes cannot
+    reach it, and init_process_group failed after minutes with gloo's 'Connect timeout'. A world on several nodes
+    (WORLD_SIZE > LOCAL_WORLD_SIZE) then listens on the interface that holds this host's address on the route
+    towards MASTER_ADDR (exchange.links.advertised_host, which FTIS_LINKS_HOST overrides)."""
+    import ipaddress
+    import socket
+
+    if environ.get("GLOO_SOCKET_IFNAME") or int(environ.get("WORLD_SIZE", "1")) <= int(
+            environ.get("LOCAL_WORLD_SIZE", environ.get("WORLD_SIZE", "1"))):
+        return None
+    try:
+        resolved = socket.gethostbyname(socket.gethostname())
+        if not ipaddress.ip_address(resolved).is_loopback:
+            return None
+    except (OSError, ValueError):
+        resolved = "nothing"
+    from .exchange.links import advertised_host
+
+    address = advertised_host()
+    name = interface_of(address)
+    if name is None:
+        raise ConfigError(f"GLOO_SOCKET_IFNAME: this host's name resolves to {resolved}, where ranks on other nodes "
+                          f"cannot reach gloo, and no interface holds {address} (the address towards MASTER_ADDR): "
+                          "set GLOO_SOCKET_IFNAME to the interface of the network the nodes share")
+    return name
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface whose IPv4 address is `address` (Linux), or None."""
+    import fcntl
+    import socket
+    import struct
+
+    SIOCGIFADDR = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(answer[20:24]) == address:
+                return name
+    return None
 
 
 def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str | None = None,
@@ -90,6 +180,9 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
+    interface = gloo_interface()  # every gloo group, the helper groups of an NCCL world included
+    if interface is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     torch.distributed.init_process_group(backend, store=round_store(rank, world, timeout), rank=rank,
                                          world_size=world, timeout=timeout)
     groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout, open_member=join is not None)

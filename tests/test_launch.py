@@ -65,6 +65,99 @@ def test_a_restart_on_any_rank_is_a_restart_on_every_rank():
     assert any_rank(types.SimpleNamespace(all_gather_object=lambda flag: [flag, False]), False) is False
 
 
+def _round(port: int, rank: int, world: int, timeout_s: float = 20.0) -> int:
+    """agree_round as one rank of a world over the agent's store (a client of its own, as a worker has)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from ftis_engine.wiring import agree_round
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
+    return agree_round(store, "ftis/run", rank, world, timeout, poll_s=0.005)
+
+
+def _ranks(port: int, world: int, ranks, first: int | None = None, timeout_s: float = 20.0) -> dict:
+    """These ranks of a world agree a round at once, each in a thread (`first` starts alone, 0.3 s ahead of the
+    others); returns rank -> round, or the exception it raised."""
+    import threading
+    import time
+
+    results = {}
+
+    def run(rank):
+        try:
+            results[rank] = _round(port, rank, world, timeout_s)
+        except Exception as exc:  # noqa: BLE001  (a rank that times out: the test says which)
+            results[rank] = exc
+
+    threads = {rank: threading.Thread(target=run, args=(rank,)) for rank in ranks}
+    if first is not None:
+        threads[first].start()
+        time.sleep(0.3)
+    for rank, thread in threads.items():
+        if rank != first:
+            thread.start()
+    for thread in threads.values():
+        thread.join(60)
+    return results
+
+
+def test_the_ranks_of_each_restart_round_agree_on_a_new_round_whatever_the_agents_counted():
+    """The agent's store keeps every round's keys, and each node's agent counts its own restarts: the ranks agree a
+    round number over the store instead, new each round, the same on every rank: when all arrive; when a rank
+    arrives long before rank 0 and finds an earlier round published and opened (a node restarted first); after a
+    round in which one rank never arrived (rank 0 timed out, its number is never taken); and after one in which a
+    rank acknowledged and died before the go."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from ftis_engine.wiring import agree_round
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's store
+    assert _ranks(server.port, 3, [0, 1, 2]) == {0: 1, 1: 1, 2: 1}
+    assert _ranks(server.port, 3, [0, 1, 2], first=2) == {0: 2, 1: 2, 2: 2}  # round 1 published, opened: not taken
+    lost = _ranks(server.port, 3, [0, 1], timeout_s=1.0)  # rank 2 never comes: rank 0 gives up on round 3
+    assert isinstance(lost[0], Exception) and isinstance(lost[1], TimeoutError)
+    assert _ranks(server.port, 3, [0, 1, 2], first=2) == {0: 4, 1: 4, 2: 4}  # rank 2 finds 3 published: waits on
+    # rank 1 acknowledges round 5 and dies before the go (rank 0 of that round dies too)
+    client = TCPStore("127.0.0.1", server.port, is_master=False)
+    client.add("ftis/run/rounds", 1)
+    client.set("ftis/run/round", "5")
+    client.add("ftis/run/acknowledged/1", 5 - client.add("ftis/run/acknowledged/1", 0))
+    client.set("ftis/run/5/ack/1", "1")
+    assert _ranks(server.port, 3, [0, 1, 2], first=1) == {0: 6, 1: 6, 2: 6}
+    one = datetime.timedelta(seconds=5)
+    assert agree_round(client, "ftis/other", 0, 1, one) == 1 and agree_round(client, "ftis/other", 0, 1, one) == 2
+
+
+def test_across_nodes_gloo_listens_on_the_interface_towards_the_master_where_the_hostname_means_loopback(
+        monkeypatch):
+    """Gloo listens where the hostname resolves; a name that resolves to loopback (Debian's 127.0.1.1) left ranks on
+    other nodes unable to connect (gloo's 'Connect timeout' after minutes): a world on several nodes then gets the
+    interface that holds the address towards MASTER_ADDR; GLOO_SOCKET_IFNAME given, one node, or a name that
+    resolves elsewhere: gloo's own choice; no interface with that address: one line naming GLOO_SOCKET_IFNAME."""
+    import socket
+
+    from ftis_engine.wiring import gloo_interface, interface_of
+
+    two_nodes = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.delenv("FTIS_LINKS_HOST", raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert interface_of("127.0.0.1") == gloo_interface(two_nodes) is not None
+    assert gloo_interface({**two_nodes, "GLOO_SOCKET_IFNAME": "eth7"}) is None
+    assert gloo_interface({**two_nodes, "LOCAL_WORLD_SIZE": "2"}) is None
+    monkeypatch.setenv("FTIS_LINKS_HOST", "192.0.2.1")  # an address no interface here holds
+    with pytest.raises(ConfigError, match=r"^GLOO_SOCKET_IFNAME: this host's name resolves to 127\.0\.1\.1, .*"
+                                          r"no interface holds 192\.0\.2\.1"):
+        gloo_interface(two_nodes)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.7")
+    assert gloo_interface(two_nodes) is None
+
+
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path, start_method):
     """The elastic agent restarts on any failure: with swarm.max_restarts 2 a member whose step 1 blows its weights up
