@@ -85,13 +85,23 @@ def train(
     join: str | None = typer.Option(None, "--join", metavar="ADDRESS",
                                     help="Train this config's one member in the open swarm whose coordinator is at "
                                          "ADDRESS (tcp://HOST:PORT; ftis-engine swarm serve)."),
+    allow_data_change: bool = typer.Option(
+        False, "--allow-data-change", metavar="", help="--resume: go on although a data file changed since the run "
+        "recorded it (refused without; warned, and every record from the resumed step carries data_changed_at)."),
 ) -> None:
     """Train the members of a config together."""
     cfg = _load(config, set_, output_dir)
     if dry_run:
         typer.echo(dump_config(cfg), nl=False)
         return
+    if allow_data_change and not resume:
+        raise UsageFailure("--allow-data-change: only with --resume (a new run records the data it starts on)")
     run_dir = run_directory(cfg)
+    if resume:  # the data a resumed run goes on with is the data it had (rundir.check_resume_data): refused, or marked
+        from .rundir import check_resume_data, check_run_dir
+
+        check_run_dir(run_dir, cfg, resume)  # a changed config is said first: it names the field that moved
+        check_resume_data(run_dir, cfg, allow_data_change)
     if join is not None:
         _train_joined(cfg, run_dir, join, resume, nproc, max_restarts)
         return

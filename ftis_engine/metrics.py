@@ -195,13 +195,15 @@ class MetricsLogger:
 
     def __init__(self, run_dir: pathlib.Path, purge_step: int | None = None, tensorboard: bool = True,
                  shared: bool = False, tensorboard_suffix: str = "", trackers: list | None = None,
-                 tensorboard_subdir: str = ""):
+                 tensorboard_subdir: str = "", marks: dict | None = None):
         """shared: several processes append to the same metrics.jsonl (async ranks): each line is written under
         an exclusive lock, so lines never interleave. trackers: wandb / trackio (trackers.py), given the numbers
         TensorBoard gets, under the same names. tensorboard_subdir: a writer's own folder under tensorboard/
         (async ranks: TensorBoard applies one file's purge to every file of its folder, so a second rank's purge
-        would drop the first's steps); purge_step: the first step a resumed run logs again (None: a fresh run)."""
+        would drop the first's steps); purge_step: the first step a resumed run logs again (None: a fresh run).
+        marks: keys every record carries (data_changed_at: the step a resume went on on changed data)."""
         self._trackers = list(trackers or [])
+        self._marks = dict(marks or {})
         self.path = run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
         self._completions = None  # completions.jsonl, opened at the first sample (logging.completions)
@@ -215,7 +217,7 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(folder), purge_step=purge_step, filename_suffix=tensorboard_suffix)
 
     def log(self, record: dict) -> None:
-        record = {k: _clean(v) for k, v in record.items()}
+        record = {k: _clean(v) for k, v in {**record, **self._marks}.items()}
         if record["kind"] == "completion":  # for a person to read: completions.jsonl and TensorBoard text
             self._log_completion(record)
             return
@@ -226,7 +228,7 @@ class MetricsLogger:
         if record["kind"] == "eval":
             prefix += f"/{record['dataset']}"
         values = {f"{prefix}/{key}": value for key, value in record.items()
-                  if key not in ("step", "member", "kind", "dataset") and isinstance(value, (int, float))}
+                  if key not in ("step", "member", "kind", "dataset", *self._marks) and isinstance(value, (int, float))}
         if self._tb is not None:
             for name, value in values.items():
                 self._tb.add_scalar(name, value, record["step"])

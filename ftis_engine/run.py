@@ -24,6 +24,7 @@ from .trackers import open_trackers
 from .metrics import MetricsLogger, eval_record, resume_records, return_freed_memory, truncate_metrics
 from .plots import NothingToPlot, make_plots
 from .progress import LEGEND, summary_line
+from .rundir import read_data_record, record_data
 from .session import Swarm
 from .step import run_step
 
@@ -99,6 +100,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         written = run_dir / f".config.yaml.tmp{os.getpid()}"  # whole or not at all: a Ctrl-C may land here
         written.write_text(dump_config(config))
         os.replace(written, run_dir / "config.yaml")
+        record_data(run_dir, config, start_step)  # its data files' sha256 (a resume on changed data: the change)
         if start_step == 0:  # a start over a run that stopped before its first checkpoint: its logs are kept aside
             for log_file in ("metrics.jsonl", "completions.jsonl"):
                 keep_aside(run_dir / log_file)
@@ -113,6 +115,10 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     writes = swarm.is_main or (swarm.independent and swarm.reports)
     logger = None
     if writes:
+        # a resume that went on on changed data (--allow-data-change): every record from then on says since when
+        data = read_data_record(run_dir)
+        changed_at = max((c["step"] for c in data["changes"] if isinstance(c, dict) and isinstance(c.get("step"), int)),
+                         default=None) if data is not None else None
         report_to = config.logging.report_to
         name = config.run_name + (f"-rank{swarm.exchange.rank}" if swarm.independent else "")
         trackers = open_trackers(report_to, run_dir, config.logging.project, name, config.run_name,
@@ -120,7 +126,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None, shared=swarm.independent,
                                tensorboard="tensorboard" in report_to, trackers=trackers,
                                tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "",
-                               tensorboard_subdir=f"rank{swarm.exchange.rank}" if swarm.independent else "")
+                               tensorboard_subdir=f"rank{swarm.exchange.rank}" if swarm.independent else "",
+                               marks={"data_changed_at": changed_at} if changed_at is not None else None)
     if swarm.is_main and start_step:
         for record in resume_records(start_step, swarm.names, dropped):
             logger.log(record)

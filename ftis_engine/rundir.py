@@ -154,8 +154,8 @@ class RunLock:
     """Holds a directory for one run (train, or an --nproc launcher for its ranks) or one study: `<dir>/.lock`,
     locked with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A
     second one into the same directory stops with one line naming the holder. A directory this lock created and
-    that was left with nothing of a run (no record: at most its config.yaml and an empty metrics.jsonl) is removed
-    again, so a run that fails before its first record leaves nothing behind."""
+    that was left with nothing of a run (no record: at most its config.yaml, data.json and an empty metrics.jsonl)
+    is removed again, so a run that fails before its first record leaves nothing behind."""
 
     # kind -> (the field a message names, what to choose instead)
     KINDS = {"run": ("run_name", "another run_name/--output-dir"), "study": ("--output-dir", "another --output-dir"),
@@ -207,7 +207,7 @@ class RunLock:
         leftover = sorted(p.name for p in self.run_dir.iterdir())
         # a run that stopped before its first record (a refused join, a failure at start) wrote at most its resolved
         # config and an empty log: nothing a person needs, and a rerun writes them again
-        empty = {".lock", "config.yaml", "metrics.jsonl"} if self.kind == "run" else {".lock"}
+        empty = {".lock", "config.yaml", DATA_RECORD, "metrics.jsonl"} if self.kind == "run" else {".lock"}
         if self._created and set(leftover) <= empty and not has_logged(self.run_dir):
             for name in leftover:
                 (self.run_dir / name).unlink()
@@ -220,3 +220,123 @@ class RunLock:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
+
+
+# ----------------------------------------------------------------------------------------------- the run's data
+
+DATA_RECORD = "data.json"  # in the run directory: the sha256 of every local data file the run reads
+
+
+def data_files(config: RunConfig) -> dict[str, pathlib.Path]:
+    """The local files (or, task hf, the local directory) the run's data is read from, by the config field that
+    names them: data.train_path, data.eval_paths.<name> (a file per eval set), data.path. A dataset read from the
+    HF hub has none here (the hub's own revisions are not checked)."""
+    from .tasks import settings_read
+
+    data = config.data
+    read = settings_read(data.task) or set()
+    files = {}
+    if "train_path" in read and data.train_path is not None:
+        files["data.train_path"] = pathlib.Path(data.train_path)
+    if "eval_paths" in read and data.task != "hf":  # task hf's eval_paths name splits of data.path
+        files.update({f"data.eval_paths.{name}": pathlib.Path(path) for name, path in data.eval_paths.items()})
+    if "path" in read and data.path is not None and pathlib.Path(data.path).is_dir():
+        files["data.path"] = pathlib.Path(data.path)
+    return files
+
+
+def file_digest(path: pathlib.Path) -> str:
+    """sha256 of a file's bytes, or of a directory's files (each one's path within it and its bytes, in order)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode(errors="surrogateescape") + b"\x00")
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\x01")
+    return digest.hexdigest()
+
+
+def data_digests(config: RunConfig) -> dict[str, dict[str, str]]:
+    """{config field: {path, sha256}} of data_files(config) (a file that cannot be read is left out: loading the
+    task says why)."""
+    out = {}
+    for field, path in data_files(config).items():
+        try:
+            out[field] = {"path": str(path), "sha256": file_digest(path)}
+        except OSError:
+            continue
+    return out
+
+
+def read_data_record(run_dir: pathlib.Path) -> dict | None:
+    """The run's data.json ({"files": {field: {path, sha256}}, "changes": [{"step", "fields"}]}); None when it has
+    none (a run started before it was written) or it cannot be read."""
+    import json
+
+    try:
+        record = json.loads((run_dir / DATA_RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("files"), dict) and isinstance(record.get("changes"), list)
+    return record if ok else None
+
+
+def changed_data(recorded: dict, config: RunConfig) -> list[tuple[str, dict, dict | None]]:
+    """(field, as recorded, as now: None when the file is gone) of each recorded data file whose bytes differ now.
+    An eval set added since is no change; one dropped neither."""
+    now = data_digests(config)
+    fields = set(data_files(config))
+    return [(field, was, now.get(field)) for field, was in sorted(recorded["files"].items())
+            if field in fields and isinstance(was, dict) and (now.get(field) or {}).get("sha256") != was.get("sha256")]
+
+
+def check_resume_data(run_dir: pathlib.Path, config: RunConfig, allow_change: bool) -> list[str]:
+    """--resume continues on the data the run trained and evaluated on: a recorded data file whose bytes changed
+    since (data.json) refuses the resume, one line naming the field, unless allow_change (--allow-data-change): then
+    it is warned about, and the run records the change (record_data) and marks every record after it. Returns the
+    changed fields. A run that recorded nothing (started before data.json) is not checked."""
+    import logging
+
+    recorded = read_data_record(run_dir) if latest_checkpoint(run_dir) is not None else None
+    if recorded is None:
+        return []
+    changes = changed_data(recorded, config)
+    if not changes:
+        return []
+    said = ", ".join(f"{field} ({now['path'] if now else was.get('path')}: "
+                     + (f"sha256 {str(was.get('sha256'))[:12]}... then, {now['sha256'][:12]}... now)" if now else
+                        "unreadable now)") for field, was, now in changes[:3])
+    said += f" and {len(changes) - 3} more" if len(changes) > 3 else ""
+    if not allow_change:
+        raise RunDirError(f"--resume: the run's data changed since it recorded it: {said}; a resume is exact or "
+                          "refused: restore the data, start a new run_name, or pass --allow-data-change to go on "
+                          "on the new data (warned, and every record from the resumed step marked data_changed_at)")
+    logging.getLogger("ftis_engine").warning("--resume --allow-data-change: the run's data changed since it recorded "
+                                             "it: %s; its records from here carry data_changed_at", said)
+    return [field for field, _, _ in changes]
+
+
+def record_data(run_dir: pathlib.Path, config: RunConfig, start_step: int) -> int | None:
+    """Write data.json at a run's start (atomically): the sha256 of its data files; a resumed run whose data
+    changed (allowed by --allow-data-change, check_resume_data) adds {step, fields} to its changes. Returns the
+    step of the newest change (None: the data is as the run began), which the run's records then carry."""
+    import json
+
+    recorded = read_data_record(run_dir) if start_step else None
+    changes = list(recorded["changes"]) if recorded is not None else []
+    if recorded is not None:
+        fields = [field for field, _, _ in changed_data(recorded, config)]
+        if fields:
+            changes.append({"step": start_step, "fields": fields})
+    record = {"files": {**(recorded["files"] if recorded is not None else {}), **data_digests(config)},
+              "changes": changes}
+    written = run_dir / f".{DATA_RECORD}.tmp{os.getpid()}"
+    written.write_text(json.dumps(record, indent=2))
+    os.replace(written, run_dir / DATA_RECORD)
+    steps = [c.get("step") for c in changes if isinstance(c, dict) and isinstance(c.get("step"), int)]
+    return max(steps) if steps else None

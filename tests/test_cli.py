@@ -275,3 +275,43 @@ def test_a_task_read_from_files_loads_its_eval_sets_without_its_training_set_for
     missing = load_config(TINY, ["data.task=gsm8k-calc", "data.train_path=/no/such/train.jsonl", evals])
     whole = load_task(missing.data, 0, with_train=False).evals["gsm8k-calc"]  # said, and kept whole
     assert len(whole) > len(task.evals["gsm8k-calc"])
+
+
+def _rows(path: pathlib.Path, offset: int) -> None:
+    path.write_text("".join(json.dumps({"question": f"{(a + offset) % 10}+{a % 7}=", "answer": str((2 * a) % 10)})
+                            + "\n" for a in range(12)))
+
+
+def test_a_resume_on_changed_data_is_refused_and_with_allow_data_change_warned_and_marked(tmp_path, capsys, caplog):
+    """train on a JSONL file, the file rewritten with other rows, then --resume: it went on on the other data
+    without a word (the eval curve joining two sets as one). The run records its data files' sha256 (data.json); a
+    resume whose data changed is refused naming the fields, and with --allow-data-change goes on, warned, every
+    record from the resumed step carrying data_changed_at."""
+    data = tmp_path / "data.jsonl"
+    _rows(data, 0)
+    args = ["train", "--config", TINY, "--output-dir", tmp_path / "runs", "--set", "data.task=jsonl", "--set",
+            f"data.train_path={data}", "--set", f"data.eval_paths={{mine: {data}}}", "--set", "checkpoint.every=2",
+            "--set", "eval.every=0", "--set", "eval.max_samples=4", "--set", "rollout.group_size=2", "--set",
+            "rollout.prompts_per_step=2", "--set", "rollout.max_new_tokens=2"]
+    assert command_here(capsys, *args, "--set", "train.steps=2").returncode == 0
+    run_dir = tmp_path / "runs" / "tiny"
+    recorded = json.loads((run_dir / "data.json").read_text())
+    assert sorted(recorded["files"]) == ["data.eval_paths.mine", "data.train_path"] and recorded["changes"] == []
+    _rows(data, 3)  # other rows, same file
+    refused = command_here(capsys, *args, "--set", "train.steps=3", "--resume")
+    (line,) = refused.stderr.splitlines()
+    assert refused.returncode == 2 and line.startswith(
+        f"error: --resume: the run's data changed since it recorded it: data.eval_paths.mine ({data}: sha256 "), line
+    assert f"data.train_path ({data}: sha256" in line and "pass --allow-data-change" in line
+    assert "data.json" in os.listdir(run_dir) and not any(json.loads(x)["step"] == 3 for x in
+                                                          (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert command_here(capsys, *args, "--set", "train.steps=2", "--allow-data-change").returncode == 2  # no --resume
+    allowed = command_here(capsys, *args, "--set", "train.steps=3", "--resume", "--allow-data-change")
+    assert allowed.returncode == 0 and "--allow-data-change: the run's data changed" in caplog.text
+    assert command_here(capsys, *args, "--set", "train.steps=4", "--resume").returncode == 0  # as recorded since
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"] for r in records if "data_changed_at" not in r} == {0, 1, 2}
+    assert {(r["step"], r["data_changed_at"]) for r in records if r["kind"] == "train" and "data_changed_at" in r} \
+        == {(3, 2), (4, 2)}
+    assert json.loads((run_dir / "data.json").read_text())["changes"] == [
+        {"step": 2, "fields": ["data.eval_paths.mine", "data.train_path"]}]
