@@ -39,6 +39,7 @@ from .progress import Progress
 from .rundir import RunDirError, check_run_dir
 from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
+from .trackers import check_available as missing_tracker
 from .wiring import connect_local
 
 log = logging.getLogger("ftis_engine")
@@ -128,6 +129,10 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     shard: this rank's part of a member on several ranks (fsdp.Shard).
     open_peers: a member in an open swarm (openswarm.schedule.PeerBook): its schedule deals by member name.
     """
+    if checkpoint is None:  # a tracker that is not installed: said before anything is written (--nproc: the launcher)
+        problem = missing_tracker(config.logging.report_to)
+        if problem:
+            raise ConfigError(problem)
     if exchange is None:
         exchange = connect_local(config, evaluating=checkpoint is not None).exchange
     distributed = exchange.collectives.world_size > 1

@@ -131,3 +131,20 @@ def test_wandb_and_trackio_offline_get_every_number_and_a_resume_continues_their
     for record in records:
         key = f"{record['member']}/train/reward_mean"
         assert logged[(key, record["step"])] == pytest.approx(record["reward_mean"]), key
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio"])
+def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written_in_one_process(tmp_path, capsys,
+                                                                                               monkeypatch, tracker):
+    """One process skipped the launcher's check: ModuleNotFoundError after config.yaml and an empty metrics.jsonl."""
+    from ftis_engine import trackers
+
+    from .helpers import command_here
+
+    real = trackers.importlib.util.find_spec
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == tracker else real(name))
+    done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "runs", "--set",
+                        f"logging.report_to=[{tracker}]", "--set", "train.steps=1")
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        f"error: logging.report_to: {tracker} is not installed; {trackers.EXTRA_HINT[tracker]}"], done.stderr
+    assert not (tmp_path / "runs").exists()
