@@ -1,5 +1,7 @@
-"""vLLM generator and flash-attn paths. The conversion and the refusal paths run anywhere; the engine tests need
-vLLM and a CUDA GPU and skip with the reason otherwise."""
+"""vLLM generator and flash-attn paths, with stand-in engines: what the CPU cannot show on vLLM's real engine (the
+sleep and wake order around an update, GPU memory, an engine's placement on a GPU, the GPU's load_weights push) and
+the platform's decisions for both platforms. The real engine on the CPU is tests/test_vllm_cpu.py's (the vLLM tier,
+in its own environment); the engine tests here need vLLM and a CUDA GPU and skip with the reason otherwise."""
 
 from __future__ import annotations
 
