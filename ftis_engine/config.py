@@ -18,6 +18,7 @@ from ftis_kernels import LossConfig
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
                       model_validator)
 
+from .rewards import MAX_REWARD
 from .rollouts import wire_bytes
 
 
@@ -287,7 +288,17 @@ class RolloutSettings(_Section):
 class RewardTerm(_Section):
     function: str = Field(..., min_length=1, description="A reward as 'module:function' (completion, gold) -> float, "
                           "e.g. ftis_engine.rewards:binary_answer_reward.")
-    weight: float = Field(1.0, allow_inf_nan=False, description="Its weight in the sum.")
+    weight: float = Field(1.0, allow_inf_nan=False, description=f"Its weight in the sum, within +-{MAX_REWARD:g} "
+                          "(as every reward and the sum: group advantages do not depend on the rewards' scale).")
+
+    @field_validator("weight")
+    @classmethod
+    def _a_weight_a_reward_can_carry(cls, value: float) -> float:
+        if abs(value) > MAX_REWARD:
+            raise ValueError(f"{value:g} is beyond +-{MAX_REWARD:g}, the bound of a reward and of the weighted sum "
+                             "(group advantages do not depend on the rewards' scale, so no weight needs more; a weight "
+                             "of 1e300 made the advantages inf)")
+        return value
 
 
 def _unread(task: Any, field: str) -> str | None:

@@ -144,6 +144,13 @@ def load_reward(path: str) -> Reward:
     return reward
 
 
+# The largest magnitude of a reward (a function's value, and data.rewards' weighted sum) and of a data.rewards
+# weight. GRPO's group advantages do not depend on the rewards' scale ((r - mean) / std), so no reward needs more;
+# rewards travel as float32 (rollouts.py), and far beyond this a group's spread overflows (a weight of 1e300 made
+# the advantages inf).
+MAX_REWARD = 1e6
+
+
 def finite_number(value) -> bool:
     """What a reward function may return: a finite real number (bool, numpy scalars included; not NaN, inf, None,
     text or a tensor)."""

@@ -290,6 +290,10 @@ def nan(completion, gold):
 def sleeps(completion, gold):
     import time
     time.sleep(3600)
+
+
+def huge(completion, gold):
+    return 1e300
 '''
 
 
@@ -377,3 +381,37 @@ def test_data_rewards_terms_are_recorded_in_the_one_scoring_pass_and_logged_with
                                           {f"{terms_module}:right": 0.0, f"{terms_module}:short": 0.0},
                                           {f"{terms_module}:right": 0.0, f"{terms_module}:short": 1.0}]
     assert pickle.loads(pickle.dumps(rewards[2])).terms == rewards[2].terms  # a sharded member gathers them
+
+
+@pytest.mark.parametrize("rewards, field", [
+    ("[{function: ftis_engine.rewards:tiny_answer_reward, weight: 1e300}]", "data.rewards.0.weight: 1e+300 is beyond"),
+    ("[{function: ftis_engine.rewards:tiny_answer_reward, weight: 1e308}, "
+     "{function: ftis_engine.rewards:tiny_answer_reward, weight: 1e308}]", "data.rewards.0.weight: 1e+308 is beyond"),
+    ("[{function: ftis_engine.rewards:tiny_answer_reward, weight: -2e6}]", "data.rewards.0.weight: -2e+06 is beyond"),
+])
+def test_a_reward_weight_beyond_what_a_reward_carries_is_refused_naming_it(tmp_path, capsys, rewards, field):
+    """A weight of 1e300 passed as finite, and the advantages came out inf (a ValueError from kernels/api.py)."""
+    from .helpers import TINY, command_here
+
+    done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "runs", "--set",
+                        f"data.rewards={rewards}")
+    assert done.returncode == 2 and done.stderr.splitlines()[0].startswith(f"error: {field} +-1e+06"), done.stderr
+    assert len(done.stderr.splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_a_reward_or_a_weighted_sum_beyond_the_bound_stops_with_one_line_naming_it(terms_module):
+    """Each term's value and the weighted sum are within +-1e6: a term of 1e300, or weights that carry two
+    in-bound values past it, stop at scoring with the field named, before an advantage can overflow."""
+    from ftis_engine.tasks import Example
+    from ftis_engine.tasks.base import RewardError
+
+    from .test_admission import DigitTokenizer
+
+    task = _weighted_task(f"{terms_module}:right", f"{terms_module}:huge")
+    with pytest.raises(RewardError, match=rf"^data.rewards.1: {terms_module}:huge\('123', '7'\) returned 1e\+300; "
+                                          r"a reward is within \+-1e\+06"):
+        task.score(DigitTokenizer(), [[1, 2, 3]], [Example("q", "7")])
+    task = _weighted_task(f"{terms_module}:short", f"{terms_module}:short", weights=[1e6, 1e6])
+    with pytest.raises(RewardError, match=r"^data.rewards: the weighted sum of the terms\('7', '7'\) is 2e\+06; "):
+        task.score(DigitTokenizer(), [[7]], [Example("q", "7")])
+    assert task.score(DigitTokenizer(), [[1, 2, 3]], [Example("q", "7")]) == [0.0]  # in bounds: scored

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..rewards import Reward, RewardTimeout, WeightedReward, finite_number
+from ..rewards import MAX_REWARD, Reward, RewardTimeout, WeightedReward, finite_number
 
 # The <think>/<answer> instruction (R1 style) that goes with binary_answer_reward's format.
 SYSTEM_PROMPT = (
@@ -83,7 +83,12 @@ class Task:
         before a NaN can reach the loss."""
         if isinstance(self.reward, WeightedReward):
             terms = [(f"data.rewards.{k}", name, function) for k, (name, function, _) in enumerate(self.reward.terms)]
-            return self.reward.total(_call(terms, text, gold, self.reward_timeout_s))
+            total = self.reward.total(_call(terms, text, gold, self.reward_timeout_s))
+            if not abs(total) <= MAX_REWARD:  # inf too: two weights of 1e308
+                raise RewardError(f"data.rewards: the weighted sum of {_call_text('the terms', text, gold)} is "
+                                  f"{float(total):g}; a reward is within +-{MAX_REWARD:g} (lower the weights: group "
+                                  "advantages do not depend on the rewards' scale)")
+            return total
         return _call([("data.reward", _name(self.reward), self.reward)], text, gold, self.reward_timeout_s)[0]
 
 
@@ -110,6 +115,9 @@ def _call(terms: list[tuple[str, str, Reward]], text: str, gold: str, timeout_s:
                 if not finite_number(value):
                     raise RewardError(f"{field}: {_call_text(name, text, gold)} returned {_clip(repr(value))} "
                                       f"({type(value).__name__}); a reward is a finite number")
+                if abs(value) > MAX_REWARD:
+                    raise RewardError(f"{field}: {_call_text(name, text, gold)} returned {float(value):g}; a reward "
+                                      f"is within +-{MAX_REWARD:g} (group advantages do not depend on its scale)")
                 values.append(float(value))
     except (RewardTimeout, RewardError):
         raise
