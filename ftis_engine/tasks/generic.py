@@ -3,6 +3,7 @@ a hub id, or a local directory of data files), with its own field names and a pr
 
 from __future__ import annotations
 
+import pathlib
 import re
 
 from ..errors import first_line
@@ -33,15 +34,48 @@ def _examples(rows, data, where) -> list[Example]:
 def _hf_rows(data, split: str, field: str) -> list[tuple[int, dict]]:
     from ..hub import hub_reachable
 
+    check_local_files(data.path)
     hub_reachable()  # offline: at once from the cache or a local directory
     import datasets
 
     datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its ERROR lines would come before ours, unasked
     try:
         rows = datasets.load_dataset(data.path, data.subset, split=split)
     except Exception as exc:  # datasets raises many types: offline, missing, schema, unknown config or split...
         raise TaskError(_load_error(data, split, field, exc)) from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
     return list(enumerate(rows, start=1))
+
+
+PARQUET_MARK = b"PAR1"  # a Parquet file begins and ends with it
+DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".csv", ".tsv", ".txt")  # what datasets reads rows from
+
+
+def check_local_files(path: str) -> None:
+    """task hf on a local directory: each of its data files (DATA_SUFFIXES; names not starting with . or _, as
+    `datasets` reads them) is not empty, and a .parquet file carries Parquet's marks at both ends; TaskError naming data.path and
+    the file otherwise (datasets said 'Failed to read schema' in two lines that never named an empty file)."""
+    folder = pathlib.Path(path)
+    if not folder.is_dir():
+        return
+    for file in sorted(folder.rglob("*")):
+        parts = file.relative_to(folder).parts
+        if not file.is_file() or file.suffix not in DATA_SUFFIXES or any(p.startswith((".", "_")) for p in parts):
+            continue
+        size = file.stat().st_size
+        if size == 0:
+            raise TaskError(f"data.path: {file} is empty (0 bytes); remove it or write its rows")
+        if file.suffix == ".parquet":
+            with open(file, "rb") as handle:
+                head = handle.read(4)
+                handle.seek(max(0, size - 4))
+                tail = handle.read(4)
+            if size < 12 or head != PARQUET_MARK or tail != PARQUET_MARK:
+                raise TaskError(f"data.path: {file} is not a Parquet file ({size} bytes without Parquet's PAR1 "
+                                "marks at its start and end: cut short, or another format under a .parquet name)")
 
 
 def _load_error(data, split: str, field: str, exc: Exception) -> str:

@@ -46,8 +46,13 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
         raise TaskError(f"{field}: no such file {path!r}")
     rows = []
     try:
-        with file.open(encoding="utf-8-sig") as handle:  # a byte-order mark some editors write is no part of line 1
-            for number, line in enumerate(handle, start=1):
+        with file.open("rb") as handle:  # decoded a line at a time: a byte that is not UTF-8 is named by its line
+            for number, raw in enumerate(handle, start=1):
+                try:  # a byte-order mark some editors write is no part of line 1
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    raise TaskError(f"{field}: {path} line {number} is not UTF-8 text ({exc.reason}: "
+                                    f"{raw[exc.start]:#04x} at byte {exc.start + 1} of the line)") from None
                 if not line.strip():
                     continue
                 try:
@@ -63,8 +68,6 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
                     raise TaskError(f"{field}: {path} line {number} has no field {missing[0]!r} "
                                     f"(it has: {', '.join(row) or 'nothing'})")
                 rows.append((number, row))
-    except UnicodeDecodeError as exc:
-        raise TaskError(f"{field}: {path} is not UTF-8 text ({exc.reason})") from None
     except OSError as exc:  # no permission, or a file that cannot be read as one (/proc/self/mem)
         raise TaskError(f"{field}: cannot read {path} ({exc.strerror or type(exc).__name__})") from None
     if not rows:
@@ -113,13 +116,29 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
 
 
 def _text(value, name: str, numbers: bool = False) -> str:
-    """A row's field as text: a non-empty string (or, for an answer, a finite number). null, NaN, a list or an
-    empty string would otherwise train and evaluate as the text "None" or "nan"."""
+    """A row's field as text: a non-empty string that UTF-8 can hold (or, for an answer, a finite number). null,
+    NaN, a list or an empty string would otherwise train and evaluate as the text "None" or "nan"; a lone surrogate
+    (JSON's "\\ud800" without its pair) reached the tokenizer, which raised TypeError."""
     if isinstance(value, str) and value.strip():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"its {name!r} holds {value[exc.start]!r} at character {exc.start + 1}: a lone surrogate "
+                             "(a JSON \\ud800-\\udfff escape without its pair), which no text or tokenizer holds"
+                             ) from None
         return value
     if numbers and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return str(value)
-    raise ValueError(f"its {name!r} is {json.dumps(value)[:40]}, not {'a number or ' if numbers else ''}text")
+    raise ValueError(f"its {name!r} is {_described(value)}, not {'a number or ' if numbers else ''}text")
+
+
+def _described(value) -> str:
+    """A field's value in an error, at most 40 characters: as JSON writes it, or (bytes from a binary column, any
+    other type JSON has no form for) its type and its start."""
+    try:
+        return json.dumps(value)[:40]
+    except (TypeError, ValueError):
+        return f"{type(value).__name__} {repr(value)[:40]}"
 
 
 # GSM8K's worked solutions mark each arithmetic step for a calculator: "<<16-3-4=9>>9".
