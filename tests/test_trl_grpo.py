@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from benchmarks import trl_grpo
+from tests.test_attention import reference_kernel
 
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (not in CI)")
 
@@ -84,11 +85,55 @@ def test_trls_model_holds_the_masters_dtype_and_compiles_its_layers_as_ours(tmp_
     from ftis_engine import layers
 
     master = trl_grpo.PRECISIONS[precision][0]
-    trl_grpo.export_model("builtin:tiny-s", 0, master, "sdpa", tmp_path / "m")
+    trl_grpo.export_model("builtin:tiny-s", 0, master, tmp_path / "m")
     model = trl_grpo.trainer_model(tmp_path / "m", master, "sdpa", layer_mode)
     assert {p.dtype for p in model.parameters()} == {master}
     assert layers.compiled(model) == (layer_mode == "compile")
     assert model.config._attn_implementation == "sdpa"
+
+
+def _padded_batch():
+    """TRL's layout: left-padded prompts, then completions padded on the right (one ended early), and a row with no
+    padding at all."""
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8, 9, 0], [8, 9, 10, 11, 12, 13, 14, 15], [0, 21, 22, 23, 24, 0, 0, 0]])
+    mask = (ids != 0).long()
+    return ids, mask
+
+
+def test_trls_padded_batches_take_ours_varlen_attention_and_compute_what_sdpa_does_under_the_mask(monkeypatch):
+    """--attn varlen: each row's tokens packed one row after the other for ours' varlen attention (the float64 stand-in
+    of torch's kernel here: tests/test_attention.py), put back in place; equal to sdpa under the causal and padding
+    mask at every token, forward and gradients (TRL's loss reads tokens only)."""
+    from ftis_engine import attention
+    from ftis_engine.models import load_model
+
+    monkeypatch.setattr(attention, "_kernel", lambda: (reference_kernel, {"window_size": (-1, 0)}, True))
+    calls = []
+    real = attention.varlen_attention
+    monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+    trl_grpo.register_padded_varlen()
+    varlen = load_model("builtin:tiny-m", 101, torch.float64, 0, attention.NAME)  # 6 query heads, 2 KV heads
+    sdpa = load_model("builtin:tiny-m", 101, torch.float64, 0, "sdpa")
+    ids, mask = _padded_batch()
+    ours, theirs = (model(input_ids=ids, attention_mask=mask).logits for model in (varlen, sdpa))
+    kept = mask.bool()
+    torch.testing.assert_close(ours[kept], theirs[kept], rtol=1e-10, atol=1e-10)
+    assert calls and all(shape[0] == 1 and shape[2] == int(kept.sum()) for shape in calls)  # one packed row a layer
+    ours[kept].square().sum().backward()
+    theirs[kept].square().sum().backward()
+    for (name, a), b in zip(varlen.named_parameters(), sdpa.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_trls_model_loads_with_ours_varlen_for_padded_batches(tmp_path):
+    from transformers import AttentionInterface
+
+    from ftis_engine import attention
+
+    trl_grpo.export_model("builtin:tiny-s", 0, torch.float32, tmp_path / "m")
+    model = trl_grpo.trainer_model(tmp_path / "m", torch.float32, attention.NAME, "eager")
+    assert model.config._attn_implementation == attention.NAME
+    assert AttentionInterface._global_mapping[attention.NAME] is trl_grpo.padded_varlen_attention
 
 
 @needs_trl
@@ -180,3 +225,34 @@ def test_a_run_that_stops_still_writes_what_stopped_it(tmp_path, monkeypatch):
     assert trl_grpo.main(["--quick", "--output", str(tmp_path / "trl.json")]) == 1
     result = json.loads((tmp_path / "trl.json").read_text())
     assert result["error"] == "RuntimeError: CUDA out of memory" and result["steps"] == []
+
+
+def test_trls_engine_levers_are_recorded_as_ours_are():
+    """TRL colocated sleeps at level 2 and seeds its engine once; its KV cache is ours' when --kv-cache-gib gives it
+    (pair_summary.LEVERS compares them with ours')."""
+    args = trl_grpo.parse_args(["--kv-cache-gib", "3", "--gpu-memory-utilization", "0.1", "--output", "x.json"])
+    assert trl_grpo.engine_levers(args) == {"sleep_level": 2, "seeds": "one stream", "kv_cache_gib": 3.0,
+                                            "gpu_memory_utilization": 0.1}
+    assert trl_grpo.engine_levers(trl_grpo.parse_args(["--output", "x.json"]))["kv_cache_gib"] == "share"
+    assert trl_grpo.engine_levers(trl_grpo.parse_args(["--quick", "--output", "x.json"])) == {}  # no engine
+
+
+@needs_trl
+def test_trls_engine_gets_ours_kv_cache_when_given(monkeypatch):
+    import trl.generation.vllm_generation as trl_vllm
+
+    seen = {}
+    monkeypatch.setattr(trl_vllm, "LLM", lambda **kwargs: seen.update(kwargs), raising=False)
+    trl_grpo.engine_as_ours(kv_cache_gib=2.5)
+    trl_vllm.LLM(model="m")
+    assert seen["kv_cache_memory_bytes"] == int(2.5 * 2**30)
+
+
+@needs_trl
+def test_the_json_is_written_after_every_step_so_a_cut_run_keeps_its_steps(tmp_path, monkeypatch):
+    written = []
+    real = trl_grpo.result_json
+    monkeypatch.setattr(trl_grpo, "result_json", lambda *a, **k: written.append(len(k["steps"])) or real(*a, **k))
+    assert trl_grpo.main(["--quick", "--output", str(tmp_path / "trl.json")]) == 0
+    assert written[0] == 1 and written[-1] == 2 and sorted(written) == written  # step 1's JSON before step 2 ran
+    assert not (tmp_path / "trl.json.partial").exists()
