@@ -31,7 +31,12 @@ Like for like: each side's settings (SETTINGS: compute precision, master dtype, 
 vocabulary size, completions a step and their length) go into the JSON, ours from <run>.settings.json, TRL's from
 its own JSON. TRL over ours is never given alone: the table beside it lists each side's settings, and the ratio
 carries `unlike: ...` with every setting that differs or is unknown (the 2x goal is judged only like for like).
-Ratios by the medians and by the means of the steps after the first `--skip`.
+Ratios by the medians and by the means of the steps after the first `--skip`. The engines' LEVERS (sleep level,
+seeds, KV cache, GPU share) are listed beside the settings, and count where both sides record them.
+
+The pair against TRL training the same two shapes one after the other (the paper's claim that one collaborative
+run replaces sequential ones): where trl.json (the 1.5B shape) and trl-3b.json (the 3B shape) lie beside the pair's
+metrics, the pair's step against the sum of TRL's two steps (`pair_vs_trl_sequential`).
 
     python benchmarks/pair_summary.py --settings /tmp/pair-runs/alone > alone.settings.json   # where the run ran
 """
@@ -45,6 +50,11 @@ import statistics
 
 GIB = 2**30
 SETTINGS = ("precision", "master_dtype", "attention", "compile", "vocab_size", "batch", "length")
+# the engine's levers (issue 67), where a side records them: its sleep level during the update (0: awake), its
+# sampling seeds (a seed per request, or one seeded stream a generation), its KV cache (GiB, or "share": a share of
+# the GPU) and that share (gpu_memory_utilization). A lever both sides record and set differently makes the ratio
+# unlike; one a side does not record (results from before 2026-11-28) is shown as "-" and judged by SETTINGS alone.
+LEVERS = ("sleep_level", "seeds", "kv_cache_gib", "gpu_memory_utilization")
 EXCHANGE_KEYS = ("exchange_seconds", "exchange_wait_seconds")  # the exchange's share of step_seconds
 
 
@@ -175,6 +185,12 @@ def ours_settings(run_dir: pathlib.Path) -> dict[str, dict]:
             "batch": config.rollout.prompts_per_step * config.rollout.group_size,
             "length": config.rollout.max_new_tokens,
         }
+        if member.generator == "vllm":  # the engine's levers as configured (on a GPU: docs/vllm.md)
+            engine = member.vllm
+            out[member.name].update(
+                sleep_level=engine.sleep_level, seeds="per request" if engine.per_request_seed else "one stream",
+                kv_cache_gib=engine.kv_cache_gib if engine.kv_cache_gib is not None else "share",
+                gpu_memory_utilization=engine.gpu_memory_utilization)
     return out
 
 
@@ -190,13 +206,18 @@ def vocab_size(spec: str) -> int:
 
 
 def unlike(ours: dict | None, theirs: dict | None) -> list[str]:
-    """The SETTINGS in which two sides differ, or that one side does not record ("attention (unknown)")."""
+    """The SETTINGS in which two sides differ, or that one side does not record ("attention (unknown)"), and the
+    LEVERS both sides record and set differently."""
     out = []
     for key in SETTINGS:
         a, b = (ours or {}).get(key), (theirs or {}).get(key)
         if a is None or b is None:
             out.append(f"{key} (unknown)")
         elif a != b:
+            out.append(key)
+    for key in LEVERS:
+        a, b = (ours or {}).get(key), (theirs or {}).get(key)
+        if a is not None and b is not None and a != b:
             out.append(key)
     return out
 
@@ -227,14 +248,22 @@ def summarize(results: pathlib.Path, skip: int = 1) -> dict:
             out["runs"][name] = {**run_summary(records, skip), "gpu_memory_peak_gib":
                                  gpu_memory_peak_gib(results / f"{name}.gpumem"),
                                  "settings": json.loads(settings.read_text()) if settings.exists() else None}
-    trl = results / "trl.json"
-    if trl.exists():
-        result, settings = json.loads(trl.read_text()), results / "trl.settings.json"
-        if result.get("settings") is None and settings.exists():  # a run from before trl_grpo.py recorded them
-            result["settings"] = json.loads(settings.read_text())
-        out["trl"] = {**trl_summary(result, skip),
-                      "gpu_memory_peak_gib": gpu_memory_peak_gib(results / "trl.gpumem")}
-        out["device"] = out["device"] or out["trl"]["device"]
+    for stem, key in (("trl", "trl"), ("trl-3b", "trl_3b")):
+        trl = results / f"{stem}.json"
+        if trl.exists():
+            result, settings = json.loads(trl.read_text()), results / f"{stem}.settings.json"
+            if result.get("settings") is None and settings.exists():  # a run from before trl_grpo.py recorded them
+                result["settings"] = json.loads(settings.read_text())
+            out[key] = {**trl_summary(result, skip),
+                        "gpu_memory_peak_gib": gpu_memory_peak_gib(results / f"{stem}.gpumem")}
+            out["device"] = out["device"] or out[key]["device"]
+    pair = out["runs"].get("pair-sync")
+    if pair is not None and "trl" in out and "trl_3b" in out:
+        sequential = (None if None in (out["trl"]["step_seconds"], out["trl_3b"]["step_seconds"])
+                      else out["trl"]["step_seconds"] + out["trl_3b"]["step_seconds"])
+        out["pair_vs_trl_sequential"] = {"pair_step_seconds": pair["step_seconds"],
+                                         "trl_sequential_step_seconds": sequential,
+                                         "trl_sequential_over_pair": ratio(sequential, pair["step_seconds"])}
     alone = out["runs"].get("alone")
     if alone is not None and "trl" in out:
         speedup = ratio(out["trl"]["step_seconds"], alone["step_seconds"])
@@ -280,15 +309,18 @@ def markdown(summary: dict) -> str:
                 lines.append(f"| {name} | (pair: slower member; wall {_f(run['wall_step_seconds'])} s) | "
                              f"{_f(run['step_seconds'])} | | | | | | {_f(run['step_tokens_per_s'], 0)} | | | | "
                              f"{_f(run['gpu_memory_peak_gib'], 1)} | |")
-        if trl is not None:  # generation with its weight sync, update with its scoring: ours' phases
-            model = (trl["config"] or {}).get("model", "")
-            update = sum(trl[k] or 0.0 for k in ("score_seconds", "update_seconds"))
-            lines.append(f"| trl | {model} | {_f(trl['step_seconds'])} | {_f(trl['gen_seconds'])} | "
-                         f"{_f(trl['weight_sync_seconds'])} | - | {_f(update)} | "
-                         f"{_f(trl['gen_tokens_per_s'], 0)} | {_f(trl['step_tokens_per_s'], 0)} | "
-                         f"{_f(trl['is_weight_mean'], 4)} | - | "
-                         f"{_f(trl['completion_len_mean'], 0)} | {_f(trl['gpu_memory_peak_gib'], 1)} | "
-                         f"{_f(trl['peak_allocated_gib'], 1)} |")
+        for key in ("trl", "trl_3b"):  # generation with its weight sync, update with its scoring: ours' phases
+            run = summary.get(key)
+            if run is None:
+                continue
+            model = (run["config"] or {}).get("model", "")
+            update = sum(run[k] or 0.0 for k in ("score_seconds", "update_seconds"))
+            lines.append(f"| {key.replace('_', '-')} | {model} | {_f(run['step_seconds'])} | "
+                         f"{_f(run['gen_seconds'])} | {_f(run['weight_sync_seconds'])} | - | {_f(update)} | "
+                         f"{_f(run['gen_tokens_per_s'], 0)} | {_f(run['step_tokens_per_s'], 0)} | "
+                         f"{_f(run['is_weight_mean'], 4)} | - | "
+                         f"{_f(run['completion_len_mean'], 0)} | {_f(run['gpu_memory_peak_gib'], 1)} | "
+                         f"{_f(run['peak_allocated_gib'], 1)} |")
         lines += ["", ("is_weight_mean: over the tokens a member trained on (alone: its own rollouts; in the pair "
                        "also its peer's); own ratio: exp(l - g) over its own tokens only (~1: trainer and engine "
                        "agree); TRL's is_weight_mean: its logged mean vLLM importance ratio, after its cap at 2. "
@@ -312,14 +344,23 @@ def markdown(summary: dict) -> str:
                   f"{_f(versus['ours_step_seconds'])} = {_f(versus['trl_over_ours'])}x ({like})** by the medians; "
                   f"{_f(versus['trl_step_seconds_mean'])} / {_f(versus['ours_step_seconds_mean'])} = "
                   f"{_f(versus['trl_over_ours_mean'])}x by the means (goal: >= 2x; {goal})."), ""]
+    sequential = summary.get("pair_vs_trl_sequential")
+    if sequential is not None:
+        lines += [(f"**The pair against TRL training its two shapes one after the other: TRL's "
+                   f"{_f(summary['trl']['step_seconds'])} + {_f(summary['trl_3b']['step_seconds'])} = "
+                   f"{_f(sequential['trl_sequential_step_seconds'])} s against the pair's "
+                   f"{_f(sequential['pair_step_seconds'])} s a step: "
+                   f"{_f(sequential['trl_sequential_over_pair'])}x.** Each TRL run trains its member on its own 144 "
+                   "completions; the pair trains each on its own and its peer's (288). The pair's settings are in "
+                   "the JSON (runs.pair-sync.settings), TRL's in trl.settings and trl_3b.settings."), ""]
     return "\n".join(lines)
 
 
 def settings_table(versus: dict) -> list[str]:
-    """Each side's SETTINGS, those that differ or are unknown marked."""
+    """Each side's SETTINGS and LEVERS, those that differ or are unknown marked."""
     differ = {item.split(" ")[0] for item in versus["unlike"]}
     lines = ["| setting | ours alone | TRL | |", "| --- | --- | --- | --- |"]
-    for key in SETTINGS:
+    for key in SETTINGS + LEVERS:
         a, b = ((versus[side] or {}).get(key) for side in ("ours_settings", "trl_settings"))
         lines.append(f"| {key} | {'-' if a is None else a} | {'-' if b is None else b} | "
                      f"{'**differs**' if key in differ else ''} |")

@@ -176,3 +176,51 @@ def test_ours_settings_are_what_the_engine_resolves_for_each_member(tmp_path):
                 "vocab_size": 101, "batch": 128, "length": 2}
     assert settings == {"tiny-s": expected, "tiny-m-lora": expected}
     assert pair_summary.main(["--settings", str(tmp_path)]) == 0
+
+
+LEVERS = {"sleep_level": 2, "seeds": "one stream", "kv_cache_gib": 3.0, "gpu_memory_utilization": 0.1}
+
+
+def test_the_engines_levers_count_where_both_sides_record_them(tmp_path):
+    """Issue 67's levers: a lever set differently on the two sides makes the ratio unlike; one a side does not
+    record (results from before the levers were recorded) is shown but judged by the settings alone."""
+    write_results(tmp_path / "same", [40.0, 30.0, 26.0], trl_settings={**SETTINGS, **LEVERS},
+                  ours_settings={**SETTINGS, **LEVERS})
+    versus = pair_summary.summarize(tmp_path / "same", skip=1)["trl_vs_alone"]
+    assert versus["like_for_like"] and versus["goal_2x_met"] is True
+    assert "| kv_cache_gib | 3.0 | 3.0 |  |" in pair_summary.markdown(pair_summary.summarize(tmp_path / "same"))
+    write_results(tmp_path / "differ", [40.0, 30.0, 26.0], trl_settings={**SETTINGS, **LEVERS},
+                  ours_settings={**SETTINGS, **LEVERS, "sleep_level": 1, "kv_cache_gib": "share"})
+    versus = pair_summary.summarize(tmp_path / "differ", skip=1)["trl_vs_alone"]
+    assert versus["unlike"] == ["sleep_level", "kv_cache_gib"] and versus["goal_2x_met"] is None
+    write_results(tmp_path / "older", [40.0, 30.0, 26.0], trl_settings={**SETTINGS, **LEVERS})
+    assert pair_summary.summarize(tmp_path / "older", skip=1)["trl_vs_alone"]["like_for_like"]
+
+
+def test_ours_levers_are_the_configs_engine_settings(tmp_path):
+    import shutil
+
+    from ftis_engine.config import load_config
+
+    shutil.copy(pair_summary.pathlib.Path(__file__).parents[1] / "configs" / "tiny.yaml", tmp_path / "tiny.yaml")
+    config = load_config(tmp_path / "tiny.yaml", ["members.0.generator=vllm", "members.0.vllm.kv_cache_gib=0.5",
+                                                  "members.0.vllm.per_request_seed=false"])
+    (tmp_path / "config.yaml").write_text(pair_summary.json.dumps(config.model_dump(mode="json")))
+    settings = pair_summary.ours_settings(tmp_path)
+    assert {k: settings["tiny-s"][k] for k in pair_summary.LEVERS} == {
+        "sleep_level": 1, "seeds": "one stream", "kv_cache_gib": 0.5, "gpu_memory_utilization": 0.3}
+    assert not set(pair_summary.LEVERS) & set(settings["tiny-m-lora"])  # a transformers generator has no engine
+
+
+def test_the_pair_is_set_against_trl_training_both_shapes_one_after_the_other(tmp_path):
+    write_results(tmp_path / "results", [40.0, 30.0, 26.0])
+    big = trl_result([60.0, 50.0, 54.0])
+    big["config"] = {"model": "builtin:shape-3b-qwen"}
+    (tmp_path / "results" / "trl-3b.json").write_text(json.dumps(big))
+    summary = pair_summary.summarize(tmp_path / "results", skip=1)
+    sequential = summary["pair_vs_trl_sequential"]
+    assert sequential["trl_sequential_step_seconds"] == pytest.approx(28.0 + 52.0)
+    assert sequential["pair_step_seconds"] == pytest.approx(23.5)  # median(max(20, 25), max(22, 21))
+    assert sequential["trl_sequential_over_pair"] == pytest.approx(80.0 / 23.5)
+    table = pair_summary.markdown(summary)
+    assert "| trl-3b | builtin:shape-3b-qwen | 52.00 |" in table and "= 80.00 s against the pair's 23.50 s" in table
