@@ -16,6 +16,8 @@ import pathlib
 import time
 import zlib
 from collections import defaultdict
+from collections.abc import Collection
+from typing import NamedTuple
 
 import torch
 
@@ -268,7 +270,8 @@ class MetricsLogger:
 
 
 class MetricsError(OSError):
-    """A metrics.jsonl that cannot be read at all (a directory, unreadable): one line naming it."""
+    """A metrics.jsonl that cannot be read at all (a directory, unreadable), or, read strictly, one with a line that is
+    no record: one line naming it."""
 
 
 def is_record(record: object) -> bool:
@@ -277,12 +280,22 @@ def is_record(record: object) -> bool:
             and isinstance(record.get("step"), int) and not isinstance(record.get("step"), bool))
 
 
-def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]], int]:
-    """(the records of a metrics.jsonl, [(line number, text)] of the lines that are not records, its number of
-    lines), from one read; a name ending in .gz is read through gzip (a study's records/). Raises MetricsError when
-    the file cannot be read."""
+class Lines(NamedTuple):
+    """A metrics.jsonl, read once (read_lines)."""
+
+    records: list[dict]
+    bad: list[tuple[int, str]]  # (line number, text) of each line that is neither a record nor blank
+    blank: list[int]  # the numbers of the blank lines
+    count: int  # its lines
+    open_end: bool  # its last line has no newline: a writer is still writing it, or a crash tore it
+
+
+def read_lines(path: pathlib.Path) -> Lines:
+    """Every line of a metrics.jsonl, sorted into records, lines that are not, and blank lines, from one read; a
+    name ending in .gz is read through gzip (a study's records/). A file that is not there has no lines. Raises
+    MetricsError when the file cannot be read."""
     if not path.exists():
-        return [], [], 0
+        return Lines([], [], [], 0, False)
     try:
         data = path.read_bytes()
         text = (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8", errors="replace")
@@ -290,10 +303,11 @@ def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]], i
         raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     except (EOFError, zlib.error):
         raise MetricsError(f"{path}: cannot read it (not a whole gzip stream)") from None
-    records, bad = [], []
+    records, bad, blank = [], [], []
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
+            blank.append(number)
             continue
         try:
             record = json.loads(line)
@@ -303,27 +317,54 @@ def read_lines(path: pathlib.Path) -> tuple[list[dict], list[tuple[int, str]], i
             records.append(record)
         else:
             bad.append((number, line))
-    return records, bad, len(lines)
+    return Lines(records, bad, blank, len(lines), bool(text) and not text.endswith("\n"))
 
 
-def read_metrics(path: pathlib.Path) -> list[dict]:
-    """The records of a metrics.jsonl: every line that is one (is_record). A line that is not (edited by hand,
-    without member or with a text step) is skipped, and a warning says which; the others all count. A last line
-    torn by a crash is skipped silently. Raises MetricsError when the file cannot be read."""
-    records, bad, last = read_lines(path)
-    bad = [(n, line) for n, line in bad if n < last]  # a last line torn by a crash: left out silently
-    if bad:
-        shown = ", ".join(str(n) for n, _ in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        log.warning("%s: line(s) %s are not records (a JSON object with a kind, a member and a whole-number step); "
-                    "skipped", path, shown)
-    return records
+def _numbers(numbers: list[int]) -> str:
+    return ", ".join(str(n) for n in numbers[:5]) + (f" and {len(numbers) - 5} more" if len(numbers) > 5 else "")
+
+
+def read_metrics(path: pathlib.Path, *, kinds: Collection[str] | str | None = None, strict: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl (every line that is one: is_record), in the file's order; with `kinds`, those
+    of these kinds alone (a string: one kind). The one reader of metrics.jsonl: the engine's, the benchmarks' and
+    the tests'.
+
+    A last line without its newline is one a writer is still writing (a reader following a live run) or one a crash
+    tore: it is left out silently, whatever `strict` says, unless it is already a whole record (a newline was all
+    it missed: a part of a JSON object is never one). Any other line that is not a record (edited by hand, without
+    member, a text step):
+
+    - strict=False (the engine; anything that reads a run still going): skipped, and a warning says which; the others
+      all count. A bad last line (torn by a crash) is skipped silently.
+    - strict=True (tests, benchmarks reading the runs they finished): MetricsError naming its line, a blank line too:
+      every complete line is a record. A file that is not there is a MetricsError too.
+
+    Raises MetricsError when the file cannot be read."""
+    if strict and not path.exists():
+        raise MetricsError(f"{path}: no such file")
+    lines = read_lines(path)
+    if strict:
+        torn = lines.count if lines.open_end else None
+        bad = sorted(n for n in [*(n for n, _ in lines.bad), *lines.blank] if n != torn)
+        if bad:
+            raise MetricsError(f"{path}: line(s) {_numbers(bad)} are not records (a JSON object with a kind, a member "
+                               "and a whole-number step)")
+    else:
+        bad = [n for n, _ in lines.bad if n < lines.count]  # a last line torn by a crash: left out silently
+        if bad:
+            log.warning("%s: line(s) %s are not records (a JSON object with a kind, a member and a whole-number "
+                        "step); skipped", path, _numbers(bad))
+    if kinds is None:
+        return lines.records
+    kinds = {kinds} if isinstance(kinds, str) else set(kinds)
+    return [r for r in lines.records if r["kind"] in kinds]
 
 
 def truncate_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
     """Keep every record of a step <= last_step (the resumed run rewrites what came after), atomically; a line
     that is no record is moved to metrics.jsonl.bad beside it (appended, with its line number), never lost and
     never read again. Returns the records dropped."""
-    records, bad, _ = read_lines(path)
+    records, bad = read_lines(path)[:2]
     kept = [r for r in records if r["step"] <= last_step]
     if bad:
         aside = path.with_name(path.name + ".bad")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from ftis_engine import metrics as metrics_module
-from ftis_engine.metrics import (MetricsLogger, Stopwatch, read_metrics, resident_mib, resume_records, train_record,
-                                 truncate_metrics)
+from ftis_engine.metrics import (MetricsError, MetricsLogger, Stopwatch, read_metrics, resident_mib, resume_records,
+                                 train_record, truncate_metrics)
 from ftis_engine.rollouts import Rollout
 
 
@@ -81,6 +81,49 @@ def test_a_torn_last_line_is_left_out_silently_and_a_broken_middle_line_with_a_w
     with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
         assert len(read_metrics(path)) == 3  # the records after it still count
     assert "line(s) 2 are not records" in caplog.text
+
+
+def test_a_half_written_last_line_is_left_out_in_both_modes_until_its_newline_comes(tmp_path, caplog):
+    """A reader following a live run sees the line a writer is in the middle of: no record, no warning, no error,
+    strict or not; once the writer has finished it, the same read has it."""
+    path = tmp_path / "metrics.jsonl"
+    first, second = (json.dumps({"step": s, "member": "a", "kind": "train"}) for s in (1, 2))
+    path.write_text(first + "\n" + second[:17])
+    for strict in (False, True):
+        with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
+            assert [r["step"] for r in read_metrics(path, strict=strict)] == [1]
+    assert not caplog.messages
+    with open(path, "a") as f:
+        f.write(second[17:] + "\n")
+    for strict in (False, True):
+        assert [r["step"] for r in read_metrics(path, strict=strict)] == [1, 2]
+
+
+def test_read_strictly_every_complete_line_is_a_record(tmp_path):
+    """strict=True (tests, benchmarks reading runs they finished): a line that is no record, a blank line, a torn
+    line that is not the last, or no file at all is a MetricsError naming it; a whole last record without its
+    newline counts."""
+    path = tmp_path / "metrics.jsonl"
+    good = json.dumps({"step": 1, "member": "a", "kind": "train"})
+    path.write_text(good)
+    assert len(read_metrics(path, strict=True)) == 1
+    for text, lines in [(good + "\n[1, 2]\n" + good + "\n", "2"), (good + "\n\n" + good + "\n", "2"),
+                        (good[:10] + "\n" + good + "\n", "1"), (good + "\n" + good[:10] + "\n", "2")]:
+        path.write_text(text)
+        with pytest.raises(MetricsError, match=rf"metrics.jsonl: line\(s\) {lines} are not records"):
+            read_metrics(path, strict=True)
+        assert len(read_metrics(path)) == 1 + (text.count(good) == 2)  # not strict: skipped
+    with pytest.raises(MetricsError, match="no such file"):
+        read_metrics(tmp_path / "nothing.jsonl", strict=True)
+    assert read_metrics(tmp_path / "nothing.jsonl") == []
+
+
+def test_kinds_keeps_the_records_of_those_kinds_in_order(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    kinds = ["eval", "train", "resume", "train", "eval"]
+    path.write_text("".join(json.dumps({"step": s, "member": "a", "kind": k}) + "\n" for s, k in enumerate(kinds)))
+    assert [r["step"] for r in read_metrics(path, kinds="train")] == [1, 3]
+    assert [r["step"] for r in read_metrics(path, kinds=("eval", "resume"), strict=True)] == [0, 2, 4]
 
 
 def test_a_resume_never_drops_a_valid_record_and_keeps_the_unreadable_lines_aside(tmp_path):
