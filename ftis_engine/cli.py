@@ -86,7 +86,7 @@ def train(
                                     help="Train this config's one member in the open swarm whose coordinator is at "
                                          "ADDRESS (tcp://HOST:PORT; ftis-engine swarm serve)."),
     allow_data_change: bool = typer.Option(
-        False, "--allow-data-change", metavar="", help="--resume: go on although a data file changed since the run "
+        False, "--allow-data-change", metavar="", help="A resume: go on although a data file changed since the run "
         "recorded it (refused without; warned, and every record from the resumed step carries data_changed_at)."),
 ) -> None:
     """Train the members of a config together."""
@@ -425,10 +425,34 @@ _UsageError = typer.BadParameter.__mro__[1]
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage and config errors become one line on stderr and exit code 2; Ctrl-C and SIGTERM one line
-    with exit code 130."""
+    with exit code 130 (a coordinator's summary and exit 0). The first Ctrl-C or SIGTERM stops the command; one more
+    soon after it is ignored while it cleans up (_Interrupts; two Ctrl-C 20 ms apart printed a traceback from an
+    atexit callback after the line), and once the command has its exit code (argv None: this process's own command
+    line) signals are ignored while the process finishes (two SIGTERMs gave a coordinator exit 143 after its
+    summary)."""
     quiet_libraries()
+    own = argv is None and threading.current_thread() is threading.main_thread()
+    handlers, interrupts = {}, _Interrupts()  # one for both: a Ctrl-C then a SIGTERM is an interrupt and one more
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            handlers[signum] = signal.getsignal(signum)
+            if not (signum == signal.SIGINT and handlers[signum] == signal.SIG_IGN):  # started ignoring Ctrl-C
+                signal.signal(signum, interrupts)
+    try:
+        _run(argv)
+    except SystemExit:
+        if own:  # the process now only finishes (its atexit callbacks, its modules): a signal more changes nothing.
+            for signum in handlers:  # Ignored: Python puts back SIG_DFL for its own handlers as it finalizes, and a
+                signal.signal(signum, signal.SIG_IGN)  # SIGTERM then ended it with 143 (Ctrl-\\ still ends it)
+        raise
+    finally:
+        if not own:  # a caller's process (a test) keeps its own handlers
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+
+def _run(argv: list[str] | None) -> None:
+    """main's work: the command, and its errors told in one line (exits through SystemExit always)."""
     try:
         code = app(args=argv, standalone_mode=False)
     except (ConfigError, TaskError, UsageFailure) as exc:
@@ -462,9 +486,28 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code if isinstance(code, int) else 0)
 
 
-def _terminate(signum, frame) -> None:
-    """SIGTERM stops a command as Ctrl-C does (its runs interrupted, its checkpoints kept, one line)."""
-    raise KeyboardInterrupt
+class _Interrupts:
+    """SIGINT's and SIGTERM's handler while a command runs: the first stops it as Ctrl-C does (KeyboardInterrupt:
+    its runs interrupted, its checkpoints kept, one line); those within FORCE_AFTER_S of it (a double Ctrl-C, a
+    supervisor's SIGTERMs in a row) are ignored, so the cleanup it set off finishes and says what it left; one
+    later than that (a cleanup that hangs) ends the process at once, in one line."""
+
+    FORCE_AFTER_S = 2.0
+
+    def __init__(self):
+        self.first: float | None = None
+
+    def __call__(self, signum, frame) -> None:
+        import time
+
+        if self.first is None:
+            self.first = time.monotonic()
+            raise KeyboardInterrupt
+        if time.monotonic() - self.first >= self.FORCE_AFTER_S:
+            sys.stderr.write(error_line("interrupted again while stopping: stopped at once, its cleanup unfinished"))
+            sys.stderr.flush()
+            os._exit(INTERRUPTED)
+
 
 
 def _caused_by_interrupt(exc: BaseException) -> bool:

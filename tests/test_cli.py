@@ -315,3 +315,102 @@ def test_a_resume_on_changed_data_is_refused_and_with_allow_data_change_warned_a
         == {(3, 2), (4, 2)}
     assert json.loads((run_dir / "data.json").read_text())["changes"] == [
         {"step": 2, "fields": ["data.eval_paths.mine", "data.train_path"]}]
+
+
+# ----------------------------------------------------------------------------------------------- a second signal
+
+FINISHING = "import atexit, time; atexit.register(time.sleep, 1.5); from ftis_engine.entry import main; main()"
+
+
+@pytest.mark.parametrize("command, signum, code", [
+    (["swarm", "serve", "--config", str(ROOT / "configs/swarm/swarm.yaml"), "--bind", "tcp://127.0.0.1:0"],
+     "SIGTERM", 0),
+    (["train", "--config", str(TINY), "--set", "eval.at_start=false"], "SIGINT", 130),
+])
+def test_a_signal_while_the_process_finishes_changes_neither_its_code_nor_its_lines(tmp_path, command, signum, code):
+    """Two SIGTERMs 50 ms apart gave `swarm serve` exit 143 after its summary, and two Ctrl-C 20 ms apart during
+    `train` a traceback from an atexit callback after its line: the second landed while the process finished. The
+    window is made wide here (an atexit callback that sleeps 1.5 s, run last), and the second signal sent into it."""
+    import signal
+    import time
+
+    from .helpers import with_default_sigint
+
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        process = subprocess.Popen(with_default_sigint([sys.executable, "-c", FINISHING, *command, "--output-dir",
+                                                        str(tmp_path / "out")]), stderr=stderr, cwd=ROOT)
+    try:
+        ready = "coordinator listening" if command[0] == "swarm" else "step 1/"
+        deadline = time.monotonic() + 240
+        while ready not in err.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        process.send_signal(getattr(signal, signum))
+        time.sleep(0.8)  # the command has ended and written its line; the process sleeps in its atexit callback
+        process.send_signal(getattr(signal, signum))
+        assert process.wait(60) == code
+    finally:
+        process.kill()
+    lines = [x for x in err.read_text().splitlines() if x.strip() and not x.startswith(("step ", "each step"))]
+    assert not any("Traceback" in x or "Exception ignored" in x for x in lines), lines
+    assert lines[-1].startswith("coordinator stopped: " if code == 0 else "error: interrupted before the run's first")
+
+
+def test_a_second_ctrl_c_while_the_first_is_cleaned_up_is_ignored_and_its_line_still_said(monkeypatch, capsys,
+                                                                                          tmp_path):
+    """A Ctrl-C landing while the first one's cleanup runs (closing the members) cut that cleanup short and lost
+    the line that says what the run left: it is ignored, the cleanup finishes and the line comes."""
+    import signal
+
+    from ftis_engine import session
+
+    def interrupt(swarm, step):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, in the step
+
+    close, closed = session.Swarm.close, []
+
+    def close_and_ctrl_c_again(self):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered here, in the cleanup
+        close(self)
+        closed.append(True)
+
+    monkeypatch.setattr(session.Swarm, "close", close_and_ctrl_c_again)
+    code, err = _main_exit(monkeypatch, capsys, interrupt, tmp_path)
+    assert closed == [True] and code == 130 and err.strip().splitlines()[-1] == (
+        "error: interrupted before the run's first checkpoint; nothing to continue from: rerun the same command to "
+        "start it again")
+
+
+def test_a_signal_long_after_the_first_ends_a_cleanup_that_hangs_at_once_in_one_line(tmp_path):
+    """What a second signal within 2 s leaves alone, a later one ends: a cleanup that never returns cannot keep
+    the command from Ctrl-C."""
+    import signal
+    import time
+
+    from .helpers import with_default_sigint
+
+    hangs = ("import time, ftis_engine.session as s; s.Swarm.close = lambda self: time.sleep(3600); "
+             "import ftis_engine.run as r; r.run_step = lambda *a: time.sleep(3600); "
+             "from ftis_engine.entry import main; main()")
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        process = subprocess.Popen(with_default_sigint([sys.executable, "-c", hangs, "train", "--config", str(TINY),
+                                                        "--set", "eval.at_start=false", "--output-dir",
+                                                        str(tmp_path / "out")]), stderr=stderr, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 240
+        while "each step" not in err.read_text():  # the legend: the first step is running
+            assert process.poll() is None and time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        process.send_signal(signal.SIGINT)  # into the step: the cleanup starts, and hangs
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)  # ignored: the cleanup goes on
+        time.sleep(2.0)
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)
+        assert process.wait(30) == 130
+    finally:
+        process.kill()
+    assert err.read_text().splitlines()[-1] == ("error: interrupted again while stopping: stopped at once, its cleanup "
+                                                "unfinished")
