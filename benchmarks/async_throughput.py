@@ -35,6 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+from ftis_engine.metrics import read_metrics  # noqa: E402
 from tests.ports import free_port  # noqa: E402  (a port a test beside this one cannot take meanwhile)
 
 SETTINGS = ["sync", "0", "1", "2", "4", "null"]  # sync mode, then async mode by swarm.max_lead
@@ -86,10 +87,10 @@ def run_swarm(setting: str, steps: int, slowdown: float, jitter: float, out: pat
         if p.returncode != 0:
             raise RuntimeError(f"{setting} run failed: {err.strip().splitlines()[-1] if err.strip() else p.returncode}")
     wall = time.perf_counter() - started
-    records = [json.loads(x) for x in (out / name / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(out / name / "metrics.jsonl", kinds="train", strict=True)
     by_member = {"wall_seconds": wall}
     for member in MEMBERS:
-        train = [r for r in records if r["kind"] == "train" and r["member"] == member]
+        train = [r for r in records if r["member"] == member]
         seconds = sum(r["step_seconds"] for r in train)
         stale = [v for r in train for v in (r.get("staleness_min"), r.get("staleness_max")) if v is not None]
         by_member[member] = {

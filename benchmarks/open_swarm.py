@@ -49,10 +49,10 @@ ROLLOUT = ("rollout.group_size=4", "rollout.prompts_per_step=2")
 
 
 def _records(run: pathlib.Path, name: str) -> list[dict]:
-    path = run / "members" / name / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "train"]
+    """A member's train records, read while it runs (or after a kill -9): the line it is writing is left out."""
+    from ftis_engine.metrics import read_metrics
+
+    return read_metrics(run / "members" / name / "metrics.jsonl", kinds="train")
 
 
 def member(step_seconds: float, args: list[str]) -> None:

@@ -21,7 +21,9 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def records(path: pathlib.Path, kind: str) -> list[dict]:
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == kind]
+    from ftis_engine.metrics import read_metrics
+
+    return read_metrics(path, kinds=kind, strict=True)
 
 
 def main(folder: pathlib.Path) -> str:

@@ -47,8 +47,9 @@ def run_once(steps: int | None, threads: int | None, load: int, seed: int | None
             if result.returncode != 0:
                 row["error"] = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
                 return row
-            lines = [json.loads(x) for x in (pathlib.Path(out) / "tiny" / "metrics.jsonl").read_text().splitlines()]
-            evals = [r for r in lines if r["kind"] == "eval"]
+            from ftis_engine.metrics import read_metrics
+
+            evals = read_metrics(pathlib.Path(out) / "tiny" / "metrics.jsonl", kinds="eval", strict=True)
             last = max(r["step"] for r in evals)
             row["accuracy"] = {r["member"]: r["accuracy"] for r in evals if r["step"] == last}
             row["accuracy_step0"] = {r["member"]: r["accuracy"] for r in evals if r["step"] == 0}

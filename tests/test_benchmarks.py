@@ -261,9 +261,9 @@ def test_the_launch_benchmark_compares_the_medians_of_successful_runs_only():
 def test_the_real_gpu_summary_gives_the_share_of_completions_cut_and_the_reward_over_the_rest(tmp_path):
     from benchmarks import real_gpu_summary
 
-    train = [{"kind": "train", "step": s, "reward_mean": 0.1, "truncated_frac": 0.5, "step_seconds": 2.0,
+    train = [{"kind": "train", "member": "m", "step": s, "reward_mean": 0.1, "truncated_frac": 0.5, "step_seconds": 2.0,
               "gen_seconds": 1.5, "train_seconds": 0.5, "is_weight_mean": 1.0, "gpu_peak_gib": 1.0} for s in range(1, 11)]
-    evals = [{"kind": "eval", "step": 0, "accuracy": 0.25, "samples": 400}]
+    evals = [{"kind": "eval", "member": "m", "step": 0, "accuracy": 0.25, "samples": 400}]
     (tmp_path / "learn.metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in evals + train))
     (tmp_path / "weights.json").write_text("{}")
     text = real_gpu_summary.main(tmp_path)
