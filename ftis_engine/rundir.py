@@ -175,8 +175,8 @@ class RunLock:
         where = "output_dir" if self.kind == "run" else field
         taken = next((d for d in [self.run_dir, *self.run_dir.parents] if d.exists()), None)
         if taken is not None and not taken.is_dir():
-            raise RunDirError(f"{where}: {taken} is not a directory" + (f", so {self.run_dir} cannot be made"
-                                                                         if taken != self.run_dir else ""))
+            raise RunDirError(f"{where}: cannot write to {self.run_dir} ({'it' if taken == self.run_dir else taken} "
+                              "is not a directory)")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)

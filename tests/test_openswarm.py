@@ -353,7 +353,8 @@ def test_swarm_serve_into_a_file_or_onto_a_log_that_is_a_directory_is_one_line(t
 
     (tmp_path / "afile").write_text("mine")
     (tmp_path / "swarm" / "coordinator.jsonl").mkdir(parents=True)
-    for out, said in [(tmp_path / "afile", f"error: --output-dir: {tmp_path / 'afile'} is not a directory"),
+    for out, said in [(tmp_path / "afile", f"error: --output-dir: cannot write to {tmp_path / 'afile'} (it is not a "
+                                           "directory)"),
                       (tmp_path / "swarm", f"error: --output-dir {tmp_path / 'swarm'}: its coordinator.jsonl is not a "
                                            "file")]:
         done = command_here(capsys, "swarm", "serve", "--config", ROOT / "configs/swarm/swarm.yaml", "--bind",
