@@ -690,6 +690,13 @@ class RunConfig(_Section):
             raise ValueError(f"train.epochs: several optimizer steps per batch (epochs x mini_batches = "
                              f"{self.train.epochs * self.train.mini_batches}) are not supported yet for a member on "
                              f"several ranks (members.{sharded}.ranks={self.members[sharded].ranks})")
+        groups = self.rollout.prompts_per_step // (len(self.members) if self.collaboration == "alone" else 1)
+        if self.train.mini_batches > groups:  # mini-batches are cut from whole groups: fewer, without a word
+            held = (f"collaboration alone gives a member as few as {groups} of rollout.prompts_per_step="
+                    f"{self.rollout.prompts_per_step} dealt to {len(self.members)} members"
+                    if self.collaboration == "alone" else f"rollout.prompts_per_step={groups}")
+            raise ValueError(f"train.mini_batches: {self.train.mini_batches} optimizer steps a pass are cut from "
+                             f"whole groups, and a step's update holds {groups} ({held}); at most {groups}")
         if self.swarm.mode == "sync" and not self.swarm.latency.is_zero:
             raise ValueError("swarm.latency: a delay needs swarm.mode: async (sync members wait for each other)")
         for i, member in enumerate(self.members):

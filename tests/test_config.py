@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 import torch
@@ -252,3 +253,17 @@ def test_eval_reward_is_a_config_field_of_its_own_defaulting_to_the_tasks_check(
     assert load_config(TINY, ["eval.reward=my_checks:right"]).eval.reward == "my_checks:right"
     with pytest.raises(ConfigError, match=r"^eval.reward: "):
         load_config(TINY, ["eval.reward="])
+
+
+@pytest.mark.parametrize("overrides, held", [
+    (["train.mini_batches=1000"], "a step's update holds 8 (rollout.prompts_per_step=8); at most 8"),
+    (["train.mini_batches=9"], "a step's update holds 8 (rollout.prompts_per_step=8); at most 8"),
+    (["train.mini_batches=5", "collaboration=alone"], "a step's update holds 4 (collaboration alone gives a member as "
+                                                      "few as 4 of rollout.prompts_per_step=8 dealt to 2 members)"),
+])
+def test_more_mini_batches_than_a_steps_groups_is_refused_naming_the_field(overrides, held):
+    """train.mini_batches=1000 with 8 groups a step: 8 optimizer steps a pass, without a word."""
+    with pytest.raises(ConfigError, match=r"^train.mini_batches: \d+ optimizer steps a pass are cut from whole "
+                                          rf"groups, and {re.escape(held)}"):
+        load_config(TINY, overrides)
+    assert load_config(TINY, ["train.mini_batches=8"]).train.mini_batches == 8
