@@ -3,6 +3,7 @@ run directories, one figure overlaying their validation curves."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 
 from .metrics import read_metrics
@@ -55,10 +56,21 @@ def running_mean(values, window: int) -> list[float]:
     return out
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def eval_records(records: list[dict]) -> list[dict]:
-    """The eval records that can be drawn: a text dataset and a numeric accuracy (a hand-edited line may lack them)."""
-    return [r for r in records if r["kind"] == "eval" and isinstance(r.get("dataset"), str)
-            and isinstance(r.get("accuracy"), (int, float)) and not isinstance(r.get("accuracy"), bool)]
+    """The eval records that can be drawn: a step of the run (>= 0), a text dataset and an accuracy in [0, 1] (a
+    hand-edited line may lack them, or hold a step -1 or an accuracy of 2.5)."""
+    return [r for r in records if r["kind"] == "eval" and r["step"] >= 0 and isinstance(r.get("dataset"), str)
+            and _number(r.get("accuracy")) and 0 <= r["accuracy"] <= 1]
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    """The train records that can be drawn: a step of the run (>= 0) and a finite number under a TRAIN_KEYS key."""
+    return [r for r in records
+            if r["kind"] == "train" and r["step"] >= 0 and any(_number(r.get(k)) for k in TRAIN_KEYS)]
 
 
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
@@ -74,12 +86,16 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
     records = read_metrics(run_dir / "metrics.jsonl")
     if not records:
         raise NothingToPlot("metrics.jsonl holds no records yet (the run has not finished a step)")
+    evals, train = eval_records(records), train_records(records)
+    if not evals and not train:  # nothing would be drawn: said, not an exit 0 that wrote nothing
+        raise NothingToPlot(f"metrics.jsonl holds {len(records)} record(s), none that can be drawn: an eval record "
+                            "needs a step >= 0, a dataset and an accuracy in [0, 1], a train record a step >= 0 and a "
+                            f"number under one of {', '.join(TRAIN_KEYS)}")
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)
     written = []
     members = sorted({r["member"] for r in records}, key=[r["member"] for r in records].index)
 
-    evals = eval_records(records)
     datasets = sorted({r["dataset"] for r in evals})
     if datasets:
         fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 3.6), squeeze=False)
@@ -96,7 +112,6 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
 
-    train = [r for r in records if r["kind"] == "train"]
     if train:
         labels = train_labels(run_method(run_dir))
         fig, axes = plt.subplots(2, 4, figsize=(18, 7))

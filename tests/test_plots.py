@@ -89,3 +89,24 @@ def test_the_loss_panel_is_named_for_the_runs_method(tmp_path, monkeypatch):
     assert run_method(tmp_path) == "gepo" and train_labels("f-nois")["loss"][0] == "F-NoIS loss"
     (tmp_path / "config.yaml").unlink()
     assert run_method(tmp_path) is None and train_labels(None)["loss"][0] == "loss"
+
+
+def test_plot_of_a_log_with_no_record_it_can_draw_is_one_line_and_writes_nothing(tmp_path, capsys):
+    """The log's only record has step -1, dataset null and accuracy 2.5: plot exited 0, wrote nothing, said nothing
+    (an empty metrics.jsonl exits 2)."""
+    from .helpers import command_here
+
+    records = [{"step": -1, "member": "a", "kind": "eval", "dataset": None, "accuracy": 2.5},
+               {"step": 3, "member": "a", "kind": "eval", "dataset": "d", "accuracy": 2.5},
+               {"step": -1, "member": "a", "kind": "train", "loss": 0.1},
+               {"step": 2, "member": "a", "kind": "train", "loss": "nan"}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = command_here(capsys, "plot", tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: RUN_DIR {tmp_path}: metrics.jsonl holds 4 record(s), none that can be drawn: an eval record needs a "
+        "step >= 0, a dataset and an accuracy in [0, 1], a train record a step >= 0 and a number under one of "
+        f"{', '.join(TRAIN_KEYS)}"], result.stderr
+    assert not (tmp_path / "plots").exists()
+    with open(tmp_path / "metrics.jsonl", "a") as log:  # one record it can draw: drawn, the others left out
+        log.write(json.dumps({"step": 1, "member": "a", "kind": "eval", "dataset": "d", "accuracy": 0.5}) + "\n")
+    assert command_here(capsys, "plot", tmp_path).returncode == 0 and (tmp_path / "plots" / "eval.png").is_file()
