@@ -181,13 +181,17 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
 def warn_if_alone(swarm: Swarm, peer_sequences: dict[str, int], steps: int) -> None:
     """A collaborating member that trained on no peer rollout in the whole run trained alone: say so, and the
     likeliest cause, rather than let a study read it as collaboration."""
-    if swarm.config.collaboration == "alone" or len(swarm.names) < 2:
+    if not swarm.schedule.has_peers:  # alone, or no other member (an open swarm's member has the swarm's)
         return
     latency = swarm.config.swarm.latency
     for name, count in peer_sequences.items():
         if count:
             continue
-        if latency.unit == "seconds" and not latency.is_zero:
+        if len(swarm.names) < 2:  # an open swarm's member: its peers are whoever is live in the swarm
+            cause = ("no peer's rollouts reached it: it was alone in the swarm, joined after the others finished, "
+                     "or every peer rollout was stale, rejected, of a tokenizer it cannot load or left out by a "
+                     "defense")
+        elif latency.unit == "seconds" and not latency.is_zero:
             cause = f"swarm.latency ({latency.min:g}-{latency.max:g} s) is longer than the run?"
         elif not latency.is_zero and latency.min >= steps:
             cause = f"swarm.latency delays every delivery {latency.min:g} steps, the run has {steps}"

@@ -77,6 +77,12 @@ class Schedule:
     def member_name(self, member: int) -> str:
         return self.config.members[member].name
 
+    @property
+    def has_peers(self) -> bool:
+        """Whether a member of this run trains on others' rollouts: its config's other members (the open swarm's
+        schedule: whoever is live in the swarm), unless collaboration is alone."""
+        return self.config.collaboration != "alone" and len(self.config.members) > 1
+
     def sender_label(self, rank: int) -> str:
         """How records and warnings name a sender: its member's name, a sampler's with /sampler-k."""
         member, sampler = self.roles[rank]

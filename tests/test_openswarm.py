@@ -630,6 +630,22 @@ def test_a_join_address_or_option_that_cannot_be_is_one_line_and_leaves_nothing(
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_member_alone_in_the_swarm_for_its_whole_run_is_warned_that_it_trained_alone(tmp_path, capsys, caplog):
+    """A member of an open swarm that trained on no peer rollout in any step (nobody else was live) exited 0 without
+    the warning docs/training.md promises: warn_if_alone returned early for a config of one member, which every
+    open-swarm member's is."""
+    from .helpers import command_here
+
+    running = Running(coordinator=Coordinator(_shared_for(2), lease_s=10, max_body=1 << 22))
+    try:
+        done = command_here(capsys, *_member_args(tmp_path, "tiny-s", running.address, 2)[3:])
+    finally:
+        running.close()
+    assert done.returncode == 0, done.stderr
+    assert "tiny-s trained on no peer rollout in its 2 steps: it trained alone (no peer's rollouts reached it: it " \
+           "was alone in the swarm" in caplog.text
+
+
 def test_a_join_nobody_answers_is_one_line_and_leaves_no_run_directory(tmp_path, capsys):
     from .helpers import ROOT, command_here
 

@@ -99,6 +99,11 @@ class OpenSchedule(Schedule):
     def member_name(self, member: int) -> str:
         return self.peers.name(member)
 
+    @property
+    def has_peers(self) -> bool:
+        """An open swarm's member collaborates with whoever is live in the swarm (its config has itself alone)."""
+        return True
+
     def sender_label(self, rank: int) -> str:
         return self.peers.name(rank)
 
