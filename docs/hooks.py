@@ -1,5 +1,7 @@
-"""mkdocs hooks: the configuration reference is generated from the pydantic descriptions at every build (it can
-never drift from the code), and the committed results under benchmarks/results/ are served as part of the site."""
+"""mkdocs hooks: the configuration reference is generated from the pydantic descriptions (docs/configuration.md holds
+it, committed, readable without a build: `python docs/hooks.py` writes it, tests/test_docs.py keeps it equal to the
+schema, and every build writes it again), and the committed results under benchmarks/results/ are served as part of
+the site."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from mkdocs.structure.files import File
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MARKER = "<!-- configuration reference -->"
+PAGE = ROOT / "docs" / "configuration.md"
+BEGIN = "<!-- the configuration reference: generated from ftis_engine/config.py by `python docs/hooks.py` -->"
+END = "<!-- end of the configuration reference -->"
 
 
 def on_files(files, config):
@@ -22,14 +26,36 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown: str, page, config, files):
-    if MARKER in markdown:
-        markdown = markdown.replace(MARKER, reference())
-    return markdown
+    return with_reference(markdown) if BEGIN in markdown else markdown
+
+
+def with_reference(markdown: str) -> str:
+    """The page with the reference between BEGIN and END written anew from the schema."""
+    head, _, rest = markdown.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return f"{head}{BEGIN}\n\n{reference()}\n\n{END}{tail}"
 
 
 def _type(annotation) -> str:
-    text = str(annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
+    text = str(_plain(annotation)).replace("typing.", "").replace("<class '", "").replace("'>", "")
     return text.replace("ftis_engine.config.", "").replace("|", "\\|")
+
+
+def _plain(annotation):
+    """The annotation without Annotated's validators (their functions print with an address that changes with
+    every process: the committed page must be the same wherever it is written)."""
+    import functools
+    import operator
+    import types
+
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _plain(args[0])
+    if origin in (typing.Union, types.UnionType):
+        return functools.reduce(operator.or_, [_plain(a) for a in args])
+    if origin in (list, dict, tuple):
+        return origin[tuple(_plain(a) for a in args)]
+    return annotation
 
 
 def _fields(model, prefix: str) -> list[tuple[str, str, str, str]]:
@@ -63,3 +89,10 @@ def reference() -> str:
     for key, kind, default, description in _fields(RunConfig, ""):
         lines.append(f"| `{key}` | `{kind}` | `{default}` | {description} |")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python docs/hooks.py: write the reference into docs/configuration.md
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    PAGE.write_text(with_reference(PAGE.read_text()))

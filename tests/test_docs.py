@@ -46,6 +46,21 @@ def test_the_configuration_reference_has_every_field():
     assert isinstance(config, RunConfig)
 
 
+def test_the_committed_configuration_reference_is_the_schemas():
+    """docs/configuration.md holds the generated table, readable without building the site (it was an 8-line stub
+    whose table existed only in the built site, while the README links to it for every field): equal to what the
+    schema gives now. After a change to ftis_engine/config.py: python docs/hooks.py."""
+    sys.path.insert(0, str(ROOT / "docs"))
+    try:
+        import hooks
+    finally:
+        sys.path.remove(str(ROOT / "docs"))
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page.count(hooks.BEGIN) == 1 and page.count(hooks.END) == 1
+    assert page == hooks.with_reference(page), "docs/configuration.md is not the schema's: run python docs/hooks.py"
+    assert "| `swarm.lease_s` | `float` | `10.0` |" in page and len(page.splitlines()) > 100
+
+
 def test_the_readme_is_a_short_front_page_linking_into_the_docs():
     readme = (ROOT / "README.md").read_text()
     assert len(readme.splitlines()) <= 200
