@@ -33,6 +33,16 @@ def test_the_set_up_section_holds_the_two_commands_ci_runs():
     assert (ROOT / "constraints.txt").is_file()
 
 
+def test_the_set_up_section_says_a_plain_torch_is_the_cuda_build_and_how_to_get_the_cpu_one():
+    """A new user on an ordinary Linux machine followed the install line into a multi-GB CUDA torch: only the quick
+    start said how to get the CPU build. The set-up section says it, with the index the quick start gives."""
+    setup = " ".join(README.split("## Set up", 1)[1].split("\n## ", 1)[0].split())
+    index = "--extra-index-url https://download.pytorch.org/whl/cpu"
+    assert "`torch==2.13.0` from PyPI is the CUDA build" in setup and f"add `{index}` to the first command" in setup
+    assert index in " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
+
+
 @pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
 def test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_kept(tmp_path, workers):
     """The README's test command leaves nothing behind: conftest gives a session its own FTIS_CACHE_DIR (a
