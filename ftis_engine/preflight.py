@@ -162,16 +162,33 @@ def training_bytes(config: RunConfig, index: int, shape: dict) -> int:
     return states + copies + saved
 
 
+# what an engine holds beside its weights and KV cache: activations of its largest batch, CUDA graphs, the allocator
+ENGINE_OVERHEAD_BYTES = 2 << 30
+ENGINE_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def engine_bytes(config: RunConfig, index: int, shape: dict | None, capacity: int) -> float:
+    """What member `index`'s vLLM engine takes of a GPU of `capacity` bytes while awake: with vllm.kv_cache_gib its
+    weights in the engine's dtype, that KV cache and ENGINE_OVERHEAD_BYTES (its gpu_memory_utilization share when the
+    model's shape is unknown); else its gpu_memory_utilization share of the whole GPU."""
+    settings = config.members[index].vllm
+    if settings.kv_cache_gib is None or shape is None:
+        return settings.gpu_memory_utilization * capacity
+    weights = parameter_counts(shape, None)[0] * ENGINE_DTYPE_BYTES[settings.dtype]
+    return weights + settings.kv_cache_gib * (1 << 30) + ENGINE_OVERHEAD_BYTES
+
+
 def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device, capacity: int) -> None:
-    """The members placed on one GPU must fit it: each vLLM engine takes its gpu_memory_utilization share of the
-    whole GPU (awake during generation, asleep in the update but not freed at level 1), each member's training
-    takes `training_bytes` plus a process's overhead. A plan that does not fit stops, naming the field to lower."""
+    """The members placed on one GPU must fit it: each vLLM engine takes `engine_bytes` (awake during generation,
+    asleep in the update but not freed at level 1), each member's training takes `training_bytes` plus a process's
+    overhead. A plan that does not fit stops, naming the field to lower."""
     gib = 1 << 30
-    engines = sum(config.members[i].vllm.gpu_memory_utilization * capacity for i in placed
-                  if config.members[i].generator == "vllm")
+    shapes = {i: model_shape(config.members[i].model) for i in placed}
+    vllm = [i for i in placed if config.members[i].generator == "vllm"]
+    engines = sum(engine_bytes(config, i, shapes[i], capacity) for i in vllm)
     needs, least = {}, 0  # least: what the engines need at the very least (bf16 weights and 1 GiB of KV cache)
     for i in placed:
-        shape = model_shape(config.members[i].model)
+        shape = shapes[i]
         if shape is None:
             log.warning("members.%d.model: no config found to plan its memory with (not in the cache and the hub "
                         "does not answer, or not a decoder the plan knows); the memory plan on %s leaves it out", i,
@@ -185,9 +202,9 @@ def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device
     largest = max(needs, key=needs.get)
     parts = ", ".join(f"members.{i} {needs[i] / gib:.1f}" for i in needs)
     where = f"{device} ({capacity / gib:.1f} GiB)"
-    vllm = [i for i in placed if config.members[i].generator == "vllm"]
     if vllm and sum(needs.values()) + least <= capacity:
-        raise ConfigError(f"members.{vllm[-1]}.vllm.gpu_memory_utilization: the vLLM engines on {where} take "
+        field = "kv_cache_gib" if config.members[vllm[-1]].vllm.kv_cache_gib is not None else "gpu_memory_utilization"
+        raise ConfigError(f"members.{vllm[-1]}.vllm.{field}: the vLLM engines on {where} take "
                           f"{engines / gib:.1f} GiB and training needs about {sum(needs.values()) / gib:.1f} GiB "
                           f"({parts}); lower it")
     saving = (f", or set members.{largest}.master_dtype=bfloat16 (torchao's AdamW with bf16 stochastic rounding: "

@@ -876,3 +876,29 @@ def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_p
                           "members.1.vllm.enforce_eager=false")
     vllm_gen.VLLMGenerator(m.model, m.tokenizer, torch.device("cpu"), config.members[1], config, seed=0).close()
     assert built["kv_cache_memory_bytes"] == 3 << 29 and built["enforce_eager"] is False
+
+
+def test_an_engine_sized_by_its_kv_cache_counts_its_weights_and_cache_not_a_share_of_the_gpu():
+    """With vllm.kv_cache_gib an engine takes its weights in its dtype, that KV cache and an overhead, whatever its
+    gpu_memory_utilization (which vLLM then reads only as a start-up check): the 3B shape's bf16 engine with 3.8 GiB
+    of cache is about 11.6 GiB, more than 0.1 of an 80 GB GPU; a plan too big names kv_cache_gib."""
+    from ftis_engine.config import ConfigError
+    from ftis_engine.preflight import (ENGINE_OVERHEAD_BYTES, check_memory_plan, engine_bytes, model_shape,
+                                       parameter_counts)
+
+    from .helpers import short_config
+
+    h100 = 85_520_809_984  # an h100's 79.6 GiB
+
+    config = short_config("members.0.model=builtin:shape-3b-qwen", "members.0.generator=vllm",
+                          "members.0.vllm.kv_cache_gib=3.8125", "members.0.vllm.gpu_memory_utilization=0.1")
+    shape = model_shape("builtin:shape-3b-qwen")
+    assert engine_bytes(config, 0, shape, h100) == (2 * parameter_counts(shape, None)[0] + 3.8125 * (1 << 30)
+                                                     + ENGINE_OVERHEAD_BYTES)
+    assert engine_bytes(config, 0, None, h100) == 0.1 * h100  # no shape to count with: the share
+    assert engine_bytes(short_config("members.0.generator=vllm"), 0, shape, h100) == 0.3 * h100
+    big = short_config("members.0.model=builtin:shape-3b-qwen", "members.0.generator=vllm", "members.0.lora=null",
+                       "members.0.master_dtype=bfloat16", "members.0.vllm.kv_cache_gib=60",
+                       "train.gradient_checkpointing=true", "members.1.model=builtin:tiny-s")
+    with pytest.raises(ConfigError, match=r"^members.0.vllm.kv_cache_gib: the vLLM engines on cuda:0 .* lower it$"):
+        check_memory_plan(big, [0], "cuda:0", h100)
