@@ -213,6 +213,25 @@ VICTIM = textwrap.dedent("""
 
 
 @pytest.mark.slow
+def test_a_coordinator_on_an_ipv6_address_takes_a_member_dialling_it():
+    """`--bind tcp://[::1]:PORT` failed ('No such device': ZeroMQ takes IPv6 only with ZMQ_IPV6, which a bracketed
+    host now sets on both sides)."""
+    import socket
+
+    try:
+        socket.socket(socket.AF_INET6).bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    running = Running(address="tcp://[::1]:*")
+    try:
+        assert running.address.startswith("tcp://[::1]:")
+        member = client(running.address, "a")
+        assert set(member.members()) == {"a"}
+        member.close()
+    finally:
+        running.close()
+
+
 def test_a_member_killed_with_sigkill_is_dropped_at_its_lease_and_rejoins_under_its_name(tmp_path):
     running = Running(lease_s=1.0, log_path=tmp_path / "coordinator.jsonl")
     got = []
