@@ -14,13 +14,16 @@ import contextlib
 import json
 import os
 import pathlib
+import pickle
 import random
 import re
 import shutil
 
 import torch
 from ftis_kernels import NonFiniteInputError
+from safetensors import SafetensorError
 
+from .errors import first_line
 from .fsdp import full_state_dict, local
 from .saving import save_pretrained
 from . import precision
@@ -28,6 +31,16 @@ from .precision import master_dtype
 from .update import DivergenceError, weights_finite
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
+# What writing a checkpoint's files raises when the disk is full, over quota or read-only: OSError (open, write,
+# mkdir, rename), torch.save's RuntimeError ("file write failed") and safetensors' SafetensorError (an IoError).
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+# What reading a checkpoint's files raises when they are missing, truncated, damaged or another run's: OSError (a
+# missing file), ValueError (an adapter or optimizer state that does not fit), KeyError (a state without one of its
+# keys), RuntimeError (torch.load's damaged archive, load_state_dict's shapes), SafetensorError (a damaged
+# .safetensors), UnpicklingError (weights_only's refusal of a file that would run code) and EOFError (an empty file).
+READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError, EOFError)
 
 
 def checkpoint_root(run_dir: pathlib.Path) -> pathlib.Path:
@@ -65,38 +78,60 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+@contextlib.contextmanager
+def _writing(path: pathlib.Path):
+    """Around one write of a checkpoint's file or folder: one of WRITE_ERRORS there is the disk's, a
+    CheckpointWriteError naming `path`; any other error is this code's own and propagates as itself."""
+    try:
+        yield
+    except WRITE_ERRORS as exc:
+        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:160] or type(exc).__name__
+        raise CheckpointWriteError(f"{path}: {reason}") from exc
+
+
 def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: dict | None = None) -> None:
     """A member's model (HF format) or adapter, tokenizer, optimizer and RNG state, and `extra` (file name -> a
     JSON object, written by the leader: its receiver's screen.json). A member on several ranks:
     every shard calls it; the weights are gathered one tensor at a time and the leader writes them, each shard
-    writes its optimizer shard (optimizer.shard-<i>.pt), and the leader writes rng.pt once all have."""
+    writes its optimizer shard (optimizer.shard-<i>.pt), and the leader writes rng.pt once all have. A write that
+    fails (a full disk: torch.save reports it as a RuntimeError) raises CheckpointWriteError naming the file."""
     shard = member.shard
     if not weights_finite(member.trainable_parameters(), shard):
         raise DivergenceError(f"members.{member.index} ({member.name}): its weights are NaN or inf; they are not "
                               "saved (the newest complete checkpoint stays)")
     leader = member.leads
+    model_dir = directory / "model"
     if leader:
-        directory.mkdir(parents=True, exist_ok=True)
+        with _writing(directory):
+            directory.mkdir(parents=True, exist_ok=True)
     if shard is None:
-        save_pretrained(member.model, directory / "model", safe_serialization=True)
+        with _writing(model_dir):
+            save_pretrained(member.model, model_dir, safe_serialization=True)
     else:
-        state = full_state_dict(member.model, keep=leader)
+        weights = full_state_dict(member.model, keep=leader)
         shard.barrier()  # the leader made the directory
         if leader:
-            save_pretrained(member.model, directory / "model", state_dict=state, safe_serialization=True)
+            with _writing(model_dir):
+                save_pretrained(member.model, model_dir, state_dict=weights, safe_serialization=True)
     if leader:
-        member.tokenizer.save_pretrained(str(directory / "model"))
+        with _writing(model_dir):
+            member.tokenizer.save_pretrained(str(model_dir))
         for file, value in (extra or {}).items():
-            (directory / file).write_text(json.dumps(value))
-    if save_optimizer and shard is None:
-        torch.save(member.optimizer.state_dict(), directory / "optimizer.pt")
-    elif save_optimizer:
-        torch.save(local_optimizer_state(member.optimizer), directory / f"optimizer.shard-{shard.index}.pt")
+            text = json.dumps(value)
+            with _writing(directory / file):
+                (directory / file).write_text(text)
+    if save_optimizer:
+        path = directory / ("optimizer.pt" if shard is None else f"optimizer.shard-{shard.index}.pt")
+        state = member.optimizer.state_dict() if shard is None else local_optimizer_state(member.optimizer)
+        with _writing(path):
+            torch.save(state, path)
     if shard is not None:
         shard.barrier()  # every shard has written its part
     if leader:  # rng.pt is written last and atomically: its presence marks the member staged (finalize_when_staged)
-        torch.save(rng_state(), directory / "rng.pt.tmp")
-        os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
+        state = rng_state()
+        with _writing(directory / "rng.pt"):
+            torch.save(state, directory / "rng.pt.tmp")
+            os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
 
 
 def apply_step_size(member) -> None:
@@ -145,24 +180,23 @@ class CheckpointWriteError(OSError):
 def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimizer: bool,
                   extras: dict | None = None) -> pathlib.Path:
     """Write the members this process holds into the step's staging directory (every rank may add its own). A
-    write that fails (torch.save reports a full disk as a RuntimeError) removes the staging directory and raises
-    CheckpointWriteError (weights that turned non-finite still raise DivergenceError)."""
+    write that fails (one of WRITE_ERRORS where a file is written) removes the staging directory and raises
+    CheckpointWriteError saying what to do; any other error (weights that turned non-finite: DivergenceError; this
+    code's own, an AttributeError) propagates as itself."""
     tmp = staging_dir(run_dir, step)
     try:
         for member in members:
             target = tmp / "members" / member.name
             if target.exists():
-                shutil.rmtree(target)
+                with _writing(target):
+                    shutil.rmtree(target)
             save_member(member, target, save_optimizer, (extras or {}).get(member.name))
-    except DivergenceError:
-        raise
-    except Exception as exc:  # OSError, torch.save's RuntimeError, safetensors' SafetensorError: all say "I/O"
+    except CheckpointWriteError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         newest = latest_checkpoint(run_dir)
         kept = f"the newest complete one, step-{newest[0]}, is intact" if newest else "no complete one was written"
-        reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:160]
         raise CheckpointWriteError(f"checkpoint step-{step} could not be written into {checkpoint_root(run_dir)} "
-                                   f"({reason}); {kept}: free space, then --resume") from None
+                                   f"({exc}); {kept}: free space, then --resume") from None
     return tmp
 
 
@@ -285,10 +319,25 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
     if load_optimizer:
         # loaded to the CPU: load_state_dict moves each moment to its parameter's device and leaves Adam's step
         # count where it lies, as torch keeps it (on the CPU: loaded onto a GPU, every step would sync once a tensor)
-        member.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+        state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+        with _holding(optimizer_file, "an optimizer state"):
+            member.optimizer.load_state_dict(state)
         apply_step_size(member)
     if load_rng:
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        state = torch.load(rng_file, weights_only=True)
+        with _holding(rng_file, "an RNG state"):
+            set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _holding(file: pathlib.Path, what: str):
+    """Around applying a state read from `file`: what its content alone makes torch or random raise there (a
+    TypeError or IndexError: a list where a dict was saved) is the file's fault, a ValueError naming it (one of
+    READ_ERRORS, as a damaged file's)."""
+    try:
+        yield
+    except (TypeError, IndexError) as exc:
+        raise ValueError(f"{file}: does not hold {what} ({type(exc).__name__}: {first_line(exc)})") from exc
 
 
 @contextlib.contextmanager

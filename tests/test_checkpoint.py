@@ -3,6 +3,7 @@ no non-finite weight ever saved, and a step's checkpoint completed only when eve
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -11,8 +12,9 @@ import pickle
 import pytest
 import torch
 
-from ftis_engine.checkpoint import (complete_checkpoints, finalize_when_staged, restore_member, save_member,
-                                    stage_members)
+from ftis_engine import checkpoint
+from ftis_engine.checkpoint import (CheckpointWriteError, complete_checkpoints, finalize_when_staged, restore_member,
+                                    save_member, stage_members)
 from ftis_engine.update import DivergenceError
 
 from . import zygote
@@ -120,6 +122,52 @@ def test_weights_that_are_nan_or_inf_are_never_saved(tmp_path):
     with pytest.raises(DivergenceError, match=r"members.0 \(tiny-s\): its weights are NaN or inf; they are not saved"):
         stage_members(tmp_path, 4, [m], save_optimizer=True)
     assert not list((tmp_path / "checkpoints").rglob("rng.pt"))  # not staged: the step can never complete
+
+
+@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
+                                     RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")])
+def test_a_write_that_fails_removes_the_staging_and_says_free_space_then_resume(tmp_path, monkeypatch, failure):
+    """What a full disk raises where a file is written (an OSError, torch.save's RuntimeError) is one
+    CheckpointWriteError naming the file: the staging goes, the newest complete checkpoint stays."""
+    m, _ = member(0)
+    stage_members(tmp_path, 2, [m], save_optimizer=True)
+    finalize_when_staged(tmp_path, 2, {"members": [m.name]}, keep_last=2)
+
+    def full(*args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    said = (r"checkpoint step-4 could not be written into .*checkpoints \(.*optimizer.pt: .*\); the newest complete "
+            r"one, step-2, is intact: free space, then --resume")
+    with pytest.raises(CheckpointWriteError, match=said):
+        stage_members(tmp_path, 4, [m], save_optimizer=True)
+    assert not checkpoint.staging_dir(tmp_path, 4).exists() and [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+
+
+def test_a_programming_error_while_a_checkpoint_is_written_is_raised_as_itself_never_as_a_full_disk(tmp_path,
+                                                                                                     monkeypatch):
+    """Only what a write raises says "free space": an AttributeError in save_member (in a write, or a RuntimeError
+    outside the writes) reaches the caller with its type and message."""
+    m, _ = member(0)
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'Member' object has no attribute 'leads'")
+
+    monkeypatch.setattr(checkpoint, "save_member", broken)
+    with pytest.raises(AttributeError, match="has no attribute 'leads'"):
+        stage_members(tmp_path, 2, [m], save_optimizer=True)
+    monkeypatch.undo()
+    monkeypatch.setattr(m.tokenizer, "save_pretrained", broken)  # inside a write: still this code's own error
+    with pytest.raises(AttributeError, match="has no attribute 'leads'"):
+        stage_members(tmp_path, 4, [m], save_optimizer=True)
+    monkeypatch.undo()
+
+    def unlucky():
+        raise RuntimeError("not a write")
+
+    monkeypatch.setattr(checkpoint, "rng_state", unlucky)
+    with pytest.raises(RuntimeError, match="^not a write$"):
+        stage_members(tmp_path, 6, [m], save_optimizer=True)
 
 
 def test_a_step_is_complete_only_when_every_member_has_staged_it(tmp_path):
