@@ -10,6 +10,7 @@ Every problem is a ConfigError whose one-line message names the field or path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 from ftis_kernels import LossConfig
 
 from .checkpoint import (
+    READ_ERRORS,
     STEP_DIR,
     latest_checkpoint,
     member_dir,
@@ -187,15 +189,17 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
                     "moments restart from zero (the resumed run is not the run that went through)", source)
     sampler = sampler_index is not None
     members: list[Member] = []
-    try:  # a member or checkpoint that fails closes the generators already built (a vLLM engine holds a GPU)
+    built = False
+    try:
         for i in local:  # each member finished (checked, restored, sharded) before the next is built
             member = build_member(i, config, tokenizers[i], devices[i], task,
                                   trains=checkpoint is None and not sampler, shard=shard)
             members.append(member)
             finish_member(member, config, longest_prompt, source, what, shard, evaluating=checkpoint is not None)
-    except BaseException:
-        close_generators(members)
-        raise
+        built = True
+    finally:  # a member or checkpoint that fails (or a Ctrl-C) closes the generators built (a vLLM engine holds a GPU)
+        if not built:
+            close_generators(members)
     if open_peers is None:
         schedule = Schedule(config, tuple(train_indices))
     else:
@@ -299,25 +303,29 @@ def checkpoint_step(config: RunConfig, checkpoint: pathlib.Path, what: str) -> i
     return step
 
 
+@contextlib.contextmanager
+def _restoring(checkpoint: pathlib.Path, what: str, part: str):
+    """Around loading `part` ("member 'x'") from `checkpoint`: what its files can raise (checkpoint.READ_ERRORS:
+    missing or truncated weights, a missing adapter, a foreign optimizer state) is one RunDirError naming it; any
+    other error (this code's own: an AttributeError) propagates as itself."""
+    try:
+        yield
+    except READ_ERRORS as exc:
+        _replaced(checkpoint, what)
+        raise RunDirError(f"{what} {checkpoint}: cannot load {part} ({describe_load_error(exc)})") from None
+
+
 def restore_into(member: Member, checkpoint: pathlib.Path, what: str, load_optimizer: bool, load_rng: bool) -> None:
     """Load a member from `checkpoint` (weights; optimizer and RNG state when asked), its generator synced."""
-    try:
+    with _restoring(checkpoint, what, f"member {member.name!r}"):
         restore_member(member, checkpoint, load_optimizer=load_optimizer, load_rng=load_rng)
-    except Exception as exc:  # missing or truncated weights, a missing adapter, a foreign optimizer state
-        _replaced(checkpoint, what)
-        raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r} "
-                          f"({describe_load_error(exc)})") from None
     member.generator.sync(member.model)
 
 
 def restore_shard(member: Member, checkpoint: pathlib.Path, what: str) -> None:
     """A sharded member's optimizer shard (after shard_member), with restore's errors."""
-    try:
+    with _restoring(checkpoint, what, f"member {member.name!r}'s optimizer shard"):
         restore_optimizer_shard(member, checkpoint)
-    except Exception as exc:
-        _replaced(checkpoint, what)
-        raise RunDirError(f"{what} {checkpoint}: cannot load member {member.name!r}'s optimizer shard "
-                          f"({describe_load_error(exc)})") from None
 
 
 def _replaced(checkpoint: pathlib.Path, what: str) -> None:

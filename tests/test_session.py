@@ -124,6 +124,47 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_without_torchs_advice_
     assert "weights_only" not in str(caught.value)
 
 
+@pytest.mark.parametrize("restore, loader", [
+    (lambda m, ckpt: session.restore_into(m, ckpt, "--resume: checkpoint", True, True), "restore_member"),
+    (lambda m, ckpt: session.restore_shard(m, ckpt, "--resume: checkpoint"), "restore_optimizer_shard")])
+def test_a_programming_error_while_restoring_is_raised_as_itself_not_as_an_unloadable_member(
+        trained, monkeypatch, restore, loader):
+    """What a checkpoint's files raise (a missing file: OSError) is "cannot load member"; an AttributeError in the
+    loading code is this code's own and reaches the caller with its type and message."""
+    from types import SimpleNamespace
+
+    _, run_dir = trained
+    ckpt = run_dir / "checkpoints" / "step-2"
+    m = SimpleNamespace(name="tiny-s", generator=SimpleNamespace(sync=lambda model: None), model=None)
+
+    def raising(error):
+        def load(*args, **kwargs):
+            raise error
+        return load
+
+    monkeypatch.setattr(session, loader, raising(FileNotFoundError(2, "No such file or directory", "optimizer.pt")))
+    with pytest.raises(RunDirError, match=rf"--resume: checkpoint {re.escape(str(ckpt))}: cannot load member "
+                                          r"'tiny-s'.*\(FileNotFoundError: "):
+        restore(m, ckpt)
+    monkeypatch.setattr(session, loader, raising(AttributeError("'Member' object has no attribute 'shard'")))
+    with pytest.raises(AttributeError, match="has no attribute 'shard'"):
+        restore(m, ckpt)
+
+
+def test_a_checkpoint_state_of_another_form_is_one_line_naming_its_file(trained, tmp_path):
+    """rng.pt holding a list where a dict was saved: torch and random raise TypeError there, the file's fault."""
+    import torch
+
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    rng = copy / "checkpoints" / "step-2" / "members" / "tiny-s" / "rng.pt"
+    torch.save([1, 2], rng)
+    with pytest.raises(RunDirError, match=rf"cannot load member 'tiny-s' \(ValueError: {re.escape(str(rng))}: does "
+                                          r"not hold an RNG state \(TypeError: "):
+        open_run(config, copy, resume=True)
+
+
 def test_an_adapter_that_does_not_fit_the_member_is_refused_instead_of_resuming_a_fresh_one(trained, tmp_path):
     """set_peft_model_state_dict loads what matches and ignores the rest: an adapter saved for other modules would
     leave the member's own adapter at its fresh init. It is refused, naming the file."""
