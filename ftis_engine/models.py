@@ -17,12 +17,14 @@ head of 151,936 x d as the real models have: the shapes at their real size, the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import pathlib
 import string
 
 import torch
+from safetensors import SafetensorError
 
 from .errors import first_line
 from .hub import hub_reachable
@@ -89,6 +91,24 @@ CHAT_TEMPLATE = (
 
 class ModelSpecError(ValueError):
     """A model or tokenizer that cannot be found or loaded."""
+
+
+# What transformers' from_pretrained raises for a model or tokenizer that is not there or cannot be read: OSError (a
+# missing file or repository, the hub's HTTP errors, a config.json that is not JSON), ValueError (an architecture it
+# does not know, an invalid repository id: HFValidationError), KeyError (a model type without a config class),
+# ImportError (a tokenizer that needs sentencepiece or tiktoken), RuntimeError (weights of other shapes) and
+# SafetensorError (damaged weights).
+LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError, SafetensorError)
+
+
+@contextlib.contextmanager
+def _loading(what: str):
+    """Around a from_pretrained: one of LOAD_ERRORS is one ModelSpecError line, "cannot load <what>: <why>"; any
+    other error is this code's own and propagates as itself."""
+    try:
+        yield
+    except LOAD_ERRORS as exc:
+        raise ModelSpecError(f"cannot load {what}: {first_line(exc)}") from None
 
 
 def is_builtin(spec: str) -> bool:
@@ -184,10 +204,8 @@ def load_tokenizer(spec: str):
     where = str(builtin_tokenizer_dir(spec)) if is_builtin(spec) else source(spec)
     if not is_builtin(spec) and _from_hub(where):
         hub_reachable()
-    try:
+    with _loading(f"tokenizer {spec!r}"):
         tokenizer = AutoTokenizer.from_pretrained(where)
-    except Exception as exc:  # transformers raises OSError, ValueError, HFValidationError...
-        raise ModelSpecError(f"cannot load tokenizer {spec!r}: {first_line(exc)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -214,11 +232,8 @@ def check_model_spec(spec: str) -> int | None:
     where = source(spec)
     if _from_hub(where):
         hub_reachable()
-
-    try:
+    with _loading(f"model {spec!r}"):
         config = AutoConfig.from_pretrained(where)
-    except Exception as exc:
-        raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None
     return model_context(config)
 
 
@@ -257,7 +272,5 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
             torch.cuda.empty_cache()  # the float32 draws: not held back from the engine's memory
             torch.cuda.manual_seed_all(seed)  # the draw advanced its GPU's stream: left as a CPU draw leaves it
         return model
-    try:
+    with _loading(f"model {spec!r}"):
         return AutoModelForCausalLM.from_pretrained(source(spec), dtype=dtype, attn_implementation=attn_implementation)
-    except Exception as exc:
-        raise ModelSpecError(f"cannot load model {spec!r}: {first_line(exc)}") from None

@@ -175,6 +175,30 @@ def test_a_qwen_vocabulary_shape_has_the_real_models_embedding_head_and_special_
     assert models.check_model_spec("builtin:shape-3b-qwen") == 32768
 
 
+@pytest.mark.parametrize("load, loader", [
+    (lambda path: models.load_tokenizer(path), "AutoTokenizer"),
+    (lambda path: models.check_model_spec(path), "AutoConfig"),
+    (lambda path: models.load_model(path, 101, torch.float32, 0, "sdpa"), "AutoModelForCausalLM")])
+def test_a_model_that_cannot_be_loaded_is_one_line_and_a_programming_error_is_itself(tmp_path, monkeypatch, load,
+                                                                                      loader):
+    """What from_pretrained raises for a model or tokenizer that is not there or not readable (LOAD_ERRORS: an
+    OSError, an ImportError for a missing tokenizer library) is a ModelSpecError naming it; an AttributeError is
+    the code's own and propagates as itself."""
+    import transformers
+
+    for error, caught in [(OSError("no config.json in it"), models.ModelSpecError),
+                          (ImportError("this tokenizer needs sentencepiece"), models.ModelSpecError),
+                          (AttributeError("'NoneType' object has no attribute 'vocab'"), AttributeError)]:
+        def raising(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(getattr(transformers, loader), "from_pretrained", raising)
+        with pytest.raises(caught) as raised:
+            load(str(tmp_path))
+        assert str(raised.value) == (f"cannot load {'tokenizer' if loader == 'AutoTokenizer' else 'model'} "
+                                     f"{str(tmp_path)!r}: {error}" if caught is models.ModelSpecError else str(error))
+
+
 def test_a_qwen_vocabulary_shape_refuses_a_tokenizer_of_another_size():
     with pytest.raises(models.ModelSpecError, match="builtin:shape-0.5b-qwen takes Qwen2.5's vocabulary of 151,936"):
         models.load_model("builtin:shape-0.5b-qwen", 101, torch.float32, 0, "sdpa", torch.device("meta"))
