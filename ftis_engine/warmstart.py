@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import pathlib
+import pickle
 
 import torch
 
@@ -80,6 +81,11 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
     return path
 
 
+# What torch.load(weights_only=True) raises for a damaged file: RuntimeError (a truncated archive), EOFError (an empty
+# file), UnpicklingError (a pickle that would run code, or no pickle at all), ValueError, OSError (unreadable).
+_DAMAGED = (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError)
+
+
 def _read(path: pathlib.Path, device: torch.device) -> dict | None:
     """A cached warm start, or None when there is none or it is broken (truncated, not a plain state dict, or one
     that would run code when loaded): a broken one is said and rebuilt, never fatal to every later run."""
@@ -90,7 +96,7 @@ def _read(path: pathlib.Path, device: torch.device) -> dict | None:
         if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
             return state
         problem = "not a state dict of tensors"
-    except Exception as exc:  # torch raises RuntimeError, UnpicklingError, EOFError... for a damaged file
+    except _DAMAGED as exc:
         problem = f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
     log.warning("warm start cache entry %s cannot be used (%s): computing it again", path, problem)
     return None

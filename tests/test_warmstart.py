@@ -136,7 +136,7 @@ def test_members_with_the_same_seed_offset_start_as_twins_at_every_run_seed(cach
     assert member_init_seed(short_config(*twins, "members.1.seed_offset=0", "members.1.seed=9"), 1) == 9
 
 
-@pytest.mark.parametrize("damage", ["truncated", "code", "not-a-state-dict"])
+@pytest.mark.parametrize("damage", ["truncated", "empty", "code", "not-a-state-dict"])
 def test_a_broken_cache_entry_is_said_and_rebuilt_never_fatal(cache, damage, caplog):
     import logging
     import pickle
@@ -147,6 +147,8 @@ def test_a_broken_cache_entry_is_said_and_rebuilt_never_fatal(cache, damage, cap
     good = path.read_bytes()
     if damage == "truncated":
         path.write_bytes(good[: len(good) // 2])
+    elif damage == "empty":
+        path.write_bytes(b"")
     elif damage == "code":  # a pickle that would run code when loaded without weights_only
         path.write_bytes(pickle.dumps(__import__("os").getcwd))
     else:
@@ -157,6 +159,20 @@ def test_a_broken_cache_entry_is_said_and_rebuilt_never_fatal(cache, damage, cap
     assert "cannot be used" in caplog.text and "computing it again" in caplog.text
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
     assert torch.load(path, weights_only=True).keys() == first.state_dict().keys()  # replaced by a good one
+
+
+def test_an_error_of_the_code_reading_a_cache_entry_is_raised_as_itself(cache, monkeypatch):
+    """Only what torch.load raises for a damaged file means "cannot be used": an AttributeError is not rebuilt over."""
+    settings = WarmStartSettings(style="columns", steps=3)
+    tokenizer, task, first = _setup()
+    warmstart.warm_start(first, tokenizer, task, settings, "builtin:tiny-s", 0, torch.device("cpu"))
+
+    def broken(*args, **kwargs):
+        raise AttributeError("module 'torch' has no attribute 'serialization'")
+
+    monkeypatch.setattr(warmstart.torch, "load", broken)
+    with pytest.raises(AttributeError, match="has no attribute 'serialization'"):
+        warmstart.warm_start(first, tokenizer, task, settings, "builtin:tiny-s", 0, torch.device("cpu"))
 
 
 def test_a_cache_directory_that_cannot_be_used_is_one_line_naming_ftis_cache_dir(tmp_path, monkeypatch):
