@@ -9,6 +9,7 @@ import torch
 
 from ftis_engine.config import load_config
 from ftis_engine.members import build_member
+from ftis_engine.metrics import read_metrics
 from ftis_engine.preflight import check_members
 from ftis_engine.batch import TrainItem
 from ftis_engine.rollouts import Rollout
@@ -31,6 +32,13 @@ def member(index: int = 0, *overrides: str):
     cfg = short_config(*overrides)
     tokenizers = check_members(cfg)
     return build_member(index, cfg, tokenizers[index], torch.device("cpu")), cfg
+
+
+def run_records(run_dir: pathlib.Path, kind: str | None = None, *, live: bool = False) -> list[dict]:
+    """The records of run_dir/metrics.jsonl (of one kind), in order, through metrics.read_metrics. Read strictly: the
+    file is there and every complete line is a record. live: a run still writing (an open-swarm member's job), where
+    a missing file or a bad line fails nothing. Either way the line a writer is in the middle of is left out."""
+    return read_metrics(run_dir / "metrics.jsonl", kinds=kind, strict=not live)
 
 
 def as_rank_1_of_a_world(monkeypatch):

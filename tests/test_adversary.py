@@ -18,7 +18,7 @@ from ftis_engine.rollouts import Rollout, decode, encode
 from ftis_engine.run import train
 from ftis_engine.session import open_run
 
-from .helpers import short_config
+from .helpers import run_records, short_config
 
 
 def _rollouts(n: int) -> list[Rollout]:
@@ -57,8 +57,7 @@ def _run(tmp_path, name, *overrides):
     config = short_config("eval.at_start=false", "eval.every=0", "checkpoint.every=0", "train.steps=2", *overrides)
     swarm, start = open_run(config, tmp_path / name)
     train(swarm, start)
-    records = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    return {(r["member"], r["step"]): r for r in records if r["kind"] == "train"}
+    return {(r["member"], r["step"]): r for r in run_records(tmp_path / name, "train")}
 
 
 def test_forged_log_probs_move_an_honest_receivers_weights_and_the_forger_trains_as_if_honest(tmp_path):
@@ -210,8 +209,7 @@ def test_an_injectors_planted_completions_reach_an_undefended_receiver_and_its_e
     assert all(runs[("tiny-s", s)]["rejected_batches"] == 0 for s in (1, 2))
     received = _texts(tmp_path / "inject", "tiny-s")
     assert any(PAYLOAD in t for t in received)
-    evals = [json.loads(x) for x in (tmp_path / "inject" / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in evals if r["kind"] == "eval"]
+    evals = run_records(tmp_path / "inject", "eval")
     assert evals and all(0.0 <= r["attack_success"] <= 1.0 and set(r["attack_success_by"]) == {"inject"}
                          for r in evals)
 
@@ -292,8 +290,7 @@ def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_w
     assert json.loads(json.dumps(swarm.receivers[0].screen.state())) == state
     train(swarm, start)
     assert not any("starts afresh" in r.getMessage() for r in caplog.records)
-    records = [json.loads(x) for x in (tmp_path / "run/metrics.jsonl").read_text().splitlines()]
-    resumed = [r for r in records if r["kind"] == "train" and r["step"] == 3]
+    resumed = [r for r in run_records(tmp_path / "run", "train") if r["step"] == 3]
     receiver = [r for r in resumed if r["member"] == "tiny-s"][-1]
     sent = [r for r in resumed if r["member"] == "tiny-m-lora"][-1]["own_sequences"]
     assert receiver["quarantined_by"] == {"tiny-m-lora": sent} and sent > 0 and receiver["peer_sequences"] == 0

@@ -3,7 +3,6 @@ several processes over gloo in test_async_swarm.py, the transports alone in test
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -13,14 +12,14 @@ from ftis_engine.exchange.async_ import Latency
 from ftis_engine.run import train
 from ftis_engine.session import open_run
 
-from .helpers import short_config
+from .helpers import run_records, short_config
 
 
 def _run(tmp_path, name: str, *overrides: str, resume: bool = False) -> list[dict]:
     config = short_config("eval.at_start=false", "eval.every=0", *overrides)
     swarm, start = open_run(config, tmp_path / name, resume=resume)
     train(swarm, start)
-    return [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return run_records(tmp_path / name)
 
 
 def _train(records: list[dict], member: str | None = None) -> list[dict]:

@@ -14,10 +14,9 @@ import time
 import pytest
 
 from . import zygote
-from .helpers import TINY
+from .helpers import TINY, run_records
 from .ports import free_port
-from .test_swarm import (HERE, _args, _env, _kill_rank_after_first_checkpoint, _records, _steps, _train,
-                         kill_and_restart)
+from .test_swarm import HERE, _args, _env, _kill_rank_after_first_checkpoint, _steps, _train, kill_and_restart
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +54,7 @@ def _three_members(tmp_path) -> pathlib.Path:
 def test_with_max_lead_null_a_fast_member_never_waits_for_a_slow_one_and_leaves_first(tmp_path):
     results = _launch_timed(2, _args(tmp_path, "train.steps=6", *ASYNC, "swarm.max_lead=null"), modes={1: "slow:2"})
     assert [code for code, _, _ in results] == [0, 0], results
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     fast = [r for r in records if r["member"] == "tiny-s"]
     slow = [r for r in records if r["member"] == "tiny-m-lora"]
     assert [r["step"] for r in fast] == [r["step"] for r in slow] == list(range(1, 7))
@@ -87,7 +86,7 @@ def test_members_of_different_speeds_keep_learning_from_each_other_within_the_le
         overrides += ["members.1.model=builtin:tiny-l", "members.1.name=tiny-l", "members.1.lora=null"]
     results = _launch_timed(members, _args(tmp_path, *overrides, config=config))
     assert [code for code, _, _ in results] == [0] * members, results
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     lead, staleness = 2, 8
     budget = {r["member"]: 16 * 6 - r["own_sequences"] for r in records}  # the other members' share of a step
     for name in budget:
@@ -113,7 +112,7 @@ def test_three_processes_each_train_on_both_peers_bit_exact(tmp_path):
     results = _launch_timed(3, _args(tmp_path, "train.steps=3", "rollout.prompts_per_step=6", *ASYNC,
                                      config=_three_members(tmp_path)))
     assert [code for code, _, _ in results] == [0, 0, 0], results
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     made = {(r["member"], r["step"]): r["rollouts_sha256"] for r in records}
     senders = {r["member"]: set() for r in records}
     for r in records:
@@ -133,7 +132,7 @@ def test_a_300_step_run_keeps_its_queues_and_memory_flat_when_a_fast_member_runs
                                      "swarm.max_lead=null", "swarm.max_staleness=4"), modes={1: "slow:0.03"},
                             timeout=600)
     assert [code for code, _, _ in results] == [0, 0], results
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     capacity = 4 + 0 + 2  # max_staleness + max_lead + 2 parcels per sender
     for r in records:
         assert r["in_flight"] <= capacity and r["intake_waiting"] <= 2 * (4 + 1)
@@ -149,7 +148,7 @@ def test_a_300_step_run_keeps_its_queues_and_memory_flat_when_a_fast_member_runs
 def test_a_corrupt_peer_parcel_is_dropped_and_the_stream_goes_on(tmp_path, mode):
     results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={1: f"async-{mode}"})
     assert [code for code, _, _ in results] == [0, 0], results
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     honest = [r for r in records if r["member"] == "tiny-s"]
     if mode == "ids":  # read, checked and refused by admission
         assert sum(r["rejected_batches"] for r in honest) >= 1
@@ -165,7 +164,7 @@ def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(t
     assert [code for code, _, _ in results] == [0, 0], results
     refusals = [line for line in results[0][1].splitlines() if "peer rank 1 sent" in line]
     assert 1 <= len(refusals) <= 3 and "further refusals from this peer are counted" in results[0][1]
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     assert sum(r["peer_sequences"] for r in records if r["member"] == "tiny-s") > 0
     assert all(r["rejected_batches"] == 0 for r in records)
     assert sum(r["link_refused"] for r in records if r["member"] == "tiny-s") >= 1  # reported in its records
@@ -187,7 +186,7 @@ def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_
                           "--set", "train.steps=8"], env=_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
-    lost = [r for r in _records(tmp_path) if r["kind"] == "resume"]
+    lost = [r for r in run_records(tmp_path / "swarm") if r["kind"] == "resume"]
     assert {r["member"] for r in lost} == {"tiny-s", "tiny-m-lora"} and all(r["step"] == done[-1] for r in lost)
 
 
@@ -200,7 +199,7 @@ def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync
                  "swarm.timeout_s=8", f"swarm.weights_transport={transport}")
     results = _launch_timed(3, args, modes={0: "slow:1.5"})  # the learner is slower than its sampler
     assert [code for code, _, _ in results] == [0, 0, 0], results
-    records = _records(tmp_path)
+    records = run_records(tmp_path / "swarm")
     rounds = [r for r in records if r["kind"] == "sample"]
     learner = [r for r in _train(records) if r["member"] == "tiny-s"]
     assert rounds and all(r["member"] == "tiny-s" and r["rank"] == r["endpoint"] == 2 for r in rounds)
@@ -232,7 +231,7 @@ def test_a_sampler_of_a_member_on_two_ranks_streams_over_the_links_where_endpoin
                  "members.0.weight_sync_every=1", "swarm.timeout_s=30", "swarm.weights_transport=links")
     results = _launch_timed(4, args, timeout=600)
     assert [code for code, _, _ in results] == [0, 0, 0, 0], results
-    records = _records(tmp_path)
+    records = run_records(tmp_path / "swarm")
     rounds = [r for r in records if r["kind"] == "sample"]
     # the record names the process (rank 3) and, apart, its endpoint on the links (2: after the two leaders)
     assert rounds and all(r["member"] == "tiny-s" and (r["rank"], r["endpoint"]) == (3, 2) for r in rounds)
@@ -268,7 +267,7 @@ def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path, capsys)
 def test_with_restarts_a_killed_async_rank_comes_back_and_the_run_finishes_every_step(tmp_path):
     kill_and_restart(tmp_path, "train.steps=16", "swarm.mode=async")
     assert _steps(tmp_path) == {m: list(range(1, 17)) for m in ("tiny-s", "tiny-m-lora")}
-    resumed = [r for r in _records(tmp_path) if r["kind"] == "resume"]
+    resumed = [r for r in run_records(tmp_path / "swarm") if r["kind"] == "resume"]
     assert {r["member"] for r in resumed} == {"tiny-s", "tiny-m-lora"}  # the restart happened, and says what it lost
     checkpoints = tmp_path / "swarm" / "checkpoints"
     assert (checkpoints / "step-16" / "state.json").is_file() and not list(checkpoints.glob(".tmp-step-*"))

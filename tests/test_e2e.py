@@ -16,7 +16,7 @@ from ftis_engine.cli import main
 from ftis_kernels import STAT_KEYS
 
 from . import zygote
-from .helpers import SHORT, TINY
+from .helpers import SHORT, TINY, run_records
 
 TRAIN_KEYS = {"step", "member", "kind", "reward_mean", "loss", "tokens", "gen_seconds", "train_seconds",
               "sync_seconds", "own_ratio_mean", "exchange_bytes", "exchange_tokens", "exchange_sequences", *STAT_KEYS}
@@ -38,13 +38,9 @@ def train_args(out: pathlib.Path, *overrides: str) -> list[str]:
     return args
 
 
-def records(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def train_steps(run_dir: pathlib.Path) -> dict[str, list[int]]:
     steps: dict[str, list[int]] = {}
-    for r in records(run_dir):
+    for r in run_records(run_dir):
         if r["kind"] == "train":
             steps.setdefault(r["member"], []).append(r["step"])
     return steps
@@ -54,7 +50,7 @@ def train_steps(run_dir: pathlib.Path) -> dict[str, list[int]]:
 def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
     assert run_cli(*train_args(tmp_path)) == 0
     run_dir = tmp_path / "e2e"
-    lines = records(run_dir)
+    lines = run_records(run_dir)
     members = {"tiny-s", "tiny-m-lora"}
     for r in lines:
         assert (TRAIN_KEYS if r["kind"] == "train" else EVAL_KEYS) <= set(r), r
@@ -86,7 +82,7 @@ def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
     # eval of a checkpoint reproduces the logged accuracy of that step
     from ftis_engine.cli import app  # noqa: F401  (the command is exercised through main)
 
-    logged = {(r["member"], r["dataset"]): r["accuracy"] for r in records(run_dir) if r["kind"] == "eval" and r["step"] == 6}
+    logged = {(r["member"], r["dataset"]): r["accuracy"] for r in run_records(run_dir, "eval") if r["step"] == 6}
     ckpt_dir = run_dir / "checkpoints" / "step-6"
     eval_args = ["eval", "--config", str(TINY), "--checkpoint", str(ckpt_dir)]
     for o in SHORT:
@@ -120,7 +116,7 @@ def test_kill_9_after_the_first_checkpoint_then_resume_finishes_with_no_gap(tmp_
 def test_other_collaboration_modes_run(tmp_path, mode):
     assert run_cli(*train_args(tmp_path, f"collaboration={mode}", "train.steps=2", "eval.every=0",
                                "checkpoint.every=0")) == 0
-    for r in records(tmp_path / "e2e"):
+    for r in run_records(tmp_path / "e2e"):
         if r["kind"] != "train":
             continue
         if mode == "alone":
@@ -139,7 +135,7 @@ def test_gsm8k_task_runs_on_the_real_data_with_tiny_models(tmp_path, shared_data
         "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.group_size=2", "checkpoint.every=0",
     ]
     assert run_cli(*train_args(tmp_path, *overrides)) == 0
-    datasets = {r["dataset"] for r in records(tmp_path / "e2e") if r["kind"] == "eval"}
+    datasets = {r["dataset"] for r in run_records(tmp_path / "e2e") if r["kind"] == "eval"}
     assert datasets == {"gsm8k", "math500"}
 
 
@@ -150,7 +146,7 @@ def test_resume_without_any_checkpoint_starts_over_without_duplicating_step_0(tm
     assert run_cli(*train_args(tmp_path, "train.steps=2", "eval.every=0")) == 0
     shutil.rmtree(tmp_path / "e2e" / "checkpoints")  # as if the run died before its first checkpoint
     assert run_cli(*train_args(tmp_path, "train.steps=2", "eval.every=0"), "--resume") == 0
-    lines = records(tmp_path / "e2e")
+    lines = run_records(tmp_path / "e2e")
     assert sorted((r["step"], r["member"]) for r in lines if r["kind"] == "eval" and r["step"] == 0) == [
         (0, "tiny-m-lora"), (0, "tiny-s")]
     assert train_steps(tmp_path / "e2e") == {m: [1, 2] for m in ("tiny-s", "tiny-m-lora")}
@@ -165,7 +161,7 @@ def test_epochs_mini_batches_a_cosine_warmup_and_a_kl_penalty_act_in_a_run(tmp_p
     assert run_cli(*train_args(tmp_path, "train.steps=10", "eval.every=0", "checkpoint.every=0", "train.epochs=2",
                                "train.mini_batches=2", "algorithm.beta=0.04", "train.lr_schedule=cosine",
                                "train.warmup_steps=5", "logging.completions=2")) == 0
-    train = [r for r in records(tmp_path / "e2e") if r["kind"] == "train" and r["member"] == "tiny-s"]
+    train = [r for r in run_records(tmp_path / "e2e") if r["kind"] == "train" and r["member"] == "tiny-s"]
     assert all(r["optimizer_steps"] == 4 for r in train)
     assert any(r["clip_frac"] > 0 for r in train) and train[-1]["ref_kl_mean"] > 0
     assert len((tmp_path / "e2e" / "completions.jsonl").read_text().splitlines()) == 10 * 2 * 2
@@ -185,7 +181,7 @@ def test_logging_completions_writes_samples_a_person_can_read_with_what_the_upda
         assert r["prompt"] and isinstance(r["completion"], str)
         assert r["from"] in ("tiny-s", "tiny-m-lora") and 0 < r["is_weight"] <= 2.0 and isinstance(r["filtered"], bool)
         assert r["reward"] in (0.0, 1.0) and r["kl"] >= 0
-    assert all(r["kind"] != "completion" for r in records(tmp_path / "e2e"))  # metrics.jsonl stays the metrics
+    assert all(r["kind"] != "completion" for r in run_records(tmp_path / "e2e"))  # metrics.jsonl stays the metrics
 
 
 @pytest.mark.slow
@@ -194,6 +190,6 @@ def test_weighted_rewards_are_summed_and_each_term_is_logged(tmp_path):
             "{function: ftis_engine.rewards:final_answer_reward, weight: 1.0}]"
     assert run_cli(*train_args(tmp_path, "train.steps=1", "eval.every=0", "eval.at_start=false",
                                "checkpoint.every=0", f"data.rewards={terms}")) == 0
-    for r in (x for x in records(tmp_path / "e2e") if x["kind"] == "train"):
+    for r in (x for x in run_records(tmp_path / "e2e") if x["kind"] == "train"):
         tiny, final = r["reward/ftis_engine.rewards:tiny_answer_reward"], r["reward/ftis_engine.rewards:final_answer_reward"]
         assert r["reward_mean"] == pytest.approx(2.0 * tiny + final)

@@ -22,8 +22,8 @@ from ftis_engine.schedule import Schedule
 from ftis_engine.tasks import load_task
 
 from . import zygote
-from .helpers import short_config
-from .test_swarm import _args, _env, _records, _train
+from .helpers import run_records, short_config
+from .test_swarm import _args, _env
 
 CHAR, BPE = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-m-bpe")
 CONFIG = short_config("members.1.model=builtin:tiny-m-bpe", "rollout.max_new_tokens=8")
@@ -141,7 +141,7 @@ def test_two_families_train_on_each_others_rollouts_in_one_process(tmp_path):
         tmp_path, "members.1.model=builtin:tiny-m-bpe", "train.steps=2", "checkpoint.every=0")],
         capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr
-    for r in _train(_records(tmp_path)):
+    for r in run_records(tmp_path / "swarm", "train"):
         assert r["foreign_sequences"] == r["peer_sequences"] > 0 and r["foreign_dropped"] == 0
 
 
@@ -152,7 +152,7 @@ def test_two_families_train_on_each_others_rollouts_in_two_processes(tmp_path, m
         tmp_path, "members.1.model=builtin:tiny-m-bpe", f"swarm.mode={mode}", "train.steps=4", "checkpoint.every=0"),
         "--nproc", "2"], capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr
-    train = _train(_records(tmp_path))
+    train = run_records(tmp_path / "swarm", "train")
     for name in ("tiny-s", "tiny-m-lora"):
         mine = [r for r in train if r["member"] == name]
         assert sum(r["foreign_sequences"] for r in mine) > 0 and all(r["foreign_dropped"] == 0 for r in mine), name

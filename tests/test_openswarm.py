@@ -24,7 +24,7 @@ from ftis_engine.openswarm.coordinator import Coordinator, first_difference, sha
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
 from . import zygote
-from .helpers import short_config  # noqa: E402
+from .helpers import run_records, short_config  # noqa: E402
 from .ports import free_port  # noqa: E402
 from .netlab import NetLab  # noqa: E402
 
@@ -502,10 +502,8 @@ def _member_hashes(steps):
 
 
 def _train_records(tmp_path, name):
-    path = tmp_path / "members" / name / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [r for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
+    """A member's train records, read while its job runs (the line it is writing left out)."""
+    return run_records(tmp_path / "members" / name, "train", live=True)
 
 
 class Members:
@@ -720,9 +718,7 @@ def test_a_member_with_a_sampler_joins_its_sampler_feeds_both_members_and_leaves
             "tiny-m-lora": ("tiny-m-lora", [])}
 
     def sampled_version():
-        path = tmp_path / "members/tiny-s/metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        return max((r.get("policy_version", -1) for r in map(json.loads, lines) if r.get("kind") == "sample"),
+        return max((r.get("policy_version", -1) for r in run_records(tmp_path / "members/tiny-s", "sample", live=True)),
                    default=-1)
 
     def joined(metronome):
@@ -739,8 +735,7 @@ def test_a_member_with_a_sampler_joins_its_sampler_feeds_both_members_and_leaves
         assert all(r["rejected_batches"] == 0 for r in records), me
         got = [k for r in records for k in r["received_sha256"]]
         assert any(k.startswith("tiny-s/sampler-0@") for k in got), (me, got)
-    samples = [json.loads(line) for line in (tmp_path / "members/tiny-s/metrics.jsonl").read_text().splitlines()
-               if json.loads(line).get("kind") == "sample"]
+    samples = run_records(tmp_path / "members/tiny-s", "sample")
     assert samples and max(r["policy_version"] for r in samples) >= 2, samples  # weights its learner pushed
     assert {r["weights_transport"] for r in samples} == {"broadcast"}
     events = [json.loads(line) for line in (tmp_path / "coordinator.jsonl").read_text().splitlines()]

@@ -294,7 +294,8 @@ def test_one_world_async_ranks_on_two_hosts_reach_each_other_over_zeromq_on_thei
     end. A wrong advertised address (loopback) would leave each peer unreachable: lost, exit 1."""
     from .test_async_swarm import ASYNC
     from .ports import free_port
-    from .test_swarm import _args, _env, _records, _train
+    from .helpers import run_records
+    from .test_swarm import _args, _env
 
     with NetLab({"a": Link(), "b": Link(delay_ms=50, loss=0.02)}) as lab:
         port, procs = free_port(), []
@@ -307,7 +308,7 @@ def test_one_world_async_ranks_on_two_hosts_reach_each_other_over_zeromq_on_thei
                                    text=True))
         results = [(p.wait(timeout=400), p.stderr.read()[-2000:]) for p in procs]
     assert [code for code, _ in results] == [0, 0], results
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     for name in ("tiny-s", "tiny-m-lora"):
         mine = [r for r in records if r["member"] == name]
         assert [r["step"] for r in mine] == list(range(1, 7)), name

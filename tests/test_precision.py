@@ -161,14 +161,15 @@ def test_a_bf16_compute_run_resumed_from_its_checkpoint_continues_bit_exactly(tm
     as the run that went through: the checkpoint holds the float32 masters and the Adam states."""
     from safetensors.torch import load_file
 
-    from .test_e2e import records, run_cli, train_args
+    from .helpers import run_records
+    from .test_e2e import run_cli, train_args
 
     bf16 = ["members.0.dtype=bfloat16", "members.1.dtype=bfloat16", "eval.every=0", "checkpoint.every=2"]
     assert run_cli(*train_args(tmp_path / "through", *bf16, "train.steps=4")) == 0
     assert run_cli(*train_args(tmp_path / "resumed", *bf16, "train.steps=2")) == 0
     assert run_cli(*train_args(tmp_path / "resumed", *bf16, "train.steps=4"), "--resume") == 0
     key = ("loss", "grad_norm", "rollouts_sha256", "is_weight_mean")
-    steps = {name: {(r["step"], r["member"]): tuple(r[k] for k in key) for r in records(tmp_path / name / "e2e")
+    steps = {name: {(r["step"], r["member"]): tuple(r[k] for k in key) for r in run_records(tmp_path / name / "e2e")
                     if r["kind"] == "train"} for name in ("through", "resumed")}
     assert steps["resumed"] == steps["through"] and len(steps["through"]) == 8
     for name, weights in (("tiny-s", "model.safetensors"), ("tiny-m-lora", "adapter_model.safetensors")):

@@ -18,6 +18,7 @@ import yaml
 from ftis_engine.packaged import PackageError, fetch
 
 from . import zygote
+from .helpers import run_records
 
 SMOLLM2 = "packaged:smollm2-135m-instruct"
 REWARD = "tests.real_rewards:starts_with_a_number"
@@ -177,7 +178,7 @@ def test_a_full_and_a_lora_real_member_train_in_bounded_memory_and_their_checkpo
         peak = int(run.stdout.split()[-1]) * 1024
         assert peak < 1.5 * states + (1 << 30), f"peak {peak / 2**30:.2f} GiB against states {states / 2**30:.2f} GiB"
     run_dir = tmp_path / "out" / "real"
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_records(run_dir)
     train = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in train] == list(range(1, steps + 1)) and all(r["tokens"] > 0 for r in train)
     assert train[0]["own_ratio_mean"] == pytest.approx(1, abs=1e-3)  # the first step's own rollouts: on-policy
@@ -210,8 +211,7 @@ def test_a_real_model_and_a_member_of_another_family_exchange_text_and_both_trai
                                         checkpoint={"every": 0}, eval={"max_samples": 4}))
     run = _cli("train", "--config", str(path), "--output-dir", str(tmp_path / "out"))
     assert run.returncode == 0, run.stderr[-2000:]
-    records = [json.loads(line) for line in (tmp_path / "out" / "real" / "metrics.jsonl").read_text().splitlines()]
-    train = {r["member"]: r for r in records if r["kind"] == "train"}
+    train = {r["member"]: r for r in run_records(tmp_path / "out" / "real", "train")}
     for name in ("smol", "tiny"):
         assert train[name]["foreign_sequences"] > 0 and train[name]["peer_sequences"] > 0, train[name]
         assert train[name]["sequences"] == train[name]["own_sequences"] + train[name]["peer_sequences"]

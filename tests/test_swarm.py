@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from . import zygote
-from .helpers import SHORT, TINY
+from .helpers import SHORT, TINY, run_records
 from .ports import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -32,17 +32,13 @@ def _args(out: pathlib.Path, *overrides: str, config: pathlib.Path = TINY) -> li
     return args
 
 
-def _records(out: pathlib.Path) -> list[dict]:
-    return [json.loads(x) for x in (out / "swarm" / "metrics.jsonl").read_text().splitlines()]
-
-
 def _train(records: list[dict]) -> list[dict]:
     return [r for r in records if r["kind"] == "train"]
 
 
 def _steps(out: pathlib.Path) -> dict[str, list[int]]:
     steps: dict[str, list[int]] = {}
-    for r in _train(_records(out)):
+    for r in run_records(out / "swarm", "train"):
         steps.setdefault(r["member"], []).append(r["step"])
     return steps
 
@@ -74,7 +70,7 @@ def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp
     assert _cli(*_args(tmp_path / "local", "train.steps=2", "checkpoint.every=0")).returncode == 0
     result = _cli(*_args(tmp_path / "dist", "train.steps=2", "checkpoint.every=0"), "--nproc", "2")
     assert result.returncode == 0, result.stderr
-    local, dist = _train(_records(tmp_path / "local")), _train(_records(tmp_path / "dist"))
+    local, dist = (run_records(tmp_path / where / "swarm", "train") for where in ("local", "dist"))
     key = lambda r: (r["step"], r["member"])  # noqa: E731
     for a, b in zip(sorted(local, key=key), sorted(dist, key=key)):
         for field in ("reward_mean", "loss", "tokens", "sequences", "exchange_bytes", "rollouts_sha256", "kl_mean"):
@@ -100,7 +96,7 @@ def test_three_processes_every_member_trains_on_every_members_rollouts(tmp_path)
     result = _cli(*_args(tmp_path, "train.steps=2", "checkpoint.every=0", "rollout.prompts_per_step=6",
                          config=config), "--nproc", "3")
     assert result.returncode == 0, result.stderr
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     assert {r["member"] for r in records} == {"tiny-s", "tiny-m-lora", "tiny-l"}
     for r in records:
         assert r["own_sequences"] == 2 * 4 and r["sequences"] == 6 * 4 and r["rejected_batches"] == 0
@@ -113,7 +109,7 @@ def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_pat
     assert [code for code, _ in results] == [0, 0], results
     warnings = [line for line in results[0][1].splitlines() if "dropped the rollouts of peer tiny-m-lora" in line]
     assert len(warnings) == 2  # one line per step
-    records = _train(_records(tmp_path))
+    records = run_records(tmp_path / "swarm", "train")
     honest = [r for r in records if r["member"] == "tiny-s"]
     assert all(r["rejected_batches"] == 1 and r["sequences"] == r["own_sequences"] for r in honest)
     assert all(r["loss"] is not None and abs(r["loss"]) < 1e3 for r in records)
@@ -145,7 +141,7 @@ def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_ref
     results = _hand_launch(2, _args(tmp_path / "out", f"members.1.tokenizer={tmp_path / 'other-tokenizer'}",
                                     "members.0.accept_foreign=false", "train.steps=2", "checkpoint.every=0"))
     assert [code for code, _ in results] == [0, 0], results
-    train = _train(_records(tmp_path / "out"))
+    train = run_records(tmp_path / "out" / "swarm", "train")
     refused = [r for r in train if r["member"] == "tiny-s"]
     taken = [r for r in train if r["member"] == "tiny-m-lora"]
     assert all(r["peer_sequences"] == 0 and r["foreign_refused"] > 0 for r in refused)
@@ -227,5 +223,5 @@ def test_eval_with_nproc_evaluates_a_checkpoint_of_a_multi_process_run_to_the_ac
     evaluated = _cli("eval", "--checkpoint", str(checkpoint), "--nproc", "2")
     assert evaluated.returncode == 0, evaluated.stderr
     lines = [json.loads(x) for x in evaluated.stdout.splitlines() if x.startswith("{")]
-    logged = {r["member"]: r["accuracy"] for r in _records(tmp_path) if r["kind"] == "eval" and r["step"] == 2}
+    logged = {r["member"]: r["accuracy"] for r in run_records(tmp_path / "swarm", "eval") if r["step"] == 2}
     assert {r["member"]: r["accuracy"] for r in lines} == logged and len(lines) == 2

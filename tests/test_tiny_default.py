@@ -7,7 +7,6 @@ file of the code last changed; otherwise the test runs the default itself."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from ftis_engine.cli import main
 from ftis_engine.config import config_differences, load_config
 
-from .helpers import ROOT, TINY
+from .helpers import ROOT, TINY, run_records
 
 
 def readme_run(root: pathlib.Path = ROOT) -> pathlib.Path | None:
@@ -63,8 +62,7 @@ def test_tiny_default_every_member_gains_20_points(tmp_path):
             main(["train", "--config", str(TINY), "--output-dir", str(tmp_path)])
         assert done.value.code == 0
         run = tmp_path / "tiny"
-    evals = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in evals if r["kind"] == "eval"]
+    evals = run_records(run, "eval")
     last = max(r["step"] for r in evals)
     for member in {r["member"] for r in evals}:
         start_acc = next(r["accuracy"] for r in evals if r["member"] == member and r["step"] == 0)

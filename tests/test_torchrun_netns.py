@@ -11,7 +11,6 @@ step trained once by each member, no gap."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -82,10 +81,6 @@ def until(condition, what: str, timeout: float, logs) -> None:
         time.sleep(0.05)
 
 
-def records(run_dir) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_two_nodes_under_torchrun_a_node_whose_worker_was_killed_restarts_with_the_other_and_the_run_ends_with_no_gap(
         tmp_path):
     out = tmp_path / "shared"
@@ -111,7 +106,9 @@ def test_two_nodes_under_torchrun_a_node_whose_worker_was_killed_restarts_with_t
             busy.send_signal(signal.SIGCONT)
         codes = {host: agent.wait(300) for host, agent in agents.items()}
     assert codes == {"a": 0, "b": 0}, logs()
-    everything = records(run_dir)
+    from .helpers import run_records
+
+    everything = run_records(run_dir)
     train = [r for r in everything if r["kind"] == "train"]
     for name in ("tiny-s", "tiny-m-lora"):
         assert [r["step"] for r in train if r["member"] == name] == list(range(1, STEPS + 1)), name  # once each

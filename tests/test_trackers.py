@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .helpers import SHORT, TINY
+from .helpers import SHORT, TINY, run_records
 
 
 def _train(tmp_path, *overrides, resume=False, steps=2):
@@ -57,8 +57,7 @@ def _wandb_history(path):
 
 
 def _records(tmp_path):
-    lines = (tmp_path / "out" / "tiny" / "metrics.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["kind"] == "train"]
+    return run_records(tmp_path / "out" / "tiny", "train")
 
 
 def test_a_tracker_that_is_not_installed_is_named_with_its_install_hint(monkeypatch):

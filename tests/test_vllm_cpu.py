@@ -234,9 +234,9 @@ def train(tmp_path: pathlib.Path, config: dict, *args: str, timeout: int = 900) 
 
 
 def records(run: pathlib.Path, kind: str = "train") -> list[dict]:
-    from ftis_engine.metrics import read_metrics
+    from .helpers import run_records
 
-    return [r for r in read_metrics(run / "metrics.jsonl") if r["kind"] == kind]
+    return run_records(run, kind)
 
 
 def check_pair(rows: list[dict], names: list[str], steps: int, bound: float) -> None:
