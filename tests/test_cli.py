@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from . import zygote
-from .helpers import command_here
+from .helpers import command_here, run_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -159,7 +159,6 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_that_blocks
     """A failure in step 1, after the step-0 eval wrote config.yaml, TensorBoard events and eval records: the rerun
     (plain, or with --resume and another config) starts over, the earlier log kept aside; a run that wrote a
     checkpoint still blocks a plain rerun, and a Ctrl-C then names its newest checkpoint."""
-    import json
 
     from ftis_engine import cli as cli_module
     from ftis_engine import run
@@ -185,8 +184,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_that_blocks
             (run_dir / "final_eval.json").unlink()
     kept = sorted(p.name for p in run_dir.glob("metrics.jsonl.*"))
     assert len(kept) == 2  # the failed start's log and the first rerun's, never deleted
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted({r["step"] for r in lines if r["kind"] == "train"}) == [1, 2]
+    assert sorted({r["step"] for r in run_records(run_dir, "train")}) == [1, 2]
     with pytest.raises(SystemExit) as done:
         cli_module.main(args)  # now it has a checkpoint and its end: a plain rerun is refused
     assert done.value.code == 2 and "already holds a run; pass --resume" in capsys.readouterr().err
@@ -303,13 +301,12 @@ def test_a_resume_on_changed_data_is_refused_and_with_allow_data_change_warned_a
     assert refused.returncode == 2 and line.startswith(
         f"error: --resume: the run's data changed since it recorded it: data.eval_paths.mine ({data}: sha256 "), line
     assert f"data.train_path ({data}: sha256" in line and "pass --allow-data-change" in line
-    assert "data.json" in os.listdir(run_dir) and not any(json.loads(x)["step"] == 3 for x in
-                                                          (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert "data.json" in os.listdir(run_dir) and not any(r["step"] == 3 for r in run_records(run_dir))
     assert command_here(capsys, *args, "--set", "train.steps=2", "--allow-data-change").returncode == 2  # no --resume
     allowed = command_here(capsys, *args, "--set", "train.steps=3", "--resume", "--allow-data-change")
     assert allowed.returncode == 0 and "--allow-data-change: the run's data changed" in caplog.text
     assert command_here(capsys, *args, "--set", "train.steps=4", "--resume").returncode == 0  # as recorded since
-    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    records = run_records(run_dir)
     assert {r["step"] for r in records if "data_changed_at" not in r} == {0, 1, 2}
     assert {(r["step"], r["data_changed_at"]) for r in records if r["kind"] == "train" and "data_changed_at" in r} \
         == {(3, 2), (4, 2)}
