@@ -798,6 +798,66 @@ def test_a_push_that_fails_half_way_stops_the_member_with_one_line():
     assert gen._stale and gen.push_seconds == 0.0 and "reset_prefix_cache" not in gen.llm.calls
 
 
+@pytest.mark.parametrize("error, stops", [(AssertionError("param.size() == loaded_weight.size()"), True),
+                                          (KeyError("model.layers.0.mlp.gate_up_proj.weight"), True),
+                                          (AttributeError("'NoneType' object has no attribute 'weight'"), False)])
+def test_what_the_engine_raises_in_a_push_stops_the_member_and_a_programming_error_is_itself(error, stops):
+    """The engine's own failures (its loaders assert shapes, look names up) are EngineError's one line; an
+    AttributeError is this code's own and propagates with its type."""
+    from ftis_engine.generation import EngineError
+
+    from .helpers import member
+
+    m, _ = member(0)
+
+    def take(name):
+        raise error
+
+    gen = _bare_generator(on_cpu=True)
+    gen.lora, gen._model, gen._gathered, gen.push_seconds, gen._asleep = False, m.model, None, 0.0, False
+    gen.llm, gen._stale = _ReloadingEngine(take), True
+    with pytest.raises(EngineError if stops else type(error)) as caught:
+        gen._push()
+    if stops:
+        assert str(caught.value).startswith(f"members.0: the vLLM engine could not take the trainer's weights "
+                                            f"({type(error).__name__}: ")
+    else:
+        assert caught.value is error
+    assert gen._stale
+
+
+@pytest.mark.parametrize("failure", [None, RuntimeError("not enough memory for the KV cache"), KeyboardInterrupt()])
+def test_an_engine_that_fails_to_start_leaves_no_folder_behind_and_one_that_starts_keeps_its_own(
+        tmp_path, monkeypatch, failure):
+    """The folder written for an engine (a built-in's weights) is removed when the engine does not start, whatever
+    stopped it (an error, a Ctrl-C); a started engine keeps it until close."""
+    import sys
+
+    monkeypatch.setattr(vllm_gen, "check_available", lambda device: None)
+    monkeypatch.setattr(vllm_gen, "engine_platform",
+                        lambda: types.SimpleNamespace(device_type="cpu", is_sleep_mode_available=lambda: False))
+    monkeypatch.setattr(vllm_gen, "eos_token_ids", lambda model, tokenizer: [0])
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=object))
+    monkeypatch.setattr(vllm_gen.tempfile, "tempdir", str(tmp_path))
+
+    def start(self, *args):
+        if failure is not None:
+            raise failure
+        (self._work / "base").mkdir()
+
+    monkeypatch.setattr(vllm_gen.VLLMGenerator, "_start_engine", start)
+    settings = types.SimpleNamespace(name="m0", lora=None, vllm=types.SimpleNamespace(
+        lora_push="auto", dtype="bfloat16", sleep_level=1, per_request_seed=True, model_fields_set=set()))
+    build = lambda: vllm_gen.VLLMGenerator(None, None, torch.device("cpu"), settings,  # noqa: E731
+                                           types.SimpleNamespace(members=[settings]), 0)
+    if failure is None:
+        assert (build()._work / "base").is_dir()
+    else:
+        with pytest.raises(type(failure)):
+            build()
+        assert list(tmp_path.iterdir()) == []
+
+
 def test_a_merged_lora_push_holds_base_plus_the_adapters_delta_and_leaves_the_trainer_untouched():
     """lora_push: merged (the CPU's default): the engine gets every base weight under the base model's names, each
     adapted one as peft's own merge would make it (oracle: merge_and_unload on a copy), and nothing is written into

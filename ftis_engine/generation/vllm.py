@@ -189,6 +189,19 @@ def _seeded_rng(device: torch.device, seed: int):
 ENGINE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def push_errors() -> tuple[type[BaseException], ...]:
+    """What an engine raises when it cannot take the trainer's weights: RuntimeError (a tensor of another shape, a
+    CUDA error or out of memory), AssertionError (vLLM's weight loaders assert shapes), KeyError (a name it has no
+    parameter for), ValueError, OSError (an adapter's folder), and vLLM's EngineDeadError (its engine core died)
+    where vLLM has it. Anything else is this code's own error and propagates as itself."""
+    errors: tuple[type[BaseException], ...] = (RuntimeError, AssertionError, KeyError, ValueError, OSError)
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # no vLLM here (a stand-in engine), or one without it
+        return errors
+    return (*errors, EngineDeadError)
+
+
 class VLLMGenerator:
     """Colocated vLLM engine for one member (see the module docstring)."""
 
@@ -217,11 +230,13 @@ class VLLMGenerator:
         self.per_request_seed = settings.vllm.per_request_seed
         self._device = device
         self._work = pathlib.Path(tempfile.mkdtemp(prefix=f"ftis-vllm-{settings.name}-"))
-        try:  # no engine: nothing else would remove what was written for it
+        started = False
+        try:
             self._start_engine(model, tokenizer, device, settings, config, seed, LLM)
-        except BaseException:
-            shutil.rmtree(self._work, ignore_errors=True)
-            raise
+            started = True
+        finally:  # no engine (an error, a Ctrl-C): nothing else would remove what was written for it
+            if not started:
+                shutil.rmtree(self._work, ignore_errors=True)
         self._model = model
         self._gathered: dict[str, torch.Tensor] | None = None  # a sharded LoRA member's adapter, gathered at sync
         self._stale = self.lora  # a LoRA adapter exists only in the trainer until the first push
@@ -351,7 +366,7 @@ class VLLMGenerator:
                 else:
                     self.llm.apply_model(lambda engine_model: engine_model.load_weights(weights))
             self.llm.reset_prefix_cache()
-        except Exception as exc:
+        except push_errors() as exc:
             raise EngineError(f"members.{self.index}: the vLLM engine could not take the trainer's weights "
                               f"({type(exc).__name__}: {first_line(exc)}); it may hold old and new weights mixed, so "
                               "the member stops (the newest complete checkpoint is intact)") from exc
