@@ -10,6 +10,7 @@ directory) and the same trackio run (its name).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import pathlib
 import secrets
@@ -70,16 +71,18 @@ class TrackioTracker:
 
 def open_trackers(report_to: list[str], run_dir: pathlib.Path, project: str, name: str, group: str, config: dict,
                   resume: bool) -> list[Tracker]:
-    """The trackers of logging.report_to other than TensorBoard (MetricsLogger writes that itself)."""
+    """The trackers of logging.report_to other than TensorBoard (MetricsLogger writes that itself). One that fails to
+    open (or a Ctrl-C meanwhile) closes those already open."""
     trackers: list[Tracker] = []
-    try:
+    with contextlib.ExitStack() as opened:
         for kind in report_to:
             if kind == "wandb":
-                trackers.append(WandbTracker(run_dir, project, name, group, config))
+                tracker: Tracker = WandbTracker(run_dir, project, name, group, config)
             elif kind == "trackio":
-                trackers.append(TrackioTracker(project, name, group, config, resume))
-    except BaseException:
-        for tracker in trackers:
-            tracker.close()
-        raise
+                tracker = TrackioTracker(project, name, group, config, resume)
+            else:
+                continue
+            opened.callback(tracker.close)
+            trackers.append(tracker)
+        opened.pop_all()  # all open: the caller closes them
     return trackers

@@ -147,3 +147,29 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written_
     assert done.returncode == 2 and done.stderr.splitlines() == [
         f"error: logging.report_to: {tracker} is not installed; {trackers.EXTRA_HINT[tracker]}"], done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("trackio: no such project"), KeyboardInterrupt()])
+def test_a_tracker_that_fails_to_open_closes_those_already_open(tmp_path, monkeypatch, failure):
+    """wandb opened, then trackio fails (or a Ctrl-C comes): wandb is closed, and the failure is raised as itself."""
+    from ftis_engine import trackers
+
+    closed = []
+
+    class Opened:
+        def __init__(self, *args):
+            pass
+
+        def close(self):
+            closed.append("wandb")
+
+    def fails(*args):
+        raise failure
+
+    monkeypatch.setattr(trackers, "WandbTracker", Opened)
+    monkeypatch.setattr(trackers, "TrackioTracker", fails)
+    with pytest.raises(type(failure)):
+        trackers.open_trackers(["tensorboard", "wandb", "trackio"], tmp_path, "p", "n", "g", {}, resume=False)
+    assert closed == ["wandb"]
+    opened = trackers.open_trackers(["tensorboard", "wandb"], tmp_path, "p", "n", "g", {}, resume=False)
+    assert [type(t) for t in opened] == [Opened] and closed == ["wandb"]  # all open: the caller closes them
