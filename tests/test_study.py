@@ -300,6 +300,32 @@ def test_a_study_run_again_skips_its_finished_runs(quick_study, monkeypatch):
     assert len(summary["groups"]) == 2
 
 
+@pytest.mark.parametrize("failure", [KeyboardInterrupt(), RuntimeError("the launcher's own failure")])
+def test_a_ctrl_c_or_a_failed_launch_while_runs_go_stops_every_run_and_is_raised_as_itself(tmp_path, monkeypatch,
+                                                                                        failure):
+    from types import SimpleNamespace
+
+    from ftis_engine.study import runner
+
+    stopped = []
+
+    class Launcher:
+        def __init__(self, env, code):
+            pass
+
+        def __call__(self, run):
+            raise failure
+
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(runner, "Launcher", Launcher)
+    with pytest.raises(type(failure)):
+        runner._run(SimpleNamespace(study="s", jobs=1), [], ["run"], ["run"], tmp_path, quick=True, jobs=1,
+                    command="", progress=False)
+    assert stopped == [True]
+
+
 def test_plot_overlays_several_runs_in_one_figure(quick_study, tmp_path):
     runs = [quick_study / "runs" / g / "seed-0" for g in ("size-alone", "size-f-tis")]
     result = cli("plot", *runs, "--out", tmp_path / "overlay.png")

@@ -260,6 +260,7 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
         task = bar.add_task(f"study {study.study}: runs", total=len(runs), completed=len(runs) - len(todo))
         with ThreadPoolExecutor(max_workers=jobs or study.jobs) as pool:
             futures = {pool.submit(launcher, run): run for run in todo}
+            finished = False
             try:
                 for future in as_completed(futures):
                     run, exit_code = futures[future], future.result()
@@ -268,9 +269,10 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
                         bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {exit_code}): "
                                           f"{run.log_path}")
                     bar.advance(task)
-            except BaseException:  # Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt): stop every run
-                launcher.stop()
-                raise
+                finished = True
+            finally:  # Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt), or a launch that raised: stop
+                if not finished:  # every run, before the pool waits for them
+                    launcher.stop()
     keep_records(runs)
     summary = aggregate(study, groups, quick=quick, command=command)
     summary.update({key: value for key, value in code.items() if key != "registered"})
