@@ -255,7 +255,8 @@ def test_a_member_killed_with_sigkill_is_dropped_at_its_lease_and_rejoins_under_
         victim = start_victim()  # rejoins under its name (the old holder's lease is over)
         until(lambda: "victim" in survivor.members(), "the victim to rejoin")
         events = [(r["event"], r["member"]) for r in map(json.loads, (tmp_path / "coordinator.jsonl").open())]
-        assert events[:4] == [("join", "survivor"), ("join", "victim"), ("expired", "victim"), ("join", "victim")]
+        assert events[:5] == [("start", None), ("join", "survivor"), ("join", "victim"), ("expired", "victim"),
+                              ("join", "victim")]
     finally:
         victim.kill()
         survivor.close()
