@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from . import zygote
-from .helpers import TINY, command_here, short_config
+from .helpers import TINY, command_here, run_records, short_config
 from .ports import free_port
-from .test_swarm import _args, _cli, _env, _kill_rank_after_first_checkpoint, _records, _steps, _train
+from .test_swarm import _args, _cli, _env, _kill_rank_after_first_checkpoint, _steps
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -197,7 +197,7 @@ def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoi
     assert proc.returncode == 0, err
     assert f"rank {further}: {'tiny-s' if mode == 'sync' else 'tiny-m-lora'}: shard 2/2" in out  # the layout
     assert _steps(tmp_path) == {m: list(range(1, 7)) for m in ("tiny-s", "tiny-m-lora")}
-    train = _train(_records(tmp_path))
+    train = run_records(tmp_path / "swarm", "train")
     for name in ("tiny-s", "tiny-m-lora"):
         assert sum(r["peer_sequences"] for r in train if r["member"] == name) > 0, name
     checkpoint = tmp_path / "swarm" / "checkpoints" / "step-6"
@@ -226,7 +226,7 @@ def test_a_two_rank_member_screens_its_arrivals_on_both_shards_and_applies_its_l
                  "eval.every=0", "eval.at_start=false", "defense.likelihood_floor=-0.001", "defense.claims_monitor=true")
     result = _cli(*args, "--nproc", "3", timeout=400)
     assert result.returncode == 0, result.stderr
-    records = [r for r in _train(_records(tmp_path)) if r["member"] == "tiny-s"]
+    records = [r for r in run_records(tmp_path / "swarm", "train") if r["member"] == "tiny-s"]
     assert [r["step"] for r in records] == [1, 2, 3]  # the leader reports once a step
     assert sum(r["likelihood_dropped"] for r in records) > 0 and all(r["peer_sequences"] == 0 for r in records)
     assert all(r["likelihood_dropped_by"].keys() <= {"tiny-m-lora"} for r in records)
@@ -241,7 +241,7 @@ def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
             "--set", "members.1.lr=4e-3", "--set", "run_name=swarm"]
     result = _cli(*args, "--nproc", "3", timeout=600)
     assert result.returncode == 0, result.stderr
-    evals = [r for r in _records(tmp_path) if r["kind"] == "eval"]
+    evals = [r for r in run_records(tmp_path / "swarm") if r["kind"] == "eval"]
     for name in ("tiny-s", "tiny-m-lora"):
         start, end = (next(r["accuracy"] for r in evals if r["member"] == name and r["step"] == s) for s in (0, 40))
         assert end > start + 0.05, (name, start, end)
