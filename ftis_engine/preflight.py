@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 from ftis_kernels import resolve_backend
@@ -17,6 +18,7 @@ from ftis_kernels import resolve_backend
 from . import layers, precision
 from .config import ConfigError, RunConfig
 from .context import check_context
+from .errors import first_line
 from .members import load_member_tokenizer
 from .models import ModelSpecError, check_model_spec
 
@@ -60,10 +62,28 @@ def check_placement(config: RunConfig) -> None:
 PROCESS_OVERHEAD_BYTES = 1 << 30
 
 
+@dataclass(frozen=True)
+class Unplanned:
+    """A model whose memory cannot be planned: why (its config could not be read, or it is no decoder the plan
+    knows)."""
+
+    reason: str
+
+
 def model_shape(spec: str) -> dict | None:
     """hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads, intermediate_size, vocab_size and
-    tie_word_embeddings of a built-in or a local/cached HF model (its config only, no weights); None when unknown."""
-    from .models import BPE_VOCAB_SIZE, QWEN_VOCAB_SIZE, TINY_MODELS, builtin_name, builtin_tokenizer, is_builtin
+    tie_word_embeddings of a built-in or a local/cached HF model (its config only, no weights); None when unknown
+    (plan_shape says why)."""
+    shape = plan_shape(spec)
+    return None if isinstance(shape, Unplanned) else shape
+
+
+def plan_shape(spec: str) -> dict | Unplanned:
+    """model_shape's dict, or Unplanned saying why there is none: what reading the config raised (models.LOAD_ERRORS:
+    not in the cache and the hub does not answer, an architecture transformers does not know), or a config without
+    one of the sizes. Any other error is this code's own and propagates as itself."""
+    from .models import (BPE_VOCAB_SIZE, LOAD_ERRORS, QWEN_VOCAB_SIZE, TINY_MODELS, builtin_name, builtin_tokenizer,
+                         is_builtin)
 
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
     if is_builtin(spec):
@@ -72,22 +92,25 @@ def model_shape(spec: str) -> dict | None:
         vocab = {"qwen": QWEN_VOCAB_SIZE}.get(builtin_tokenizer(spec), BPE_VOCAB_SIZE if name.endswith("-bpe") else 101)
         return {**shape, "vocab_size": vocab,
                 "tie_word_embeddings": TINY_MODELS[name]["tie_word_embeddings"], "attention_bias": True}
+    from transformers import AutoConfig
+
+    from .hub import hub_reachable
+    from .models import _from_hub, source
+
     try:
-        from transformers import AutoConfig
-
-        from .hub import hub_reachable
-        from .models import _from_hub, source
-
         where = source(spec)
         try:  # the cache or a local folder first; a hub model's config (a few kB) from the hub when it answers
             hf = AutoConfig.from_pretrained(where, local_files_only=True)
-        except Exception:
+        except LOAD_ERRORS:
             if not (_from_hub(where) and hub_reachable()):
                 raise
             hf = AutoConfig.from_pretrained(where)
-        shape = {k: int(getattr(hf, k)) for k in (*keys, "vocab_size")}
-    except Exception:  # an unknown architecture or no config: nothing to estimate with
-        return None
+    except LOAD_ERRORS as exc:
+        return Unplanned(f"{type(exc).__name__}: {first_line(exc, 160)}")
+    shape = {k: getattr(hf, k, None) for k in (*keys, "vocab_size")}
+    unknown = [k for k, v in shape.items() if not isinstance(v, int) or isinstance(v, bool)]
+    if unknown:
+        return Unplanned(f"its config gives no {unknown[0]}: not a decoder the plan knows")
     shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
     # Qwen2 configs name no attention_bias (their q, k, v always have one); Llama's say
     return {**shape, "tie_word_embeddings": bool(getattr(hf, "tie_word_embeddings", False)),
@@ -183,16 +206,16 @@ def check_memory_plan(config: RunConfig, placed: list[int], device: torch.device
     asleep in the update but not freed at level 1), each member's training takes `training_bytes` plus a process's
     overhead. A plan that does not fit stops, naming the field to lower."""
     gib = 1 << 30
-    shapes = {i: model_shape(config.members[i].model) for i in placed}
+    planned = {i: plan_shape(config.members[i].model) for i in placed}
+    shapes = {i: None if isinstance(shape, Unplanned) else shape for i, shape in planned.items()}
     vllm = [i for i in placed if config.members[i].generator == "vllm"]
     engines = sum(engine_bytes(config, i, shapes[i], capacity) for i in vllm)
     needs, least = {}, 0  # least: what the engines need at the very least (bf16 weights and 1 GiB of KV cache)
     for i in placed:
         shape = shapes[i]
         if shape is None:
-            log.warning("members.%d.model: no config found to plan its memory with (not in the cache and the hub "
-                        "does not answer, or not a decoder the plan knows); the memory plan on %s leaves it out", i,
-                        device)
+            log.warning("members.%d.model: no config found to plan its memory with (%s); the memory plan on %s "
+                        "leaves it out", i, planned[i].reason, device)
         if shape is not None:
             needs[i] = training_bytes(config, i, shape) + PROCESS_OVERHEAD_BYTES
             if config.members[i].generator == "vllm":

@@ -273,3 +273,26 @@ def test_a_model_whose_config_cannot_be_read_is_named_when_the_memory_plan_leave
     with caplog.at_level(logging.WARNING, logger="ftis_engine"):
         check_memory_plan(config, [0, 1], "cuda:0", H100)
     assert "members.0.model: no config found to plan its memory with" in caplog.text
+    assert "with (OSError: " in caplog.text  # and why: what reading its config raised
+
+
+def test_the_memory_plan_says_why_a_config_gives_nothing_to_plan_with_and_a_programming_error_is_itself(
+        tmp_path, monkeypatch):
+    """A config that is no decoder the plan knows (BERT's has no num_key_value_heads) is Unplanned with the size it
+    lacks; an AttributeError while reading a config is the code's own and propagates as itself."""
+    import transformers
+
+    from ftis_engine.preflight import Unplanned, model_shape, plan_shape
+
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                            intermediate_size=64).save_pretrained(str(tmp_path / "bert"))
+    assert plan_shape(str(tmp_path / "bert")) == Unplanned("its config gives no num_key_value_heads: not a decoder "
+                                                           "the plan knows")
+    assert model_shape(str(tmp_path / "bert")) is None
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'NoneType' object has no attribute 'get'")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", broken)
+    with pytest.raises(AttributeError, match="has no attribute 'get'"):
+        plan_shape(str(tmp_path / "bert"))
