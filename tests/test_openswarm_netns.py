@@ -47,8 +47,8 @@ def coordinator_events(tmp_path):
 
 
 def live(tmp_path):
-    events = coordinator_events(tmp_path)
-    return set(events[-1]["live"]) if events else set()
+    events = coordinator_events(tmp_path)  # the newest record with the live list (a start record has none)
+    return next((set(r["live"]) for r in reversed(events) if "live" in r), set())
 
 
 class Members:
