@@ -93,7 +93,7 @@ def test_a_parcel_arrives_and_both_ranks_leave_after_saying_done():
     assert not leaving.is_alive() and zero.peer_done(1)
     zero.check()
     one.check()  # leaving is no error
-    assert not zero._thread.is_alive() and not one._thread.is_alive()
+    assert not zero._worker.is_alive() and not one._worker.is_alive()
 
 
 def test_what_is_queued_before_done_arrives_in_order_and_slots_keep_only_their_newest_value():
@@ -163,6 +163,28 @@ def test_an_error_in_the_receiving_handler_is_a_transport_error_with_its_cause_n
     assert isinstance(caught.value.__cause__, ValueError)
     for link in links.values():
         kill(link)
+
+
+def test_a_failure_of_the_io_thread_itself_is_a_transport_error_with_its_type_and_every_wait_ends(monkeypatch):
+    """An error in the I/O thread's own code (not the handler's, not a connection's) ends the thread: check raises it
+    as a TransportError whose cause is the error itself, and the rank waiting, or finishing, is not left waiting."""
+    send_ready = Links._send_ready
+
+    def broken(self, peer, dealer, pending):
+        if self.rank == 0:
+            raise AttributeError("'NoneType' object has no attribute 'send_multipart'")
+        send_ready(self, peer, dealer, pending)
+
+    monkeypatch.setattr(Links, "_send_ready", broken)
+    links, _ = start(timeout_s=30.0)
+    with pytest.raises(TransportError, match=r"^rank 0: the links' I/O thread failed: AttributeError: 'NoneType' "
+                                             r"object has no attribute 'send_multipart'$") as caught:
+        links[0].wait_until(lambda: False, 10.0, "nothing")
+    assert isinstance(caught.value.__cause__, AttributeError) and not links[0]._worker.is_alive()
+    began = time.monotonic()
+    links[0].finish()  # nothing more comes from anyone: finishing ends at once, never after swarm.timeout_s
+    assert time.monotonic() - began < 5.0
+    kill(links[1])
 
 
 def test_a_body_over_the_receivers_limit_is_refused_and_one_over_the_socket_cap_never_read():

@@ -47,6 +47,7 @@ from typing import Protocol
 import torch
 
 from ..errors import first_line
+from ..threads import Worker
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -189,7 +190,7 @@ class Links:
         self._finishing = threading.Event()
         self._stop = threading.Event()
         self._lost: dict[int, str] = {}
-        self._failed: dict[int | None, tuple[str, BaseException]] = {}
+        self._reading: int | None = None  # the peer whose message the handler is taking (a failure there is its)
         self.refused: dict[int, int] = {}  # peer -> messages refused
         self.reconnects = {p: 0 for p in self.peers}  # connections to a peer that closed and came back
         self.up = {p: False for p in self.peers}  # this rank's connection to the peer is up (handshake done)
@@ -197,7 +198,8 @@ class Links:
         self._again: dict[int, list[list]] = {}  # peer -> messages that go again (a reconnection may have lost them)
         self.changed = threading.Condition()  # notified whenever a message arrives or a link ends
         self._handler: Handler | None = None
-        self._thread: threading.Thread | None = None
+        # the I/O thread: its failure is this code's own, not a connection's (check raises it, never as a lost peer)
+        self._worker = Worker(self._run, name=f"ftis-links-{rank}", on_error=self._failed)
         self._flush = True
         self._wake_read, self._wake_write = socket.socketpair()  # a post wakes the I/O thread's poll
         self._wake_read.setblocking(False)
@@ -221,8 +223,7 @@ class Links:
             router.setsockopt(zmq.IPV6, 1)
         router.bind(f"tcp://[{host}]:*" if ":" in host else f"tcp://{host}:*")
         self.addresses = list(self.gather(router.getsockopt_string(zmq.LAST_ENDPOINT)))
-        self._thread = threading.Thread(target=self._run, args=(router,), daemon=True, name=f"ftis-links-{self.rank}")
-        self._thread.start()
+        self._worker.start(router)
 
     def _heartbeat(self, sock) -> None:
         import zmq
@@ -257,10 +258,7 @@ class Links:
 
     def check(self) -> None:
         """Raise what went wrong on a link: TransportError (this code's own failure, with its cause) or PeerLost."""
-        if self._failed:
-            peer, (where, exc) = next(iter(dict(self._failed).items()))
-            place = "the links' I/O thread" if peer is None else f"{where} peer rank {peer}"
-            raise TransportError(f"rank {self.rank}: {place} failed: {type(exc).__name__}: {first_line(exc)}") from exc
+        self._worker.check(self._transport_error)
         if self._lost:
             peer, reason = next(iter(dict(self._lost).items()))
             raise PeerLost(f"peer rank {peer} is gone without finishing ({reason})")
@@ -289,7 +287,7 @@ class Links:
         self._wake()
         deadline = time.time() + self.timeout_s
         for peer in self.peers:
-            while not (self._done_received[peer].is_set() or peer in self._lost or self._failed):
+            while not (self._done_received[peer].is_set() or peer in self._lost or self._worker.error is not None):
                 if time.time() > deadline:
                     log.warning("rank %d: peer rank %d did not say DONE in time; leaving anyway", self.rank, peer)
                     break
@@ -304,8 +302,7 @@ class Links:
         self._flush = flush
         self._stop.set()
         self._wake()
-        if self._thread is not None:
-            self._thread.join(self.linger_s() + 5.0)
+        self._worker.join(self.linger_s() + 5.0)
         self._wake_read.close()
         self._wake_write.close()
 
@@ -323,6 +320,19 @@ class Links:
     def _notify(self) -> None:
         with self.changed:
             self.changed.notify_all()
+
+    def _failed(self, exc: BaseException) -> None:
+        """The I/O thread ended with `exc` (kept by its Worker; its sockets closed): nothing more comes from anyone
+        or goes to anyone, and every wait wakes to find it (check)."""
+        for peer in self.peers:
+            self._done_received[peer].set()
+            self._done_sent[peer].set()
+        self._notify()
+
+    def _transport_error(self, exc: BaseException) -> TransportError:
+        """The I/O thread's failure as check raises it: where it failed (the handler, receiving from a peer), what."""
+        place = "the links' I/O thread" if self._reading is None else f"receiving from peer rank {self._reading}"
+        return TransportError(f"rank {self.rank}: {place} failed: {type(exc).__name__}: {first_line(exc)}")
 
     def _run(self, router) -> None:
         import zmq
@@ -384,12 +394,6 @@ class Links:
                 for peer in self.peers:
                     if up[peer]:
                         self._send_ready(peer, dealers[peer], pending)
-        except Exception as exc:  # this code's own failure, not a connection's
-            self._failed.setdefault(None, ("run", exc))
-            for peer in self.peers:
-                self._done_received[peer].set()
-                self._done_sent[peer].set()
-            self._notify()
         finally:
             # the monitors stop before their sockets close: libzmq's own thread may be sending an event (a peer's
             # disconnection) to a monitor, and with the reading end closed first that send would wait forever,
@@ -496,23 +500,22 @@ class Links:
             return
         size = len(raw) // 4
         with_body = kind in (DATA, WEIGHTS)
-        try:
-            limit = self._handler.body_limit(peer, kind, step, version, size) if with_body else 0
-            refused = None
-            if size > limit:
-                refused = f"{size} words, an honest one holds at most {limit}"
-            elif with_body and size < 1:
-                refused = "an empty body"
-            if refused is not None:
-                self._refused(peer, kind, step, refused)
-            if self._finishing.is_set() or (kind == TAKEN and refused):
-                return  # drained, not used: this rank has finished
-            body = torch.frombuffer(bytearray(raw), dtype=torch.int32) if refused is None and size else \
-                torch.empty(0, dtype=torch.int32)
-            self._handler.deliver(peer, kind, step, version, body, refused)
-        except Exception as exc:  # the handler's failure: this rank stops with it (check)
-            self._failed.setdefault(peer, ("receiving from", exc))
-            self._done_received[peer].set()
+        self._reading = peer  # the handler's failure from here (it ends the I/O thread) is "receiving from" this peer
+        limit = self._handler.body_limit(peer, kind, step, version, size) if with_body else 0
+        refused = None
+        if size > limit:
+            refused = f"{size} words, an honest one holds at most {limit}"
+        elif with_body and size < 1:
+            refused = "an empty body"
+        if refused is not None:
+            self._refused(peer, kind, step, refused)
+        if self._finishing.is_set() or (kind == TAKEN and refused):
+            self._reading = None
+            return  # drained, not used: this rank has finished
+        body = torch.frombuffer(bytearray(raw), dtype=torch.int32) if refused is None and size else \
+            torch.empty(0, dtype=torch.int32)
+        self._handler.deliver(peer, kind, step, version, body, refused)
+        self._reading = None
         self._notify()
 
     def _refused(self, peer: int, kind: int, step: int, reason: str) -> None:

@@ -13,11 +13,11 @@ header it waits on would otherwise block the sampler's generation queued on the 
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 import torch.distributed as dist
 
+from ..threads import Worker
 from .links import TransportError
 
 END = -1
@@ -29,8 +29,7 @@ class WeightBroadcast:
 
     def __init__(self, group, source: int, device: torch.device, dtype: torch.dtype = torch.bfloat16):
         self.group, self.source, self.device, self.dtype = group, source, device, dtype
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._worker = Worker(self._receive, name="weights-broadcast")  # its failure surfaces through check()
 
     # -- the learner's side
 
@@ -50,8 +49,7 @@ class WeightBroadcast:
 
     def start(self, slot) -> None:
         """Receive every push into `slot` (exchange.WeightSlot) until the learner closes the channel."""
-        self._thread = threading.Thread(target=self._receive, args=(slot,), name="weights-broadcast", daemon=True)
-        self._thread.start()
+        self._worker.start(slot)
 
     def _receive(self, slot) -> None:
         side = None
@@ -60,34 +58,30 @@ class WeightBroadcast:
             # the header broadcast is posted in advance and completes only at the learner's next push: on the
             # default stream it would hold back every kernel the sampler queues after it (its generation)
             side = torch.cuda.Stream(self.device)
-        try:
-            while True:
-                header = torch.empty(1, dtype=torch.int64, device=self.device)
-                flat = torch.empty(slot.words, dtype=self.dtype, device=self.device)
-                with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                    dist.broadcast(header, src=self.source, group=self.group)
-                    version = int(header.item())  # waits on this stream only
-                    if version == END:
-                        return
-                    dist.broadcast(flat, src=self.source, group=self.group)
-                if side is not None:
-                    side.synchronize()  # whole before the sampler's default stream may read it
-                slot.put(version, flat)
-        except BaseException as exc:  # surfaces in the sampler's loop through check()
-            self._error = exc
+        while True:
+            header = torch.empty(1, dtype=torch.int64, device=self.device)
+            flat = torch.empty(slot.words, dtype=self.dtype, device=self.device)
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                dist.broadcast(header, src=self.source, group=self.group)
+                version = int(header.item())  # waits on this stream only
+                if version == END:
+                    return
+                dist.broadcast(flat, src=self.source, group=self.group)
+            if side is not None:
+                side.synchronize()  # whole before the sampler's default stream may read it
+            slot.put(version, flat)
 
     @property
     def done(self) -> bool:
         """A sampler's side: its learner closed the channel (it finished), and everything it pushed came."""
-        return self._thread is not None and not self._thread.is_alive() and self._error is None
+        return self._worker.started and not self._worker.is_alive() and self._worker.error is None
 
     def check(self) -> None:
-        if self._error is not None:
-            raise TransportError(f"the weights broadcast from rank {self.source} failed: "
-                                 f"{type(self._error).__name__}: {self._error}") from self._error
+        """Raise the receiving thread's failure as a TransportError, its cause the error itself."""
+        self._worker.check(lambda exc: TransportError(f"the weights broadcast from rank {self.source} failed: "
+                                                      f"{type(exc).__name__}: {exc}"))
 
     def join(self, timeout_s: float) -> None:
         """A sampler leaving: wait for the learner's END (it sends it when it finishes)."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._worker.join(timeout_s)
         self.check()
