@@ -64,20 +64,24 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     from .preflight import check_before_launch
 
     start_method = start_fork_server()
+    launched = False
     try:
         if evaluate is not None:  # reads the checkpoint, writes nothing: no lock, no run directory checks
             check_before_launch(config, distributed=True)
-            return _launch(config, run_dir, resume, nproc, target, start_method=start_method)
-        with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
-            check_run_dir(run_dir, config, resume)
-            check_before_launch(config, distributed=True)  # bad models, tokenizers, generators: before any process
-            print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
-            if any(m.ranks > 1 or m.samplers for m in config.members):
-                print(f"rank layout:\n{describe_layout(config)}", flush=True)
-            return _launch(config, run_dir, resume, nproc, join=join, start_method=start_method)
-    except BaseException:
-        stop_fork_server()  # a launch stopped by its checks: the server's imports (CPU-seconds) are not wanted
-        raise
+            code = _launch(config, run_dir, resume, nproc, target, start_method=start_method)
+        else:
+            with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
+                check_run_dir(run_dir, config, resume)
+                check_before_launch(config, distributed=True)  # bad models, tokenizers, generators: before any process
+                print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
+                if any(m.ranks > 1 or m.samplers for m in config.members):
+                    print(f"rank layout:\n{describe_layout(config)}", flush=True)
+                code = _launch(config, run_dir, resume, nproc, join=join, start_method=start_method)
+        launched = True
+    finally:  # a launch stopped by its checks (an error, a Ctrl-C): the server's imports (CPU-seconds) are not wanted
+        if not launched:
+            stop_fork_server()
+    return code
 
 
 def start_fork_server() -> str:

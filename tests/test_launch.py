@@ -218,6 +218,34 @@ def test_a_forked_worker_gets_the_launchers_environment_at_launch_and_keeps_what
     assert seen["env"] == {**server, **agent}
 
 
+@pytest.mark.parametrize("stop", [ConfigError("members.0.model: cannot load model"), KeyboardInterrupt(), None])
+def test_a_launch_stopped_before_its_workers_ran_stops_its_fork_server_and_one_that_ran_keeps_it(tmp_path, monkeypatch,
+                                                                                                 stop):
+    """The fork server imports the workers' modules while the launcher checks: a launch its checks stop (or a Ctrl-C)
+    stops it, raising what stopped it; a launch that ran keeps it for the next launch in this process."""
+    from ftis_engine import launch, preflight
+    from ftis_engine.layout import world_size
+
+    stopped = []
+
+    def check(config, distributed):
+        if stop is not None:
+            raise stop
+
+    monkeypatch.setattr(launch, "start_fork_server", lambda: "spawn")
+    monkeypatch.setattr(launch, "stop_fork_server", lambda: stopped.append(True))
+    monkeypatch.setattr(preflight, "check_before_launch", check)
+    monkeypatch.setattr(launch, "_launch", lambda *args, **kwargs: 0)
+    monkeypatch.delenv("RANK", raising=False)
+    config = short_config()
+    if stop is None:
+        assert launch_distributed(config, tmp_path, False, world_size(config), evaluate=tmp_path) == 0
+    else:
+        with pytest.raises(type(stop)):
+            launch_distributed(config, tmp_path, False, world_size(config), evaluate=tmp_path)
+    assert stopped == ([] if stop is None else [True])
+
+
 def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_each_launch(monkeypatch):
     """start_fork_server: a server whose children start with the workers' modules imported; a second launch in the
     same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn or a
