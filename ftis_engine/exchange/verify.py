@@ -163,7 +163,9 @@ class RolloutChecker:
         try:
             local = self.task.score(tokenizer, [r.completion_ids for _, r in claimed],
                                     [self.task.train[r.prompt_index] for _, r in claimed], undecided=None)
-        except Exception as exc:  # ids the tokenizer cannot decode, or a reward that fails on this text
+        # a catch-all, as it must be: a peer's (untrusted) ids and text through the user's reward code, which may raise
+        # anything on them (ids the tokenizer cannot decode, a reward that fails on this text): the parcel is refused
+        except Exception as exc:
             raise RolloutError(f"cannot score the completions: {exc}") from None
         unverified = set()
         for (i, rollout), reward in zip(claimed, local):
