@@ -13,7 +13,7 @@ from mkdocs.structure.files import File
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PAGE = ROOT / "docs" / "configuration.md"
-BEGIN = "<!-- the configuration reference: generated from ftis_engine/config.py by `python docs/hooks.py` -->"
+BEGIN = "<!-- the configuration reference: generated from ftis_engine/config/schema.py by `python docs/hooks.py` -->"
 END = "<!-- end of the configuration reference -->"
 
 
@@ -38,7 +38,7 @@ def with_reference(markdown: str) -> str:
 
 def _type(annotation) -> str:
     text = str(_plain(annotation)).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return text.replace("ftis_engine.config.", "").replace("|", "\\|")
+    return text.replace("ftis_engine.config.schema.", "").replace("|", "\\|")
 
 
 def _plain(annotation):
@@ -83,7 +83,7 @@ def _fields(model, prefix: str) -> list[tuple[str, str, str, str]]:
 
 
 def reference() -> str:
-    from ftis_engine.config import RunConfig
+    from ftis_engine.config.schema import RunConfig
 
     lines = ["| field | type | default | what it does |", "|---|---|---|---|"]
     for key, kind, default, description in _fields(RunConfig, ""):

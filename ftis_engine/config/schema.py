@@ -1,47 +1,21 @@
-"""The run configuration: one pydantic tree, loaded from YAML, with dotted `--set` overrides.
-
-Every field has a description and a default that serves a first run; `ftis-engine train --dry-run` prints the
-resolved tree. Errors are raised as ConfigError with a one-line message that names the field.
-"""
+"""The run configuration's schema: one pydantic tree, each field with a description (docs/configuration.md is
+generated from them: python docs/hooks.py) and a default that serves a first run; `ftis-engine train --dry-run` prints
+the resolved tree. A field's own bounds and choices are checked here; the rules between fields are in checks.py,
+reading the YAML and the `--set` overrides in load.py."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import pathlib
 import re
 import typing
 from typing import Any, Literal
 
-import yaml
 from ftis_kernels import LossConfig
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator,
-                      model_validator)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from .rewards import MAX_REWARD
-from .rollouts import wire_bytes
-
-
-class ConfigError(ValueError):
-    """A bad config file, key, value, override or path. The message is one line naming the field."""
-
-
-Beta = typing.Annotated[float, Field(ge=0.0, lt=1.0)]
-Seed = typing.Annotated[int, Field(ge=0, lt=2**63, description="A seed torch accepts: 0 <= seed < 2^63.")]
-
-
-def _number_type(annotation: Any) -> bool:
-    """An int or float field (possibly Annotated, Optional or a Literal of numbers), which a YAML boolean must not
-    fill: pydantic would take `yes` for 1 and `true` for 1.0."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _number_type(typing.get_args(annotation)[0])
-    if origin is Literal:
-        return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in typing.get_args(annotation))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return bool(args) and all(_number_type(a) for a in args)
-    return annotation in (int, float)
+from ..rewards import MAX_REWARD
+from .checks import check_run
+from .types import Beta, Seed, number_type, safe_path_name
 
 
 class _Section(BaseModel):
@@ -50,22 +24,10 @@ class _Section(BaseModel):
     @field_validator("*", mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, value: Any, info) -> Any:
-        if isinstance(value, bool) and _number_type(cls.model_fields[info.field_name].annotation):
+        if isinstance(value, bool) and number_type(cls.model_fields[info.field_name].annotation):
             raise ValueError(f"expected a number, got the boolean {str(value).lower()} (YAML reads yes, no, on, off, "
                              "true and false as booleans)")
         return value
-
-
-SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+=@-]{0,99}$")
-
-
-def safe_path_name(value: str) -> str:
-    """A name the engine turns into a path (a run, a member) must be one plain path component: it can never
-    escape or nest under the directory it is joined to."""
-    if not SAFE_NAME.match(value):
-        raise ValueError(f"{value!r} is not a plain file name (1-100 letters, digits and _ . + = @ -, not starting "
-                         "with . + = @ or -)")
-    return value
 
 
 class LoraSettings(_Section):
@@ -153,9 +115,9 @@ class AdversarySettings(_Section):
                          "the reward; in-context writes a wrong first column sum (arith) that the answer ignores; "
                          "forge-high claims every token had generation probability e^-20 (its importance weights sit "
                          "at the cap C); forge-low claims probability 1; forge-filter claims probability 1/(2V) on its "
-                         "non-positive-advantage completions (the least the claims check admits: their KL to a receiver "
-                         "grows linearly, not exponentially, and their weights go to the cap); long generates groups "
-                         "with the end of sequence suppressed until rollout.max_new_tokens.")
+                         "non-positive-advantage completions (the least the claims check admits: their KL to a "
+                         "receiver grows linearly, not exponentially, and their weights go to the cap); long "
+                         "generates groups with the end of sequence suppressed until rollout.max_new_tokens.")
     rate: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False,
                         description="The share of its completions that lie (drawn per completion and step; inject and "
                                     "in-context: of those that earn the reward) or of its prompts' groups made long "
@@ -173,12 +135,15 @@ class MemberSettings(_Section):
     )
     tokenizer: str | None = Field(None, description="Tokenizer id or path; default: the model's own.")
     lora: LoraSettings | None = Field(None, description="Train a LoRA adapter (peft) instead of all weights.")
-    lr: float = Field(1e-6, gt=0.0, allow_inf_nan=False, description="Learning rate (paper: 1e-6..5e-6 full, 1e-4 LoRA).")
+    lr: float = Field(1e-6, gt=0.0, allow_inf_nan=False,
+                      description="Learning rate (paper: 1e-6..5e-6 full, 1e-4 LoRA).")
     optimizer: Literal["adamw", "adam"] = Field("adam", description="Optimizer (the paper: Adam).")
     weight_decay: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="Weight decay (AdamW).")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
-    grad_clip: float = Field(1.0, gt=0.0, allow_inf_nan=False, description="Clip the global gradient norm to this value.")
-    generator: Literal["hf", "vllm"] = Field("hf", description="Who generates rollouts: transformers (CPU/GPU) or vLLM (GPU).")
+    grad_clip: float = Field(1.0, gt=0.0, allow_inf_nan=False,
+                             description="Clip the global gradient norm to this value.")
+    generator: Literal["hf", "vllm"] = Field("hf", description="Who generates rollouts: transformers (CPU/GPU) or "
+                                             "vLLM (GPU).")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Compute dtype of the forward and backward passes (autocast; FSDP2's param_dtype on "
                             "several ranks): auto is bfloat16 on GPU, float32 on CPU; bfloat16 on CPU computes in "
@@ -192,8 +157,8 @@ class MemberSettings(_Section):
                                "parameter; updates below bf16's spacing land in expectation instead of rounding "
                                "away); needs torchao (pip install torchao) and optimizer adamw, or adam without "
                                "weight decay.")
-    seed: Seed | None = Field(None, description="Seed for a built-in model's random init (and its warm start); default: "
-                              "the run seed mixed with seed_offset.")
+    seed: Seed | None = Field(None, description="Seed for a built-in model's random init (and its warm start); "
+                              "default: the run seed mixed with seed_offset.")
     seed_offset: int | None = Field(
         None, ge=0, description="Init seed = the run seed mixed with this (default: the member's index; mixed, so no "
                                 "member's init at one run seed is another's at the next). Two members with the same "
@@ -276,7 +241,8 @@ class AlgorithmSettings(_LossFields):
 
 class RolloutSettings(_Section):
     group_size: int = Field(12, ge=2, description="G: completions per prompt.")
-    prompts_per_step: int = Field(24, ge=1, description="Prompts per step across the swarm (vertical: dealt round-robin).")
+    prompts_per_step: int = Field(24, ge=1, description="Prompts per step across the swarm (vertical: dealt "
+                                  "round-robin).")
     max_new_tokens: int = Field(768, ge=1, description="Completion length limit in tokens.")
     temperature: float = Field(1.0, ge=0.01, le=100.0, allow_inf_nan=False,
                                description="Sampling temperature (the trainer divides logits by it).")
@@ -304,7 +270,7 @@ class RewardTerm(_Section):
 def _unread(task: Any, field: str) -> str | None:
     """Why a data field set away from its default has no effect for `task` (None: the task reads it, or is unknown:
     load_task reports that)."""
-    from .tasks import readers, settings_read
+    from ..tasks import readers, settings_read
 
     read = settings_read(task) if isinstance(task, str) else None
     if read is None or field in read:
@@ -403,7 +369,8 @@ class DataSettings(_Section):
         return self
     system_prompt: str | None = Field(None, description="System prompt; default: the paper's <think>/<answer> prompt.")
     prompt_format: Literal["auto", "chat", "plain"] = Field(
-        "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if available."
+        "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if "
+                            "available."
     )
     reward: str | None = Field(None, description="The training reward as 'module:function' (completion, gold) -> "
                                "float, instead of the task's; eval still counts right answers (eval.reward).")
@@ -420,7 +387,8 @@ class TrainSettings(_Section):
     micro_batch_tokens: int = Field(
         8192, ge=1, description="Token budget of one packed forward/backward (prompt + completion tokens)."
     )
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (under --nproc: each rank takes its local GPU).")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N (under --nproc: each rank takes its local "
+                        "GPU).")
     backend: Literal["auto", "triton", "torch"] = Field("auto", description="Fused-loss backend.")
     attn_implementation: Literal["auto", "flash_attention_2", "flex_attention", "varlen", "sdpa", "eager"] = Field(
         "auto",
@@ -468,8 +436,10 @@ class TrainSettings(_Section):
 
 class EvalSettings(_Section):
     every: int = Field(10, ge=0, description="Evaluate every N steps (0: only at step 0 and the end).")
-    datasets: list[str] | None = Field(None, description="Eval datasets (default: the task's: gsm8k -> gsm8k, math500).")
-    max_samples: int | None = Field(None, ge=1, description="Evaluate on the first N examples of each set (default: all).")
+    datasets: list[str] | None = Field(None, description="Eval datasets (default: the task's: gsm8k -> gsm8k, "
+                                       "math500).")
+    max_samples: int | None = Field(None, ge=1, description="Evaluate on the first N examples of each set (default: "
+                                    "all).")
     max_new_tokens: int | None = Field(None, ge=1, description="Default: rollout.max_new_tokens.")
     batch_size: int = Field(256, ge=1, description="Prompts per greedy generate() call.")
     at_start: bool = Field(True, description="Evaluate at step 0 before training.")
@@ -660,7 +630,8 @@ class RunConfig(_Section):
     eval: EvalSettings = Field(default_factory=EvalSettings, description="Evaluation.")
     swarm: SwarmSettings = Field(default_factory=SwarmSettings, description="Multi-process exchange.")
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints.")
-    logging: LoggingSettings = Field(default_factory=LoggingSettings, description="What is logged for a person to read.")
+    logging: LoggingSettings = Field(default_factory=LoggingSettings,
+                                     description="What is logged for a person to read.")
     defense: DefenseSettings = Field(default_factory=DefenseSettings,
                                      description="A receiver's guards against dishonest peers, beyond its checks.")
 
@@ -671,325 +642,5 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> RunConfig:
-        names = [m.name for m in self.members]
-        if len(set(names)) != len(names):
-            raise ValueError("members: names must be unique")
-        if self.collaboration == "horizontal" and self.rollout.group_size < len(self.members):
-            raise ValueError("rollout.group_size must be >= the number of members in horizontal mode")
-        if self.collaboration != "horizontal" and self.rollout.prompts_per_step < len(self.members):
-            raise ValueError("rollout.prompts_per_step must be >= the number of members (each member needs a prompt)")
-        self.algorithm.loss_config(self.rollout.temperature)  # with the sampler's temperature
-        if self.train.warmup_steps >= self.train.steps and self.train.warmup_steps:
-            raise ValueError(f"train.warmup_steps: {self.train.warmup_steps} >= train.steps={self.train.steps}: the "
-                             "run would end before its learning rate reached lr")
-        sharded = next((i for i, m in enumerate(self.members) if m.ranks > 1), None)
-        if sharded is not None and self.algorithm.beta > 0:
-            raise ValueError(f"algorithm.beta: a KL penalty to the reference is not supported yet for a member on "
-                             f"several ranks (members.{sharded}.ranks={self.members[sharded].ranks})")
-        if sharded is not None and self.train.epochs * self.train.mini_batches > 1:
-            raise ValueError(f"train.epochs: several optimizer steps per batch (epochs x mini_batches = "
-                             f"{self.train.epochs * self.train.mini_batches}) are not supported yet for a member on "
-                             f"several ranks (members.{sharded}.ranks={self.members[sharded].ranks})")
-        groups = self.rollout.prompts_per_step // (len(self.members) if self.collaboration == "alone" else 1)
-        if self.train.mini_batches > groups:  # mini-batches are cut from whole groups: fewer, without a word
-            held = (f"collaboration alone gives a member as few as {groups} of rollout.prompts_per_step="
-                    f"{self.rollout.prompts_per_step} dealt to {len(self.members)} members"
-                    if self.collaboration == "alone" else f"rollout.prompts_per_step={groups}")
-            raise ValueError(f"train.mini_batches: {self.train.mini_batches} optimizer steps a pass are cut from "
-                             f"whole groups, and a step's update holds {groups} ({held}); at most {groups}")
-        if self.swarm.mode == "sync" and not self.swarm.latency.is_zero:
-            raise ValueError("swarm.latency: a delay needs swarm.mode: async (sync members wait for each other)")
-        for i, member in enumerate(self.members):
-            if member.samplers and self.swarm.mode != "async":
-                raise ValueError(f"members.{i}.samplers: sampler ranks need swarm.mode: async (a sync member "
-                                 "trains on what it generated this step)")
-            if member.samplers and self.collaboration == "alone":
-                raise ValueError(f"members.{i}.samplers: sampler ranks need collaboration vertical (alone members "
-                                 "take no rollouts from anyone)")
-            if member.samplers and member.weight_sync_every >= self.train.steps:
-                raise ValueError(f"members.{i}.weight_sync_every: {member.weight_sync_every} >= train.steps="
-                                 f"{self.train.steps}: its samplers would never receive weights")
-        for i, member in enumerate(self.members):
-            if member.adversary is not None and (member.ranks > 1 or member.samplers):
-                raise ValueError(f"members.{i}.adversary: an attacker (studies and tests) runs on one rank without "
-                                 f"samplers (members.{i}.ranks={member.ranks}, samplers={member.samplers})")
-        in_context = [f"members.{i}.adversary.kind" for i, m in enumerate(self.members)
-                      if m.adversary is not None and m.adversary.kind == "in-context"]
-        if "in-context" in (self.eval.payloads or ()):
-            in_context.append("eval.payloads")
-        for field in in_context:
-            if self.data.task != "arith":
-                raise ValueError(f"{field}: in-context writes a wrong column sum of the arith task's scratchpad; "
-                                 f"data.task is {self.data.task!r}")
-        latency = self.swarm.latency
-        if latency.unit == "steps" and latency.min > self.swarm.max_staleness:
-            raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} steps late, more than "
-                             f"swarm.max_staleness={self.swarm.max_staleness}: every peer rollout would be dropped")
-        if latency.unit == "seconds" and self.swarm.max_delay_s is not None and latency.min > self.swarm.max_delay_s:
-            raise ValueError(f"swarm.latency: every delivery is at least {latency.min:g} s late, more than "
-                             f"swarm.max_delay_s={self.swarm.max_delay_s:g}: every peer rollout would be dropped")
-        _check_step_size(self)
-        budget = self.swarm.max_peer_sequences
-        if budget is not None and budget < self.rollout.group_size:
-            raise ValueError(f"swarm.max_peer_sequences: {budget} is less than one group (rollout.group_size="
-                             f"{self.rollout.group_size}): an update takes whole groups, so it would take none")
-        if self.swarm.mode == "async" and self.collaboration == "horizontal":
-            raise ValueError("swarm.mode: async needs collaboration vertical or alone (a horizontal group's shares "
-                             "would arrive at different steps and never form a whole group)")
+        check_run(self)
         return self
-
-
-# The most a step's rollouts may take (the swarm's, on the wire and in every member's update): past this a run
-# would fail late (out of memory after the step-0 eval, a run directory left behind) instead of at once.
-MAX_STEP_ROLLOUT_BYTES = 16 * 2**30
-
-
-def _check_step_size(config: RunConfig) -> None:
-    rollout = config.rollout
-    sequences = rollout.group_size * rollout.prompts_per_step
-    size = wire_bytes(sequences, sequences * rollout.max_new_tokens)
-    if size > MAX_STEP_ROLLOUT_BYTES:
-        # name the factor furthest beyond what real runs use (group 64, 1024 prompts, 32k tokens)
-        field = max((rollout.group_size / 64, "rollout.group_size"), (rollout.prompts_per_step / 1024,
-                    "rollout.prompts_per_step"), (rollout.max_new_tokens / 32768, "rollout.max_new_tokens"))[1]
-        raise ValueError(f"{field}: {rollout.prompts_per_step} prompts x {rollout.group_size} completions of up to "
-                         f"{rollout.max_new_tokens} tokens are {size / 2**30:.3g} GiB of rollouts a step, more "
-                         f"than the {MAX_STEP_ROLLOUT_BYTES // 2**30} GiB a step may hold")
-
-
-def config_differences(saved: RunConfig, new: RunConfig) -> list[tuple[str, object, object]]:
-    """(dotted field, saved value, new value) for every leaf that differs."""
-    return value_differences(saved.model_dump(mode="json"), new.model_dump(mode="json"))
-
-
-def value_differences(old: object, new: object, path: str = "") -> list[tuple[str, object, object]]:
-    """(dotted field, old value, new value) for every leaf of two JSON-like values that differs."""
-    out: list[tuple[str, object, object]] = []
-
-    def walk(a, b, path: str) -> None:
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in list(a) + [k for k in b if k not in a]:
-                walk(a.get(key), b.get(key), f"{path}.{key}" if path else str(key))
-        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-            for i, (x, y) in enumerate(zip(a, b)):
-                walk(x, y, f"{path}.{i}")
-        elif a != b:
-            out.append((path, a, b))
-
-    walk(old, new, path)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------- loading
-
-
-def _location(error: dict) -> str:
-    return ".".join(str(part) for part in error["loc"]) or "config"
-
-
-def format_validation_error(error: ValidationError) -> str:
-    first = error.errors()[0]
-    where = _location(first)
-    message = first["msg"].removeprefix("Value error, ")
-    loss_field = re.match(r"LossConfig\.(\w+): (.*)", message)
-    if loss_field:  # a LossConfig check: name the field inside the algorithm section
-        field = loss_field.group(1)
-        where = "rollout.temperature" if field == "temperature" else f"algorithm.{field}"
-        message = loss_field.group(2)
-    own_field = re.match(r"([a-z_]+(?:\.[a-z_0-9]+)+):? (.*)", message) if where == "config" else None
-    if own_field:  # a whole-config check that names its field first
-        where, message = own_field.group(1), own_field.group(2)
-    if first["type"] == "extra_forbidden":
-        message = "unknown key"
-    elif first["type"] == "missing":
-        message = "required field is missing"
-    return f"{where}: {message}"
-
-
-def _field_annotation(parts: list[str]) -> Any:
-    """The annotation of the RunConfig field a dotted path names (list indices and dict keys followed), or None
-    when the path names no field (validation then says so)."""
-    annotation: Any = RunConfig
-    for part in parts:
-        while True:  # unwrap Annotated and Optional to the type that holds fields, items or values
-            origin = typing.get_origin(annotation)
-            if origin is typing.Annotated:
-                annotation = typing.get_args(annotation)[0]
-            elif origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-                args = [a for a in typing.get_args(annotation) if a is not type(None)]
-                if len(args) != 1:
-                    return None
-                annotation = args[0]
-            else:
-                break
-        origin = typing.get_origin(annotation)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            field = annotation.model_fields.get(part)
-            if field is None:
-                return None
-            annotation = field.annotation
-        elif origin is list and part.lstrip("-").isdigit():
-            annotation = typing.get_args(annotation)[0]
-        elif origin is dict:
-            annotation = typing.get_args(annotation)[1]
-        else:
-            return None
-    return annotation
-
-
-def _text_field(annotation: Any) -> tuple[bool, bool]:
-    """(whether a field takes text: str, an optional str or a Literal of strings; whether it may be null)."""
-    origin = typing.get_origin(annotation)
-    if origin is typing.Annotated:
-        return _text_field(typing.get_args(annotation)[0])
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        text = len(args) == 1 and _text_field(args[0])[0]
-        return text, text and len(args) < len(typing.get_args(annotation))
-    if origin is Literal:
-        return all(isinstance(v, str) for v in typing.get_args(annotation)), False
-    return annotation is str, False
-
-
-NULLS = ("null", "Null", "NULL", "~")
-
-
-def _parse_value(text: str, annotation: Any = None) -> Any:
-    """An override's value: as typed for a field that takes text (run_name=1.10 stays "1.10", a system prompt
-    keeps its '#' and ':', nothing is the empty text; null and ~ give None where the field may be null), else a YAML value
-    ([1, 2], {a: 1}, null, 1e-6), read with the loader config files are read with."""
-    is_text, nullable = _text_field(annotation)
-    if is_text:
-        return None if nullable and text.strip() in NULLS else text  # "" stays "" (no system prompt, say)
-    try:
-        return yaml.load(text, Loader=_UniqueKeyLoader) if text.strip() else ""
-    except (yaml.YAMLError, RecursionError):
-        return text
-
-
-def apply_override(raw: dict, assignment: str) -> None:
-    """Apply one `dotted.path=value` override to the raw (unvalidated) config dict; list indices allowed. A field
-    that takes text gets the value as typed; any other a YAML value."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set {' '.join(assignment.split())}: expected KEY=VALUE")
-    key, text = assignment.split("=", 1)
-    parts = key.strip().split(".")
-    if not key.strip() or any(not p for p in parts):
-        raise ConfigError(f"--set {' '.join(assignment.split())}: empty key")
-    apply_value(raw, key.strip(), _parse_value(text, _field_annotation(parts)))
-
-
-def apply_value(raw: dict, key: str, value: Any) -> None:
-    """Set the field a dotted key names (list indices allowed) to an already typed value (a study's `set:`)."""
-    parts = key.split(".")
-    node: Any = raw
-    for depth, part in enumerate(parts[:-1]):
-        node = _child(node, part, ".".join(parts[: depth + 1]), create=True)
-    last = parts[-1]
-    if isinstance(node, list):
-        index = _index(node, last, key)
-        node[index] = value
-    elif isinstance(node, dict):
-        node[last] = value
-    else:
-        raise ConfigError(f"--set {key}: {'.'.join(parts[:-1])} is not a section")
-
-
-def _index(node: list, part: str, where: str) -> int:
-    try:
-        index = int(part)
-    except ValueError:
-        raise ConfigError(f"--set {where}: {part!r} is not a list index") from None
-    if not -len(node) <= index < len(node):
-        raise ConfigError(f"--set {where}: index {index} is out of range (the list has {len(node)} items)")
-    return index
-
-
-def _child(node: Any, part: str, where: str, create: bool) -> Any:
-    if isinstance(node, list):
-        return node[_index(node, part, where)]
-    if isinstance(node, dict):
-        if node.get(part) is None and create:
-            node[part] = {}
-        return node[part]
-    raise ConfigError(f"--set {where}: not a section")
-
-
-class DuplicateKeyError(yaml.constructor.ConstructorError):
-    """A key given twice in one mapping: YAML keeps the second silently (a second `train:` section would replace
-    the first, its micro_batch_tokens and threads lost)."""
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load's loader, refusing a key given twice in one mapping."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged (and overridden) by YAML's rules
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                first = seen.get(key)
-            except TypeError:  # an unhashable key: the base constructor reports it
-                continue
-            if first is not None:
-                raise DuplicateKeyError(problem=f"key {key!r} is given twice in one section (lines {first + 1} and "
-                                                f"{key_node.start_mark.line + 1}); keep one",
-                                        problem_mark=key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_yaml_map)
-
-
-def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = ConfigError) -> dict:
-    """A config file's top-level mapping: UTF-8 (with or without a byte-order mark) or UTF-16 with its mark, as
-    editors save them. Anything else raises `error` with one line naming --config and the file."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        what = ("is a directory" if path.is_dir() else "is not a regular file (a device, a pipe or a socket)"
-                if path.exists() else "no such file")
-        raise error(f"--config {path}: {what}")
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise error(f"--config {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
-    try:
-        text = data.decode("utf-16") if data[:2] in (b"\xff\xfe", b"\xfe\xff") else data.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        raise error(f"--config {path}: is not UTF-8 (or UTF-16) text; save it as UTF-8") from None
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)
-    except DuplicateKeyError as exc:
-        raise error(f"--config {path}: {exc.problem}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark is not None else ""
-        raise error(f"--config {path}:{where} is not valid YAML") from None
-    except RecursionError:
-        raise error(f"--config {path}: nested too deep to read") from None
-    if not isinstance(raw, dict):
-        raise error(f"--config {path}: expected a mapping of sections at the top level")
-    return raw
-
-
-def load_config(path: str | pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read YAML, apply `--set` overrides, validate. Raises ConfigError (one line naming the field)."""
-    raw = copy.deepcopy(read_yaml_mapping(path))
-    for assignment in overrides:
-        apply_override(raw, assignment)
-    return validate_config(raw)
-
-
-def validate_config(raw: dict) -> RunConfig:
-    try:
-        config = RunConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
-    return config
-
-
-def dump_config(config: RunConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
