@@ -49,7 +49,7 @@ def test_the_configuration_reference_has_every_field():
 def test_the_committed_configuration_reference_is_the_schemas():
     """docs/configuration.md holds the generated table, readable without building the site (it was an 8-line stub
     whose table existed only in the built site, while the README links to it for every field): equal to what the
-    schema gives now. After a change to ftis_engine/config.py: python docs/hooks.py."""
+    schema gives now. After a change to ftis_engine/config/schema.py: python docs/hooks.py."""
     sys.path.insert(0, str(ROOT / "docs"))
     try:
         import hooks

@@ -8,7 +8,7 @@ from .base import SYSTEM_PROMPT, Example, RewardError, Task, TaskError
 
 # The data fields each kind of task reads, beyond those every task reads (task, system_prompt, prompt_format,
 # reward, rewards, reward_timeout_s, max_prompt_tokens, shuffle). A field set away from its default for a task that
-# does not read it is refused at load (config.py), never silently unused.
+# does not read it is refused at load (config/schema.py), never silently unused.
 _READS_FILES = {"train_path", "eval_paths"}
 _READS_FIELDS = {"question_field", "answer_field", "prompt_template"}
 

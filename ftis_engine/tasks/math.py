@@ -22,7 +22,7 @@ HUB = {
 }
 MATH_TASKS = {
     # task: (training set, default eval sets). math500 has no training split of its own: it trains on the file
-    # data.train_path names (config.py requires it), never on the 500 problems it is evaluated on.
+    # data.train_path names (config/schema.py requires it), never on the 500 problems it is evaluated on.
     "gsm8k": ("gsm8k-train", ["gsm8k", "math500"]),
     "math500": ("math500", ["math500"]),
     "gsm8k-calc": ("gsm8k-train", ["gsm8k-calc"]),
