@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import ConfigError, RunConfig
+from .exchange import collective
 from .layers import find_decoder_layers
 from .layout import endpoint_ranks, member_ranks, process_roles, weights_group_ranks
 
@@ -95,27 +96,32 @@ class Shard:
 
     def all_gather(self, value) -> list:
         gathered: list = [None] * self.size
-        dist.all_gather_object(gathered, value, group=self.objects)
+        with collective("the shards' all_gather_object"):
+            dist.all_gather_object(gathered, value, group=self.objects)
         return gathered
 
     def from_leader(self, value):
         """The leader's value on every shard."""
         box = [value]
-        dist.broadcast_object_list(box, src=self.ranks[0], group=self.objects)
+        with collective("the shards' broadcast from their leader"):
+            dist.broadcast_object_list(box, src=self.ranks[0], group=self.objects)
         return box[0]
 
     def max(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.objects)
+        with collective("the shards' all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.objects)
         return int(tensor.item())
 
     def all_true(self, value: bool) -> bool:
         tensor = torch.tensor([int(value)], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.objects)
+        with collective("the shards' all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.objects)
         return bool(tensor.item())
 
     def barrier(self) -> None:
-        dist.barrier(group=self.objects)
+        with collective("the shards' barrier"):
+            dist.barrier(group=self.objects)
 
     def share(self, count: int) -> range:
         """Which of `count` ordered things (prompts) this shard takes: every size-th from its index."""
@@ -163,8 +169,9 @@ def shard_model(index: int, model: torch.nn.Module, causal_lm: torch.nn.Module, 
 @torch.no_grad()
 def broadcast_weights(model: torch.nn.Module, shard: Shard) -> None:
     """The leader's weights (and buffers) on every shard, before sharding."""
-    for tensor in model.state_dict().values():
-        dist.broadcast(tensor, src=shard.ranks[0], group=shard.group)
+    with collective("the leader's weights to its shards"):
+        for tensor in model.state_dict().values():
+            dist.broadcast(tensor, src=shard.ranks[0], group=shard.group)
 
 
 def replica(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,19 +1,20 @@
 """The transports in one process: who receives which parcel, when a delayed or lead-bound parcel is due, and the
-bounded queues (a mailbox per sender, an outbox per peer, a sampler's weight slot). Across processes:
-test_swarm.py (sync) and test_async_swarm.py (async)."""
+bounded queues (a mailbox per sender, an outbox per peer, a sampler's weight slot), and a failed collective named a
+lost peer. Across processes: test_swarm.py (sync) and test_async_swarm.py (async)."""
 
 from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from ftis_engine.config import LatencySettings
-from ftis_engine.exchange import Alone, Parcel
+from ftis_engine.exchange import Alone, Parcel, PeerLost
 from ftis_engine.exchange import WeightSlot
 from ftis_engine.exchange.async_ import Latency, LocalAsync, Mailbox
 from ftis_engine.exchange.links import DATA, DONE, TAKEN, WEIGHTS, Outbox
-from ftis_engine.exchange.sync import LocalSync
+from ftis_engine.exchange.sync import Collectives, DistributedSync, LocalSync
 from ftis_engine.rollouts import Rollout, encode
 
 
@@ -105,3 +106,42 @@ def test_a_weight_slot_takes_only_its_learners_newer_weights_of_the_right_size()
     slot.put(5, torch.ones(3, dtype=torch.int32))  # older than what arrived: ignored
     version, words = slot.take()
     assert version == 6 and words.tolist() == [6, 6, 6] and slot.take() is None and slot.limit(0, 6) == 0
+
+
+def _failing(error: BaseException):
+    def collective(*args, **kwargs):
+        raise error
+
+    return collective
+
+
+def test_a_collective_that_fails_raises_peer_lost_naming_it_with_the_backends_error_as_its_cause(monkeypatch):
+    """gloo raises a peer's closed connection (and a hung one's time-out) as a plain RuntimeError: at the
+    collective it is PeerLost, what a rank tells as a lost peer."""
+    import torch.distributed as dist
+
+    closed = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer\nmore")
+    monkeypatch.setattr(dist, "monitored_barrier", _failing(closed))
+    collectives = Collectives(0, 2, torch.device("cpu"), "gloo")
+    with pytest.raises(PeerLost, match=r"^barrier: \[.*pair.cc:553\] Connection closed by peer$") as lost:
+        collectives.barrier()
+    assert lost.value.__cause__ is closed
+    with pytest.raises(PeerLost, match=r"^barrier: ") as lost:  # named once: the sync transport's own barrier
+        DistributedSync(collectives).send({0: torch.zeros(1, dtype=torch.int32)}, step=3)
+    assert lost.value.__cause__ is closed
+    monkeypatch.setattr(dist, "monitored_barrier", lambda **kwargs: None)
+    monkeypatch.setattr(dist, "all_gather", _failing(RuntimeError("Timed out waiting 5000ms for recv operation")))
+    with pytest.raises(PeerLost, match=r"^step 3: all_gather of the parcels' sizes: Timed out waiting"):
+        DistributedSync(collectives).send({0: torch.zeros(1, dtype=torch.int32)}, step=3)
+
+
+def test_this_ranks_out_of_memory_or_a_non_runtime_error_at_a_collective_is_raised_as_itself(monkeypatch):
+    import torch.distributed as dist
+
+    collectives = Collectives(0, 2, torch.device("cpu"), "gloo")
+    monkeypatch.setattr(dist, "all_gather_object", _failing(torch.OutOfMemoryError("CUDA out of memory.")))
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        collectives.gather_records([])
+    monkeypatch.setattr(dist, "all_reduce", _failing(ValueError("Default process group has not been initialized")))
+    with pytest.raises(ValueError, match="not been initialized"):
+        collectives.all_agree(1)

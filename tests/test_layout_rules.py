@@ -18,7 +18,7 @@ OVER_THE_BOUND = {
     "config.py": 995,  # being split into config/ (schema, loading, checks, types)
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
     "study/report.py": 690,
-    "exchange/links.py": 530,
+    "exchange/links.py": 523,
     "cli.py": 525,
     "openswarm/coordinator.py": 493,
     "openswarm/member.py": 484,

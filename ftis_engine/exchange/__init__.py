@@ -13,16 +13,21 @@ sent as parcels; admission.py then decides what it trains on (the same checks in
 
 The collectives of a run's start and checkpoints (barrier, all_agree, gather_records, all_gather_object) are the
 transport's `collectives`: sync.Collectives for both distributed transports, sync.LocalCollectives in one process.
+A transport fails with PeerLost (a peer is gone, or hung past swarm.timeout_s) or TransportError (its own failure);
+each torch.distributed collective of the engine runs in `collective`, which names its failure PeerLost.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from ..errors import first_line
 
 Limit = Callable[[int, int], int]  # (sender rank, step) -> the most words an honest parcel holds (0: none)
 
@@ -57,6 +62,31 @@ class Arrivals:
     link_refused: int = 0  # one-world async: messages from peers the links refused since the last receive
     link_reconnects: int = 0  # one-world async: connections to peers that closed and came back since then
     foreign_refused: int = 0  # open swarm: sequences of peers of another tokenizer refused unread (not trained on)
+
+
+class PeerLost(RuntimeError):
+    """A peer's connection closed before it said DONE, or a collective failed (killed, crashed, hung or
+    unreachable)."""
+
+
+class TransportError(RuntimeError):
+    """The transport failed for a reason of its own (not a lost connection)."""
+
+
+@contextlib.contextmanager
+def collective(op: str):
+    """Run a torch.distributed collective of the engine's (`op` names it in the error): whatever the backend raises
+    there is PeerLost, from the backend's error. gloo and NCCL raise a peer's closed connection, a hung peer's
+    time-out (the group's, from swarm.timeout_s) and a monitored barrier's missing ranks as RuntimeError (torch's
+    DistError subclasses in part), told apart from a misuse (a wrong device, mismatched sizes) by their message
+    alone; here the call is known to be a collective, and the line quotes the backend's first line. This rank's own
+    out of memory is raised as itself."""
+    try:
+        yield
+    except (PeerLost, torch.OutOfMemoryError):  # already named (a collective inside another); this rank's memory
+        raise
+    except RuntimeError as exc:
+        raise PeerLost(f"{op}: {first_line(exc)}") from exc
 
 
 class Collectives(Protocol):

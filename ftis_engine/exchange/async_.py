@@ -28,8 +28,8 @@ from ..config import LatencySettings, RunConfig
 from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
-from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
-from .links import DATA, TAKEN, WEIGHTS, Links, TransportError
+from . import Arrivals, Limit, Parcel, TransportError, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
+from .links import DATA, TAKEN, WEIGHTS, Links
 from .sync import Collectives, LocalCollectives
 
 
@@ -39,7 +39,8 @@ def gather_addresses(address: str, endpoints: int, group) -> list[str]:
     import torch.distributed as dist
 
     addresses: list = [None] * endpoints
-    dist.all_gather_object(addresses, address, group=group)
+    with collective("gathering the links' addresses"):
+        dist.all_gather_object(addresses, address, group=group)
     for endpoint, value in enumerate(addresses):
         if not (isinstance(value, str) and value.startswith("tcp://")):
             raise TransportError(f"endpoint {endpoint} announced a links address {value!r}, not tcp://HOST:PORT")

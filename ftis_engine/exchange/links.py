@@ -48,6 +48,7 @@ import torch
 
 from ..errors import first_line
 from ..threads import Worker
+from . import PeerLost, TransportError
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -60,14 +61,6 @@ LOST_GRACE_S = 3.0  # a closed connection that comes back within this is a blip,
 SEND_HWM = 4  # messages ZeroMQ queues per peer: the Outbox, not the socket, decides what waits (and what is dropped)
 RECEIVE_HWM = 4  # messages ZeroMQ reads ahead per connection: memory bounded by this x max_bytes per peer
 READ_BURST = 64  # messages read in one turn of the links thread before it sends (a steady stream cannot starve sends)
-
-
-class PeerLost(RuntimeError):
-    """A peer's connection closed before it said DONE (killed, crashed, hung or unreachable)."""
-
-
-class TransportError(RuntimeError):
-    """The transport failed for a reason of its own (not a lost connection)."""
 
 
 class Handler(Protocol):

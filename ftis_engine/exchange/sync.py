@@ -4,7 +4,7 @@ DistributedSync sends a step's buffers with collectives: every rank's buffer siz
 each), then each rank broadcasts its own packed buffer, exactly its size (no padding on the wire). A size outside
 [1, limit] is never received: every rank sees the same sizes and skips that broadcast alike, and the receiver
 gets the parcel marked refused. Every collective runs under the process group's timeout (swarm.timeout_s), so a
-dead or hung peer raises instead of blocking.
+dead or hung peer raises instead of blocking: PeerLost, named at the collective (exchange.collective).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import learner_version
-from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
+from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
 
 
 class LocalCollectives:
@@ -76,15 +76,17 @@ class Collectives:
         self.device = device if backend == "nccl" else torch.device("cpu")  # NCCL moves device tensors only
 
     def barrier(self) -> None:
-        if self.backend == "gloo":
-            dist.monitored_barrier(wait_all_ranks=True)  # names the ranks that did not arrive
-        else:
-            dist.barrier()
+        with collective("barrier"):
+            if self.backend == "gloo":
+                dist.monitored_barrier(wait_all_ranks=True)  # names the ranks that did not arrive
+            else:
+                dist.barrier()
 
     def all_agree(self, value: int) -> int:
         """The minimum of every rank's value (e.g. the newest checkpoint step that all ranks have)."""
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        with collective("all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
         return int(tensor.item())
 
     def gather_records(self, records: list[dict]) -> list[dict]:
@@ -92,7 +94,8 @@ class Collectives:
 
     def all_gather_object(self, value) -> list:
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        with collective("all_gather_object"):
+            dist.all_gather_object(gathered, value)
         return gathered
 
     def close(self) -> None:
@@ -124,10 +127,12 @@ class DistributedSync(WithoutSamplers):
         start = time.perf_counter()
         if self.group is None:
             self.collectives.barrier()
-        elif self.collectives.backend == "gloo":
-            dist.monitored_barrier(group=self.group, wait_all_ranks=True)
         else:
-            dist.barrier(group=self.group)
+            with collective("the endpoints' barrier"):
+                if self.collectives.backend == "gloo":
+                    dist.monitored_barrier(group=self.group, wait_all_ranks=True)
+                else:
+                    dist.barrier(group=self.group)
         waited = time.perf_counter() - start
         buffer = buffers[self.rank]
         parcels = self._transfer(buffer, step)
@@ -138,7 +143,8 @@ class DistributedSync(WithoutSamplers):
         device = self.collectives.device
         own = buffer.to(device, torch.int32).contiguous()
         sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([own.numel()], dtype=torch.int64, device=device), group=self.group)
+        with collective(f"step {step}: all_gather of the parcels' sizes"):
+            dist.all_gather(sizes, torch.tensor([own.numel()], dtype=torch.int64, device=device), group=self.group)
         parcels = []
         for src, size in enumerate(int(s.item()) for s in sizes):
             limit = self._limit(src, step) if self._limit is not None else size
@@ -148,7 +154,8 @@ class DistributedSync(WithoutSamplers):
                                           refused=f"{size} words announced, an honest parcel holds 1..{limit}"))
                 continue
             tensor = own if src == self.rank else torch.empty(size, dtype=torch.int32, device=device)
-            dist.broadcast(tensor, group=self.group, group_src=src)  # src: the endpoint, its rank in the group
+            with collective(f"step {step}: broadcast of endpoint {src}'s parcel"):
+                dist.broadcast(tensor, group=self.group, group_src=src)  # src: the endpoint, its rank in the group
             if src != self.rank:
                 parcels.append(Parcel(src, step, learner_version(step), tensor.cpu()))
         return parcels

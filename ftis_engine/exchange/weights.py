@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..threads import Worker
-from .links import TransportError
+from . import TransportError, collective
 
 END = -1
 
@@ -35,15 +35,18 @@ class WeightBroadcast:
 
     def push(self, flat: torch.Tensor, version: int) -> None:
         self._header(version)
-        dist.broadcast(flat.to(device=self.device, dtype=self.dtype).contiguous(), src=self.source, group=self.group)
+        with collective("the weights broadcast"):
+            dist.broadcast(flat.to(device=self.device, dtype=self.dtype).contiguous(), src=self.source,
+                           group=self.group)
 
     def close(self) -> None:
         """The learner has finished: its samplers' receiving threads end."""
         self._header(END)
 
     def _header(self, version: int) -> None:
-        dist.broadcast(torch.tensor([version], dtype=torch.int64, device=self.device), src=self.source,
-                       group=self.group)
+        with collective("the weights broadcast's header"):
+            dist.broadcast(torch.tensor([version], dtype=torch.int64, device=self.device), src=self.source,
+                           group=self.group)
 
     # -- a sampler's side
 

@@ -49,7 +49,7 @@ import torch
 
 from ..config import RunConfig
 from ..errors import shown
-from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
+from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
 from ..exchange.async_ import Mailbox, queue_capacity
 from ..exchange.sync import LocalCollectives
 from ..layout import world_size
@@ -120,10 +120,10 @@ def share_key(broadcast, key: bytes | None = None) -> bytes:
     any weights: the group's first collective on every side."""
     import torch.distributed as dist
 
-    words = torch.empty(KEY_BYTES, dtype=torch.uint8) if key is None else torch.frombuffer(bytearray(key),
-                                                                                          dtype=torch.uint8)
+    words = torch.empty(KEY_BYTES, dtype=torch.uint8) if key is None else torch.tensor(list(key), dtype=torch.uint8)
     words = words.to(broadcast.device)
-    dist.broadcast(words, src=broadcast.source, group=broadcast.group)
+    with collective("the samplers' key broadcast"):
+        dist.broadcast(words, src=broadcast.source, group=broadcast.group)
     return words.cpu().numpy().tobytes()
 
 
