@@ -5,7 +5,6 @@ A bad config, override or path exits with code 2 and one line naming the field, 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import pathlib
@@ -15,13 +14,10 @@ import threading
 
 import typer
 
-from .checkpoint import CheckpointWriteError
-from .config import ConfigError, RunConfig, dump_config, load_config
+from .config import RunConfig, dump_config, load_config
 from .errors import error_line
-from .generation import EngineError
+from .exits import INTERRUPTED, Interrupted, UsageFailure, ending
 from .progress import quiet_libraries
-from .tasks import TaskError
-from .update import DivergenceError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Collaborative GRPO across heterogeneous LLMs with F-TIS.")
@@ -41,7 +37,6 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
     """Collaborative GRPO across heterogeneous LLMs with F-TIS."""
 
 
-INTERRUPTED = 130  # the shell's code for Ctrl-C
 INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on (train says it itself)
     "study": "interrupted; rerun the same command to continue (finished runs are kept, interrupted ones resume "
              "from their newest checkpoint)",
@@ -51,14 +46,6 @@ INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on (tr
 SET_HELP = ("Override a field: dotted.path=value, list indices allowed (members.1.lr=1e-4). A text field takes the "
             "value exactly as typed ('#' and ':' included; null clears an optional one); any other field a YAML "
             "value: 1e-4, [q_proj, v_proj], {gsm8k: data/test.jsonl}, null. Repeatable.")
-
-
-class UsageFailure(Exception):
-    """A one-line error for the user; exits with code 2."""
-
-
-class Interrupted(Exception):
-    """Ctrl-C (or SIGTERM) stopped a command; the message says what it left. Exits with code 130."""
 
 
 def _load(config: pathlib.Path, overrides: list[str], output_dir: pathlib.Path | None) -> RunConfig:
@@ -452,37 +439,22 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _run(argv: list[str] | None) -> None:
-    """main's work: the command, and its errors told in one line (exits through SystemExit always)."""
-    try:
-        code = app(args=argv, standalone_mode=False)
-    except (ConfigError, TaskError, UsageFailure) as exc:
-        _fail(str(exc))
-    except (DivergenceError, EngineError) as exc:
-        _fail(str(exc), code=1)
-    except Interrupted as exc:
-        _fail(str(exc), code=INTERRUPTED)
-    except OSError as exc:  # what the machine refused while writing: what to do, in one line
-        if isinstance(exc, CheckpointWriteError) or exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            _fail(str(exc) if isinstance(exc, CheckpointWriteError) else
-                  f"{exc.strerror} writing {exc.filename or 'the run directory'}; the newest complete checkpoint is "
-                  "intact: free space, then --resume", code=1)
-        if exc.errno in (errno.ENAMETOOLONG, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EPERM):
-            _fail(f"{exc.filename or 'a path'}: {exc.strerror} (check --output-dir and the paths in the config)")
-        raise
-    except _UsageError as exc:
-        if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:
-            sys.stdout.write(exc.ctx.get_help() + "\n")
-            sys.exit(0)
-        _fail(exc.format_message())
-    except (typer.Abort, KeyboardInterrupt):
-        code = INTERRUPTED
-    except Exception as exc:  # a library's error wrapping a Ctrl-C ("Could not import module ...") is a Ctrl-C
-        if not _caused_by_interrupt(exc):
-            raise
-        code = INTERRUPTED
+    """main's work: the command, and its errors told in one line (exits through SystemExit always): the parser's
+    here, every other by the one table (exits.py)."""
+    command = (argv if argv is not None else sys.argv[1:])[:1]
+    hint = INTERRUPTED_HINTS.get(command[0] if command else "", "interrupted")
+    with ending(lambda told: sys.exit(told.code), hint=hint):
+        try:
+            code = app(args=argv, standalone_mode=False)
+        except _UsageError as exc:
+            if type(exc).__name__ == "NoArgsIsHelpError" and exc.ctx is not None:
+                sys.stdout.write(exc.ctx.get_help() + "\n")
+                sys.exit(0)
+            _fail(exc.format_message())
+        except typer.Abort:  # click's word for a Ctrl-C
+            code = INTERRUPTED
     if code == INTERRUPTED:  # typer turns Ctrl-C into this exit code
-        command = (argv if argv is not None else sys.argv[1:])[:1]
-        _fail(INTERRUPTED_HINTS.get(command[0] if command else "", "interrupted"), code=INTERRUPTED)
+        _fail(hint, code=INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -507,17 +479,6 @@ class _Interrupts:
             sys.stderr.write(error_line("interrupted again while stopping: stopped at once, its cleanup unfinished"))
             sys.stderr.flush()
             os._exit(INTERRUPTED)
-
-
-
-def _caused_by_interrupt(exc: BaseException) -> bool:
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, KeyboardInterrupt):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _fail(message: str, code: int = 2) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-INTERRUPTED = 130
+from .exits import INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -19,11 +19,11 @@ OVER_THE_BOUND = {
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
     "study/report.py": 690,
     "exchange/links.py": 523,
-    "cli.py": 525,
+    "cli.py": 486,
     "openswarm/coordinator.py": 493,
     "openswarm/member.py": 484,
 }
-INTERRUPTED_DEFINITIONS = 3  # entry.py, cli.py, launch.py; target 1
+INTERRUPTED_DEFINITIONS = 2  # exits.py, launch.py; target 1
 # a file counts when the word appears in it anywhere, comments and docstrings too (the "today 8" counted so:
 # step.py, samplers.py and exchange/__init__.py only mention it); target 4
 MAX_LEAD_FILES = 8
