@@ -26,17 +26,15 @@ import uuid
 import torch
 
 from .config import ConfigError, RunConfig, validate_config
-from .errors import error_line, first_line
+from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 from .layout import describe_layout, describe_role, process_roles, world_size
 
 log = logging.getLogger("ftis_engine.launch")
 
-CONFIG_ERROR_EXIT = 2
-INTERRUPTED = 130  # the shell's code for Ctrl-C: the launcher was interrupted (its workers stopped)
-DIVERGED_EXIT = 3  # a member's loss or gradient turned NaN/inf (the rank printed which, and at which step)
-# A failure a restart cannot mend (a config error, a divergence: a resume replays the same steps to the same NaN):
-# the worker writes its exit code to this file (set by the launcher), and the agent's restarts, which cannot tell
-# exit codes apart, end at once with it instead of resuming and failing again (swarm.max_restarts times).
+# A failure a restart cannot mend (exits.Outcome.final: a config error, a divergence: a resume replays the same
+# steps to the same NaN): the worker writes its exit code to this file (set by the launcher), and the agent's
+# restarts, which cannot tell exit codes apart, end at once with it instead of resuming and failing again
+# (swarm.max_restarts times); the launcher returns it (the worker printed its line).
 FINAL_EXIT_ENV = "FTIS_FINAL_EXIT_FILE"
 START_METHOD_ENV = "FTIS_START_METHOD"  # auto (the default: forkserver without CUDA, else spawn), forkserver, spawn
 
@@ -203,10 +201,11 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         return INTERRUPTED
     except ChildFailedError as exc:
         failures = exc.failures
-        if any(f.exitcode == CONFIG_ERROR_EXIT for f in failures.values()):
-            return CONFIG_ERROR_EXIT  # the worker already printed its one-line error
-        if any(f.exitcode == DIVERGED_EXIT for f in failures.values()):
-            return 1  # likewise
+        if any(f.exitcode == CONFIG for f in failures.values()):
+            return CONFIG  # the worker already printed its one-line error
+        code = _final_code(final)
+        if code is not None:
+            return code  # a failure no restart mends: likewise
         roles = process_roles(config)
         parts = []
         for rank, failure in sorted(failures.items()):
@@ -218,7 +217,7 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         tried = f" after {restarts} restart(s)" if restarts else ""
         sys.stderr.write(f"error: swarm stopped{tried}: {'; '.join(parts)} (a rank that lost its peer says so above); "
                          "the newest complete checkpoint is intact, continue with --resume\n")
-        return 1
+        return FAILED
     finally:
         os.environ.pop(FINAL_EXIT_ENV, None)
         final.unlink(missing_ok=True)
@@ -228,18 +227,14 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
 def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | None = None,
                join: str | None = None) -> int:
     """One rank: join the process group, open the run (session.open_run), train; or, with `evaluate` (a
-    checkpoint), evaluate it and let rank 0 print every rank's records. Config errors print one line (an error all
-    ranks found alike: rank 0 alone) and exit 2. join: the open swarm's coordinator (a member on several ranks:
-    its leader holds the exchange, openswarm/member.py)."""
-    from .exchange.links import PeerLost, TransportError
-    from .generation import EngineError
-    from .openswarm.client import JoinRefused
+    checkpoint), evaluate it and let rank 0 print every rank's records. Its failures end it by the one table
+    (exits.py): a config error prints one line (an error all ranks found alike: rank 0 alone) and exits 2.
+    join: the open swarm's coordinator (a member on several ranks: its leader holds the exchange,
+    openswarm/member.py)."""
     from .preflight import check_placement
     from .progress import quiet_libraries
     from .run import train
-    from .session import AgreedError, open_run
-    from .tasks import TaskError
-    from .update import DivergenceError
+    from .session import open_run
     from .wiring import connect
 
     quiet_libraries()
@@ -248,22 +243,17 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     final = os.environ.get(FINAL_EXIT_ENV)
     if restarted and final:
-        try:
-            code = int(pathlib.Path(final).read_text())
-        except (OSError, ValueError):
-            code = None
+        code = _final_code(final)
         if code is not None:
             os._exit(code)  # a failure no restart mends happened: its rank said what, once
 
-    def stop(code: int) -> None:
-        if final:
+    def stop(told: Outcome) -> None:
+        if told.final and final:
             with contextlib.suppress(OSError):
-                pathlib.Path(final).write_text(str(code))
-        sys.stderr.flush()
-        os._exit(code)
+                pathlib.Path(final).write_text(str(told.code))
+        os._exit(told.code)  # no teardown: the process group may be waiting on a peer that is gone
 
-    exchange = None
-    try:
+    with ending(stop, rank=rank, joining=config_data["members"][0]["name"]):
         config = validate_config(config_data)
         if world != world_size(config):
             raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
@@ -298,37 +288,13 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
             from .samplers import run_sampler
 
             run_sampler(swarm, start_step)
-    except JoinRefused as exc:
-        sys.stderr.write(error_line(f"--join: the coordinator refused {config_data['members'][0]['name']}: {exc}"))
-        stop(CONFIG_ERROR_EXIT)
-    except (DivergenceError, EngineError) as exc:
-        sys.stderr.write(error_line(str(exc)))
-        stop(DIVERGED_EXIT)
-    except (ConfigError, TaskError) as exc:
-        if rank == 0 or not isinstance(exc, AgreedError):
-            sys.stderr.write(error_line(str(exc)))
-        stop(CONFIG_ERROR_EXIT)
-    except Exception as exc:  # a dead or hung peer surfaces here as a collective's error or timeout
-        if isinstance(exc, TransportError):  # the exchange's own failure, with its cause
-            what = "failed in the exchange"
-        elif isinstance(exc, (PeerLost, TimeoutError, torch.distributed.DistError)) or (
-                isinstance(exc, RuntimeError) and exchange is not None and _collective_failure(exc)):
-            what = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)"
-        else:
-            what = "failed"
-        sys.stderr.write(error_line(f"rank {rank} {what}: {type(exc).__name__}: {first_line(exc)}"))
-        if what == "failed" or isinstance(exc, TransportError):
-            import traceback
-
-            traceback.print_exception(exc.__cause__ or exc, file=sys.stderr)
-        sys.stderr.flush()
-        os._exit(1)  # no teardown: the process group may be waiting on a peer that is gone
     exchange.collectives.close()
     return 0
 
 
-def _collective_failure(exc: RuntimeError) -> bool:
-    """A RuntimeError raised by a collective of the default group (gloo and NCCL raise plain RuntimeErrors with
-    their backend's name, or a connection's failure, in the message)."""
-    text = str(exc).lower()
-    return any(word in text for word in ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier"))
+def _final_code(path: str | pathlib.Path) -> int | None:
+    """The exit code a rank wrote to the final-exit file (FINAL_EXIT_ENV), or None: none written."""
+    try:
+        return int(pathlib.Path(path).read_text())
+    except (OSError, ValueError):
+        return None

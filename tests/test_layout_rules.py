@@ -23,7 +23,7 @@ OVER_THE_BOUND = {
     "openswarm/coordinator.py": 493,
     "openswarm/member.py": 484,
 }
-INTERRUPTED_DEFINITIONS = 2  # exits.py, launch.py; target 1
+INTERRUPTED_DEFINITIONS = 1  # exits.py: the target
 # a file counts when the word appears in it anywhere, comments and docstrings too (the issue's "today 8" counted so:
 # step.py, samplers.py and exchange/__init__.py only mention it); target 4
 MAX_LEAD_FILES = 8
@@ -32,7 +32,7 @@ MAX_LEAD_FILES = 8
 MAX_LEAD_CODE_FILES = 5
 # handlers that catch everything: `except Exception`, `except BaseException` (alone or in a tuple) and a bare
 # `except:`; the issue's "today 31" counted both names. Target 15
-CATCH_ALLS = 14
+CATCH_ALLS = 13
 # CPython's private names the fork server and the tests' zygote reach for, counted as text in every .py of
 # ftis_engine and tests (this file aside): set_forkserver_preload and a benchmark key "spawn_over_forkserver" count
 # too, as the issue's check reads them. Target: none
