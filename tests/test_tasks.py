@@ -414,6 +414,23 @@ def test_an_hf_dataset_with_several_configs_loads_the_one_data_subset_names(tmp_
         load_task(load_config(TINY, [*settings, f"data.path={tmp_path / 'nowhere'}"]).data, 0)
 
 
+def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_naming_the_field_and_its_local_copy(monkeypatch):
+    """GSM8K from the hub: whatever `datasets` raises (here a refused connection) is the field's one line."""
+    import datasets
+
+    from ftis_engine.tasks.math import load_rows
+
+    def refused(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)\nmore")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets, "load_dataset", refused)
+    with pytest.raises(TaskError, match=r"^data.eval_paths.gsm8k: cannot load 'openai/gsm8k' from the HF hub "
+                                        r"\(Couldn't reach 'openai/gsm8k' on the Hub \(LocalEntryNotFoundError\)\); "
+                                        r"give a local copy with data.eval_paths.gsm8k$"):
+        load_rows("gsm8k", None, "data.eval_paths.gsm8k")
+
+
 # ----------------------------------------------------------------------------------------------- data that is not text
 
 

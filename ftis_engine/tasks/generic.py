@@ -9,7 +9,7 @@ import re
 from ..errors import first_line
 from ..rewards import binary_answer_reward
 from .base import Example, Task, TaskError
-from .math import _text, read_jsonl
+from .math import _text, load_hf, read_jsonl
 
 
 def _gold(answer: str) -> str:
@@ -32,21 +32,8 @@ def _examples(rows, data, where) -> list[Example]:
 
 
 def _hf_rows(data, split: str, field: str) -> list[tuple[int, dict]]:
-    from ..hub import hub_reachable
-
     check_local_files(data.path)
-    hub_reachable()  # offline: at once from the cache or a local directory
-    import datasets
-
-    datasets.disable_progress_bars()
-    verbosity = datasets.logging.get_verbosity()
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its ERROR lines would come before ours, unasked
-    try:
-        rows = datasets.load_dataset(data.path, data.subset, split=split)
-    except Exception as exc:  # datasets raises many types: offline, missing, schema, unknown config or split...
-        raise TaskError(_load_error(data, split, field, exc)) from None
-    finally:
-        datasets.logging.set_verbosity(verbosity)
+    rows = load_hf(data.path, data.subset, split, lambda exc: _load_error(data, split, field, exc))
     return list(enumerate(rows, start=1))
 
 

@@ -8,6 +8,7 @@ import math
 import pathlib
 import random
 import re
+from collections.abc import Callable
 
 from ..errors import first_line
 from ..rewards import binary_answer_reward, final_answer_reward
@@ -75,23 +76,36 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
     return rows
 
 
+def load_hf(path: str, subset: str | None, split: str, problem: Callable[[Exception], str]):
+    """The split of a dataset `datasets` loads (a hub id, or a local directory of data files), quietly: no progress
+    bars, none of its own log lines before ours; TaskError(problem(exc)) when it cannot be loaded."""
+    from ..hub import hub_reachable
+
+    hub_reachable()  # offline: fail at once from the cache or a local directory instead of retrying
+    import datasets
+
+    datasets.disable_progress_bars()
+    verbosity = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its ERROR lines would come before ours, unasked
+    try:
+        return datasets.load_dataset(path, subset, split=split)
+    except Exception as exc:  # a catch-all, as it must be: load_dataset runs fetching, resolving configs and
+        # splits and every file format's reader, which raise any type for a dataset that is offline, missing or
+        # malformed (FileNotFoundError, ValueError, ConnectionError, pyarrow's and the hub's own); the user's line
+        # names the setting at fault and quotes it
+        raise TaskError(problem(exc)) from None
+    finally:
+        datasets.logging.set_verbosity(verbosity)
+
+
 def load_rows(name: str, path: str | None, field: str) -> list[tuple[int, dict]]:
     """(line or row number, row) of one dataset from a local JSONL file, or from the HF hub when no path is given."""
     hub_id, config, split, q_field, a_field = HUB[name]
     if path is not None:
         numbered = read_jsonl(path, field, (q_field, a_field))
     else:
-        from ..hub import hub_reachable
-
-        hub_reachable()  # offline: fail at once from the cache instead of retrying
-        import datasets
-
-        datasets.disable_progress_bars()
-        try:
-            rows = datasets.load_dataset(hub_id, config, split=split)
-        except Exception as exc:  # datasets raises many types: offline, missing, schema...
-            raise TaskError(f"{field}: cannot load {hub_id!r} from the HF hub ({first_line(exc)}); give a local copy with "
-                            f"{field}") from None
+        rows = load_hf(hub_id, config, split, lambda exc: f"{field}: cannot load {hub_id!r} from the HF hub "
+                                                          f"({first_line(exc)}); give a local copy with {field}")
         missing = [f for f in (q_field, a_field) if f not in rows.column_names]
         if missing:
             raise TaskError(f"{field}: {hub_id} has no field {missing[0]!r} (fields: {', '.join(rows.column_names)})")
