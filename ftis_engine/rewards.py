@@ -13,6 +13,7 @@ import numbers
 import re
 import threading
 from collections.abc import Callable
+from functools import partial
 
 Reward = Callable[[str, str], float]
 
@@ -44,20 +45,30 @@ class RewardTimeout(Exception):
     """math-verify ran out of time on this answer: the reward has no verdict (neither 1 nor 0)."""
 
 
+def _math_verify(call: Callable[[], object], timed_out: str, unreadable: object):
+    """What a math-verify call returns, or `unreadable` when it raises on the text it was given (no expression, no
+    comparison); RewardTimeout(timed_out) when it runs out of time: no verdict at all."""
+    from math_verify.errors import TimeoutException
+
+    try:
+        return call()
+    except TimeoutException:
+        raise RewardTimeout(timed_out) from None
+    except Exception:  # a catch-all, as it must be: math-verify runs a model's text (untrusted, any string) and the
+        # gold through its LaTeX and expression parsers and sympy, which raise any type on text they cannot read or
+        # compare; such text has no expression, and no answer is equal by it
+        return unreadable
+
+
 def _parse(text: str):
     from math_verify import parse
-    from math_verify.errors import TimeoutException
 
     # Bare answers ("18", "\frac{1}{2}") parse more reliably inside $...$ than as free text. An escaped dollar
     # ("\$18", a currency sign in MATH-500's golds) is no math delimiter: such text is wrapped too.
     candidates = [text] if _DELIMITER.search(text) or "\\boxed" in text else [f"${text}$", text]
     for candidate in candidates:
-        try:
-            parsed = parse(candidate, parsing_timeout=_timeout(), raise_on_error=True)
-        except TimeoutException:
-            raise RewardTimeout(f"parsing {candidate[:80]!r} timed out") from None
-        except Exception:  # text math-verify cannot parse: no expression
-            parsed = []
+        parsed = _math_verify(partial(parse, candidate, parsing_timeout=_timeout(), raise_on_error=True),
+                              f"parsing {candidate[:80]!r} timed out", [])
         if parsed:
             return parsed
     return []
@@ -72,17 +83,12 @@ def answers_match(answer: str, gold: str) -> bool:
     back to white-space-insensitive string equality when math-verify parses neither (e.g. text answers). Raises
     RewardTimeout when math-verify runs out of time (5 s in the main thread): no verdict, not a mismatch."""
     from math_verify import verify
-    from math_verify.errors import TimeoutException
 
     parsed_gold, parsed_answer = _parse(gold), _parse(answer)
-    if parsed_gold and parsed_answer:
-        try:
-            if verify(parsed_gold, parsed_answer, timeout_seconds=_timeout(), raise_on_error=True):
-                return True
-        except TimeoutException:
-            raise RewardTimeout("comparing the answer with the gold timed out") from None
-        except Exception:  # expressions math-verify cannot compare: not equal by it
-            pass
+    if parsed_gold and parsed_answer and _math_verify(
+            partial(verify, parsed_gold, parsed_answer, timeout_seconds=_timeout(), raise_on_error=True),
+            "comparing the answer with the gold timed out", False):
+        return True
     return _normalise(answer) == _normalise(gold) and bool(_normalise(gold))
 
 
@@ -127,7 +133,8 @@ def load_reward(path: str) -> Reward:
         raise ValueError(f"expected 'module:function', got {path!r}")
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # not found, or the module itself fails at import (a syntax error, an exception)
+    except Exception as exc:  # a catch-all, as it must be: importing runs the user's module, which may raise any
+        # type (not found, a syntax error, its own exception); the line names its type and message
         where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
         raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}{where}: "
                          f"{' '.join(str(exc).split())[:200]}") from None
