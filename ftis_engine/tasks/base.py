@@ -124,7 +124,8 @@ def _call(terms: list[tuple[str, str, Reward]], text: str, gold: str, timeout_s:
     except _Overdue:
         raise RewardError(f"{field}: {_call_text(name, text, gold)} did not return within {timeout_s:g} s "
                           "(data.reward_timeout_s); fix the reward, or raise the bound") from None
-    except Exception as exc:
+    except Exception as exc:  # a catch-all, as it must be: the user's reward code may raise any type; its line names
+        # the field, the function, the completion and what it raised
         message = " ".join(str(exc).split())[:200]
         raise RewardError(f"{field}: {_call_text(name, text, gold)} raised {type(exc).__name__}"
                           + (f": {message}" if message else "")) from None
@@ -136,8 +137,8 @@ def _call_text(name: str, text: str, gold: str) -> str:
 
 
 class _Overdue(BaseException):
-    """A reward call ran past data.reward_timeout_s. A BaseException: a reward's own `except Exception` cannot
-    swallow it."""
+    """A reward call ran past data.reward_timeout_s. A BaseException: a reward that catches every Exception of its
+    own cannot swallow it."""
 
 
 _armed = threading.Event()  # set while a bounded reward call runs on the main thread
