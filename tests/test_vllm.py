@@ -938,6 +938,38 @@ def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_p
     assert built["kv_cache_memory_bytes"] == 3 << 29 and built["enforce_eager"] is False
 
 
+@pytest.mark.parametrize("kv_cache_gib", [None, 3.0])
+def test_a_gpu_engine_always_gets_its_share_of_the_gpu(monkeypatch, kv_cache_gib):
+    """On a GPU the engine gets members.N.vllm.gpu_memory_utilization with kv_cache_gib too: vLLM reads the share as
+    its start-up check (that much of the GPU free), and without it checks its default 0.92, which the second engine of
+    a pair on one GPU never finds (the H200 run of 2026-11-28: 'Free memory on device cuda:0 (121.25/139.8 GiB) on
+    startup is less than desired GPU memory utilization (0.92, 128.62 GiB)')."""
+    import contextlib
+    import sys
+
+    from .helpers import short_config
+
+    built = {}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.update(kwargs)
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
+    monkeypatch.setattr(vllm_gen, "check_available", lambda device=None: None)
+    monkeypatch.setattr(vllm_gen, "engine_platform", lambda: types.SimpleNamespace(
+        device_type="cuda", is_sleep_mode_available=lambda: True))
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    overrides = ["members.1.generator=vllm", "members.1.vllm.gpu_memory_utilization=0.1", "members.1.lora=null"]
+    if kv_cache_gib is not None:
+        overrides.append(f"members.1.vllm.kv_cache_gib={kv_cache_gib}")
+    m = _tiny_member()
+    config = short_config(*overrides)
+    vllm_gen.VLLMGenerator(m.model, m.tokenizer, torch.device("cuda"), config.members[1], config, seed=0)
+    assert built["gpu_memory_utilization"] == 0.1
+    assert built.get("kv_cache_memory_bytes") == (None if kv_cache_gib is None else 3 << 30)
+
+
 def test_an_engine_sized_by_its_kv_cache_counts_its_weights_and_cache_not_a_share_of_the_gpu():
     """With vllm.kv_cache_gib an engine takes its weights in its dtype, that KV cache and an overhead, whatever its
     gpu_memory_utilization (which vLLM then reads only as a start-up check): the 3B shape's bf16 engine with 3.8 GiB

