@@ -15,9 +15,7 @@ MODULE_LINES = 450
 # the modules over MODULE_LINES and the most each may have; target: none but the config schema, at most 650 (its
 # descriptions make the configuration reference). A module split below the bound leaves this list.
 OVER_THE_BOUND = {
-    "config.py": 995,  # being split into config/ (schema, loading, checks, types)
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
-    "study/report.py": 690,
     "exchange/links.py": 523,
     "cli.py": 486,
     "openswarm/coordinator.py": 493,

@@ -20,16 +20,17 @@ under Holm's correction (verdicts.md); `--aggregate-only` recomputes every outpu
 
 The package, by concern: config.py (the schema), plan.py (the runs and their configs), runner.py (the processes),
 aggregate.py (the statistics), verdicts.py (the hypotheses judged; verdicts.md written again from summaries),
-report.py (summary.json, report.md, verdicts.md, figures), rewrite.py (a finished study's report written again
-from its summary.json).
+report.py (summary.json, report.md, verdicts.md), tables.py (report.md's tables and their cells), figures.py
+(the figures), rewrite.py (a finished study's report written again from its summary.json).
 """
 
 from __future__ import annotations
 
 from .aggregate import add_paired_differences, aggregate, interval, paired_difference, read_run
 from .config import FigureSettings, GroupSettings, QuickSettings, StudyConfig, StudyError, load_study
+from .figures import draw_figures
 from .plan import Group, Run, check_reuse, expand_groups, plan
-from .report import draw_figures, report_markdown, write_outputs
+from .report import report_markdown, write_outputs
 from .runner import Launcher, run_study
 
 __all__ = ["FigureSettings", "Group", "GroupSettings", "QuickSettings", "Run", "StudyConfig", "StudyError",
