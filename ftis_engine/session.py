@@ -32,6 +32,7 @@ from .context import check_context, foreign_limit, usable_prompts
 from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import Admission
+from .exchange.screen import LogProbs
 from .exchange.verify import RolloutChecker
 from .layout import endpoint_roles, world_size
 from .members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
@@ -42,6 +43,7 @@ from .rundir import RunDirError, check_run_dir
 from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
 from .trackers import check_available as missing_tracker
+from .update import rollout_logprobs
 from .wiring import connect_local
 
 log = logging.getLogger("ftis_engine")
@@ -85,13 +87,30 @@ class Swarm:
         return self.exchange.independent
 
     def prompt(self, member: Member, index: int) -> list[int]:
-        key = (member.index, index)
-        if key not in self.prompt_cache:
-            self.prompt_cache[key] = prompt_ids(member.tokenizer, self.task, self.task.train[index].question)
-        return self.prompt_cache[key]
+        return cached_prompt(self.prompt_cache, self.task, member, index)
 
     def close(self) -> None:
         close_generators(self.members)
+
+
+def cached_prompt(cache: dict[tuple[int, int], list[int]], task: Task, member: Member, index: int) -> list[int]:
+    """Training prompt `index` in the member's tokens, encoded once."""
+    key = (member.index, index)
+    if key not in cache:
+        cache[key] = prompt_ids(member.tokenizer, task, task.train[index].question)
+    return cache[key]
+
+
+def peer_logprobs(member: Member, task: Task, cache: dict, loss_config: LossConfig, config: RunConfig) -> LogProbs:
+    """The member's own per-token log-probs of peer rollouts' completions (one no-grad forward, as the update's),
+    for its receiver's model-reading defenses (Admission.screen_rollouts)."""
+    train = config.train
+
+    def logprobs(rollouts: list) -> list[torch.Tensor]:
+        prompts = [cached_prompt(cache, task, member, r.prompt_index) for r in rollouts]
+        return rollout_logprobs(member, rollouts, prompts, loss_config, train.micro_batch_tokens, train.backend)
+
+    return logprobs
 
 
 def close_generators(members: list[Member]) -> None:
@@ -206,10 +225,13 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         from .openswarm.schedule import OpenSchedule
 
         schedule = OpenSchedule(config, tuple(train_indices), open_peers)
+    loss_config = config.algorithm.loss_config(config.rollout.temperature)
+    prompt_cache: dict[tuple[int, int], list[int]] = {}
     receivers = {m.index: Admission(config, schedule, RolloutChecker(
         task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens, foreign[m.index],
         foreign_limit(config, model_context(m.causal_lm.config), longest_prompt), config.defense.check_claims,
-        config.rollout.top_k is None and config.rollout.top_p == 1.0), m.index, start_step)
+        config.rollout.top_k is None and config.rollout.top_p == 1.0), m.index, start_step,
+        logprobs=peer_logprobs(m, task, prompt_cache, loss_config, config), shard=m.shard)
         for m in members}
     if source is not None and checkpoint is None:
         resume_screens(receivers, members, source, config)
@@ -221,7 +243,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         config=config, task=task, members=members,
         exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
         progress=progress or Progress(enabled=exchange.collectives.rank == 0), schedule=schedule, receivers=receivers,
-        loss_config=config.algorithm.loss_config(config.rollout.temperature), start_step=start_step,
+        loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
     )
     return swarm, start_step
 

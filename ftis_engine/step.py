@@ -18,26 +18,24 @@ import collections
 import logging
 import math
 import time
-from functools import partial
 
 import torch
 from ftis_kernels import group_advantages
 
+from . import precision
 from .adversary import wire_copy
 from .batch import TrainItem, pack
-from .exchange.screen import Screened
 from .checkpoint import diverging
 from .generation import sample
+from .layout import sampler_endpoints
 from .members import Member
 from .metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
 from .rewards import WeightedValue
-from . import precision
 from .rollouts import Rollout, buffer_digest, encode
-from .layout import sampler_endpoints
 from .samplers import flatten_weights
 from .schedule import learner_version, learning_rate
 from .session import Swarm
-from .update import batch_loss, rollout_logprobs, update_member
+from .update import batch_loss, update_member
 
 log = logging.getLogger("ftis_engine")
 
@@ -59,10 +57,9 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         with diverging(swarm.run_dir, member, step):  # the screen's forward
             got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
                                                  own_sequences=len(own[index]),  # every shard's: gathered
-                                                 own_lengths=[r.num_tokens for r in own[index]],
-                                                 screen=partial(screen_arrivals, swarm, member, watch))
-        peers = got.rollouts if member.shard is None else member.shard.from_leader(got.rollouts)  # leader admits
-        screened = got.screened
+                                                 own_lengths=[r.num_tokens for r in own[index]])
+        watch.seconds["screen_seconds"] += got.screen_seconds
+        peers, screened = got.rollouts, got.screened
         scored, unscored = drop_unscored(own[index])
         trained, incomplete = whole_groups(scored + peers, swarm.config.collaboration,
                                            swarm.config.rollout.group_size)
@@ -152,36 +149,6 @@ def completion_records(swarm: Swarm, member: Member, items: list[TrainItem], ste
              "advantage": it.advantage, "is_weight": float(out.sequences["is_weight"][k]),
              "kl": float(out.sequences["kl"][k]), "filtered": bool(out.sequences["filtered"][k])}
             for k, it in enumerate(chosen)]
-
-
-def screen(swarm: Swarm, member: Member, peers: list[Rollout]) -> tuple[list[Rollout], Screened]:
-    """The admitted peer rollouts the receiver's model-reading defenses keep (defense.likelihood_floor,
-    defense.claims_monitor; exchange/screen.py), in their order, and what was left out: one no-grad forward of the
-    member over its peers' completions (its own samplers' are its own), where a defense is on. A sharded member's
-    shards all run the forward; its leader's verdicts hold."""
-    checks = swarm.receivers[member.index].screen
-    others = [r for r in peers if r.member != member.index]
-    if not checks.active or not others:
-        return peers, Screened()
-    train = swarm.config.train
-    logprobs = rollout_logprobs(member, others, [swarm.prompt(member, r.prompt_index) for r in others],
-                                swarm.loss_config, train.micro_batch_tokens, train.backend)
-    names = [swarm.schedule.member_name(r.member) for r in others]  # an open swarm's peers are numbered locally
-    drop, screened = checks.verdicts(others, logprobs, names) if member.shard is None or member.leads else (None, None)
-    if member.shard is not None:
-        drop, screened = member.shard.from_leader((drop, screened))
-    left = {id(others[k]) for k in drop}
-    return [r for r in peers if id(r) not in left], screened
-
-
-def screen_arrivals(swarm: Swarm, member: Member, watch, rollouts: list[Rollout]
-                    ) -> tuple[list[Rollout], Screened]:
-    """The receiver's screen of one step's newly admitted peer rollouts (Admission.receive calls it before the
-    intake is taken); a sharded member's shards screen the leader's (all run the forward)."""
-    with watch("screen_seconds"):
-        if member.shard is not None:
-            rollouts = member.shard.from_leader(rollouts)
-        return screen(swarm, member, rollouts)
 
 
 def drop_unscored(rollouts: list[Rollout]) -> tuple[list[Rollout], int]:

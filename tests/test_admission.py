@@ -471,6 +471,13 @@ def test_max_length_ratio_leaves_out_a_peers_groups_far_longer_than_the_receiver
         short_config("defense.max_length_ratio=1")
 
 
+def _screened_by(admission: Admission, screen) -> None:
+    """A stand-in for the receiver's screen (screen_rollouts: rollouts -> (those kept, Screened)), where the real one
+    runs the log-prob function it is built with through the defenses (test_screen)."""
+    admission.logprobs = lambda rollouts: pytest.fail("the stand-in screen reads no model")
+    admission.screen_rollouts = screen
+
+
 def test_the_screen_reads_each_new_group_once_before_the_take_so_a_dropped_group_frees_its_place():
     """The model-reading defenses run on a step's newly admitted groups before the budget is taken: a group they
     leave out is replaced in the intake by one that waited (the freshest after it), each group is screened once
@@ -489,17 +496,19 @@ def test_the_screen_reads_each_new_group_once_before_the_take_so_a_dropped_group
 
     parcels = [_parcel(admission, 1, s) for s in (3, 4, 5)]  # versions 2, 3, 4; the budget: one step's 8
     # the freshest (version 4) dropped by the screen: version 3 takes its place, not nothing
-    got = admission.receive(parcels, step=5, screen=lambda rs: screen(rs, drop_version=4))
+    _screened_by(admission, lambda rs: screen(rs, drop_version=4))
+    got = admission.receive(parcels, step=5)
     assert {r.policy_version for r in got.rollouts} == {3} and len(got.rollouts) == 8
     assert got.screened.likelihood_dropped == {"tiny-m-lora": 8} and len(seen[0]) == 6  # all three parcels read
     assert got.waiting == 0  # version 2 is too old for step 6 (staleness 3 > 2): dropped, counted as surplus
-    got = admission.receive([_parcel(admission, 1, 6)], step=6, screen=screen)
+    _screened_by(admission, screen)
+    got = admission.receive([_parcel(admission, 1, 6)], step=6)
     assert seen[1] == sorted({(r.prompt_index, 5) for r in got.rollouts})  # only the new parcel is read again
     # quarantine: a waiting group of the quarantined peer is left out with the new ones
-    admission.receive([_parcel(admission, 1, s) for s in (7, 8)], step=8, screen=screen)  # version 6 waits
+    admission.receive([_parcel(admission, 1, s) for s in (7, 8)], step=8)  # version 6 waits
     assert admission.pool and all(g.version == 6 for g in admission.pool)
     admission.screen.tests["tiny-m-lora"] = PeerTest(quarantined=True)
-    got = admission.receive([], step=9, screen=screen)
+    got = admission.receive([], step=9)
     assert got.rollouts == [] and got.screened.quarantined == {"tiny-m-lora": 8} and not admission.pool
 
 
@@ -519,5 +528,6 @@ def test_a_quarantined_peer_loses_its_samplers_waiting_groups_too():
     admission._order = admission._screened_up_to = 2  # both screened on arrival already
     assert admission.sender_name(sampler) == "tiny-m-lora/sampler-0"
     admission.screen.tests["tiny-m-lora"] = PeerTest(quarantined=True)
-    got = admission.receive([], step=5, screen=lambda rs: (rs, Screened()))
+    _screened_by(admission, lambda rs: (rs, Screened()))
+    got = admission.receive([], step=5)
     assert got.rollouts == [] and not admission.pool and got.screened.quarantined == {"tiny-m-lora": 8}

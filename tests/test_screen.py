@@ -175,25 +175,28 @@ def test_the_monitor_skips_a_foreign_peers_sequences_and_starts_each_peer_fresh(
 
 
 def test_the_screen_names_peers_by_the_schedule_and_keeps_the_order_of_what_it_keeps():
-    """step.screen on a member's intake: an open swarm's peers carry local numbers past the config's members (the
-    schedule names them); the member's own samplers' rollouts are its own, never screened; the rest keeps its
-    order (a stand-in swarm around a real tiny member)."""
+    """The receiver's screen (Admission.screen_rollouts, with the log-prob function it is built with) on a member's
+    intake: an open swarm's peers carry local numbers past the config's members (the schedule names them); the
+    member's own samplers' rollouts are its own, never screened; the rest keeps its order (a stand-in schedule
+    around a real tiny member)."""
     from types import SimpleNamespace
 
     from ftis_engine.exchange.admission import Admission
-    from ftis_engine.step import screen
+    from ftis_engine.update import rollout_logprobs
 
     from .helpers import member, short_config
 
     m, _ = member(0)
     config = short_config("defense.likelihood_floor=-0.001")  # above anything a near-uniform model gives
-    receiver = SimpleNamespace(screen=Admission.__new__(Admission))
-    receiver.screen = __import__("ftis_engine.exchange.screen", fromlist=["Screen"]).Screen(config.defense, "me")
-    swarm = SimpleNamespace(receivers={0: receiver}, config=config, loss_config=config.algorithm.loss_config(1.0),
-                            prompt=lambda member, index: [5, 6, 7], schedule=SimpleNamespace(
-                                member_name=lambda k: f"peer-{k}"))
+    train = config.train
+
+    def logprobs(rollouts):
+        return rollout_logprobs(m, rollouts, [[5, 6, 7]] * len(rollouts), config.algorithm.loss_config(1.0),
+                                train.micro_batch_tokens, train.backend)
+
+    receiver = Admission(config, SimpleNamespace(member_name=lambda k: f"peer-{k}"), None, 0, logprobs=logprobs)
     own_sampler = _rollout(0, 1, [-1.0] * 3)
     peers = [_rollout(5, 0, [-1.0] * 3), own_sampler, _rollout(7, 2, [-1.0] * 3)]
-    kept, out = screen(swarm, m, peers)
+    kept, out = receiver.screen_rollouts(peers)
     assert kept == [own_sampler]
     assert out.likelihood_dropped == {"peer-5": 1, "peer-7": 1}

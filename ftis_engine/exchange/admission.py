@@ -36,8 +36,8 @@ peer (counted in rejected_batches), except staleness, which is no fault (counted
 Defenses beyond the checks (defense.*; docs/adversaries.md): a peer group much longer than the receiver's own
 completions is left out (max_length_ratio, length_dropped); no peer supplies more than a share of an update
 (max_peer_share, share_capped). Those that read the receiver's own model (likelihood_floor, claims_monitor) run
-on each step's newly admitted groups before the intake is taken (exchange/screen.py, Admission.screen; step.py's
-`screen`), so a group they leave out frees its place in the budget for another; a peer newly quarantined loses
+on each step's newly admitted groups before the intake is taken (exchange/screen.py; Admission.screen_rollouts,
+with the log-prob function the receiver is built with), so a group they leave out frees its place in the budget for another; a peer newly quarantined loses
 its groups still waiting too.
 
 Intake: admitted rollouts wait as whole groups (one prompt's completions from one sender). Sync mode trains on
@@ -61,9 +61,9 @@ from dataclasses import dataclass, field
 from ..config import RunConfig
 from ..rollouts import Rollout, RolloutError, buffer_digest, decode
 from ..schedule import Schedule, learner_version, staleness
-from .screen import Screen, Screened
-from .verify import RolloutChecker
 from . import Parcel
+from .screen import LogProbs, Screen, Screened
+from .verify import RolloutChecker
 
 log = logging.getLogger("ftis_engine.exchange")
 
@@ -124,6 +124,7 @@ class Received:
     share_capped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_peer_share
     length_dropped: dict[str, int] = field(default_factory=dict)  # sender -> sequences over defense.max_length_ratio
     screened: Screened = field(default_factory=Screened)  # what the model-reading defenses left out
+    screen_seconds: float = 0.0  # their forward and verdicts
 
     def metrics(self) -> dict:
         def spread(name: str, values: list) -> dict:
@@ -147,7 +148,11 @@ class Admission:
     """One local member's receiver: admits parcels (the checks above) and takes each step's intake."""
 
     def __init__(self, config: RunConfig, schedule: Schedule, checker: RolloutChecker, receiver: int,
-                 start_step: int = 0):
+                 start_step: int = 0, logprobs: LogProbs | None = None, shard=None):
+        """logprobs: the receiver's own per-token log-probs of peer rollouts' completions (one no-grad forward of
+        its model: session builds it), which the model-reading defenses read; None where no model is at hand (a
+        receiver built for a test), and then nothing is screened. shard: a sharded member's (fsdp.Shard): its
+        leader's admitted rollouts are screened on every shard (each runs the forward) and its verdicts hold."""
         self.config = config
         self.schedule = schedule
         self.checker = checker
@@ -160,6 +165,8 @@ class Admission:
         self._screened_up_to = 0  # groups of order below it have been screened
         self._own_lengths: collections.deque[int] = collections.deque(maxlen=OWN_LENGTHS)
         self.screen = Screen(config.defense, config.members[receiver].name)  # the checks that read its model
+        self.logprobs = logprobs
+        self.shard = shard
 
     @property
     def budget(self) -> int | None:
@@ -202,15 +209,15 @@ class Admission:
         return self.schedule.sender_label(rank) if 0 <= rank < len(self.schedule.roles) else f"rank {rank}"
 
     def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None,
-                own_lengths: list[int] | None = None, screen=None) -> Received:
+                own_lengths: list[int] | None = None) -> Received:
         """Admit the step's parcels, screen what was admitted, then take the intake. dropped_unread: sequences the
         transport dropped from a full queue (counted as surplus); own_sequences: the receiver's own in this update
         (default: its dealt share), for defense.max_peer_share; own_lengths: its own completions' lengths, for
-        defense.max_length_ratio; screen: the model-reading defenses (step.screen_arrivals: rollouts -> (those
-        kept, Screened)), called once a step where they are on, with this step's newly admitted peer rollouts (a
-        sharded member's further shards call it with none: it gathers from the leader). The share cap
-        (defense.max_peer_share) then counts the update as it will be trained on: with a peer screened out, the
-        others' shares grow and may be capped."""
+        defense.max_length_ratio. The model-reading defenses (screen_rollouts) run once a step where they are on,
+        on this step's newly admitted peer rollouts (a sharded member's further shards admit none: they screen
+        the leader's); their seconds are Received.screen_seconds. The share cap (defense.max_peer_share) then
+        counts the update as it will be trained on: with a peer screened out, the others' shares grow and may be
+        capped."""
         out = Received(surplus_dropped=dropped_unread)
         self._own_lengths.extend(own_lengths or ())
         now = time.time()
@@ -221,18 +228,41 @@ class Admission:
                 out.rejected.append((parcel.sender, str(exc)))
                 log.warning("%s: dropped the rollouts of peer %s of its step %d: %s",
                             self.config.members[self.receiver].name, self.sender_name(parcel.sender), parcel.step, exc)
-        if screen is not None and self.screen.active:
-            self._screen(screen, out)
+        if self.logprobs is not None and self.screen.active:
+            started = time.perf_counter()
+            self._screen(out)
+            out.screen_seconds = time.perf_counter() - started
         own = own_sequences if own_sequences is not None else self.schedule.step_sequences(self.receiver)
         self._take(step, now, out, own)
+        if self.shard is not None:  # the leader admits and takes: every shard trains on its intake
+            out.rollouts = self.shard.from_leader(out.rollouts)
         return out
 
-    def _screen(self, screen, out: Received) -> None:
+    def screen_rollouts(self, rollouts: list[Rollout]) -> tuple[list[Rollout], Screened]:
+        """The newly admitted peer rollouts the model-reading defenses keep (defense.likelihood_floor,
+        defense.claims_monitor; exchange/screen.py), in their order, and what was left out: one no-grad forward of
+        the receiver's model over its peers' completions (its own samplers' are its own, never screened). A
+        sharded member's shards all run the forward on the leader's rollouts; the leader's verdicts hold."""
+        if self.shard is not None:
+            rollouts = self.shard.from_leader(rollouts)
+        others = [r for r in rollouts if r.member != self.receiver]
+        if not others:
+            return rollouts, Screened()
+        logprobs = self.logprobs(others)
+        names = [self.schedule.member_name(r.member) for r in others]  # an open swarm's peers are numbered locally
+        leads = self.shard is None or self.shard.leader
+        drop, screened = self.screen.verdicts(others, logprobs, names) if leads else (None, None)
+        if self.shard is not None:
+            drop, screened = self.shard.from_leader((drop, screened))
+        left = {id(others[k]) for k in drop}
+        return [r for r in rollouts if id(r) not in left], screened
+
+    def _screen(self, out: Received) -> None:
         """Leave out of the pool the new groups the screen drops, and every waiting group of a peer it
         quarantines (counted there too)."""
         new = [g for g in self.pool if g.order >= self._screened_up_to]
         self._screened_up_to = self._order
-        kept, out.screened = screen([r for g in new for r in g.rollouts])
+        kept, out.screened = self.screen_rollouts([r for g in new for r in g.rollouts])
         kept_ids, new_ids = {id(r) for r in kept}, {id(g) for g in new}
         quarantined = self.screen.quarantined_names()
         pool = []

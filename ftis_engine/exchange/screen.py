@@ -38,11 +38,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from ..rollouts import Rollout
+
+# a receiver's own per-token log-probs of peer rollouts' completions (one tensor each), from one no-grad forward of
+# its model: what the defenses below read (session builds it around update.rollout_logprobs)
+LogProbs = Callable[[list[Rollout]], list[torch.Tensor]]
 
 log = logging.getLogger("ftis_engine")
 
@@ -208,4 +213,4 @@ class Screen:
         return True
 
 
-__all__ = ["Screen", "Screened", "lowest_window_mean", "monitor_weights", "looks_honest", "PeerTest"]
+__all__ = ["PeerTest", "Screen", "Screened", "looks_honest", "lowest_window_mean", "monitor_weights"]
