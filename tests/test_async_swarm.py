@@ -18,8 +18,6 @@ from .helpers import TINY, run_records
 from .ports import free_port
 from .test_swarm import HERE, _args, _env, _kill_rank_after_first_checkpoint, _steps, _train, kill_and_restart
 
-pytestmark = pytest.mark.slow
-
 ASYNC = ("swarm.mode=async", "eval.at_start=false", "checkpoint.every=0")
 
 
@@ -51,6 +49,7 @@ def _three_members(tmp_path) -> pathlib.Path:
     return config
 
 
+@pytest.mark.slow
 def test_with_max_lead_null_a_fast_member_never_waits_for_a_slow_one_and_leaves_first(tmp_path):
     results = _launch_timed(2, _args(tmp_path, "train.steps=6", *ASYNC, "swarm.max_lead=null"), modes={1: "slow:2"})
     assert [code for code, _, _ in results] == [0, 0], results
@@ -75,6 +74,7 @@ def test_with_max_lead_null_a_fast_member_never_waits_for_a_slow_one_and_leaves_
     assert {r["member"] for r in final} == {"tiny-s", "tiny-m-lora"}  # merged by the two ranks as they left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("members", [2, 3])
 def test_members_of_different_speeds_keep_learning_from_each_other_within_the_lead(tmp_path, members):
     """tiny-s and tiny-l (three times slower by its size; with 3 processes tiny-m-lora between them), the default
@@ -108,6 +108,7 @@ def test_members_of_different_speeds_keep_learning_from_each_other_within_the_le
     assert sum(r["lead_wait_seconds"] > 0 for r in fast) >= 1  # it did run ahead, and was held at the bound
 
 
+@pytest.mark.slow
 def test_three_processes_each_train_on_both_peers_bit_exact(tmp_path):
     results = _launch_timed(3, _args(tmp_path, "train.steps=3", "rollout.prompts_per_step=6", *ASYNC,
                                      config=_three_members(tmp_path)))
@@ -125,6 +126,7 @@ def test_three_processes_each_train_on_both_peers_bit_exact(tmp_path):
     assert all(len(peers) == 2 for peers in senders.values()), senders
 
 
+@pytest.mark.slow
 def test_a_300_step_run_keeps_its_queues_and_memory_flat_when_a_fast_member_runs_away(tmp_path):
     # max_lead null: nothing holds the fast member back, so everything it sends piles up at the slow one
     results = _launch_timed(2, _args(tmp_path, "train.steps=300", "rollout.group_size=2", "rollout.prompts_per_step=2",
@@ -144,6 +146,7 @@ def test_a_300_step_run_keeps_its_queues_and_memory_flat_when_a_fast_member_runs
         assert len(rss) == 300 and max(rss[100:]) - rss[99] < 25, (name, rss[99], max(rss[100:]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ids", "oversized"])
 def test_a_corrupt_peer_parcel_is_dropped_and_the_stream_goes_on(tmp_path, mode):
     results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={1: f"async-{mode}"})
@@ -158,6 +161,7 @@ def test_a_corrupt_peer_parcel_is_dropped_and_the_stream_goes_on(tmp_path, mode)
     assert all(r["rejected_batches"] == 0 for r in cheated) and sum(r["peer_sequences"] for r in cheated) > 0
 
 
+@pytest.mark.slow
 def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(tmp_path):
     # every other message rank 1 sends is a TAKEN with a 50-word body (none belongs) or of an unknown kind
     results = _launch_timed(2, _args(tmp_path, "train.steps=4", *ASYNC), modes={1: "async-junk"})
@@ -171,6 +175,7 @@ def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(t
     assert all(r["link_refused"] == 0 for r in records if r["member"] != "tiny-s")
 
 
+@pytest.mark.slow
 def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_logged(tmp_path):
     args = _args(tmp_path, "train.steps=30", "checkpoint.every=2", "swarm.mode=async", "swarm.timeout_s=60")
     proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
@@ -190,7 +195,8 @@ def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_
     assert {r["member"] for r in lost} == {"tiny-s", "tiny-m-lora"} and all(r["step"] == done[-1] for r in lost)
 
 
-@pytest.mark.parametrize("transport", ["links", "broadcast"])
+@pytest.mark.parametrize("transport", [pytest.param("links", marks=pytest.mark.integration),
+                                       pytest.param("broadcast", marks=pytest.mark.slow)])
 def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync_every_behind(tmp_path, transport):
     # swarm.timeout_s=8 against a run of 12+ s: the directions that carry nothing (tiny-m-lora -> the sampler) stay
     # up through ZeroMQ's heartbeats (links.py), which a connection silent past swarm.timeout_s would fail.
@@ -222,6 +228,7 @@ def test_a_sampler_rank_streams_rollouts_tagged_with_weights_at_most_weight_sync
                         for k in r["received_sha256"])
 
 
+@pytest.mark.slow
 def test_a_sampler_of_a_member_on_two_ranks_streams_over_the_links_where_endpoints_and_ranks_differ(tmp_path):
     """tiny-s on ranks 0-1 (sharded), tiny-m-lora on rank 2, tiny-s's sampler on rank 3: the links' endpoints are
     the members' leaders and the samplers, so endpoint numbers and ranks no longer coincide (every other sampler
@@ -243,6 +250,7 @@ def test_a_sampler_of_a_member_on_two_ranks_streams_over_the_links_where_endpoin
                    for k in r["received_sha256"]), name
 
 
+@pytest.mark.slow
 def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_lost_peer(tmp_path):
     # max_lead 0 and 8 steps: rank 1 needs rank 0's steps to go on, so it cannot finish before rank 0 is gone
     # (with the default lead of 2 and 4 steps, a fast rank 1 could end its run first, and exit 0)
@@ -255,6 +263,7 @@ def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_l
     assert results[1][0] != 0, results[1][1][-3000:]  # the other rank stops too (its peer is gone)
 
 
+@pytest.mark.slow
 def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path, capsys):
     from .helpers import command_here
 
@@ -264,6 +273,7 @@ def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path, capsys)
     assert result.returncode == 2 and "--nproc 2: the config needs 3 processes" in result.stderr
 
 
+@pytest.mark.slow
 def test_with_restarts_a_killed_async_rank_comes_back_and_the_run_finishes_every_step(tmp_path):
     kill_and_restart(tmp_path, "train.steps=16", "swarm.mode=async")
     assert _steps(tmp_path) == {m: list(range(1, 17)) for m in ("tiny-s", "tiny-m-lora")}

@@ -74,7 +74,8 @@ def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys, e
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("extra, field", [BAD[1], BAD[-2]], ids=["members.0.lr", "system_prompt"])
+@pytest.mark.parametrize("extra, field", [pytest.param(*BAD[1], id="members.0.lr", marks=pytest.mark.integration),
+                                          pytest.param(*BAD[-2], id="system_prompt", marks=pytest.mark.slow)])
 def test_bad_config_as_a_command_exits_2_with_one_line_and_no_traceback(tmp_path, extra, field):
     result = cli("train", "--config", TINY, "--output-dir", tmp_path / "out", *extra)
     assert result.returncode == 2, result.stderr
@@ -94,6 +95,7 @@ def test_missing_or_broken_config_file(tmp_path, capsys):
     assert result.returncode == 2 and "--config" in result.stderr
 
 
+@pytest.mark.integration
 def test_module_entry_point_and_help():
     result = cli("--help")
     assert result.returncode == 0 and "train" in result.stdout and "plot" in result.stdout
@@ -320,9 +322,10 @@ FINISHING = "import atexit, time; atexit.register(time.sleep, 1.5); from ftis_en
 
 
 @pytest.mark.parametrize("command, signum, code", [
-    (["swarm", "serve", "--config", str(ROOT / "configs/swarm/swarm.yaml"), "--bind", "tcp://127.0.0.1:0"],
-     "SIGTERM", 0),
-    (["train", "--config", str(TINY), "--set", "eval.at_start=false"], "SIGINT", 130),
+    pytest.param(["swarm", "serve", "--config", str(ROOT / "configs/swarm/swarm.yaml"), "--bind", "tcp://127.0.0.1:0"],
+                 "SIGTERM", 0, id="command0-SIGTERM-0", marks=pytest.mark.slow),
+    pytest.param(["train", "--config", str(TINY), "--set", "eval.at_start=false"], "SIGINT", 130,
+                 id="command1-SIGINT-130", marks=pytest.mark.integration),
 ])
 def test_a_signal_while_the_process_finishes_changes_neither_its_code_nor_its_lines(tmp_path, command, signum, code):
     """Two SIGTERMs 50 ms apart gave `swarm serve` exit 143 after its summary, and two Ctrl-C 20 ms apart during

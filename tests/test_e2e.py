@@ -93,7 +93,7 @@ def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
     assert evaluated == logged
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_kill_9_after_the_first_checkpoint_then_resume_finishes_with_no_gap(tmp_path):
     args = [sys.executable, "-m", "ftis_engine", *train_args(tmp_path, "train.steps=8", "eval.every=0")]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -178,7 +178,8 @@ def test_across_nodes_gloo_listens_on_the_interface_towards_the_master_where_the
     assert gloo_interface(two_nodes) is None
 
 
-@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+@pytest.mark.parametrize("start_method", [pytest.param("forkserver", marks=pytest.mark.slow),
+                                          pytest.param("spawn", marks=pytest.mark.integration)])
 def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path, start_method):
     """The elastic agent restarts on any failure: with swarm.max_restarts 2 a member whose step 1 blows its weights up
     (lr 1e30) resumed and diverged again, twice, printing its error three times (and, on a GPU, replaying every step

@@ -132,6 +132,7 @@ def test_a_peer_that_never_comes_up_is_lost_after_the_timeout():
     links[0].close()
 
 
+@pytest.mark.integration
 def test_a_stopped_peer_process_is_lost_by_heartbeat_though_its_kernel_still_accepts_connections():
     """A peer that hangs (SIGSTOP): its libzmq threads stop answering heartbeats, the connection is closed after
     swarm.timeout_s, and the reconnections never finish their handshake: lost, not mistaken for a blip."""

@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 def test_fused_linear_torch_backend_peak_rss_is_far_below_one_n_by_v_float32():
     """fwd+bwd at N=4096, V=65536, d=64: an N x V fp32 tensor would be 1 GiB; the chunked pass must stay well
     under that (measured peak RSS growth, in a fresh process)."""

@@ -557,7 +557,7 @@ def test_two_members_started_apart_train_on_each_others_rollouts_by_name(tmp_pat
         running.close()
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 @pytest.mark.skipif(NetLab.unavailable() is None, reason="the same case runs across network namespaces "
                     "(test_openswarm_netns.py), with the newcomer over a lossy link")
 def test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_and_a_newcomer_is_trained_on(tmp_path):

@@ -182,8 +182,9 @@ def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
             assert sharded == pytest.approx(one, rel=1e-5, abs=1e-7), (name, stat)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode, ranks, further", [("sync", "members.0.ranks=2", 1), ("async", "members.1.ranks=2", 2)])
+@pytest.mark.parametrize("mode, ranks, further", [
+    pytest.param("sync", "members.0.ranks=2", 1, marks=pytest.mark.integration),
+    pytest.param("async", "members.1.ranks=2", 2, marks=pytest.mark.slow)])
 def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoint_loads(tmp_path, mode, ranks,
                                                                                          further):
     """kill -9 of the sharded member's further rank after the first checkpoint: the elastic agent restarts every

@@ -43,7 +43,8 @@ def test_the_set_up_section_says_a_plain_torch_is_the_cuda_build_and_how_to_get_
     assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["one-process", "xdist"])
+@pytest.mark.parametrize("workers", [pytest.param([], id="one-process", marks=pytest.mark.slow),
+                                     pytest.param(["-n", "2"], id="xdist", marks=pytest.mark.integration)])
 def test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_kept(tmp_path, workers):
     """The README's test command leaves nothing behind: conftest gives a session its own FTIS_CACHE_DIR (a
     packaged model in it is half a gigabyte) and removes it when the session ends; a cache the user named stays.

@@ -18,7 +18,6 @@ from .helpers import SHORT, TINY, run_records
 from .ports import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
-pytestmark = pytest.mark.slow
 
 
 def _env(**extra) -> dict:
@@ -66,6 +65,7 @@ def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = Non
     return results
 
 
+@pytest.mark.integration
 def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp_path):
     assert _cli(*_args(tmp_path / "local", "train.steps=2", "checkpoint.every=0")).returncode == 0
     result = _cli(*_args(tmp_path / "dist", "train.steps=2", "checkpoint.every=0"), "--nproc", "2")
@@ -89,6 +89,7 @@ def test_two_processes_train_exactly_like_one_and_deliver_bit_exact_rollouts(tmp
     assert {r["member"] for r in final} == {"tiny-s", "tiny-m-lora"}  # rank 0 reports every rank's accuracy
 
 
+@pytest.mark.slow
 def test_three_processes_every_member_trains_on_every_members_rollouts(tmp_path):
     config = tmp_path / "three.yaml"
     text = TINY.read_text().replace("algorithm:", "  - name: tiny-l\n    model: builtin:tiny-l\n    lr: 1.0e-3\nalgorithm:")
@@ -103,6 +104,7 @@ def test_three_processes_every_member_trains_on_every_members_rollouts(tmp_path)
         assert len(r["received_sha256"]) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ids", "nan", "reward", "truncated", "oversized", "extra"])
 def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_path, mode):
     results = _hand_launch(2, _args(tmp_path, "train.steps=2", "checkpoint.every=0"), modes={1: mode})
@@ -117,6 +119,7 @@ def test_a_peer_sending_corrupt_rollouts_is_dropped_and_training_goes_on(tmp_pat
     assert all(r["rejected_batches"] == 0 and r["sequences"] == 2 * r["own_sequences"] for r in cheated)
 
 
+@pytest.mark.slow
 def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_run(tmp_path):
     """Member 1 fully fine-tuned: its rank-1 leader's checkpoint must hold its weights (transformers 5 saves on rank 0
     alone unless told otherwise), which the resume loads."""
@@ -132,6 +135,7 @@ def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_
     assert _steps(tmp_path) == {m: [1, 2, 3] for m in ("tiny-s", "tiny-m-lora")}
 
 
+@pytest.mark.slow
 def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_refuses(tmp_path):
     from ftis_engine.models import build_tiny_tokenizer
 
@@ -179,6 +183,7 @@ def _kill_rank_after_first_checkpoint(out: pathlib.Path, proc: subprocess.Popen,
     os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
     args = _args(tmp_path, "train.steps=40", "checkpoint.every=2", "swarm.timeout_s=60")
     proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
@@ -208,12 +213,13 @@ def kill_and_restart(tmp_path: pathlib.Path, *overrides: str) -> None:
     assert proc.returncode == 0, err
 
 
+@pytest.mark.integration
 def test_with_restarts_a_killed_rank_comes_back_and_the_run_finishes_with_no_gap(tmp_path):
     kill_and_restart(tmp_path, "train.steps=8")
     assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}
 
 
-@pytest.mark.slow
+@pytest.mark.integration
 def test_eval_with_nproc_evaluates_a_checkpoint_of_a_multi_process_run_to_the_accuracy_it_logged(tmp_path):
     """`ftis-engine eval --checkpoint DIR --nproc 2`: each rank evaluates its member, rank 0 prints every record;
     the accuracies equal those the two-process run logged at that step (the same weights, greedy)."""
