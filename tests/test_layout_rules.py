@@ -16,7 +16,6 @@ MODULE_LINES = 450
 # descriptions make the configuration reference). A module split below the bound leaves this list.
 OVER_THE_BOUND = {
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
-    "exchange/links.py": 523,
     "cli.py": 486,
     "openswarm/coordinator.py": 493,
     "openswarm/member.py": 484,

@@ -29,7 +29,8 @@ from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
 from . import Arrivals, Limit, Parcel, TransportError, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
-from .links import DATA, TAKEN, WEIGHTS, Links
+from .links import Links
+from .messages import DATA, TAKEN, WEIGHTS
 from .sync import Collectives, LocalCollectives
 
 
