@@ -25,6 +25,7 @@ def cli(*args, cwd=None, timeout=300):
                       cwd=cwd, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_resolved_config(tmp_path):
     result = cli("train", "--config", TINY, "--set", "algorithm.kl_threshold=5", "--dry-run", "--output-dir", tmp_path)
     assert result.returncode == 0, result.stderr
@@ -104,6 +105,7 @@ def test_module_entry_point_and_help():
     assert result.returncode == 0 and len(flags) == 2 and not any("<bool>" in line for line in flags)
 
 
+@pytest.mark.slow
 def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = zygote.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--output-dir",
@@ -238,6 +240,7 @@ def test_the_step_line_has_the_loss_in_three_digits_and_the_time_left():
     assert summary_line(3, 10, [record]).endswith("filt 0.12")
 
 
+@pytest.mark.slow
 def test_a_config_that_is_a_directory_a_pipe_or_a_device_is_named_as_such(tmp_path):
     os.mkfifo(tmp_path / "fifo")
     for path, said in ((tmp_path, "is a directory"), (tmp_path / "fifo", "is not a regular file"),
@@ -382,6 +385,7 @@ def test_a_second_ctrl_c_while_the_first_is_cleaned_up_is_ignored_and_its_line_s
         "start it again")
 
 
+@pytest.mark.slow
 def test_a_signal_long_after_the_first_ends_a_cleanup_that_hangs_at_once_in_one_line(tmp_path):
     """What a second signal within 2 s leaves alone, a later one ends: a cleanup that never returns cannot keep
     the command from Ctrl-C."""

@@ -121,6 +121,7 @@ def test_ending_prints_the_line_and_the_traceback_then_stops_with_the_outcome(ca
     assert len(stopped) == 2 and capsys.readouterr().err == ""
 
 
+@pytest.mark.slow
 def test_a_ctrl_c_while_the_command_starts_is_one_line_and_exit_130():
     """The signal arrives while entry.py imports the command line (torch, transformers: seconds on a first start):
     one line, no traceback, the shell's code for Ctrl-C."""

@@ -136,6 +136,7 @@ def test_a_packed_batch_carries_the_foreign_sequence_log_probs():
     assert pack([TrainItem(own[0], [5, 6], 1.0, 0)]).gen_seq_logprobs is None  # no foreign: the token-level path
 
 
+@pytest.mark.slow
 def test_two_families_train_on_each_others_rollouts_in_one_process(tmp_path):
     result = zygote.run([sys.executable, "-m", "ftis_engine", *_args(
         tmp_path, "members.1.model=builtin:tiny-m-bpe", "train.steps=2", "checkpoint.every=0")],

@@ -267,6 +267,7 @@ def test_a_launch_stopped_before_its_workers_ran_stops_its_fork_server_and_one_t
     assert stopped == ([] if stop is None else [True])
 
 
+@pytest.mark.slow
 def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_each_launch(monkeypatch):
     """start_fork_server: a server whose children start with the workers' modules imported; a second launch in the
     same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn or a

@@ -232,6 +232,7 @@ def test_a_coordinator_on_an_ipv6_address_takes_a_member_dialling_it():
         running.close()
 
 
+@pytest.mark.slow
 def test_a_member_killed_with_sigkill_is_dropped_at_its_lease_and_rejoins_under_its_name(tmp_path):
     running = Running(lease_s=1.0, log_path=tmp_path / "coordinator.jsonl")
     got = []

@@ -142,6 +142,7 @@ def test_train_device_and_a_members_device_are_parsed_by_one_rule_naming_their_f
             assert f"'{spec}'" in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_member_placed_on_a_device_trains_there_in_one_process(tmp_path):
     """A smoke test of the path (on a CPU machine the only device is the CPU)."""
     result = _cli(*_args(tmp_path, "members.1.device=cpu", "train.steps=1", "checkpoint.every=0"))

@@ -22,6 +22,7 @@ from .helpers import run_records
 
 SMOLLM2 = "packaged:smollm2-135m-instruct"
 REWARD = "tests.real_rewards:starts_with_a_number"
+pytestmark = pytest.mark.slow  # real models: the slow tier (issue 69)
 
 
 @pytest.fixture(scope="session")
@@ -146,7 +147,6 @@ def test_generation_follows_the_chat_template_and_stops_at_its_eos(smol_member):
         assert c.logprobs.shape == c.token_ids.shape and bool((c.logprobs <= 0).all())
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_full_and_a_lora_real_member_train_in_bounded_memory_and_their_checkpoint_evaluates_to_the_logged(
         smollm2, calc_config, tmp_path, lora):
@@ -202,7 +202,6 @@ def test_a_full_and_a_lora_real_member_train_in_bounded_memory_and_their_checkpo
     assert [json.loads(x)["accuracy"] for x in evaluated.stdout.splitlines() if x.startswith("{")] == [logged]
 
 
-@pytest.mark.slow
 def test_a_real_model_and_a_member_of_another_family_exchange_text_and_both_train(smollm2, calc_config, tmp_path):
     """SmolLM2 (49k BPE vocabulary) and a built-in Qwen2-shaped member with the character tokenizer: each
     receives the other's rollouts as text, re-encoded with its own tokenizer, and trains on them."""

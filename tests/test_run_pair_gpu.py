@@ -67,6 +67,7 @@ def run_stages(tmp_path, *stages, gpu_mib=143_771, call_limit=570, env=None):
     return done.returncode, log.read_text().splitlines(), tmp_path / "results", tmp_path / "out"
 
 
+@pytest.mark.slow
 def test_the_stages_run_in_the_issues_order_with_ours_and_trls_like_settings(tmp_path):
     rc, commands, results, out = run_stages(tmp_path, "pair-sync", "alone", "trl", "summary",
                                             env={"ALONE_ARGS": "--set train.steps=6"})
@@ -89,11 +90,13 @@ def test_the_stages_run_in_the_issues_order_with_ours_and_trls_like_settings(tmp
     assert not (tmp_path / "scratch" / "pair-runs" / "alone").exists()  # its checkpoint is not kept
 
 
+@pytest.mark.slow
 def test_the_pair_keeps_the_configs_bf16_masters_on_an_80_gb_gpu(tmp_path):
     rc, commands, _, _ = run_stages(tmp_path, "pair-sync", gpu_mib=81_559)
     assert rc == 0 and "master_dtype" not in commands[0]
 
 
+@pytest.mark.slow
 def test_a_stage_that_would_start_with_less_than_its_start_and_three_steps_left_is_skipped(tmp_path):
     rc, _, results, _ = run_stages(tmp_path, "pair-sync", "alone", "summary", call_limit=160)
     assert rc == 1  # skipped stages count as failed

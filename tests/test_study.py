@@ -276,6 +276,7 @@ def quick_study(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_the_quick_paper_study_writes_the_summary_the_report_and_figures(quick_study):
     summary = json.loads((quick_study / "summary.json").read_text())
     assert summary["quick"] and summary["seeds"] == [0]
@@ -291,6 +292,7 @@ def test_the_quick_paper_study_writes_the_summary_the_report_and_figures(quick_s
     assert "| size-f-tis | tiny-s | f-tis | vertical | 50 | 0 |" in report  # its seeds: 0
 
 
+@pytest.mark.slow
 def test_a_study_run_again_skips_its_finished_runs(quick_study, monkeypatch):
     def no_launch(self, run):
         raise AssertionError("a finished run was launched again")
@@ -326,6 +328,7 @@ def test_a_ctrl_c_or_a_failed_launch_while_runs_go_stops_every_run_and_is_raised
     assert stopped == [True]
 
 
+@pytest.mark.slow
 def test_plot_overlays_several_runs_in_one_figure(quick_study, tmp_path):
     runs = [quick_study / "runs" / g / "seed-0" for g in ("size-alone", "size-f-tis")]
     result = cli("plot", *runs, "--out", tmp_path / "overlay.png")
@@ -447,6 +450,7 @@ def test_groups_of_several_member_sets_share_one_alone_group_and_make_the_distan
     assert table[2].startswith("| near | 3 | 0.050 [") and table[3].startswith("| far | 500 | -0.350 [")
 
 
+@pytest.mark.slow
 def test_the_quick_distance_study_pairs_the_receiver_with_its_one_alone_group_and_draws_the_dial(tmp_path):
     out = tmp_path / "distance"
     result = cli("study", "--config", ROOT / "configs" / "study" / "distance.yaml", "--quick", "--output-dir", out,

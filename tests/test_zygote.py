@@ -14,6 +14,8 @@ import pytest
 from . import zygote
 from .helpers import TINY
 
+# every test starts commands: the slow tier (issue 69: the zygote goes with WP-G3, these tests with it)
+pytestmark = pytest.mark.slow
 
 
 def _env(**extra) -> dict:
