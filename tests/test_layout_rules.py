@@ -17,7 +17,6 @@ MODULE_LINES = 450
 OVER_THE_BOUND = {
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
     "cli.py": 486,
-    "openswarm/coordinator.py": 493,
     "openswarm/member.py": 484,
 }
 INTERRUPTED_DEFINITIONS = 1  # exits.py: the target
@@ -25,7 +24,7 @@ INTERRUPTED_DEFINITIONS = 1  # exits.py: the target
 # step.py, samplers.py and exchange/__init__.py only mention it); target 4
 MAX_LEAD_FILES = 8
 # files whose code names it (an attribute, a name, a keyword or argument, a string that is not a docstring such as
-# the coordinator's "swarm.max_lead"): config, exchange/async_, openswarm/member, openswarm/coordinator, session
+# the swarm rules' "swarm.max_lead"): config, exchange/async_, openswarm/member, openswarm/rules, session
 MAX_LEAD_CODE_FILES = 5
 # handlers that catch everything: `except Exception`, `except BaseException` (alone or in a tuple) and a bare
 # `except:`; the issue's "today 31" counted both names. Target 15

@@ -9,7 +9,7 @@ without bound.
 What comes in is untrusted (the coordinator relays strangers, and may be one): a message that breaks the wire format,
 a parcel of no words or under a name no member or sampler can have, a member list whose names are not such names or
 whose entries are not {step, tokenizer, source} of their types and formats (a sha256 digest, a tokenizer source:
-coordinator.join_problem, the coordinator's own rule for a join), or a frame larger than the largest honest parcel
+rules.join_problem, the coordinator's own rule for a join), or a frame larger than the largest honest parcel
 or header (ZMQ_MAXMSGSIZE: never read, the connection is closed and dialled again) is counted and dropped; a parcel
 that makes `on_parcel` raise is counted and logged, and the thread goes on. So every name, tokenizer and source the
 member logs or records is plain printable text; a refusal's reason, free text, is kept escaped and cut
@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Callable
 
 from ..errors import shown
-from .coordinator import join_problem
+from .rules import join_problem
 from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 
 log = logging.getLogger("ftis_engine.exchange")
@@ -269,5 +269,5 @@ class SwarmClient:
 
 def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "") -> bool:
     """Whether a name (and a member list entry's tokenizer digest and source) is one the coordinator admits at a
-    join (coordinator.join_problem): a member's or a sampler's name, a sha256, a source of plain characters."""
+    join (rules.join_problem): a member's or a sampler's name, a sha256, a source of plain characters."""
     return join_problem({"name": name, "tokenizer": tokenizer, "source": source, "dataset": "0" * 64}) is None

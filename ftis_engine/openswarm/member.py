@@ -56,7 +56,7 @@ from ..layout import world_size
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
 from .client import SwarmClient
-from .coordinator import max_parcel_bytes, shared_settings
+from .rules import max_parcel_bytes, shared_settings
 from .schedule import PeerBook, sampler_name, split_sampler
 from .wire import mac_matches
 

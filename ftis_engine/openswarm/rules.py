@@ -1,0 +1,106 @@
+"""An open swarm's rules, which the coordinator enforces and its members and clients check before they ask: the
+shared settings every member must agree on (SHARED) and the swarm's config (load_swarm_config), what a join's own
+fields may be (join_problem: the caps keep every member list within one header, wire.MAX_HEADER) and what a parcel
+may be (parcel_problem, max_parcel_bytes)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+from ..config import SAFE_NAME, RunConfig, value_differences
+from ..errors import shown
+from .wire import MAC, SAMPLER_INDEX, SAMPLER_MARK
+
+# What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
+# optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
+SHARED = ("seed", "collaboration", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
+          "rollout.temperature", "rollout.top_p", "rollout.top_k", "data", "train.steps", "swarm.max_lead",
+          "swarm.max_staleness", "swarm.max_delay_s")
+MAX_NAME = 100  # a member's name (config.SAFE_NAME); a sampler's adds SAMPLER_MARK and its index
+DIGEST = re.compile(r"[0-9a-f]{64}")  # a tokenizer's or training set's sha256 (models.vocabulary_hash, dataset_hash)
+MAX_SOURCE = 120  # a tokenizer's source: builtin:, packaged: or a hub id (at most 96 characters)
+SOURCE = re.compile(rf"(?:[A-Za-z0-9][A-Za-z0-9:/_.@+=-]{{0,{MAX_SOURCE - 1}}})?")  # nothing JSON escapes
+# live names at most: with the caps above a view entry is under 400 bytes, so MAX_LIVE of them fit one header
+MAX_LIVE = 128
+
+
+def shared_settings(config: RunConfig) -> dict:
+    """The SHARED fields of a config, as a nested dict of JSON values."""
+    dumped = config.model_dump(mode="json")
+    out: dict = {}
+    for path in SHARED:
+        *parents, leaf = path.split(".")
+        source, target = dumped, out
+        for part in parents:
+            source, target = source[part], target.setdefault(part, {})
+        target[leaf] = source[leaf]
+    return out
+
+
+def first_difference(swarm: dict, member: dict) -> str | None:
+    """'field: the swarm says X, this member Y' for the first shared field that differs, or None. Each value is
+    cut to 100 characters: the member's is untrusted and the line goes back in one header and into the log."""
+    differences = value_differences(swarm, member)
+    if not differences:
+        return None
+    field, ours, theirs = differences[0]
+    return f"{_shown(str(field))}: the swarm says {_shown(repr(ours))}, this member {_shown(repr(theirs))}"
+
+
+def join_problem(header: dict) -> str | None:
+    """What is wrong with a join's own fields (its name, hashes and source), in one line naming the field; None
+    when nothing is. The caps keep every member list within one header (module docstring)."""
+    name, owner, _, index = header["name"], *header["name"].rpartition(SAMPLER_MARK)
+    if not (SAFE_NAME.fullmatch(name) or (SAFE_NAME.fullmatch(owner) and SAMPLER_INDEX.fullmatch(index))):
+        return (f"name: {_shown(repr(name))} is neither a member's name (1-{MAX_NAME} letters, digits and _ . + = @ -) "
+                f"nor one of its samplers' (<member>{SAMPLER_MARK}<k>)")
+    for field in ("tokenizer", "dataset"):
+        if not DIGEST.fullmatch(header[field]):
+            return f"{field}: {_shown(repr(header[field]))} is not a sha256 hex digest (64 of 0-9a-f)"
+    if not SOURCE.fullmatch(header["source"]):
+        return (f"source: {_shown(repr(header['source']))} is not a tokenizer source (at most {MAX_SOURCE} letters, "
+                "digits and : / _ . @ + = -)")
+    return None
+
+
+def _shown(text: str) -> str:
+    """A stranger's text in a refusal, the log or the echo: escaped and cut to 100 characters (errors.shown)."""
+    return shown(text, 100)
+
+
+def parcel_problem(header: dict, body: bytes) -> str | None:
+    """What makes a parcel not one an honest member sends (its body's size against its header, an empty one: an
+    honest member's empty step is one word, a buffer of 0 sequences; a mac that is not one); None if nothing."""
+    if header["words"] < 1:
+        return f"words: {header['words']}; a parcel holds at least one word (its count of sequences)"
+    if len(body) != 4 * header["words"]:
+        return f"parcel of {len(body)} bytes announced as {header['words']} words"
+    if "mac" in header and not MAC.fullmatch(header["mac"]):
+        return "mac: not a hex HMAC-SHA256 (64 of 0-9a-f)"
+    return None
+
+
+def load_swarm_config(path: pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """A coordinator's config: the swarm's shared settings (SHARED) and swarm.lease_s, in a run config's format
+    without `members` (each member brings its own). Checked as a run config is; a ConfigError names the field."""
+    from ..config import ConfigError, apply_override, read_yaml_mapping, validate_config
+
+    raw = read_yaml_mapping(path)
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    if "members" in raw:
+        raise ConfigError(f"members: a swarm config has none (each member joins with its own config): {path}")
+    if raw.get("collaboration", "vertical") != "vertical":
+        raise ConfigError(f"collaboration: an open swarm is vertical (each member generates whole groups of its "
+                          f"own prompts), not {raw['collaboration']!r}")
+    # a run config needs a member: a stand-in, never used (nothing of a member is shared)
+    return validate_config({**raw, "members": [{"name": "coordinator", "model": "builtin:tiny-s"}]})
+
+
+def max_parcel_bytes(config: RunConfig) -> int:
+    """The largest parcel an honest member sends: one step's whole groups of rollout.prompts_per_step prompts."""
+    from ..rollouts import max_buffer_words
+
+    sequences = config.rollout.prompts_per_step * config.rollout.group_size
+    return 4 * max_buffer_words(sequences, config.rollout.max_new_tokens)
