@@ -122,7 +122,7 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from .openswarm.client import JoinRefused
     from .layout import world_size
-    from .openswarm.member import JoinError, check_joinable
+    from .openswarm.joining import JoinError, check_joinable
     from .openswarm.wire import address_problem
     from .progress import Progress
     from .run import train as run_training

@@ -17,7 +17,6 @@ MODULE_LINES = 450
 OVER_THE_BOUND = {
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
     "cli.py": 486,
-    "openswarm/member.py": 484,
 }
 INTERRUPTED_DEFINITIONS = 1  # exits.py: the target
 # a file counts when the word appears in it anywhere, comments and docstrings too (the "today 8" counted so:
