@@ -16,7 +16,7 @@ import typer
 
 from .config import RunConfig, dump_config, load_config
 from .errors import error_line
-from .exits import INTERRUPTED, Interrupted, UsageFailure, ending
+from .exits import INTERRUPTED, Interrupted, Interrupts, UsageFailure, ending
 from .progress import quiet_libraries
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -123,7 +123,7 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     from .openswarm.client import JoinRefused
     from .layout import world_size
     from .openswarm.joining import JoinError, check_joinable
-    from .openswarm.wire import address_problem
+    from .openswarm.wire import address_problem, host_problem
     from .progress import Progress
     from .run import train as run_training
     from .rundir import RunLock
@@ -166,27 +166,6 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         exchange.finish()
         raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
-
-
-def host_problem(address: str) -> str | None:
-    """Why a tcp address's host name resolves to no address here (ZeroMQ would dial it, unresolved, until
-    swarm.timeout_s), as the rest of a sentence; None when it resolves or is an address itself."""
-    import ipaddress
-    import socket
-
-    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
-    if not address.startswith("tcp://") or host == "*":
-        return None
-    try:
-        ipaddress.ip_address(host)
-        return None
-    except ValueError:
-        pass
-    try:
-        socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError) as exc:
-        return f"names a host that does not resolve here ({getattr(exc, 'strerror', None) or exc})"
-    return None
 
 
 def interrupted_hint(run_dir: pathlib.Path) -> str:
@@ -371,7 +350,7 @@ def swarm_serve(
     """Run the open swarm's coordinator in the foreground (Ctrl-C ends it): it checks each joining member's shared
     settings and dataset, keeps the live set by leases and relays every member's parcels to the others."""
     from .openswarm.coordinator import Coordinator, SwarmLogError, load_swarm_config, max_parcel_bytes, shared_settings
-    from .openswarm.wire import address_problem
+    from .openswarm.wire import address_problem, host_problem
     from .rundir import RunLock
 
     cfg = load_swarm_config(config, set_)
@@ -413,13 +392,13 @@ _UsageError = typer.BadParameter.__mro__[1]
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage and config errors become one line on stderr and exit code 2; Ctrl-C and SIGTERM one line
     with exit code 130 (a coordinator's summary and exit 0). The first Ctrl-C or SIGTERM stops the command; one more
-    soon after it is ignored while it cleans up (_Interrupts; two Ctrl-C 20 ms apart printed a traceback from an
+    soon after it is ignored while it cleans up (exits.Interrupts; two Ctrl-C 20 ms apart printed a traceback from an
     atexit callback after the line), and once the command has its exit code (argv None: this process's own command
     line) signals are ignored while the process finishes (two SIGTERMs gave a coordinator exit 143 after its
     summary)."""
     quiet_libraries()
     own = argv is None and threading.current_thread() is threading.main_thread()
-    handlers, interrupts = {}, _Interrupts()  # one for both: a Ctrl-C then a SIGTERM is an interrupt and one more
+    handlers, interrupts = {}, Interrupts()  # one for both: a Ctrl-C then a SIGTERM is an interrupt and one more
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
             handlers[signum] = signal.getsignal(signum)
@@ -456,29 +435,6 @@ def _run(argv: list[str] | None) -> None:
     if code == INTERRUPTED:  # typer turns Ctrl-C into this exit code
         _fail(hint, code=INTERRUPTED)
     sys.exit(code if isinstance(code, int) else 0)
-
-
-class _Interrupts:
-    """SIGINT's and SIGTERM's handler while a command runs: the first stops it as Ctrl-C does (KeyboardInterrupt:
-    its runs interrupted, its checkpoints kept, one line); those within FORCE_AFTER_S of it (a double Ctrl-C, a
-    supervisor's SIGTERMs in a row) are ignored, so the cleanup it set off finishes and says what it left; one
-    later than that (a cleanup that hangs) ends the process at once, in one line."""
-
-    FORCE_AFTER_S = 2.0
-
-    def __init__(self):
-        self.first: float | None = None
-
-    def __call__(self, signum, frame) -> None:
-        import time
-
-        if self.first is None:
-            self.first = time.monotonic()
-            raise KeyboardInterrupt
-        if time.monotonic() - self.first >= self.FORCE_AFTER_S:
-            sys.stderr.write(error_line("interrupted again while stopping: stopped at once, its cleanup unfinished"))
-            sys.stderr.flush()
-            os._exit(INTERRUPTED)
 
 
 def _fail(message: str, code: int = 2) -> None:

@@ -21,6 +21,8 @@ The first row that matches tells it:
 Final: no restart mends it (a resume replays the same steps to the same NaN, reads the same config): a rank writes
 its code where the launcher told it (launch.FINAL_EXIT_ENV), and the elastic agent's restarts end at once with it.
 
+The command line's handler of Ctrl-C and SIGTERM while a command runs is Interrupts (cli.main installs it).
+
 Light on purpose: entry.py imports INTERRUPTED while torch is not loaded yet. The table's exception classes are
 imported when an exception is told, each from the module that raises it; a Ctrl-C and the command line's own
 errors are told before any of them (a command that ends so imports nothing more).
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import sys
 from collections.abc import Callable
 from typing import NamedTuple
@@ -169,3 +172,28 @@ def ending(stop: Callable[[Outcome], object], rank: int | None = None, joining: 
         sys.stderr.flush()
         stop(told)
         raise  # stop ends the process: this is never reached
+
+
+class Interrupts:
+    """SIGINT's and SIGTERM's handler while a command runs: the first stops it as Ctrl-C does (KeyboardInterrupt:
+    its runs interrupted, its checkpoints kept, one line); those within FORCE_AFTER_S of it (a double Ctrl-C, a
+    supervisor's SIGTERMs in a row) are ignored, so the cleanup it set off finishes and says what it left; one
+    later than that (a cleanup that hangs) ends the process at once, in one line."""
+
+    FORCE_AFTER_S = 2.0
+
+    def __init__(self):
+        self.first: float | None = None
+
+    def __call__(self, signum, frame) -> None:
+        import time
+
+        if self.first is None:
+            self.first = time.monotonic()
+            raise KeyboardInterrupt
+        if time.monotonic() - self.first >= self.FORCE_AFTER_S:
+            from .errors import error_line
+
+            sys.stderr.write(error_line("interrupted again while stopping: stopped at once, its cleanup unfinished"))
+            sys.stderr.flush()
+            os._exit(INTERRUPTED)

@@ -16,7 +16,6 @@ MODULE_LINES = 450
 # descriptions make the configuration reference). A module split below the bound leaves this list.
 OVER_THE_BOUND = {
     "config/schema.py": 650,  # the issue's own allowance, not a ratchet
-    "cli.py": 486,
 }
 INTERRUPTED_DEFINITIONS = 1  # exits.py: the target
 # a file counts when the word appears in it anywhere, comments and docstrings too (the "today 8" counted so:

@@ -162,3 +162,24 @@ def address_problem(address: str, bind: bool) -> str | None:
 def ipv6(address: str) -> bool:
     """Whether a tcp address names an [IPv6] host (its socket needs ZMQ_IPV6)."""
     return address.startswith("tcp://[")
+
+
+def host_problem(address: str) -> str | None:
+    """Why a tcp address's host name resolves to no address here (ZeroMQ would dial it, unresolved, until
+    swarm.timeout_s), as the rest of a sentence; None when it resolves or is an address itself."""
+    import ipaddress
+    import socket
+
+    host = address[len("tcp://"):].rpartition(":")[0].strip("[]")
+    if not address.startswith("tcp://") or host == "*":
+        return None
+    try:
+        ipaddress.ip_address(host)
+        return None
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as exc:
+        return f"names a host that does not resolve here ({getattr(exc, 'strerror', None) or exc})"
+    return None
