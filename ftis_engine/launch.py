@@ -5,11 +5,10 @@ uses); the same config runs under `torchrun` too (single- or multi-node), the ra
 A worker that fails ends the others (the agent stops them); with swarm.max_restarts > 0 the agent restarts every
 rank and each resumes from the newest complete checkpoint that all ranks have.
 
-On a machine without CUDA the workers are forked from a fork server that imported what they need once
-(preload.py), started as the launcher starts so that it imports while the launcher checks the run. With CUDA, or
-FTIS_START_METHOD=spawn, or where the platform has no fork server, each worker starts as a fresh interpreter (as
-torchrun starts them): a library that touches CUDA as it is imported would leave forked workers without it, and
-there the seconds of imports are small beside loading the model.
+Each worker starts as a fresh interpreter, as torchrun starts them (the elastic agent's `spawn`). Until 2026-11-28
+workers without CUDA were forked from a fork server that had imported them once (about 1.7 s saved a 2-process launch,
+benchmarks/results/launch_start.md); restarting or stopping one needs CPython's private fork-server state, so it went
+(issue 69).
 """
 
 from __future__ import annotations
@@ -23,8 +22,6 @@ import sys
 import tempfile
 import uuid
 
-import torch
-
 from .config import ConfigError, RunConfig, validate_config
 from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 from .layout import describe_layout, describe_role, process_roles, world_size
@@ -36,7 +33,6 @@ log = logging.getLogger("ftis_engine.launch")
 # restarts, which cannot tell exit codes apart, end at once with it instead of resuming and failing again
 # (swarm.max_restarts times); the launcher returns it (the worker printed its line).
 FINAL_EXIT_ENV = "FTIS_FINAL_EXIT_FILE"
-START_METHOD_ENV = "FTIS_START_METHOD"  # auto (the default: forkserver without CUDA, else spawn), forkserver, spawn
 
 
 def any_rank(collectives, flag: bool) -> bool:
@@ -61,87 +57,16 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
     from .rundir import RunLock, check_run_dir
     from .preflight import check_before_launch
 
-    start_method = start_fork_server()
-    launched = False
-    try:
-        if evaluate is not None:  # reads the checkpoint, writes nothing: no lock, no run directory checks
-            check_before_launch(config, distributed=True)
-            code = _launch(config, run_dir, resume, nproc, target, start_method=start_method)
-        else:
-            with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
-                check_run_dir(run_dir, config, resume)
-                check_before_launch(config, distributed=True)  # bad models, tokenizers, generators: before any process
-                print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
-                if any(m.ranks > 1 or m.samplers for m in config.members):
-                    print(f"rank layout:\n{describe_layout(config)}", flush=True)
-                code = _launch(config, run_dir, resume, nproc, join=join, start_method=start_method)
-        launched = True
-    finally:  # a launch stopped by its checks (an error, a Ctrl-C): the server's imports (CPU-seconds) are not wanted
-        if not launched:
-            stop_fork_server()
-    return code
-
-
-def start_fork_server() -> str:
-    """Start a fork server that imports what every worker needs (preload.py) while the launcher goes on checking;
-    returns the start method the workers get: forkserver, or spawn (FTIS_START_METHOD=spawn; by default where CUDA
-    is available; where the platform has no fork server). A server an earlier launch in this process started is
-    used again when the environment is as it was then; otherwise it is stopped and a new one imports under the
-    environment as it is now (some libraries read it at import)."""
-    global _server_environ
-    import multiprocessing
-    import multiprocessing.forkserver as forkserver
-
-    wanted = os.environ.get(START_METHOD_ENV, "auto")
-    if wanted not in ("auto", "forkserver", "spawn"):
-        raise ConfigError(f"{START_METHOD_ENV}: {wanted!r} is not one of auto, forkserver, spawn")
-    if wanted == "spawn" or "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    if wanted == "auto" and torch.cuda.is_available():  # the launcher is never forked: asking here is safe
-        return "spawn"
-    server = getattr(forkserver, "_forkserver", None)
-    if server is None or not hasattr(server, "_stop"):
-        return "spawn"  # a Python whose fork server cannot be restarted: spawn, as torchrun does
-    environ = dict(os.environ)
-    if _server_environ != environ:
-        stop_fork_server()
-        _server_environ = environ
-    forkserver.set_forkserver_preload(["ftis_engine.preload"])
-    forkserver.ensure_running()  # starts it (again, if it died)
-    return "forkserver"
-
-
-_server_environ: dict | None = None  # the environment the running fork server started under
-
-
-def stop_fork_server() -> None:
-    """Stop this process's fork server at once, though it may still be importing (multiprocessing's own stop waits
-    until it has); workers forked from it go on."""
-    import multiprocessing.forkserver as forkserver
-    import signal
-
-    global _server_environ
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        server._stop()  # closes its pipe, reaps it, removes its socket
-    _server_environ = None
-
-
-def start_worker(environ: dict | None, *args) -> int:
-    """A worker's entry point: run_worker(*args). A worker forked from the fork server has the environment the server
-    started with: `environ` (the launcher's when it started the workers) replaces it, and what the agent set for
-    this rank (RANK, MASTER_ADDR, TORCHELASTIC_*: whatever differs from the server's) is kept."""
-    if environ is not None:
-        from .preload import SERVER_ENVIRON
-
-        agent = {k: v for k, v in os.environ.items() if SERVER_ENVIRON.get(k) != v}
-        os.environ.clear()
-        os.environ.update(environ)
-        os.environ.update(agent)
-    return run_worker(*args)
+    if evaluate is not None:  # reads the checkpoint, writes nothing: no lock, no run directory checks
+        check_before_launch(config, distributed=True)
+        return _launch(config, run_dir, resume, nproc, target)
+    with RunLock(run_dir):  # held by this launcher for all its ranks and restarts
+        check_run_dir(run_dir, config, resume)
+        check_before_launch(config, distributed=True)  # bad models, tokenizers, generators: before any process
+        print(f"run directory: {run_dir} (starting {nproc} processes...)", flush=True)
+        if any(m.ranks > 1 or m.samplers for m in config.members):
+            print(f"rank layout:\n{describe_layout(config)}", flush=True)
+        return _launch(config, run_dir, resume, nproc, join=join)
 
 
 def check_rank_environment(env) -> None:
@@ -178,7 +103,7 @@ def needed_processes(config: RunConfig) -> str:
 
 
 def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, evaluate: str | None = None,
-            join: str | None = None, start_method: str = "spawn") -> int:
+            join: str | None = None) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -189,14 +114,12 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"ftis-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=config.swarm.max_restarts,
-        monitor_interval=0.2, start_method=start_method, logs_specs=DefaultLogsSpecs(),
+        monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
     final = pathlib.Path(tempfile.gettempdir()) / f"{launch.run_id}.final-exit"  # see FINAL_EXIT_ENV
     os.environ[FINAL_EXIT_ENV] = str(final)  # the workers inherit it
     try:
-        environ = dict(os.environ) if start_method == "forkserver" else None  # see start_worker
-        elastic_launch(launch, start_worker)(environ, config.model_dump(mode="json"), str(run_dir), resume, evaluate,
-                                             join)
+        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
         return INTERRUPTED
     except ChildFailedError as exc:

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from . import zygote
 from .helpers import TINY, run_records
 from .ports import free_port
 from .test_swarm import HERE, _args, _env, _kill_rank_after_first_checkpoint, _steps, _train, kill_and_restart
@@ -29,7 +28,7 @@ def _launch_timed(world: int, args: list[str], modes: dict[int, str] | None = No
     for rank in range(world):
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(zygote.Popen([sys.executable, str(HERE / "swarm_worker.py"), (modes or {}).get(rank, "none"),
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "swarm_worker.py"), (modes or {}).get(rank, "none"),
                                    *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     ended: dict[int, float] = {}
     while len(ended) < world and time.time() - start < timeout:
@@ -178,7 +177,7 @@ def test_malformed_control_messages_are_drained_counted_and_the_stream_goes_on(t
 @pytest.mark.slow
 def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_logged(tmp_path):
     args = _args(tmp_path, "train.steps=30", "checkpoint.every=2", "swarm.mode=async", "swarm.timeout_s=60")
-    proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     _, err = proc.communicate(timeout=300)
@@ -187,7 +186,7 @@ def test_kill_9_stops_the_swarm_and_resume_finishes_it_with_no_gap_and_the_loss_
     assert done  # complete checkpoints only: each a state.json and every member
     for step in done:
         assert (tmp_path / "swarm" / "checkpoints" / f"step-{step}" / "state.json").is_file()
-    resumed = zygote.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--resume",
+    resumed = subprocess.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--resume",
                           "--set", "train.steps=8"], env=_env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert _steps(tmp_path) == {m: list(range(1, 9)) for m in ("tiny-s", "tiny-m-lora")}

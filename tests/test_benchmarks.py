@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import adversary_summary, exchange, kernels, launch_start, tiny_default, update
+from benchmarks import adversary_summary, exchange, kernels, tiny_default, update
 
 
 def test_kernel_benchmark_quick(tmp_path):
@@ -242,20 +242,6 @@ def test_adversary_summary_keeps_shares_of_questions_within_0_and_1():
     assert shown == "0.010 [0.000, 0.028]*" and near_zero["low"] == -0.008  # the study's summary is left as it is
     one_seed = {"mean": 0.5, "low": 0.5, "high": 0.5, "n": 1}
     assert adversary_summary._share(one_seed) is one_seed
-
-
-def test_the_launch_benchmark_compares_the_medians_of_successful_runs_only():
-    rows = [{"processes": 2, "method": "spawn", "seconds": s, "exit_code": 0} for s in (24.0, 22.0, 30.0)]
-    rows += [{"processes": 2, "method": "forkserver", "seconds": s, "exit_code": 0} for s in (18.0, 20.0)]
-    rows += [{"processes": 2, "method": "forkserver", "seconds": 1.0, "exit_code": 1}]  # failed: not a time
-    rows += [{"processes": 3, "method": "spawn", "seconds": 30.0, "exit_code": 0},
-             {"processes": 3, "method": "forkserver", "seconds": 2.0, "exit_code": 2}]
-    two, three = launch_start.summarize(rows)
-    assert two == {"processes": 2, "runs": 6, "spawn_s": 24.0, "forkserver_s": 19.0,
-                   "spawn_over_forkserver": pytest.approx(24 / 19)}
-    assert three["forkserver_s"] is None and three["spawn_over_forkserver"] is None
-    table = launch_start.markdown([two, three], {"machine": "x", "cpus": 2, "load": 0, "steps": 2})
-    assert "| 2 | 6 | 24.00 | 19.00 | 1.26x |" in table and "| 3 | 2 | 30.00 | failed | n/a |" in table
 
 
 def test_the_real_gpu_summary_gives_the_share_of_completions_cut_and_the_reward_over_the_rest(tmp_path):

@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import pickle
+import subprocess
 
 import pytest
 import torch
@@ -17,7 +18,6 @@ from ftis_engine.checkpoint import (CheckpointWriteError, complete_checkpoints, 
                                     save_member, stage_members)
 from ftis_engine.update import DivergenceError
 
-from . import zygote
 from .helpers import as_rank_1_of_a_world, member
 
 
@@ -259,7 +259,7 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_resume_works_
             for override in [*SHORT, "eval.every=0", "eval.at_start=false", f"train.steps={steps}",
                              "checkpoint.keep_last=1"]:
                 args += ["--set", override]
-            return zygote.run([sys.executable, "-m", "ftis_engine", *args, *extra], capture_output=True,
+            return subprocess.run([sys.executable, "-m", "ftis_engine", *args, *extra], capture_output=True,
                               text=True, timeout=300)
 
         assert train(2).returncode == 0

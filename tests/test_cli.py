@@ -12,7 +12,6 @@ import sys
 import pytest
 import yaml
 
-from . import zygote
 from .helpers import command_here, run_records
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,7 +20,7 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def cli(*args, cwd=None, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    return zygote.run([sys.executable, "-m", "ftis_engine", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ftis_engine", *map(str, args)], capture_output=True, text=True,
                       cwd=cwd, timeout=timeout, env=env)
 
 
@@ -108,7 +107,7 @@ def test_module_entry_point_and_help():
 @pytest.mark.slow
 def test_triton_backend_on_cpu_is_refused_before_anything_is_written(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = zygote.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--output-dir",
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", "train", "--config", str(TINY), "--output-dir",
                          str(tmp_path / "out"), "--set", "train.backend=triton"], capture_output=True, text=True,
                         env={**env, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}, timeout=300)
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [

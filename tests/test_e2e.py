@@ -15,7 +15,6 @@ import pytest
 from ftis_engine.cli import main
 from ftis_kernels import STAT_KEYS
 
-from . import zygote
 from .helpers import SHORT, TINY, run_records
 
 TRAIN_KEYS = {"step", "member", "kind", "reward_mean", "loss", "tokens", "gen_seconds", "train_seconds",
@@ -87,7 +86,7 @@ def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
     eval_args = ["eval", "--config", str(TINY), "--checkpoint", str(ckpt_dir)]
     for o in SHORT:
         eval_args += ["--set", o]
-    out = zygote.run([sys.executable, "-m", "ftis_engine", *eval_args], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "ftis_engine", *eval_args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     evaluated = {(r["member"], r["dataset"]): r["accuracy"] for r in map(json.loads, out.stdout.splitlines())}
     assert evaluated == logged
@@ -97,7 +96,7 @@ def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
 def test_kill_9_after_the_first_checkpoint_then_resume_finishes_with_no_gap(tmp_path):
     args = [sys.executable, "-m", "ftis_engine", *train_args(tmp_path, "train.steps=8", "eval.every=0")]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = zygote.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     first = tmp_path / "e2e" / "checkpoints" / "step-2"
     deadline = time.time() + 240
     while not first.exists() and time.time() < deadline and proc.poll() is None:

@@ -21,7 +21,6 @@ from ftis_engine.rollouts import Rollout, encode
 from ftis_engine.schedule import Schedule
 from ftis_engine.tasks import load_task
 
-from . import zygote
 from .helpers import run_records, short_config
 from .test_swarm import _args, _env
 
@@ -138,7 +137,7 @@ def test_a_packed_batch_carries_the_foreign_sequence_log_probs():
 
 @pytest.mark.slow
 def test_two_families_train_on_each_others_rollouts_in_one_process(tmp_path):
-    result = zygote.run([sys.executable, "-m", "ftis_engine", *_args(
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(
         tmp_path, "members.1.model=builtin:tiny-m-bpe", "train.steps=2", "checkpoint.every=0")],
         capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr
@@ -149,7 +148,7 @@ def test_two_families_train_on_each_others_rollouts_in_one_process(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_two_families_train_on_each_others_rollouts_in_two_processes(tmp_path, mode):
-    result = zygote.run([sys.executable, "-m", "ftis_engine", *_args(
+    result = subprocess.run([sys.executable, "-m", "ftis_engine", *_args(
         tmp_path, "members.1.model=builtin:tiny-m-bpe", f"swarm.mode={mode}", "train.steps=4", "checkpoint.every=0"),
         "--nproc", "2"], capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr

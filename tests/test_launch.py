@@ -178,14 +178,11 @@ def test_across_nodes_gloo_listens_on_the_interface_towards_the_master_where_the
     assert gloo_interface(two_nodes) is None
 
 
-@pytest.mark.parametrize("start_method", [pytest.param("forkserver", marks=pytest.mark.slow),
-                                          pytest.param("spawn", marks=pytest.mark.integration)])
-def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path, start_method):
+@pytest.mark.integration
+def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(tmp_path):
     """The elastic agent restarts on any failure: with swarm.max_restarts 2 a member whose step 1 blows its weights up
     (lr 1e30) resumed and diverged again, twice, printing its error three times (and, on a GPU, replaying every step
-    since the checkpoint each time). A failure no restart mends ends the swarm at the first: one line, exit 1.
-    With workers forked from the fork server (the default without CUDA) the file that says so reaches them though
-    the launcher names it after the server started; and with spawned workers."""
+    since the checkpoint each time). A failure no restart mends ends the swarm at the first: one line, exit 1."""
     import subprocess
     import sys
 
@@ -196,110 +193,9 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     for o in [*SHORT, "run_name=swarm", "eval.every=0", "members.0.lr=1e30"]:
         args += ["--set", o]
     result = subprocess.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "2"],
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1",
-                                 "FTIS_START_METHOD": start_method}, capture_output=True, text=True, timeout=300)
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}, capture_output=True,
+                            text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
     assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher's is gone
-
-
-@pytest.fixture
-def environ_restored():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
-
-
-def test_a_forked_worker_gets_the_launchers_environment_at_launch_and_keeps_what_the_agent_set(monkeypatch,
-                                                                                                environ_restored):
-    """A worker forked from the fork server starts with the server's environment (the launcher's when the server
-    started) plus what the agent set for its rank; it runs with the launcher's environment at launch in place of
-    the server's, and the agent's keys on top."""
-    import sys
-    import types
-
-    from ftis_engine import launch
-
-    server = {"PATH": "/bin", "GONE_SINCE": "1", "CHANGED": "old"}
-    agent = {"RANK": "1", "MASTER_ADDR": "127.0.0.1", "TORCHELASTIC_RESTART_COUNT": "0"}
-    at_launch = {"PATH": "/bin", "CHANGED": "new", "FTIS_FINAL_EXIT_FILE": "/tmp/x.final-exit"}
-    # the server's preload module, without its imports (those are the fork server test's)
-    monkeypatch.setitem(sys.modules, "ftis_engine.preload", types.SimpleNamespace(SERVER_ENVIRON=server))
-    seen = {}
-    monkeypatch.setattr(launch, "run_worker", lambda *args: seen.update(env=dict(os.environ), args=args) or 7)
-    os.environ.clear()
-    os.environ.update({**server, **agent})
-    assert launch.start_worker(at_launch, "config", "run") == 7
-    assert seen == {"env": {**at_launch, **agent}, "args": ("config", "run")}
-    os.environ.clear()
-    os.environ.update({**server, **agent})
-    launch.start_worker(None, "config")  # spawned: its environment is already the launcher's
-    assert seen["env"] == {**server, **agent}
-
-
-@pytest.mark.parametrize("stop", [ConfigError("members.0.model: cannot load model"), KeyboardInterrupt(), None])
-def test_a_launch_stopped_before_its_workers_ran_stops_its_fork_server_and_one_that_ran_keeps_it(tmp_path, monkeypatch,
-                                                                                                 stop):
-    """The fork server imports the workers' modules while the launcher checks: a launch its checks stop (or a Ctrl-C)
-    stops it, raising what stopped it; a launch that ran keeps it for the next launch in this process."""
-    from ftis_engine import launch, preflight
-    from ftis_engine.layout import world_size
-
-    stopped = []
-
-    def check(config, distributed):
-        if stop is not None:
-            raise stop
-
-    monkeypatch.setattr(launch, "start_fork_server", lambda: "spawn")
-    monkeypatch.setattr(launch, "stop_fork_server", lambda: stopped.append(True))
-    monkeypatch.setattr(preflight, "check_before_launch", check)
-    monkeypatch.setattr(launch, "_launch", lambda *args, **kwargs: 0)
-    monkeypatch.delenv("RANK", raising=False)
-    config = short_config()
-    if stop is None:
-        assert launch_distributed(config, tmp_path, False, world_size(config), evaluate=tmp_path) == 0
-    else:
-        with pytest.raises(type(stop)):
-            launch_distributed(config, tmp_path, False, world_size(config), evaluate=tmp_path)
-    assert stopped == ([] if stop is None else [True])
-
-
-@pytest.mark.slow
-def test_the_fork_server_imports_the_workers_modules_under_the_environment_of_each_launch(monkeypatch):
-    """start_fork_server: a server whose children start with the workers' modules imported; a second launch in the
-    same process gets a new server that imported under the environment as it is then; FTIS_START_METHOD=spawn or a
-    bad value; spawn by default where CUDA is available."""
-    import multiprocessing
-
-    import torch
-
-    from ftis_engine.launch import start_fork_server, stop_fork_server
-
-    monkeypatch.setenv("FTIS_START_METHOD", "spawn")
-    assert start_fork_server() == "spawn"
-    monkeypatch.setenv("FTIS_START_METHOD", "fork")
-    with pytest.raises(ConfigError, match=r"^FTIS_START_METHOD: 'fork' is not one of auto, forkserver, spawn$"):
-        start_fork_server()
-    monkeypatch.delenv("FTIS_START_METHOD")
-    with monkeypatch.context() as cuda:
-        cuda.setattr(torch.cuda, "is_available", lambda: True)
-        assert start_fork_server() == "spawn"  # by default, a machine with CUDA spawns its workers
-    context = multiprocessing.get_context("forkserver")
-    try:
-        for value in ("first", "second"):
-            monkeypatch.setenv("FTIS_TEST_MARK", value)
-            assert start_fork_server() == "forkserver"
-            with context.Pool(1) as pool:
-                mark, imported_by, child = pool.apply(_what_a_forked_child_has)
-            assert mark == value and imported_by != child  # the server imported it, before the fork
-    finally:
-        stop_fork_server()
-
-
-def _what_a_forked_child_has():
-    from ftis_engine import preload
-
-    return preload.SERVER_ENVIRON.get("FTIS_TEST_MARK"), preload.IMPORTED_BY, os.getpid()

@@ -23,7 +23,6 @@ from ftis_engine.openswarm.client import JoinRefused, SwarmClient  # noqa: E402
 from ftis_engine.openswarm.coordinator import Coordinator, first_difference, shared_settings  # noqa: E402
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
-from . import zygote
 from .helpers import run_records, short_config  # noqa: E402
 from .ports import free_port  # noqa: E402
 from .netlab import NetLab  # noqa: E402
@@ -279,7 +278,7 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
 
     def serve(n):
         log = open(tmp_path / f"serve.{n}.log", "w")
-        return zygote.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
+        return subprocess.Popen([sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(swarm_yaml),
                              "--set", "swarm.lease_s=2", "--bind", address, "--output-dir", str(tmp_path / str(n))],
                             stderr=log)
 
@@ -516,7 +515,7 @@ class Members:
 
     def start(self, name, resume=False):
         log = open(self.tmp_path / f"{name}.{len(self.procs)}.log", "w")
-        self.procs[name] = zygote.Popen(_member_args(self.tmp_path, name, self.address, self.steps,
+        self.procs[name] = subprocess.Popen(_member_args(self.tmp_path, name, self.address, self.steps,
                                                      resume=resume), stdout=log, stderr=subprocess.STDOUT)
         return self.procs[name]
 
@@ -525,7 +524,7 @@ class Members:
             p.kill()
 
 
-@pytest.mark.slow
+@pytest.mark.integration  # the `--join` idea where the kill -9 case below runs in the netns lab (root) instead
 def test_two_members_started_apart_train_on_each_others_rollouts_by_name(tmp_path):
     """Two member jobs of the shipped configs: each admits the other's parcels (dealt by its name and step,
     re-scored, no rejection) and trains on them; each leaves at its end with exit code 0 (said, not by its lease
@@ -682,7 +681,7 @@ def test_a_member_whose_shared_settings_differ_is_refused_at_join_in_one_line(tm
     try:
         running.coordinator.shared = _shared_for(8)
         args = _member_args(tmp_path, "tiny-s", running.address, 8, "rollout.group_size=8")
-        done = zygote.run(args, capture_output=True, text=True, timeout=300)
+        done = subprocess.run(args, capture_output=True, text=True, timeout=300)
         assert done.returncode == 2, done.stderr[-2000:]
         assert done.stderr.strip().splitlines()[-1] == ("error: --join: the coordinator refused tiny-s: "
                                                         "rollout.group_size: the swarm says 4, this member 8")
@@ -758,7 +757,7 @@ def _two_members(tmp_path, steps, jobs, source="", joined=None):
     try:
         for name, (config, extra) in jobs.items():
             log = open(tmp_path / f"{name}.log", "w")
-            procs.append(zygote.Popen(_member_args(tmp_path, config, running.address, steps, *extra), stdout=log,
+            procs.append(subprocess.Popen(_member_args(tmp_path, config, running.address, steps, *extra), stdout=log,
                                       stderr=subprocess.STDOUT))
         def both_joined():
             ended = [name for name, p in zip(jobs, procs) if p.poll() is not None]

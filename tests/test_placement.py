@@ -9,7 +9,6 @@ import sys
 
 import pytest
 
-from . import zygote
 from .helpers import TINY, command_here, run_records, short_config
 from .ports import free_port
 from .test_swarm import _args, _cli, _env, _kill_rank_after_first_checkpoint, _steps
@@ -159,7 +158,7 @@ def test_one_update_on_two_ranks_equals_the_update_on_one(tmp_path):
     about lr x sign) the weights agree to a small fraction of lr. In bf16 compute (FSDP2's mixed-precision policy
     against one rank's autocast, full and LoRA) they agree within bf16 tolerance."""
     port, out = free_port(), tmp_path / "equivalence.json"
-    procs = [zygote.Popen([sys.executable, str(HERE / "placement_worker.py"), str(out)], env=_env(
+    procs = [subprocess.Popen([sys.executable, str(HERE / "placement_worker.py"), str(out)], env=_env(
         RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)), stderr=subprocess.PIPE,
         text=True) for r in range(2)]
     for p in procs:
@@ -192,7 +191,7 @@ def test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoi
     rank, the run resumes with no gap; both members trained on each other's rollouts; the sharded member's
     checkpoint is a plain HF model (or adapter) that eval and transformers load."""
     args = _args(tmp_path, ranks, f"swarm.mode={mode}", "train.steps=6", "checkpoint.every=2", "eval.every=0")
-    proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "3", "--max-restarts", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "3", "--max-restarts", "1"],
                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc, rank=further)  # the sharded member's further rank
     out, err = proc.communicate(timeout=400)

@@ -17,7 +17,6 @@ import yaml
 
 from ftis_engine.packaged import PackageError, fetch
 
-from . import zygote
 from .helpers import run_records
 
 SMOLLM2 = "packaged:smollm2-135m-instruct"
@@ -69,7 +68,7 @@ def _write(tmp_path: pathlib.Path, config: dict) -> pathlib.Path:
 
 
 def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return zygote.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
                       timeout=timeout)
 
 

@@ -12,7 +12,6 @@ import yaml
 from ftis_engine import study as study_module
 from ftis_engine.study import StudyError, aggregate, check_reuse, interval, load_study, plan
 
-from . import zygote
 from .helpers import command_here
 from .test_cli import cli
 
@@ -534,7 +533,7 @@ def test_one_ctrl_c_or_sigterm_stops_a_study_and_its_run_and_a_rerun_resumes_it(
         assert {p for p in logs.glob("**/*.log") if p.read_text().strip()} == started  # no queued run started
         if signum == signal.SIGINT:
             assert len(started) == 1  # the first run: the study had started no other
-    done = zygote.run(command, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert os.path.isfile(tmp_path / "study" / "summary.json")
 

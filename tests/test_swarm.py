@@ -13,7 +13,6 @@ import time
 import psutil
 import pytest
 
-from . import zygote
 from .helpers import SHORT, TINY, run_records
 from .ports import free_port
 
@@ -43,7 +42,7 @@ def _steps(out: pathlib.Path) -> dict[str, list[int]]:
 
 
 def _cli(*args, timeout=300):
-    return zygote.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ftis_engine", *args], capture_output=True, text=True,
                       timeout=timeout, env=_env())
 
 
@@ -56,7 +55,7 @@ def _hand_launch(world: int, args: list[str], modes: dict[int, str] | None = Non
         env = _env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env_extra or {}))
         mode = (modes or {}).get(rank, "none")
-        procs.append(zygote.Popen([sys.executable, str(HERE / "swarm_worker.py"), mode, *args], env=env,
+        procs.append(subprocess.Popen([sys.executable, str(HERE / "swarm_worker.py"), mode, *args], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     results = []
     for p in procs:
@@ -154,17 +153,15 @@ def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_ref
 
 def _worker_pid(parent: psutil.Process, rank: int) -> int | None:
     """The elastic agent starts local ranks in order (their rank is set after start, so it is not in
-    /proc/PID/environ): the workers sorted by start time and pid are ranks 0, 1, ... A worker is a process the fork
-    server forked (its parent runs multiprocessing.forkserver too), or with FTIS_START_METHOD=spawn one spawned."""
+    /proc/PID/environ): the workers sorted by start time and pid are ranks 0, 1, ... A worker is a process the agent
+    spawned (multiprocessing's spawn_main in its command line)."""
     workers = []
     for child in parent.children(recursive=True):
         try:
             cmdline = " ".join(child.cmdline())
             if "resource_tracker" in cmdline:
                 continue
-            forked = "multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" in " ".join(
-                child.parent().cmdline())
-            if forked or "spawn_main" in cmdline:
+            if "spawn_main" in cmdline:
                 workers.append((child.create_time(), child.pid))
         except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
             continue
@@ -186,7 +183,7 @@ def _kill_rank_after_first_checkpoint(out: pathlib.Path, proc: subprocess.Popen,
 @pytest.mark.slow
 def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
     args = _args(tmp_path, "train.steps=40", "checkpoint.every=2", "swarm.timeout_s=60")
-    proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     killed = time.time()
@@ -206,7 +203,7 @@ def kill_and_restart(tmp_path: pathlib.Path, *overrides: str) -> None:
     """Run two processes with one elastic restart allowed, kill -9 rank 1 after the first checkpoint; the run must
     come back and finish (exit 0)."""
     args = _args(tmp_path, "checkpoint.every=2", *overrides)
-    proc = zygote.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
+    proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "1"],
                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
     _, err = proc.communicate(timeout=300)

@@ -9,7 +9,7 @@ below: it grows only by editing it.
 The guard reads the tests' source (AST), not a collection. A test starts processes when its body, a helper or class
 of tests/ it uses (through any depth), or a fixture it asks for (its own or one of tests/conftest.py, and those the
 fixture asks for) calls subprocess (a `git` command aside: cheap, and the study's pre-registration runs it),
-zygote.run / zygote.Popen, a `.popen` (tests/netlab.py's), os.fork / os.system, multiprocessing's spawn, Process,
+a `.popen` (tests/netlab.py's), os.fork / os.system, multiprocessing's spawn, Process,
 Pool or get_context, or names `--nproc` (the launcher starts workers even from a command run in process; a test
 whose `--nproc` command is refused in process before anything starts is listed in REFUSED_IN_PROCESS). What other
 code starts from an in-process call it does not see: a study run in process through study.runner's Launcher, or a
@@ -37,6 +37,7 @@ INTEGRATION = {
     ("test_placement.py::test_a_two_rank_member_trains_with_its_peer_survives_kill_9_and_its_checkpoint_loads"
      "[sync-members.0.ranks=2-1]"),
     # --join, and a killed member resuming
+    "test_openswarm.py::test_two_members_started_apart_train_on_each_others_rollouts_by_name",
     ("test_openswarm.py::test_kill_9_of_a_member_leaves_the_others_stepping_it_rejoins_with_resume_and_a_newcomer_is_"
      "trained_on"),
     # kill -9 and --resume, one process
@@ -46,7 +47,7 @@ INTEGRATION = {
     # Ctrl-C: a real train's SIGINT gives 130 and its line (until the plan's SIGINT-then-SIGTERM test takes it over)
     "test_cli.py::test_a_signal_while_the_process_finishes_changes_neither_its_code_nor_its_lines[command1-SIGINT-130]",
     # a failure no restart mends
-    "test_launch.py::test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line[spawn]",
+    "test_launch.py::test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line",
     # the interpreter's own start
     "test_cli.py::test_module_entry_point_and_help",
     "test_cli.py::test_bad_config_as_a_command_exits_2_with_one_line_and_no_traceback[members.0.lr]",
@@ -69,7 +70,6 @@ REFUSED_IN_PROCESS = {
 
 _STARTERS = {
     "subprocess": {"run", "Popen", "call", "check_call", "check_output", "getoutput", "getstatusoutput"},
-    "zygote": {"run", "Popen"},
     "os": {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "execv", "execve", "execvp"},
     "asyncio": {"create_subprocess_exec", "create_subprocess_shell"},
     "multiprocessing": {"Process", "Pool", "get_context", "spawn"},
@@ -319,8 +319,8 @@ def test_the_readmes_command_leaves_the_slow_tier_out_and_ci_runs_it_before_the_
 
 
 def test_the_guard_sees_a_process_through_helpers_fixtures_and_classes_but_not_git():
-    helper = ("import subprocess\nfrom . import zygote\n\n"
-              "def start(): return zygote.Popen(['python'])\n\n"
+    helper = ("import subprocess\n\n"
+              "def start(): return subprocess.Popen(['python'])\n\n"
               "def git(): return subprocess.run(['git', 'status'])\n\n"
               "class Running:\n    def open(self): return subprocess.Popen(['python'])\n")
     module = ("import pytest\nfrom subprocess import Popen\nfrom .helpers import Running, git, start\n\n"
