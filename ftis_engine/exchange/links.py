@@ -39,12 +39,12 @@ import torch
 from ..errors import first_line
 from ..threads import Worker
 from . import PeerLost, TransportError
-from .messages import (  # noqa: F401 (MAGIC: importable from here)
+from .messages import (
     DATA,
     DONE,
     HEADER,
     KIND_NAMES,
-    MAGIC,
+    MAGIC,  # noqa: F401 (importable from here: the tests import it)
     TAKEN,
     WEIGHTS,
     Outbox,

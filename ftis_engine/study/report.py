@@ -22,7 +22,7 @@ from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS
 from .config import StudyConfig
 from .figures import curve_lines, distance_points, draw_figures, kl_measure  # noqa: F401 (importable from here)
 from .plan import Group, first_alone_groups, paired_alone, plan
-from .tables import (  # noqa: F401 (_fmt: importable from here)
+from .tables import (
     CLIPPED_MARK,
     HOLM_MARK,
     _absolute_tables,
