@@ -3,12 +3,12 @@ to one member, HeteroRL's samplers.
 
 A sampler rank builds its member's model and generator exactly as the learner does (same init, warm start, or the
 resumed checkpoint), then, until its learner finishes, repeats a round: wait until its learner has taken its round
-r - 1 - max_lead (backpressure: at most max_lead + 1 rounds in flight), take the newest weights its learner pushed
-(every members.N.weight_sync_every learner steps, trainable parameters only: a LoRA member sends its adapter),
+r - 1 - K (the lead bound K, exchange/pacer.py: at most K + 1 rounds in flight), take the newest weights its learner
+pushed (every members.N.weight_sync_every learner steps, trainable parameters only: a LoRA member sends its adapter),
 generate and score one learner step's worth of prompts (its share of a step: the same number of prompts, whole
-groups), and publish them to every learner. Its rollouts carry the member's index and the weight version they
-were generated with, so every receiver's importance weights (TIS / F-TIS / GEPO) are computed against the
-sampler's own log-probs and its staleness counts from that version.
+groups), and publish them to every learner. Its rollouts carry the member's index and the weight version they were
+generated with, so every receiver's importance weights (TIS / F-TIS / GEPO) are computed against the sampler's own
+log-probs and its staleness counts from that version.
 
 A sampler draws its prompts from a stream of its own (schedule.Schedule.round_deal), so the receivers check every
 parcel against the deal of its round exactly as they check a learner's.

@@ -32,6 +32,7 @@ from .context import check_context, foreign_limit, usable_prompts
 from .errors import describe_load_error, first_line
 from .exchange import Alone, Exchange
 from .exchange.admission import Admission
+from .exchange.pacer import warn_lead_beyond_staleness
 from .exchange.screen import LogProbs
 from .exchange.verify import RolloutChecker
 from .layout import endpoint_roles, world_size
@@ -235,10 +236,8 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         for m in members}
     if source is not None and checkpoint is None:
         resume_screens(receivers, members, source, config)
-    if exchange.independent and config.swarm.max_lead is not None \
-            and config.swarm.max_lead > config.swarm.max_staleness and exchange.collectives.rank == 0:
-        log.warning("swarm.max_lead=%d > swarm.max_staleness=%d: a member that far ahead drops its slowest peer's "
-                    "newest rollouts as stale", config.swarm.max_lead, config.swarm.max_staleness)
+    if exchange.independent and exchange.collectives.rank == 0:
+        warn_lead_beyond_staleness(config)
     swarm = Swarm(
         config=config, task=task, members=members,
         exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,

@@ -5,7 +5,7 @@
     generate    each member's completions of its dealt prompts, scored, generation/sample.py
     send        its rollouts (token ids + generation log-probs) to its peers, exchange/
     receive     the peers' parcels: sync, this step's (everybody waits for everybody); async, what has arrived
-                and is due, waiting only for a peer more than swarm.max_lead steps behind
+                and is due, waiting only for a peer beyond the lead bound (exchange/pacer.py)
     admit       validated, re-scored, not stale, at most the intake budget, exchange/admission.py
     advantages  A_i = (r_i - mean r) / (std r + 1e-8) over each prompt's group
     update      one F-TIS step on its own rollouts (on-policy) and its peers' (off-policy), update.py

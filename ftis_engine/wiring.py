@@ -40,7 +40,8 @@ class Connection:
 def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None) -> Connection:
     """Every member in this process: they step together (async: deliveries delayed by swarm.latency only); or,
     with join (the coordinator's address), this config's one member in an open swarm, on one process."""
-    from .exchange.async_ import Latency, LocalAsync, queue_capacity
+    from .exchange.async_ import Latency, LocalAsync
+    from .exchange.pacer import queue_capacity
     from .exchange.sync import LocalSync
 
     if join is not None:

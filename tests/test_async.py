@@ -150,7 +150,7 @@ def test_a_forged_step_cannot_exempt_a_peer_from_the_lead_bound():
             return parcel
 
     exchange = object.__new__(DistributedAsync)
-    exchange.rank, exchange.steps, exchange.max_lead = 0, 100, 2
+    exchange.rank, exchange.steps, exchange.pacer = 0, 100, _pacer(2)
     exchange.mailbox, exchange.latency, exchange._published = Mailbox(4), Immediate(), {1: 0}
     exchange.mailbox.step = 5
     body = torch.zeros(1, dtype=torch.int32)
@@ -158,7 +158,7 @@ def test_a_forged_step_cannot_exempt_a_peer_from_the_lead_bound():
                                      (9, None, 0), (8, None, 8), (6, None, 8)]:
         exchange.deliver(1, DATA, step, step - 1, body, refused)
         assert exchange._published[1] == published, (step, refused)
-    exchange.max_lead = None  # no bound to wait on: a claim inside the run still counts (the lead metrics)
+    exchange.pacer = _pacer(None)  # no bound to wait on: a claim inside the run still counts (the lead metrics)
     exchange.deliver(1, DATA, 50, 49, body, None)
     assert exchange._published[1] == 50
 
@@ -183,7 +183,7 @@ class _FakeLinks:
     def post_slot(self, *args):
         pass
 
-    def wait_until(self, ready, timeout_s, what):
+    def wait(self, ready, timeout_s, what):
         start = self.clock
         while not ready():
             due = min(t for t in self.arrivals if t > self.clock)  # the next publication on the fake clock
@@ -191,7 +191,16 @@ class _FakeLinks:
             peer, step = self.arrivals.pop(due)
             self.exchange._published[peer] = max(self.exchange._published[peer], step)
         self.waits.append((what, self.clock - start))
-        return self.clock - start + 1e-6
+        return self.clock - start + 1e-6, True
+
+
+def _pacer(max_lead):
+    """The lead bound of a stand-in config (exchange/pacer.py reads swarm.max_lead and swarm.timeout_s)."""
+    from types import SimpleNamespace
+
+    from ftis_engine.exchange.pacer import Pacer
+
+    return Pacer(SimpleNamespace(swarm=SimpleNamespace(max_lead=max_lead, timeout_s=60.0)), "tiny-s")
 
 
 def _bare_exchange(max_lead, published: dict[int, int], arrivals: dict[float, tuple[int, int]]):
@@ -199,7 +208,7 @@ def _bare_exchange(max_lead, published: dict[int, int], arrivals: dict[float, tu
     from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
 
     exchange = object.__new__(DistributedAsync)
-    exchange.rank, exchange.lead_peers, exchange.max_lead, exchange.timeout_s = 0, [1], max_lead, 60.0
+    exchange.rank, exchange.lead_peers, exchange.pacer, exchange.timeout_s = 0, [1], _pacer(max_lead), 60.0
     exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), dict(published), {}, 0
     exchange._link_counts = (0, 0)
     exchange.links = _FakeLinks(exchange, arrivals)

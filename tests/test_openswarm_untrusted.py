@@ -429,7 +429,7 @@ def test_a_peer_that_restarted_between_two_steps_is_counted_from_its_new_steps()
     so the lead bound counts b at 2 (not at the 5 it published before) and waits for it again."""
     ex = exchange("swarm.max_lead=null", "swarm.timeout_s=1")
     ex._deliver("peer", 5, 4, b"\x00" * 4)
-    ex.max_lead = 0
+    ex.pacer.max_lead = 0  # the lead bound (exchange/pacer.py) from here on
     ex._given_up.add("peer")
     assert ex._published() == {"peer": 5}
     ex.client.view["peer"], ex.client.gone = 2, {"peer"}
@@ -618,7 +618,7 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
             ex._deliver("bpe", 1, 0, body)
         return 0.0
 
-    monkeypatch.setattr(ex, "_wait_lead", wait_lead)
+    monkeypatch.setattr(ex.pacer, "hold", lambda step, published, wait, peers: wait_lead(step - ex.pacer.max_lead))
     got = ex.receive(0, 3)
     assert (got.parcels, got.foreign_refused, len(ex.mailbox)) == ([], 0, 1)
     got = ex.receive(0, 4)

@@ -524,10 +524,10 @@ class SwarmSettings(_Section):
         description="async: a simulated delay added to every delivery (for delay studies on one machine).")
     timeout_s: float = Field(
         1800.0, gt=0.0, le=30 * 86400.0, allow_inf_nan=False,
-        description="Timeout of every collective and every wait for a peer; a dead or hung peer ends the run. "
-                    "Members wait for each other's generation and eval (sync: every step; async: a member "
-                    "max_lead steps ahead, and a sampler for its learner), so it must exceed the slowest "
-                    "member's eval.",
+        description="Timeout of every collective and every wait for a peer: a dead or hung peer ends the run. "
+                    "Members wait for each other's generation and eval (sync: every step, so it must exceed the "
+                    "slowest member's eval); async, a member max_lead steps ahead gives a live peer that long, then "
+                    "goes on without it until it catches up, and a sampler samples on.",
     )
     lease_s: float = Field(
         10.0, le=86400.0, allow_inf_nan=False,

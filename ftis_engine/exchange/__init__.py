@@ -7,7 +7,7 @@ sent as parcels; admission.py then decides what it trains on (the same checks in
     sync.DistributedSync      one endpoint (member) per process; every member waits for every member each step
     async_.LocalAsync         every member in this process, deliveries delayed by swarm.latency only
     async_.DistributedAsync   one member (or sampler) per process; nobody waits for anybody, except as far as
-                              swarm.max_lead bounds how far a member runs ahead of its slowest live peer
+                              the lead bound (pacer.py) keeps a member from its slowest live peer
     Alone                     collaboration: alone (wraps any of them: nothing goes on the wire)
     Shard                     a member's further rank (members.N.ranks > 1): its leader exchanges for it
 
@@ -52,11 +52,11 @@ class Arrivals:
 
     parcels: list[Parcel] = field(default_factory=list)  # the peers' parcels, never the member's own
     wait_seconds: float = 0.0  # waiting for peers (sync: the slowest peer's step; async: lead waits and locks)
-    lead_wait_seconds: float = 0.0  # async: of wait_seconds, the wait for a peer max_lead steps behind
+    lead_wait_seconds: float = 0.0  # async: of wait_seconds, the wait at the lead bound (pacer.py)
     lead_steps: int | None = None  # async across processes: how far this member's step was ahead of its slowest
     # live peer's newest published step when it asked (None: no live peer)
     seconds: float = 0.0  # the transfer itself (sync)
-    waiting: int = 0  # parcels that arrived and are not due yet (simulated latency, or ahead of max_lead)
+    waiting: int = 0  # parcels that arrived and are not due yet (simulated latency, or ahead of the lead bound)
     dropped_sequences: int = 0  # sequences the transport dropped unread since the last receive (a full mailbox)
     outbox_dropped: int = 0  # sequences of this rank's parcels dropped unsent since the last receive (a full outbox)
     link_refused: int = 0  # one-world async: messages from peers the links refused since the last receive

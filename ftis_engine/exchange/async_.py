@@ -2,16 +2,14 @@
 one parcel and, before its update, takes the parcels that have arrived and are due. Nobody waits for anybody,
 except as far as the bounds below say; nothing grows without bound in a long run.
 
-- **Lead** (swarm.max_lead = K, across processes): a member starts training its step t only when every live peer
-  has published its step t - K or later, and takes no parcel whose policy version is more than K ahead of its own
-  (version <= t - 1 + K); later ones wait in the mailbox. So every peer rollout it trains on has a staleness in
-  [-K, max_staleness], K = 0 is lockstep (as sync mode), and a peer that has said DONE holds nobody back. The
-  publication counted is the parcel's arrival (a simulated swarm.latency delays its use, not its arrival).
+- **Lead** (across processes): the lead bound of exchange/pacer.py. A member at step t waits for every live peer
+  to publish step t - K, and takes no parcel more than K versions ahead; a peer that has said DONE holds nobody
+  back. The publication counted is the parcel's arrival (a simulated swarm.latency delays its use, not its arrival).
 - **Samplers**: a sampler generates its round r only when its learner has taken its round r - 1 - K (a TAKEN
   message), so at most K + 1 of its rounds are in flight.
 - **Bounded queues**: a mailbox keeps at most `capacity` parcels per sender and an outbox at most `capacity` per
-  peer (max_staleness + K + 2: more could not all be used fresh); the oldest make room for a newer one and are
-  counted (dropped_sequences, outbox_dropped).
+  peer (pacer.queue_capacity); the oldest make room for a newer one and are counted (dropped_sequences,
+  outbox_dropped).
 
 swarm.latency adds a simulated delay to every delivery, in steps or seconds, on either transport.
 """
@@ -31,6 +29,7 @@ from ..schedule import learner_version
 from . import Arrivals, Limit, Parcel, TransportError, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
 from .links import Links
 from .messages import DATA, TAKEN, WEIGHTS
+from .pacer import Pacer, queue_capacity
 from .sync import Collectives, LocalCollectives
 
 
@@ -46,12 +45,6 @@ def gather_addresses(address: str, endpoints: int, group) -> list[str]:
         if not (isinstance(value, str) and value.startswith("tcp://")):
             raise TransportError(f"endpoint {endpoint} announced a links address {value!r}, not tcp://HOST:PORT")
     return addresses
-
-
-def queue_capacity(config: RunConfig) -> int:
-    """Parcels a mailbox keeps per sender (and an outbox per peer): a receiver can use a parcel fresh for
-    max_staleness + 1 steps, and at most max_lead + 1 more are ahead of it."""
-    return config.swarm.max_staleness + (config.swarm.max_lead or 0) + 2
 
 
 class Latency:
@@ -182,7 +175,8 @@ class DistributedAsync:
         self.lead_peers = self.targets if self.sampler is None else []
         self.own_samplers = sampler_endpoints(config, self.member) if self.sampler is None else []
         self.learner = self.member  # a sampler's learner is its member's rank
-        self.max_lead = config.swarm.max_lead
+        self.pacer = Pacer(config, config.members[self.member].name if self.sampler is None
+                           else f"{config.members[self.member].name}/sampler-{self.sampler}")
         self.steps = config.train.steps
         self.timeout_s = config.swarm.timeout_s
         self.latency = latency
@@ -228,22 +222,12 @@ class DistributedAsync:
 
     def receive(self, receiver: int, step: int) -> Arrivals:
         start = time.perf_counter()
-        lead_wait = 0.0
-        # one snapshot for the lead and the peers behind (the I/O thread moves _published meanwhile)
-        published = {p: self._published[p] for p in self.lead_peers if not self.links.peer_done(p)}
-        lead = step - min(published.values()) if published else None
-        if self.max_lead is not None and self.lead_peers:
-            need = step - self.max_lead
-            ready = lambda: all(self.links.peer_done(p) or self._published[p] >= need  # noqa: E731
-                                for p in self.lead_peers)
-            behind = [p for p, newest in published.items() if newest < need]
-            if behind:
-                lead_wait = self.links.wait_until(
-                    ready, self.timeout_s, f"peer rank(s) {behind} to publish step {need} (swarm.max_lead="
-                                           f"{self.max_lead}, this member's step {step})")
+        published = lambda: {p: self._published[p] for p in self.lead_peers  # noqa: E731  (live peers: not DONE)
+                             if not self.links.peer_done(p)}
+        lead = self.pacer.lead(step, published())
+        lead_wait = self.pacer.hold(step, published, self.links.wait, "peer rank(s)") if self.lead_peers else 0.0
         self.links.check()
-        newest = None if self.max_lead is None else learner_version(step) + self.max_lead
-        parcels = self.mailbox.take_due(step, time.time(), newest)
+        parcels = self.mailbox.take_due(step, time.time(), self.pacer.newest_version(step))
         for parcel in parcels:  # tell each own sampler the newest of its rounds taken (its backpressure)
             if parcel.sender in self._taken and parcel.step > self._taken[parcel.sender]:
                 self._taken[parcel.sender] = parcel.step
@@ -274,14 +258,10 @@ class DistributedAsync:
             self.links.post_slot(peer, WEIGHTS, 0, version, flat)
 
     def wait_taken(self, round_: int) -> float:
-        """A sampler about to generate `round_`: wait until its learner has taken round_ - 1 - max_lead (or has
-        finished); returns the seconds waited."""
-        if self.max_lead is None:
-            return 0.0
-        need = round_ - 1 - self.max_lead
-        return self.links.wait_until(lambda: self.taken >= need or self.links.peer_done(self.learner),
-                                     self.timeout_s, f"its learner (rank {self.learner}) to take round {need} "
-                                     f"(swarm.max_lead={self.max_lead})")
+        """A sampler about to generate `round_`: the lead bound's backpressure (exchange/pacer.py), until its learner
+        has taken round_ - 1 - K (or has finished); returns the seconds waited."""
+        return self.pacer.hold_sampler(round_, lambda need: self.taken >= need or self.links.peer_done(self.learner),
+                                       self.links.wait, f"its learner (rank {self.learner})")
 
     def peer_done(self, peer: int) -> bool:
         return self.links.peer_done(peer)
@@ -314,15 +294,14 @@ class DistributedAsync:
         return self.weights.limit(peer, version) if kind == WEIGHTS and self.weights is not None else 0
 
     def counts_as_published(self, step: int, refused: str | None) -> bool:
-        """Whether a learner peer's DATA message may advance the step it has published (what the lead bound waits
-        on): one that was received (not refused for its size), of a step inside the run, and no further ahead of
-        this member than an honest peer can be (it waits for this member too: at most max_lead steps past this
-        member's newest step). A forged header claiming step 10^9 would otherwise exempt that peer from the bound
-        for the rest of the run; bounded so, a liar gains at most what an honest peer at the edge of the bound
-        has, and only while it keeps sending."""
+        """Whether a learner peer's DATA message may advance the step it has published (what the lead bound waits on):
+        one that was received (not refused for its size), of a step inside the run, and no further ahead of this
+        member than an honest peer can be (Pacer.plausible: it waits for this member too). A forged header claiming
+        step 10^9 would otherwise exempt that peer from the bound for the rest of the run; bounded so, a liar gains at
+        most what an honest peer at the edge of the bound has, and only while it keeps sending."""
         if refused is not None or not 1 <= step <= self.steps:
             return False
-        return self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1
+        return self.pacer.plausible(step, self.mailbox.step)
 
     def deliver(self, peer: int, kind: int, step: int, version: int, body: torch.Tensor, refused: str | None) -> None:
         if kind == DATA:

@@ -175,20 +175,28 @@ class Links:
             peer, reason = next(iter(dict(self._lost).items()))
             raise PeerLost(f"peer rank {peer} is gone without finishing ({reason})")
 
-    def wait_until(self, ready, timeout_s: float, what: str) -> float:
-        """Block until ready() holds (re-checked whenever a message arrives); returns the seconds waited. Raises
-        what check() raises, or TimeoutError naming `what` after timeout_s."""
+    def wait(self, ready, timeout_s: float, what: str) -> tuple[float, bool]:
+        """Block until ready() holds (re-checked whenever a message arrives) or timeout_s passes (exchange/pacer.py's
+        Wait; `what` is the pacer's, for its warning); returns the seconds waited and whether ready() held. Raises
+        what check() raises."""
         start = time.perf_counter()
         deadline = start + timeout_s
         with self.changed:
             while True:
                 self.check()
                 if ready():
-                    return time.perf_counter() - start
+                    return time.perf_counter() - start, True
                 left = deadline - time.perf_counter()
                 if left <= 0:
-                    raise TimeoutError(f"swarm.timeout_s: waited {timeout_s:g} s for {what}")
+                    return time.perf_counter() - start, False
                 self.changed.wait(min(left, 1.0))
+
+    def wait_until(self, ready, timeout_s: float, what: str) -> float:
+        """wait(), raising TimeoutError naming `what` after timeout_s; returns the seconds waited."""
+        seconds, held = self.wait(ready, timeout_s, what)
+        if not held:
+            raise TimeoutError(f"swarm.timeout_s: waited {timeout_s:g} s for {what}")
+        return seconds
 
     def finish(self) -> None:
         """Say DONE on every link and wait for every peer's DONE (a peer answers as soon as it reads ours; what

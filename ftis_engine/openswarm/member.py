@@ -9,13 +9,12 @@ receiver (admission) as every other mode; its schedule (openswarm/schedule.py) g
   deal from its name and step, so "exactly what was dealt to that peer" keeps its force with membership changing.
 - **Peers by name.** Peers are numbered locally in order of first sight (the member itself is 0); a peer's
   rollouts carry member 0 (its own config's index) on the wire and are renumbered on arrival.
-- **The lead bound counts live members only.** Before its step t a member waits (at most swarm.timeout_s, then
-  goes on without it, warned) until every live peer it trains on has published step t - max_lead (its parcels,
-  or the step the coordinator heard from it); a peer that left or whose lease expired holds nobody back, and one
-  that made it wait swarm.timeout_s is not waited for again until it has caught up (a live peer that never
-  publishes costs one time-out, not one a step). A
-  newcomer starts at its step 1: the live members wait for it to come within max_lead of them (max_lead null:
-  nobody waits, and its rollouts are trained on once they are within max_staleness).
+- **The lead bound (K, exchange/pacer.py) counts live members only.** Before its step t a member waits (at most
+  swarm.timeout_s, then goes on without it, warned) until every live peer it trains on has published step t - K (its
+  parcels, or the step the coordinator heard from it); a peer that left or whose lease expired holds nobody back, and
+  one that made it wait swarm.timeout_s is not waited for again until it has caught up (a live peer that never
+  publishes costs one time-out, not one a step). A newcomer starts at its step 1: the live members wait for it to come
+  within K of them (K null: nobody waits, and its rollouts are trained on once they are within max_staleness).
 - **A member on several ranks** (`--nproc R` for members.0.ranks=R, or torchrun) has its own process group: its
   leader holds the exchange (this class) and hands the shards what it admitted, as in the one-world modes.
 - **A member with samplers** (members.0.samplers=S: `--nproc R+S` or torchrun) takes its learner's weights on its
@@ -30,7 +29,8 @@ receiver (admission) as every other mode; its schedule (openswarm/schedule.py) g
   start, by broadcast in their own process group (share_key): the key never crosses the coordinator; anything else
   under its samplers' names is refused and counted. Samplers do
   not count in the lead bound; a sampler waits (its backpressure) until its learner's newest step, as the
-  coordinator last said, is within max_lead + 1 of its next round, and leaves when its learner finishes.
+  coordinator last said, is within K + 1 of its next round, and leaves when its learner finishes (exchange/pacer.py:
+  the lead bound K and its waits, as in one world).
 - **Peers of another tokenizer.** A member announces where its tokenizer loads from (its `builtin:`, `packaged:` or
   hub spec; a local path is not shareable); a receiver of another tokenizer loads it on first sight, checks that
   it hashes to what the peer joined with, and trains on the peer's text re-encoded, as in one world. A peer whose
@@ -49,7 +49,8 @@ import torch
 from ..config import RunConfig
 from ..errors import shown
 from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
-from ..exchange.async_ import Mailbox, queue_capacity
+from ..exchange.async_ import Mailbox
+from ..exchange.pacer import Pacer, poll, queue_capacity
 from ..exchange.sync import LocalCollectives
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
@@ -80,7 +81,7 @@ class OpenExchange:
         self.book = PeerBook(self.name)
         self.book.live = self._live_numbers  # the schedule asks the book, the book the coordinator's last word
         self.mailbox = Mailbox(queue_capacity(config))
-        self.max_lead = config.swarm.max_lead
+        self.pacer = Pacer(config, self.name)  # the lead bound (exchange/pacer.py)
         self.timeout_s = config.swarm.timeout_s
         self.tokenizer = ""
         self.dataset = ""
@@ -98,7 +99,11 @@ class OpenExchange:
         self.refused = 0  # parcels refused unread (sizes, steps and versions no honest peer sends, forged samplers)
         self._dropped_seen = 0  # the client's dropped parcels already reported
         self.key: bytes | None = None  # what its own samplers sign their parcels with (share_key); None: it has none
-        self._given_up: set[str] = set()  # live peers the lead bound waited swarm.timeout_s for: not waited for
+
+    @property
+    def _given_up(self) -> set:
+        """Live peers the lead bound waited swarm.timeout_s for: not waited for until they catch up."""
+        return self.pacer.given_up
 
     def attach(self, swarm) -> None:
         """What the member's opened run gives the exchange: its tokenizer's hash and source, its training set's
@@ -133,14 +138,9 @@ class OpenExchange:
         self.client.check()
         self._forget_gone()
         self._load_foreign()
-        lead_wait, lead = 0.0, None
-        published = self._published()
-        if published:
-            lead = step - min(published.values())
-        if self.max_lead is not None and published:
-            lead_wait = self._wait_lead(step - self.max_lead)
-        newest = None if self.max_lead is None else learner_version(step) + self.max_lead
-        due = self.mailbox.take_due(step, time.time(), newest)
+        lead = self.pacer.lead(step, self._published())
+        lead_wait = self.pacer.hold(step, self._published, poll(self.client.check), "peer(s)")
+        due = self.mailbox.take_due(step, time.time(), self.pacer.newest_version(step))
         # a peer of another tokenizer: admitted only with the tokenizer it sent under registered (loaded: parcels
         # taken in while it loaded are kept only if it did; a peer that left keeps it until its name's next holder);
         # one whose tokenizer is still to be loaded (it joined after this step's _load_foreign) waits for the next
@@ -163,31 +163,6 @@ class OpenExchange:
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
                         outbox_dropped=dropped, foreign_refused=foreign)
-
-    def _wait_lead(self, need: int) -> float:
-        """The lead bound: wait until every live peer it trains on has published step `need`, at most
-        swarm.timeout_s; returns the seconds waited. A peer that made it wait that long is given up on (warned
-        once) until it has caught up (published `need` by a later step) or left: a live peer that never
-        publishes costs one time-out, not one every step."""
-        for name in sorted(self._given_up):
-            if self._published().get(name, need) >= need:  # caught up, or gone (a rejoin is waited for again)
-                self._given_up.discard(name)
-                log.info("%s: peer %s has caught up; the lead bound waits for it again", self.name, name)
-        waited = time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            behind = sorted(n for n, s in self._published().items() if s < need and n not in self._given_up)
-            if not behind:
-                break
-            self.client.check()
-            if time.monotonic() > deadline:
-                log.warning("%s: live peer(s) %s have not published step %d within swarm.timeout_s=%g s; going "
-                            "on without waiting for them until they catch up", self.name, behind, need,
-                            self.timeout_s)
-                self._given_up.update(behind)
-                break
-            time.sleep(0.02)
-        return time.perf_counter() - waited
 
     def _forget_gone(self) -> None:
         """Forget what was known of peers that are no longer live, or that left and came back since the last step
@@ -312,8 +287,7 @@ class OpenExchange:
         announced = self._live().get(name, {}).get("tokenizer")
         self.mailbox.put(Parcel(sender, step, version, torch.frombuffer(bytearray(body), dtype=torch.int32),
                                 tokenizer="" if announced == self.tokenizer else str(announced)))
-        if 1 <= step <= self.config.train.steps and (
-                self.max_lead is None or step <= self.mailbox.step + self.max_lead + 1):
+        if 1 <= step <= self.config.train.steps and self.pacer.plausible(step, self.mailbox.step):
             self.book.publish(name, step)
 
     def _parcel_problem(self, sender: int, name: str, step: int, version: int, body: bytes, mac: str) -> str | None:
@@ -353,7 +327,7 @@ class OpenSampler(WithoutSamplers):
         self.rank = endpoint  # its endpoint in its member's config (layout.endpoint_roles): the schedule's number for it
         self.member = config.members[0].name
         self.name = sampler_name(self.member, index)
-        self.max_lead, self.timeout_s = config.swarm.max_lead, config.swarm.timeout_s
+        self.pacer, self.timeout_s = Pacer(config, self.name), config.swarm.timeout_s
         self.tokenizer = self.dataset = self.source = ""
         self.client: SwarmClient | None = None
         self.weights = None
@@ -385,23 +359,13 @@ class OpenSampler(WithoutSamplers):
         return self.broadcast.done
 
     def wait_taken(self, round_: int) -> float:
-        """Before round `round_`: wait until its learner's newest step (the coordinator's word) is at least
-        round_ - 1 - max_lead, or it finished; at most swarm.timeout_s, then go on, warned. Returns the seconds."""
-        if self.max_lead is None:
-            return 0.0
-        need, start = round_ - 1 - self.max_lead, time.perf_counter()
-        deadline = time.monotonic() + self.timeout_s
-        while not self.peer_done(0):
-            self.check()
+        """Before round `round_`: the lead bound's backpressure (exchange/pacer.py), until its learner's newest step
+        (the coordinator's word) is at least round_ - 1 - K, or it finished. Returns the seconds."""
+        def reached(need: int) -> bool:
             step = self.client.members().get(self.member, {}).get("step", 0)
-            if isinstance(step, int) and step >= need:
-                break
-            if time.monotonic() > deadline:
-                log.warning("%s: its learner has not reached step %d within swarm.timeout_s=%g s; sampling on",
-                            self.name, need, self.timeout_s)
-                break
-            time.sleep(0.02)
-        return time.perf_counter() - start
+            return self.peer_done(0) or (isinstance(step, int) and step >= need)
+
+        return self.pacer.hold_sampler(round_, reached, poll(self.check), "its learner")
 
     def send_parcel(self, buffer: torch.Tensor, round_: int, version: int) -> int:
         buffer = buffer.to(torch.int32).contiguous()
