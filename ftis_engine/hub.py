@@ -16,8 +16,8 @@ def hub_reachable() -> bool:
     """Whether the HF hub answers (one TCP connect, 3 s at most, once per process). When it does not, the hub
     libraries are switched to offline mode: cached models and datasets still load, and what is not cached fails
     at once with one line instead of after a minute of retries. Skipped (assumed reachable) behind a proxy.
-    HF_HUB_OFFLINE in the environment counts even when set after huggingface_hub read it at import (a worker
-    forked from the launcher's fork server imported it before the launcher's probe set it)."""
+    HF_HUB_OFFLINE in the environment counts even when set after huggingface_hub read it at import (a process that
+    imported it before a probe, its own or its launcher's, set it)."""
     import huggingface_hub.constants as hub
 
     offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")  # as the library reads it

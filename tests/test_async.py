@@ -139,8 +139,10 @@ def test_a_member_that_never_saw_a_peer_rollout_is_warned_about(tmp_path, caplog
 
 def test_a_forged_step_cannot_exempt_a_peer_from_the_lead_bound():
     """What a learner peer's DATA header claims advances the step it has published (what swarm.max_lead waits on)
-    only for a message received whole, of a step inside the run, at most max_lead + 1 past this member's newest
-    step: a forged step of 10^9 (or a refused parcel) no longer exempts that peer from the bound for good."""
+    only for a message received whole, of a step inside the run, and counts for at most max_lead + 1 past this
+    member's newest step (capped since the lead bound gives up on late peers: a peer that gave up on this member may
+    be further ahead, honestly): a forged step of 10^9 (or a refused parcel) no longer exempts that peer from the
+    bound for good."""
     import torch
 
     from ftis_engine.exchange.async_ import DATA, DistributedAsync, Mailbox
@@ -155,7 +157,7 @@ def test_a_forged_step_cannot_exempt_a_peer_from_the_lead_bound():
     exchange.mailbox.step = 5
     body = torch.zeros(1, dtype=torch.int32)
     for step, refused, published in [(10**9, None, 0), (101, None, 0), (0, None, 0), (7, "too large", 0),
-                                     (9, None, 0), (8, None, 8), (6, None, 8)]:
+                                     (9, None, 8), (8, None, 8), (6, None, 8)]:  # 9 counts at the edge: 5 + 2 + 1
         exchange.deliver(1, DATA, step, step - 1, body, refused)
         assert exchange._published[1] == published, (step, refused)
     exchange.pacer = _pacer(None)  # no bound to wait on: a claim inside the run still counts (the lead metrics)

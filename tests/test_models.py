@@ -50,8 +50,8 @@ def test_offline_mode_and_proxies_are_not_probed(monkeypatch):
 
 
 def test_offline_mode_set_in_the_environment_after_huggingface_hub_read_it_counts(monkeypatch):
-    """A worker forked from the launcher's fork server imported huggingface_hub before the launcher's probe found
-    the hub unreachable and set HF_HUB_OFFLINE: the environment's value counts, unprobed, and the library follows."""
+    """A process imported huggingface_hub before a probe found the hub unreachable and set HF_HUB_OFFLINE: the
+    environment's value counts, unprobed, and the library follows."""
     monkeypatch.setattr(probe.socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
     monkeypatch.setattr(hub, "HF_HUB_OFFLINE", False)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -40,7 +40,8 @@ class Clock:
 def test_the_bound_in_numbers():
     pacer = _pacer(2)
     assert pacer.newest_version(5) == 4 + 2 and _pacer(None).newest_version(5) is None
-    assert pacer.plausible(8, 5) and not pacer.plausible(9, 5) and _pacer(None).plausible(10**9, 5)
+    assert (pacer.credited(8, 5), pacer.credited(9, 5), pacer.credited(10**9, 5)) == (8, 8, 8)  # the edge: 5 + 2 + 1
+    assert _pacer(None).credited(10**9, 5) == 10**9
     assert Pacer.lead(5, {"a": 2, "b": 4}) == 3 and Pacer.lead(5, {}) is None
     assert queue_capacity(SimpleNamespace(swarm=SimpleNamespace(max_staleness=3, max_lead=2))) == 3 + 2 + 2
     assert queue_capacity(SimpleNamespace(swarm=SimpleNamespace(max_staleness=3, max_lead=None))) == 3 + 0 + 2
@@ -134,3 +135,95 @@ def test_one_worlds_learner_goes_on_past_a_late_peer_where_it_ended_the_run():
     arrivals = exchange.receive(0, 5)
     assert arrivals.lead_wait_seconds == 7.0 and arrivals.lead_steps == 5 and exchange.pacer.given_up == {1}
     assert exchange.receive(0, 6).lead_wait_seconds == 0.0  # given up on: not waited for again
+
+
+def test_a_peer_far_ahead_counts_at_the_edge_of_the_bound_and_is_never_waited_for():
+    """A fast member that gave up on a slow one runs more than K + 1 steps ahead of it, honestly: its published steps
+    count at the edge of the bound (capped, as a forger's are), so the slow member never waits for a peer that is
+    ahead of it (dropping such claims left the peer's step where it was, and the slow member waited swarm.timeout_s
+    for it, then gave up on it for good)."""
+    from ftis_engine.exchange.async_ import DATA, DistributedAsync, Mailbox
+
+    class Immediate:
+        def schedule(self, parcel, rank, from_step):
+            return parcel
+
+    class Links:
+        def peer_done(self, peer):
+            return False
+
+        def wait(self, ready, timeout_s, what):
+            raise AssertionError(f"waited for {what}")
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.steps, exchange.pacer, exchange.lead_peers = 0, 100, _pacer(2), [1]
+    exchange.mailbox, exchange.latency, exchange._published, exchange.links = Mailbox(64), Immediate(), {1: 0}, Links()
+    exchange.mailbox.step = 5
+    import torch
+
+    for step in range(1, 30):  # the fast peer is at step 29; this member at 5
+        exchange.deliver(1, DATA, step, step - 1, torch.zeros(1, dtype=torch.int32), None)
+    assert exchange._published[1] == 5 + 2 + 1
+    for step in range(6, 12):  # this member goes on: the peer, ahead, counts as at its edge, never behind
+        exchange.mailbox.step = step - 1
+        exchange.deliver(1, DATA, 29, 28, torch.zeros(1, dtype=torch.int32), None)  # it keeps sending
+        assert exchange.pacer.hold(step, lambda: dict(exchange._published), exchange.links.wait) == 0.0
+
+
+def test_a_peer_given_up_on_that_then_publishes_nothing_for_another_timeout_is_stalled(monkeypatch):
+    """Slow is not hung: a peer given up on that publishes a step afterwards is not stalled; one that publishes
+    nothing for a further swarm.timeout_s is (one world ends the run on it; an open swarm goes on without it)."""
+    from ftis_engine.exchange import pacer as pacer_module
+
+    clock = {"now": 100.0}
+    monkeypatch.setattr(pacer_module.time, "monotonic", lambda: clock["now"])
+    published = {"slow": 0, "hung": 0}
+    pacer = _pacer(0, timeout_s=5.0)
+    pacer.hold(2, lambda: dict(published), lambda ready, timeout_s, what: (timeout_s, False))
+    assert pacer.given_up == {"slow", "hung"} and pacer.stalled(published) == []  # not yet a further timeout_s
+    clock["now"] += 4.9
+    published["slow"] = 1  # a step since: slow, not hung
+    assert pacer.stalled(published) == []
+    clock["now"] += 0.2
+    assert pacer.stalled(published) == ["hung"]
+
+
+def test_one_world_ends_the_run_on_a_hung_peer_and_a_sampler_on_a_hung_learner(monkeypatch):
+    """DistributedAsync: a peer given up on a time-out ago with no step since is a TimeoutError (the exit table's
+    lost peer), as a hung peer always ended one world; its sampler likewise on a learner that takes no round."""
+    from ftis_engine.exchange import pacer as pacer_module
+    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(pacer_module.time, "monotonic", lambda: clock["now"])
+
+    class Links:
+        outboxes = {}
+
+        def peer_done(self, peer):
+            return False
+
+        def check(self):
+            pass
+
+        def counts(self):
+            return (0, 0)
+
+        def wait(self, ready, timeout_s, what):
+            clock["now"] += timeout_s
+            return timeout_s, ready()
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.lead_peers, exchange.pacer = 0, [1], _pacer(0, timeout_s=5.0)
+    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), {1: 0}, {}, 0
+    exchange._link_counts, exchange.links = (0, 0), Links()
+    exchange.receive(0, 2)  # waits 5 s, gives the peer up
+    exchange.receive(0, 3)  # not waited for: no time passes
+    clock["now"] += 5.0
+    with pytest.raises(TimeoutError, match=r"^swarm.timeout_s: peer rank\(s\) 1 published no step for 10 s"):
+        exchange.receive(0, 4)
+    sampler = object.__new__(DistributedAsync)
+    sampler.pacer, sampler.taken, sampler.learner, sampler.links = _pacer(0, timeout_s=5.0), 0, 0, Links()
+    sampler.wait_taken(3)  # needs round 2: samples on after 5 s
+    with pytest.raises(TimeoutError, match=r"its learner \(rank 0\) took no round for 10 s"):
+        sampler.wait_taken(4)

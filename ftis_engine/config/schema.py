@@ -527,7 +527,8 @@ class SwarmSettings(_Section):
         description="Timeout of every collective and every wait for a peer: a dead or hung peer ends the run. "
                     "Members wait for each other's generation and eval (sync: every step, so it must exceed the "
                     "slowest member's eval); async, a member max_lead steps ahead gives a live peer that long, then "
-                    "goes on without it until it catches up, and a sampler samples on.",
+                    "goes on without it until it catches up (in one world a peer that then takes no step for as "
+                    "long again is hung and ends the run), and a sampler samples on.",
     )
     lease_s: float = Field(
         10.0, le=86400.0, allow_inf_nan=False,

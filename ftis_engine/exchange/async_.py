@@ -226,6 +226,10 @@ class DistributedAsync:
                              if not self.links.peer_done(p)}
         lead = self.pacer.lead(step, published())
         lead_wait = self.pacer.hold(step, published, self.links.wait, "peer rank(s)") if self.lead_peers else 0.0
+        hung = self.pacer.stalled(published())
+        if hung:  # given up on a time-out ago, and not a step since: its process is stuck, its links still answer
+            raise TimeoutError(f"swarm.timeout_s: peer rank(s) {', '.join(map(str, hung))} published no step for "
+                               f"{2 * self.pacer.timeout_s:g} s while their links answered (hung)")
         self.links.check()
         parcels = self.mailbox.take_due(step, time.time(), self.pacer.newest_version(step))
         for parcel in parcels:  # tell each own sampler the newest of its rounds taken (its backpressure)
@@ -260,8 +264,14 @@ class DistributedAsync:
     def wait_taken(self, round_: int) -> float:
         """A sampler about to generate `round_`: the lead bound's backpressure (exchange/pacer.py), until its learner
         has taken round_ - 1 - K (or has finished); returns the seconds waited."""
-        return self.pacer.hold_sampler(round_, lambda need: self.taken >= need or self.links.peer_done(self.learner),
-                                       self.links.wait, f"its learner (rank {self.learner})")
+        def reached(need: int) -> bool:
+            return self.taken >= need or self.links.peer_done(self.learner)
+
+        waited = self.pacer.hold_sampler(round_, reached, self.links.wait, f"its learner (rank {self.learner})")
+        if self.pacer.learner_stalled(reached):  # its process stuck, its links still answering
+            raise TimeoutError(f"swarm.timeout_s: its learner (rank {self.learner}) took no round for "
+                               f"{2 * self.pacer.timeout_s:g} s while its links answered (hung)")
+        return waited
 
     def peer_done(self, peer: int) -> bool:
         return self.links.peer_done(peer)
@@ -295,13 +305,9 @@ class DistributedAsync:
 
     def counts_as_published(self, step: int, refused: str | None) -> bool:
         """Whether a learner peer's DATA message may advance the step it has published (what the lead bound waits on):
-        one that was received (not refused for its size), of a step inside the run, and no further ahead of this
-        member than an honest peer can be (Pacer.plausible: it waits for this member too). A forged header claiming
-        step 10^9 would otherwise exempt that peer from the bound for the rest of the run; bounded so, a liar gains at
-        most what an honest peer at the edge of the bound has, and only while it keeps sending."""
-        if refused is not None or not 1 <= step <= self.steps:
-            return False
-        return self.pacer.plausible(step, self.mailbox.step)
+        one that was received (not refused for its size), of a step inside the run; it counts for at most K + 1 past
+        this member's newest step (Pacer.credited)."""
+        return refused is None and 1 <= step <= self.steps
 
     def deliver(self, peer: int, kind: int, step: int, version: int, body: torch.Tensor, refused: str | None) -> None:
         if kind == DATA:
@@ -309,7 +315,7 @@ class DistributedAsync:
             from_step = self.mailbox.step if peer not in self._published else None  # a sampler's round: our step
             self.mailbox.put(self.latency.schedule(parcel, self.rank, from_step))
             if peer in self._published and self.counts_as_published(step, refused):
-                self._published[peer] = max(self._published[peer], step)
+                self._published[peer] = max(self._published[peer], self.pacer.credited(step, self.mailbox.step))
         elif kind == WEIGHTS and refused is None and self.weights is not None:
             self.weights.put(version, body)
         elif kind == TAKEN and peer == self.learner and self.sampler is not None:

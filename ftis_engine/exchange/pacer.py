@@ -4,7 +4,7 @@
 - **A learner** starts training its step t only when every live peer it trains on has published its step t - K or
   later (`hold`), and takes no parcel whose policy version is more than K ahead of its own (`newest_version`: at
   most t - 1 + K); a peer's claim of a published step counts only up to K + 1 past the member's own newest step
-  (`plausible`: a forged step of 10^9 would otherwise exempt that peer from the bound for good). K = 0 is
+  (`credited`: a forged step of 10^9 would otherwise exempt that peer from the bound for good). K = 0 is
   lockstep; K = null: nobody waits.
 - **A sampler** generates its round r only when its learner has taken (one world) or reached (open swarm) its round
   r - 1 - K (`hold_sampler`): at most K + 1 of its rounds are in flight.
@@ -14,9 +14,12 @@
 One failure behaviour in both worlds: a wait lasts at most swarm.timeout_s. A peer that made a learner wait that
 long is given up on (warned once) and not waited for, at this step or any later one, until it has caught up
 (published the step the bound needs) or left: a live peer that never publishes costs one time-out, not one a step,
-and cannot stall the others (in an open swarm anyone may join; in one world a peer that is gone, not slow, is lost
-by its links and ends the run). A sampler whose learner has not come within reach after swarm.timeout_s samples on,
-warned. Before 2026-11-28 one world ended the run with a TimeoutError at either wait (issue 69).
+and cannot stall the others. A sampler whose learner has not come within reach after swarm.timeout_s samples on,
+warned. What differs is the verdict on a peer given up on that then publishes nothing for a further timeout_s
+(`stalled`): one world, whose membership is fixed, ends the run on it as hung (its process stuck while its links
+still answer; a dead one is lost by its links sooner), as a hung peer always ended it there; an open swarm, which
+anyone may join, goes on without it. Before 2026-11-28 one world ended the run with a TimeoutError at the first
+time-out of either wait (issue 69).
 """
 
 from __future__ import annotations
@@ -76,15 +79,20 @@ class Pacer:
         self.timeout_s = config.swarm.timeout_s
         self.name = name
         self.given_up: set[Hashable] = set()  # peers a wait gave up on: not waited for until they catch up
+        self._since: dict[Hashable, tuple[float, int]] = {}  # a given-up peer -> (when, its step then)
+        self._learner_late: tuple[float, int] | None = None  # a sampler's: (when it sampled on, the round it needed)
 
     def newest_version(self, step: int) -> int | None:
         """The newest policy version a parcel taken at `step` may carry (None: any)."""
         return None if self.max_lead is None else learner_version(step) + self.max_lead
 
-    def plausible(self, step: int, own_step: int) -> bool:
-        """Whether a peer's published step may count (what the bound waits on): at most K + 1 past this member's
-        newest step `own_step`, as far as an honest peer (which waits for this member too) can be."""
-        return self.max_lead is None or step <= own_step + self.max_lead + 1
+    def credited(self, step: int, own_step: int) -> int:
+        """What a peer's published `step` counts for in the bound: at most K + 1 past this member's newest step
+        `own_step`, as far as a peer that waits for this member can be (a forged step of 10^9 would otherwise exempt
+        the peer from the bound for good; capped so, a liar gains what an honest peer at the edge has, and only
+        while it keeps sending). Capped, not dropped: a peer that gave up on this member (a late peer is given up
+        on, below) runs further ahead, honestly, and must not look behind."""
+        return step if self.max_lead is None else min(step, own_step + self.max_lead + 1)
 
     @staticmethod
     def lead(step: int, published: dict) -> int | None:
@@ -102,6 +110,7 @@ class Pacer:
         for peer in sorted(self.given_up, key=str):
             if peer not in now or now[peer] >= need:
                 self.given_up.discard(peer)
+                self._since.pop(peer, None)
                 if peer in now:
                     log.info("%s: peer %s has caught up; the lead bound waits for it again", self.name, peer)
 
@@ -114,13 +123,24 @@ class Pacer:
         waited, ready = wait(lambda: not behind(), self.timeout_s,
                              f"{peers} {', '.join(map(str, late))} to publish step {need} (swarm.max_lead="
                              f"{self.max_lead}, this member's step {step})")
-        if not ready:
-            late = behind()
+        late = behind() if not ready else []
+        if late:  # (it may have published since the wait ended)
             log.warning("%s: live %s %s have not published step %d within swarm.timeout_s=%g s (swarm.max_lead=%d, "
                         "its step %d); going on without waiting for them until they catch up", self.name, peers,
                         ", ".join(map(str, late)), need, self.timeout_s, self.max_lead, step)
             self.given_up.update(late)
+            now = published()
+            self._since.update({peer: (time.monotonic(), now.get(peer, need)) for peer in late})
         return waited
+
+    def stalled(self, published: dict) -> list:
+        """Peers given up on that have published nothing new for a further swarm.timeout_s (2 x timeout_s without
+        a step): hung, not slow. One world's membership is fixed, so it ends the run on them (async_); an open
+        swarm, which anyone may join, goes on without them."""
+        now = time.monotonic()
+        return sorted((peer for peer, (since, step) in self._since.items()
+                       if peer in self.given_up and published.get(peer, step) <= step
+                       and now - since >= self.timeout_s), key=str)
 
     def hold_sampler(self, round_: int, reached: Callable[[int], bool], wait: Wait, learner: str = "its learner"
                      ) -> float:
@@ -134,4 +154,14 @@ class Pacer:
         if not ready:
             log.warning("%s: its learner has not reached round %d within swarm.timeout_s=%g s (swarm.max_lead=%d); "
                         "sampling on", self.name, need, self.timeout_s, self.max_lead)
+            if self._learner_late is None:
+                self._learner_late = (time.monotonic(), need)
+        else:
+            self._learner_late = None
         return waited
+
+    def learner_stalled(self, reached: Callable[[int], bool]) -> bool:
+        """A sampler's learner that has not reached the round it sampled on without for a further swarm.timeout_s
+        (2 x timeout_s without it): hung (one world ends the run on it, as on a stalled peer)."""
+        late = self._learner_late
+        return late is not None and not reached(late[1]) and time.monotonic() - late[0] >= self.timeout_s

@@ -287,8 +287,8 @@ class OpenExchange:
         announced = self._live().get(name, {}).get("tokenizer")
         self.mailbox.put(Parcel(sender, step, version, torch.frombuffer(bytearray(body), dtype=torch.int32),
                                 tokenizer="" if announced == self.tokenizer else str(announced)))
-        if 1 <= step <= self.config.train.steps and self.pacer.plausible(step, self.mailbox.step):
-            self.book.publish(name, step)
+        if 1 <= step <= self.config.train.steps:  # counted for at most K + 1 past this member's step
+            self.book.publish(name, self.pacer.credited(step, self.mailbox.step))
 
     def _parcel_problem(self, sender: int, name: str, step: int, version: int, body: bytes, mac: str) -> str | None:
         """Why a parcel is refused unread, or None. Its body: whole words, at least one (an honest empty step is
