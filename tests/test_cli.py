@@ -33,6 +33,16 @@ def test_dry_run_prints_the_resolved_config(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_dry_run_prints_the_resolved_config_in_this_process(tmp_path, capsys):
+    """The idea of the slow tier's test above (a real command), in the unit tier: cli.main in this process."""
+    result = command_here(capsys, "train", "--config", TINY, "--set", "algorithm.kl_threshold=5", "--dry-run",
+                          "--output-dir", tmp_path)
+    assert result.returncode == 0, result.stderr
+    resolved = yaml.safe_load(result.stdout)
+    assert resolved["algorithm"]["kl_threshold"] == 5 and resolved["output_dir"] == str(tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
 BAD = [
     (["--set", "algorithm.method=ppo"], "algorithm.method"),
     (["--set", "members.0.lr=abc"], "members.0.lr"),
@@ -245,6 +255,15 @@ def test_a_config_that_is_a_directory_a_pipe_or_a_device_is_named_as_such(tmp_pa
     for path, said in ((tmp_path, "is a directory"), (tmp_path / "fifo", "is not a regular file"),
                        (pathlib.Path("/dev/null"), "is not a regular file"), (tmp_path / "none.yaml", "no such file")):
         result = cli("train", "--config", path, "--dry-run")
+        assert result.returncode == 2 and f"--config {path}: {said}" in result.stderr, result.stderr
+
+
+def test_a_config_that_is_a_directory_a_pipe_or_a_device_is_named_as_such_in_this_process(tmp_path, capsys):
+    """The idea of the slow tier's test above (a real command), in the unit tier: cli.main in this process."""
+    os.mkfifo(tmp_path / "fifo")
+    for path, said in ((tmp_path, "is a directory"), (tmp_path / "fifo", "is not a regular file"),
+                       (pathlib.Path("/dev/null"), "is not a regular file"), (tmp_path / "none.yaml", "no such file")):
+        result = command_here(capsys, "train", "--config", path, "--dry-run")
         assert result.returncode == 2 and f"--config {path}: {said}" in result.stderr, result.stderr
 
 
