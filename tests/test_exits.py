@@ -138,7 +138,10 @@ sys.meta_path.insert(0, CtrlC())
 from ftis_engine.entry import main
 main(["--help"])
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    from .helpers import with_default_sigint  # a CI script's background job starts with SIGINT ignored
+
+    result = subprocess.run(with_default_sigint([sys.executable, "-c", code]), capture_output=True, text=True,
+                            timeout=120, cwd=ROOT)
     assert result.returncode == INTERRUPTED, result.stderr
     assert result.stderr == "error: interrupted while starting; nothing was written\n"
     assert result.stdout == ""
