@@ -37,6 +37,40 @@ class Clock:
         return self.now - start, True
 
 
+class TimedOutLinks:
+    """Links whose every wait runs out its time-out (on `clock`, when given: a dict whose "now" it advances)."""
+
+    outboxes = {}
+
+    def __init__(self, clock: dict | None = None):
+        self.clock = clock
+
+    def peer_done(self, peer):
+        return False
+
+    def check(self):
+        pass
+
+    def counts(self):
+        return (0, 0)
+
+    def wait(self, ready, timeout_s, what):
+        if self.clock is not None:
+            self.clock["now"] += timeout_s
+        return timeout_s, ready()
+
+
+def _learner(pacer: Pacer, links):
+    """Rank 0's DistributedAsync with one learner peer (rank 1) and stand-in links, no processes."""
+    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
+
+    exchange = object.__new__(DistributedAsync)
+    exchange.rank, exchange.lead_peers, exchange.pacer, exchange.timeout_s = 0, [1], pacer, pacer.timeout_s
+    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), {1: 0}, {}, 0
+    exchange._link_counts, exchange.links = (0, 0), links
+    return exchange
+
+
 def test_the_bound_in_numbers():
     pacer = _pacer(2)
     assert pacer.newest_version(5) == 4 + 2 and _pacer(None).newest_version(5) is None
@@ -111,27 +145,7 @@ def test_poll_checks_the_transport_each_turn_and_reports_a_time_out():
 def test_one_worlds_learner_goes_on_past_a_late_peer_where_it_ended_the_run():
     """DistributedAsync.receive on stand-in links whose wait times out: the step goes on (the peer given up on),
     as the open swarm's does; before 2026-11-28 one world raised TimeoutError here and the run ended."""
-    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
-
-    class Links:
-        outboxes = {}
-
-        def peer_done(self, peer):
-            return False
-
-        def check(self):
-            pass
-
-        def counts(self):
-            return (0, 0)
-
-        def wait(self, ready, timeout_s, what):
-            return timeout_s, ready()
-
-    exchange = object.__new__(DistributedAsync)
-    exchange.rank, exchange.lead_peers, exchange.pacer, exchange.timeout_s = 0, [1], _pacer(1, timeout_s=7.0), 7.0
-    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), {1: 0}, {}, 0
-    exchange._link_counts, exchange.links = (0, 0), Links()
+    exchange = _learner(_pacer(1, timeout_s=7.0), TimedOutLinks())
     arrivals = exchange.receive(0, 5)
     assert arrivals.lead_wait_seconds == 7.0 and arrivals.lead_steps == 5 and exchange.pacer.given_up == {1}
     assert exchange.receive(0, 6).lead_wait_seconds == 0.0  # given up on: not waited for again
@@ -192,38 +206,18 @@ def test_one_world_ends_the_run_on_a_hung_peer_and_a_sampler_on_a_hung_learner(m
     """DistributedAsync: a peer given up on a time-out ago with no step since is a TimeoutError (the exit table's
     lost peer), as a hung peer always ended one world; its sampler likewise on a learner that takes no round."""
     from ftis_engine.exchange import pacer as pacer_module
-    from ftis_engine.exchange.async_ import DistributedAsync, Mailbox
+    from ftis_engine.exchange.async_ import DistributedAsync
 
     clock = {"now": 0.0}
     monkeypatch.setattr(pacer_module.time, "monotonic", lambda: clock["now"])
-
-    class Links:
-        outboxes = {}
-
-        def peer_done(self, peer):
-            return False
-
-        def check(self):
-            pass
-
-        def counts(self):
-            return (0, 0)
-
-        def wait(self, ready, timeout_s, what):
-            clock["now"] += timeout_s
-            return timeout_s, ready()
-
-    exchange = object.__new__(DistributedAsync)
-    exchange.rank, exchange.lead_peers, exchange.pacer = 0, [1], _pacer(0, timeout_s=5.0)
-    exchange.mailbox, exchange._published, exchange._taken, exchange._outbox_dropped = Mailbox(4), {1: 0}, {}, 0
-    exchange._link_counts, exchange.links = (0, 0), Links()
+    exchange = _learner(_pacer(0, timeout_s=5.0), TimedOutLinks(clock))
     exchange.receive(0, 2)  # waits 5 s, gives the peer up
     exchange.receive(0, 3)  # not waited for: no time passes
     clock["now"] += 5.0
     with pytest.raises(TimeoutError, match=r"^swarm.timeout_s: peer rank\(s\) 1 published no step for 10 s"):
         exchange.receive(0, 4)
     sampler = object.__new__(DistributedAsync)
-    sampler.pacer, sampler.taken, sampler.learner, sampler.links = _pacer(0, timeout_s=5.0), 0, 0, Links()
+    sampler.pacer, sampler.taken, sampler.learner, sampler.links = _pacer(0, timeout_s=5.0), 0, 0, TimedOutLinks(clock)
     sampler.wait_taken(3)  # needs round 2: samples on after 5 s
     with pytest.raises(TimeoutError, match=r"its learner \(rank 0\) took no round for 10 s"):
         sampler.wait_taken(4)

@@ -901,14 +901,11 @@ def test_the_cpus_kv_cache_is_sized_from_the_runs_need():
     assert engine_weights.kv_cache_bytes(no_kv_heads, torch.float32, 1 << 20, 1) == 2 * 2 * 4 * 64 * 4 * (1 << 20)
 
 
-@pytest.mark.parametrize("lora_push", ["auto", "adapter", "merged"])
-def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_push):
-    """On the CPU's platform: no sleep mode, a KV cache in bytes sized from the run (never a share of the host's
-    memory), eager unless set, the LoRA adapter merged unless set; the engine's dtype from members.N.vllm.dtype."""
+def _stand_in_engine(monkeypatch, device_type: str, sleeps: bool) -> dict:
+    """vLLM's LLM replaced by one that records the arguments it is built with (returned, filled at each build), on
+    a stand-in platform of `device_type`."""
     import contextlib
     import sys
-
-    from .helpers import short_config
 
     built = {}
 
@@ -919,8 +916,18 @@ def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_p
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
     monkeypatch.setattr(vllm_gen, "check_available", lambda device=None: None)
     monkeypatch.setattr(vllm_gen, "engine_platform", lambda: types.SimpleNamespace(
-        device_type="cpu", is_sleep_mode_available=lambda: False))
+        device_type=device_type, is_sleep_mode_available=lambda: sleeps))
     monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    return built
+
+
+@pytest.mark.parametrize("lora_push", ["auto", "adapter", "merged"])
+def test_the_platform_decides_the_engines_settings(monkeypatch, tmp_path, lora_push):
+    """On the CPU's platform: no sleep mode, a KV cache in bytes sized from the run (never a share of the host's
+    memory), eager unless set, the LoRA adapter merged unless set; the engine's dtype from members.N.vllm.dtype."""
+    from .helpers import short_config
+
+    built = _stand_in_engine(monkeypatch, "cpu", sleeps=False)
     config = short_config("members.1.generator=vllm", "members.1.vllm.dtype=float32",
                           f"members.1.vllm.lora_push={lora_push}")
     m = _tiny_member()
@@ -944,22 +951,9 @@ def test_a_gpu_engine_always_gets_its_share_of_the_gpu(monkeypatch, kv_cache_gib
     its start-up check (that much of the GPU free), and without it checks its default 0.92, which the second engine of
     a pair on one GPU never finds (the H200 run of 2026-11-28: 'Free memory on device cuda:0 (121.25/139.8 GiB) on
     startup is less than desired GPU memory utilization (0.92, 128.62 GiB)')."""
-    import contextlib
-    import sys
-
     from .helpers import short_config
 
-    built = {}
-
-    class LLM:
-        def __init__(self, **kwargs):
-            built.update(kwargs)
-
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM))
-    monkeypatch.setattr(vllm_gen, "check_available", lambda device=None: None)
-    monkeypatch.setattr(vllm_gen, "engine_platform", lambda: types.SimpleNamespace(
-        device_type="cuda", is_sleep_mode_available=lambda: True))
-    monkeypatch.setattr(torch.random, "fork_rng", lambda devices=(): contextlib.nullcontext())
+    built = _stand_in_engine(monkeypatch, "cuda", sleeps=True)
     overrides = ["members.1.generator=vllm", "members.1.vllm.gpu_memory_utilization=0.1", "members.1.lora=null"]
     if kv_cache_gib is not None:
         overrides.append(f"members.1.vllm.kv_cache_gib={kv_cache_gib}")
