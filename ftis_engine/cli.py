@@ -6,7 +6,6 @@ A bad config, override or path exits with code 2 and one line naming the field, 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import sys
@@ -17,6 +16,7 @@ import typer
 from .config import RunConfig, dump_config, load_config
 from .errors import error_line
 from .exits import INTERRUPTED, Interrupted, Interrupts, UsageFailure, ending
+from .launch import launch_distributed, under_torchrun
 from .progress import quiet_libraries
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -93,8 +93,6 @@ def train(
         _train_joined(cfg, run_dir, join, resume, nproc, max_restarts)
         return
     if nproc > 1 or under_torchrun():
-        from .launch import launch_distributed
-
         if max_restarts is not None:
             cfg.swarm.max_restarts = max_restarts
         code = launch_distributed(cfg, run_dir, resume, nproc)
@@ -102,16 +100,14 @@ def train(
             raise Interrupted(interrupted_hint(run_dir))
         raise typer.Exit(code)
     from .progress import Progress
-    from .run import train as run_training
     from .rundir import RunLock
-    from .session import open_run
+    from .trainer import Start, build
 
     try:
         with RunLock(run_dir):  # one run at a time in a run directory
             typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
-            # open_run checks the backend, the directory and a resumed config before any model is loaded
-            swarm, start_step = open_run(cfg, run_dir, resume=resume, progress=Progress())
-            run_training(swarm, start_step)
+            # build checks the backend, the directory and a resumed config before any model is loaded
+            build(cfg, Start(run_dir, resume=resume, progress=Progress())).run()
     except KeyboardInterrupt:
         raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
@@ -125,9 +121,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     from .openswarm.joining import JoinError, check_joinable
     from .openswarm.wire import address_problem, host_problem
     from .progress import Progress
-    from .run import train as run_training
     from .rundir import RunLock
-    from .session import open_run
+    from .trainer import Start, build
     from .wiring import connect_local
 
     problem = address_problem(address, bind=False) or host_problem(address)
@@ -142,28 +137,24 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         raise UsageFailure(str(exc)) from None
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
-        from .launch import launch_distributed
 
         code = launch_distributed(cfg, run_dir, resume, processes, join=address)
         if code == INTERRUPTED:
             raise Interrupted(interrupted_hint(run_dir))
         raise typer.Exit(code)
     connection = connect_local(cfg, join=address)
-    exchange = connection.exchange
     try:
         with RunLock(run_dir):
             typer.echo(f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)")
-            swarm, start_step = open_run(cfg, run_dir, resume=resume, exchange=exchange, open_peers=connection.open_peers,
-                                         progress=Progress())
-            exchange.attach(swarm)
+            trainer = build(cfg, Start(run_dir, resume=resume, progress=Progress()), connection)
             try:
-                run_training(swarm, start_step)
+                trainer.run()
             except JoinRefused as exc:
                 raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
             except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
                 raise UsageFailure(f"--join: {exc}") from None
     except KeyboardInterrupt:
-        exchange.finish()
+        connection.exchange.finish()
         raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
 
@@ -179,10 +170,6 @@ def interrupted_hint(run_dir: pathlib.Path) -> str:
     return f"interrupted; the newest complete checkpoint (step {newest[0]}) is intact: continue with --resume"
 
 
-def under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
-
-
 @app.command("eval")
 def evaluate(
     checkpoint: pathlib.Path = typer.Option(..., "--checkpoint", help="checkpoints/step-<N> (or a run directory)."),
@@ -194,9 +181,8 @@ def evaluate(
 ) -> None:
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from .checkpoint import latest_checkpoint
-    from .run import evaluate_all
     from .rundir import eval_config
-    from .session import open_run
+    from .trainer import Start, build
 
     checkpoint = checkpoint.resolve()  # `--checkpoint .` from inside it: its run directory is two levels up
     if not (checkpoint / "state.json").is_file():
@@ -212,18 +198,11 @@ def evaluate(
     if cfg.eval.datasets == []:
         raise UsageFailure("eval.datasets: empty, so there is nothing to evaluate; name a dataset or drop the field")
     if nproc > 1 or under_torchrun():
-        from .launch import launch_distributed
-
         code = launch_distributed(cfg, run_dir, False, nproc, evaluate=checkpoint)
         if code == INTERRUPTED:
             raise Interrupted("interrupted; the evaluation wrote nothing")
         raise typer.Exit(code)
-    swarm, step = open_run(cfg, checkpoint, checkpoint=checkpoint)
-    try:
-        for record in evaluate_all(swarm, step):
-            typer.echo(json.dumps(record))
-    finally:
-        swarm.close()
+    build(cfg, Start(checkpoint, checkpoint=checkpoint)).run(emit=lambda record: typer.echo(json.dumps(record)))
 
 
 @app.command()

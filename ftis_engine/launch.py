@@ -14,7 +14,6 @@ benchmarks/results/launch_start.md); restarting or stopping one needs CPython's 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import pathlib
@@ -49,7 +48,7 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         raise ConfigError(f"members.{first}.samplers: eval runs the members' ranks only; add --set "
                           f"members.{first}.samplers=0 (samplers do not change the model)")
     target = None if evaluate is None else str(evaluate)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
+    if under_torchrun():  # launched by torchrun: this process is one rank
         check_rank_environment(os.environ)
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target, join)
     if nproc != world_size(config):
@@ -67,6 +66,12 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         if any(m.ranks > 1 or m.samplers for m in config.members):
             print(f"rank layout:\n{describe_layout(config)}", flush=True)
         return _launch(config, run_dir, resume, nproc, join=join)
+
+
+def under_torchrun(env=os.environ) -> bool:
+    """Whether this process is one rank that torchrun started (RANK and WORLD_SIZE set; check_rank_environment
+    checks the rest of what torchrun sets)."""
+    return "RANK" in env and "WORLD_SIZE" in env
 
 
 def check_rank_environment(env) -> None:
@@ -156,8 +161,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     openswarm/member.py)."""
     from .preflight import check_placement
     from .progress import quiet_libraries
-    from .run import train
-    from .session import open_run
+    from .trainer import Start, build
     from .wiring import connect
 
     quiet_libraries()
@@ -182,36 +186,16 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
             raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
         check_placement(config)  # under torchrun nothing checked it before the processes started
         connection = connect(config, rank, world, local_rank, join, evaluating=evaluate is not None)
-        exchange, shard, role = connection.exchange, connection.shard, connection.role
+        collectives = connection.exchange.collectives
         if evaluate is not None:
-            from .run import evaluate_all
-
-            checkpoint = pathlib.Path(evaluate)
-            swarm, step = open_run(config, checkpoint, checkpoint=checkpoint, exchange=exchange,
-                                   local_rank=local_rank, shard=shard)
-            records = exchange.collectives.gather_records(evaluate_all(swarm, step))
-            swarm.close()
-            if rank == 0:
-                for record in records:
-                    print(json.dumps(record), flush=True)
-            exchange.collectives.close()
-            return 0
-        # a restart resumes by design; a first start must not write into another run. Every rank takes the
-        # same view: each node's agent counts its own restarts (one whose workers restarted because another node's
-        # failed counts 0), and ranks that disagree would run open_run's collectives apart
-        restarted = any_rank(exchange.collectives, restarted)
-        swarm, start_step = open_run(config, pathlib.Path(run_dir), resume=resume or restarted,
-                                     first_start=not restarted, exchange=exchange, local_rank=local_rank,
-                                     shard=shard, open_peers=connection.open_peers)
-        if join is not None and role.endpoint is not None:
-            exchange.attach(swarm)
-        if role.sampler is None:
-            train(swarm, start_step)
+            start = Start(pathlib.Path(evaluate), checkpoint=pathlib.Path(evaluate))
         else:
-            from .samplers import run_sampler
-
-            run_sampler(swarm, start_step)
-    exchange.collectives.close()
+            # a restart resumes by design; a first start must not write into another run. Every rank takes the
+            # same view: each node's agent counts its own restarts (one whose workers restarted because another
+            # node's failed counts 0), and ranks that disagree would run open_run's collectives apart
+            start = Start(pathlib.Path(run_dir), resume=resume, restarted=any_rank(collectives, restarted))
+        build(config, start, connection).run()
+    collectives.close()
     return 0
 
 

@@ -19,9 +19,9 @@ from .config import RunConfig
 
 
 @dataclass(frozen=True)
-class Role:
-    """What one process does: learner (sampler None) or sampler of a member, which shard of it, and the
-    exchange endpoint it is (None: a member's further shard, which its leader exchanges for)."""
+class Seat:
+    """Where one process sits in the layout: learner (sampler None) or sampler of a member, which shard of it, and
+    the exchange endpoint it is (None: a member's further shard, which its leader exchanges for)."""
 
     member: int
     sampler: int | None
@@ -38,12 +38,12 @@ def endpoint_roles(config: RunConfig) -> list[tuple[int, int | None]]:
     return roles
 
 
-def process_roles(config: RunConfig) -> list[Role]:
-    """Every process rank's role: each member's shards in member order, then the samplers."""
+def process_roles(config: RunConfig) -> list[Seat]:
+    """Every process rank's seat: each member's shards in member order, then the samplers."""
     endpoints = {role: e for e, role in enumerate(endpoint_roles(config))}
-    roles = [Role(i, None, shard, endpoints[(i, None)] if shard == 0 else None)
+    roles = [Seat(i, None, shard, endpoints[(i, None)] if shard == 0 else None)
              for i, member in enumerate(config.members) for shard in range(member.ranks)]
-    roles += [Role(i, k, 0, endpoints[(i, k)])
+    roles += [Seat(i, k, 0, endpoints[(i, k)])
               for i, member in enumerate(config.members) for k in range(member.samplers)]
     return roles
 
@@ -80,7 +80,7 @@ def weights_group_ranks(config: RunConfig, member: int) -> list[int]:
     return [member_ranks(config, member)[0], *samplers]
 
 
-def describe_role(config: RunConfig, role: Role) -> str:
+def describe_role(config: RunConfig, role: Seat) -> str:
     """A process as people name it: the member, a sampler of it, or a shard of a member on several ranks."""
     member = config.members[role.member]
     if role.sampler is not None:
@@ -93,3 +93,40 @@ def describe_role(config: RunConfig, role: Role) -> str:
 def describe_layout(config: RunConfig) -> str:
     """One line per rank: what it runs (printed at start)."""
     return "\n".join(f"  rank {rank}: {describe_role(config, role)}" for rank, role in enumerate(process_roles(config)))
+
+
+@dataclass(frozen=True)
+class Role:
+    """What this process is in its run, decided once as it connects (wiring.py) and carried in its Swarm: every
+    layer reads it here, where each used to ask the transport, its members or its shard.
+
+    seat: its place in the layout (a learner's shard, a sampler), or None: every member of the config in this one
+    process (an open swarm's member on one process among them)."""
+
+    seat: Seat | None = None
+    rank: int = 0  # the process rank in its world (an open swarm's member on several ranks: in its own)
+    joined: bool = False  # a member of an open swarm (train --join)
+    evaluating: bool = False  # eval --checkpoint: generates, never trains or exchanges
+    asynchronous: bool = False  # swarm.mode async
+
+    @property
+    def writes_run(self) -> bool:
+        """Rank 0 writes the run's shared files: config.yaml, the shared metrics log, plots, final_eval.json, and
+        completes a synchronous run's checkpoints."""
+        return self.rank == 0
+
+    @property
+    def reports(self) -> bool:
+        """Logs and evaluates the members it holds: every process but a member's further shard (its leader does)."""
+        return self.seat is None or self.seat.shard == 0
+
+    @property
+    def independent(self) -> bool:
+        """Never synchronises with another process after the start (each logs its own records and completes its own
+        checkpoints): an open swarm's member, or a rank of an async run across processes."""
+        return self.joined or (self.seat is not None and self.asynchronous and not self.evaluating)
+
+    @property
+    def sampler(self) -> int | None:
+        """A sampler rank: its index among its member's samplers; None: a learner."""
+        return None if self.seat is None else self.seat.sampler

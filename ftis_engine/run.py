@@ -56,7 +56,7 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
                     record["attack_success"], record["attack_success_by"] = attacked
                 records.append(record)
                 return_freed_memory()  # the greedy passes' KV caches
-    return records if swarm.reports else []
+    return records if swarm.role.reports else []
 
 
 def save_checkpoint(swarm: Swarm, step: int) -> None:
@@ -67,11 +67,11 @@ def save_checkpoint(swarm: Swarm, step: int) -> None:
     extras = {m.name: {file: kept.target.state() for file, kept in swarm.receivers[m.index].kept_states().items()}
               for m in swarm.members if m.index in swarm.receivers}
     stage_members(swarm.run_dir, step, swarm.members, cfg.save_optimizer, extras)
-    if swarm.independent:  # no barrier: whoever stages step N last completes it
+    if swarm.role.independent:  # no barrier: whoever stages step N last completes it
         finalize_when_staged(swarm.run_dir, step, state, cfg.keep_last)
         return
     swarm.exchange.collectives.barrier()  # every rank has staged its members
-    if swarm.is_main:
+    if swarm.role.writes_run:
         finalize_checkpoint(swarm.run_dir, step, state, cfg.keep_last)
     swarm.exchange.collectives.barrier()
 
@@ -95,7 +95,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     """Run the steps after `start_step` (0: a fresh run; else the restored checkpoint's step); returns the final
     eval records. Rank 0 writes config.yaml, metrics.jsonl, TensorBoard events, plots and final_eval.json."""
     config, run_dir = swarm.config, swarm.run_dir
-    if swarm.is_main:
+    if swarm.role.writes_run:
         run_dir.mkdir(parents=True, exist_ok=True)
         written = run_dir / f".config.yaml.tmp{os.getpid()}"  # whole or not at all: a Ctrl-C may land here
         written.write_text(dump_config(config))
@@ -112,7 +112,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     swarm.exchange.start(swarm.schedule.parcel_limit, start_step)  # once every rank has opened the run
     # rank 0 writes what every rank reports (async ranks each write their own); TensorBoard forgets what the
     # truncated log dropped
-    writes = swarm.is_main or (swarm.independent and swarm.reports)
+    writes = swarm.role.writes_run or (swarm.role.independent and swarm.role.reports)
     logger = None
     if writes:
         # a resume that went on on changed data (--allow-data-change): every record from then on says since when
@@ -120,15 +120,15 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         changed_at = max((c["step"] for c in data["changes"] if isinstance(c, dict) and isinstance(c.get("step"), int)),
                          default=None) if data is not None else None
         report_to = config.logging.report_to
-        name = config.run_name + (f"-rank{swarm.exchange.rank}" if swarm.independent else "")
+        name = config.run_name + (f"-rank{swarm.exchange.rank}" if swarm.role.independent else "")
         trackers = open_trackers(report_to, run_dir, config.logging.project, name, config.run_name,
                                  config.model_dump(mode="json"), resume=start_step > 0)
-        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None, shared=swarm.independent,
+        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None, shared=swarm.role.independent,
                                tensorboard="tensorboard" in report_to, trackers=trackers,
-                               tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.independent else "",
-                               tensorboard_subdir=f"rank{swarm.exchange.rank}" if swarm.independent else "",
+                               tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.role.independent else "",
+                               tensorboard_subdir=f"rank{swarm.exchange.rank}" if swarm.role.independent else "",
                                marks={"data_changed_at": changed_at} if changed_at is not None else None)
-    if swarm.is_main and start_step:
+    if swarm.role.writes_run and start_step:
         for record in resume_records(start_step, swarm.names, dropped):
             logger.log(record)
     steps = config.train.steps
@@ -137,7 +137,7 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         with swarm.progress:
             if start_step == 0 and config.eval.at_start:
                 final = _log(swarm, logger, 0, evaluate_all(swarm, 0))
-            if swarm.is_main and start_step < steps:
+            if swarm.role.writes_run and start_step < steps:
                 swarm.progress.print(LEGEND)
             started = time.perf_counter()
             peer_sequences = {m.name: 0 for m in swarm.members}
@@ -158,19 +158,19 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
                     final = [r for r in logged if r["kind"] == "eval"]
                 if last or (config.checkpoint.every and step % config.checkpoint.every == 0):
                     save_checkpoint(swarm, step)
-            if start_step < steps and swarm.reports:
+            if start_step < steps and swarm.role.reports:
                 warn_if_alone(swarm, peer_sequences, steps - start_step)
             if start_step >= steps:  # nothing left to train: report the finished run's accuracy
                 final = evaluate_all(swarm, steps)
-                final = final if swarm.independent else swarm.exchange.collectives.gather_records(final)
+                final = final if swarm.role.independent else swarm.exchange.collectives.gather_records(final)
             swarm.exchange.finish()  # async: say DONE to the peers, drain their late parcels
     finally:
         swarm.close()
         if logger is not None:
             logger.close()
-    if swarm.independent and swarm.reports:
+    if swarm.role.independent and swarm.role.reports:
         write_final_shared(run_dir, final)
-    elif swarm.is_main:
+    elif swarm.role.writes_run:
         make_plots(run_dir)
         written = run_dir / f".final_eval.json.tmp{os.getpid()}"  # whole or not at all: a study takes the
         written.write_text(json.dumps(final, indent=2))  # file's presence for a finished run (study/plan.py)
@@ -220,7 +220,7 @@ def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[di
          timing: tuple[float, float] | None = None) -> list[dict]:
     """Gather every rank's records (async ranks: each its own); rank 0 writes them and prints the step's summary
     line (with the step's seconds and the time left, from the mean step so far)."""
-    if not swarm.independent:
+    if not swarm.role.independent:
         records = swarm.exchange.collectives.gather_records(records)
     if logger is not None:
         for record in records:

@@ -1,6 +1,7 @@
-"""Opening a run: the one way for every entry point (`train`, `eval`, a torchrun rank, an elastic worker).
+"""Opening a run: the one way for every entry point (`train`, `eval`, a torchrun rank, an elastic worker, an open
+swarm's member), through trainer.build:
 
-    swarm, start_step = open_run(config, run_dir, resume=...)          # then run.train(swarm, start_step)
+    swarm, start_step = open_run(config, Start(run_dir, resume=...), connection)   # wiring.connect_local / connect
 
 checks the run directory (a new run never writes into another's), loads and checks every local member's model and
 tokenizer (and every peer's tokenizer: a peer whose tokenizer differs sends text to re-encode), builds the task and the members, agrees
@@ -35,7 +36,7 @@ from .exchange.admission import Admission
 from .exchange.pacer import warn_lead_beyond_staleness
 from .exchange.screen import LogProbs
 from .exchange.verify import RolloutChecker
-from .layout import endpoint_roles, world_size
+from .layout import Role, world_size
 from .members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
 from .models import model_context, vocabulary_hash
 from .preflight import check_backend, check_generator_placement, check_members, check_model, check_threads, member_device
@@ -45,7 +46,7 @@ from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
 from .trackers import check_available as missing_tracker
 from .update import rollout_logprobs
-from .wiring import connect_local
+from .wiring import Connection, connect_local
 
 log = logging.getLogger("ftis_engine")
 
@@ -56,6 +57,7 @@ class Swarm:
     (the receivers keep their intake, the prompt cache fills as prompts are met)."""
 
     config: RunConfig
+    role: Role  # what this process is in the run (layout.Role): computed once, as it connected
     task: Task
     members: list[Member]  # the members this process holds (a sampler rank: the member it generates for)
     exchange: Exchange
@@ -71,21 +73,6 @@ class Swarm:
     def names(self) -> list[str]:
         """Every member's name, by index."""
         return [m.name for m in self.config.members]
-
-    @property
-    def is_main(self) -> bool:
-        """Process rank 0 (member 0's leader), which writes the run's shared files."""
-        return self.exchange.collectives.rank == 0
-
-    @property
-    def reports(self) -> bool:
-        """This process reports its members (records, evals): not a further shard of a member (its leader does)."""
-        return all(m.leads for m in self.members)
-
-    @property
-    def independent(self) -> bool:
-        """Ranks that never synchronise after the start (async mode, one member per process)."""
-        return self.exchange.independent
 
     def prompt(self, member: Member, index: int) -> list[int]:
         return cached_prompt(self.prompt_cache, self.task, member, index)
@@ -137,27 +124,33 @@ def foreign_tokenizers(config: RunConfig, tokenizers: dict[int, object], hashes:
     return {m: {i: t for i, t in tokenizers.items() if i != m and hashes[i] != hashes[m]} for m in tokenizers}
 
 
-def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, first_start: bool = True,
-             checkpoint: pathlib.Path | None = None, exchange: Exchange | None = None,
-             local_rank: int | None = None, progress: Progress | None = None, shard=None,
-             open_peers=None) -> tuple[Swarm, int]:
+@dataclass(frozen=True)
+class Start:
+    """What the command asked of the run it opens."""
+
+    run_dir: pathlib.Path  # eval: the checkpoint (it writes nothing)
+    resume: bool = False  # continue from the newest complete checkpoint every rank has (train --resume)
+    restarted: bool = False  # an elastic restart: resumes by design, so the fresh-run check is skipped
+    checkpoint: pathlib.Path | None = None  # eval: restore exactly this checkpoint, without its optimizer
+    progress: Progress | None = None  # the progress display (None: rank 0's own)
+
+
+def open_run(config: RunConfig, start: Start, connection: Connection | None = None) -> tuple[Swarm, int]:
     """This process's Swarm and the step to start after (0: a fresh run).
 
-    resume: continue from the newest complete checkpoint every rank has (train --resume, or an elastic restart).
-    first_start: False for an elastic restart (which resumes by design, so the fresh-run check is skipped).
-    checkpoint: restore exactly this checkpoint, without its optimizer (eval).
-    exchange: this process's transport (None: every member lives in this process); the members it holds are
-    its rank's (a member's rank, or a sampler's) or all of them.
-    shard: this rank's part of a member on several ranks (fsdp.Shard).
-    open_peers: a member in an open swarm (openswarm.schedule.PeerBook): its schedule deals by member name.
+    connection: this process's transport and role (wiring.connect; None: every member in this process,
+    wiring.connect_local); the members it holds are its seat's (a member's rank, or a sampler's) or all of them.
     """
+    checkpoint, run_dir = start.checkpoint, start.run_dir
+    resume = start.resume or start.restarted
     if checkpoint is None:  # a tracker that is not installed: said before anything is written (--nproc: the launcher)
         problem = missing_tracker(config.logging.report_to)
         if problem:
             raise ConfigError(problem)
-    if exchange is None:
-        exchange = connect_local(config, evaluating=checkpoint is not None).exchange
-    distributed = exchange.collectives.world_size > 1
+    if connection is None:
+        connection = connect_local(config, evaluating=checkpoint is not None)
+    exchange, role, shard = connection.exchange, connection.role, connection.shard
+    distributed = role.seat is not None
     if not distributed and checkpoint is None and any(m.samplers for m in config.members):
         first = next(i for i, m in enumerate(config.members) if m.samplers)
         raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
@@ -167,18 +160,17 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         raise ConfigError(f"members.{first}.ranks: a member on {config.members[first].ranks} ranks runs in "
                           f"processes of its own: --nproc {world_size(config)} (or torchrun)")
     # a rank holds its member: a learner's, or the one a sampler rank generates for
-    own, sampler_index = endpoint_roles(config)[exchange.rank] if distributed else (None, None)
-    local = [own] if distributed else list(range(len(config.members)))
+    local = [role.seat.member] if distributed else list(range(len(config.members)))
     if config.train.threads:
         check_threads(config.train.threads)
         torch.set_num_threads(config.train.threads)
     check_generator_placement(config, distributed=distributed)
-    devices = {i: member_device(config, i, local_rank) for i in local}
+    devices = {i: member_device(config, i, connection.local_rank) for i in local}
     for i in local:
         check_backend(config, devices[i])
-    if checkpoint is None and first_start:
+    if checkpoint is None and not start.restarted:
         problem = None
-        if exchange.collectives.rank == 0:
+        if role.writes_run:
             try:
                 check_run_dir(run_dir, config, resume)
             except RunDirError as exc:
@@ -207,7 +199,7 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     if source is not None and checkpoint is None and not config.checkpoint.save_optimizer:
         log.warning("--resume: checkpoint.save_optimizer is false, so %s holds no optimizer state: Adam's "
                     "moments restart from zero (the resumed run is not the run that went through)", source)
-    sampler = sampler_index is not None
+    sampler = role.sampler is not None
     members: list[Member] = []
     built = False
     try:
@@ -220,12 +212,12 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
     finally:  # a member or checkpoint that fails (or a Ctrl-C) closes the generators built (a vLLM engine holds a GPU)
         if not built:
             close_generators(members)
-    if open_peers is None:
+    if connection.open_peers is None:
         schedule = Schedule(config, tuple(train_indices))
     else:
         from .openswarm.schedule import OpenSchedule
 
-        schedule = OpenSchedule(config, tuple(train_indices), open_peers)
+        schedule = OpenSchedule(config, tuple(train_indices), connection.open_peers)
     loss_config = config.algorithm.loss_config(config.rollout.temperature)
     prompt_cache: dict[tuple[int, int], list[int]] = {}
     receivers = {m.index: Admission(config, schedule, RolloutChecker(
@@ -236,14 +228,16 @@ def open_run(config: RunConfig, run_dir: pathlib.Path, *, resume: bool = False, 
         for m in members}
     if source is not None and checkpoint is None:
         resume_screens(receivers, members, source, config)
-    if exchange.independent and exchange.collectives.rank == 0:
+    if role.independent and role.writes_run:
         warn_lead_beyond_staleness(config)
     swarm = Swarm(
-        config=config, task=task, members=members,
+        config=config, role=role, task=task, members=members,
         exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
-        progress=progress or Progress(enabled=exchange.collectives.rank == 0), schedule=schedule, receivers=receivers,
+        progress=start.progress or Progress(enabled=role.writes_run), schedule=schedule, receivers=receivers,
         loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
     )
+    if connection.opened is not None:  # an open swarm's transport: the tokenizer and dataset it announces
+        connection.opened(swarm)
     return swarm, start_step
 
 

@@ -74,7 +74,7 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         with watch("sync_seconds"):  # an engine loads the weights at its next wake-up: counted there (generate_all)
             member.generator.sync(member.model)
             push_to_samplers(swarm, member, step)
-        if not swarm.reports:  # a further shard: its leader reports the member
+        if not swarm.role.reports:  # a further shard: its leader reports the member
             continue
         watch.seconds["exchange_wait_seconds"] += arrivals.wait_seconds
         watch.seconds["lead_wait_seconds"] += arrivals.lead_wait_seconds

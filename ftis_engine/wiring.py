@@ -17,7 +17,8 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,13 +29,17 @@ from .layout import Role, endpoint_ranks, member_ranks, process_roles, weights_g
 
 @dataclass
 class Connection:
-    """What one process exchanges through: its transport, its part of a member on several ranks (None: the member
-    is whole here), and for an open swarm's member the book that numbers its peers (openswarm.schedule.PeerBook)."""
+    """What one process exchanges through and where it sits: its transport, its role (layout.Role), its part of a
+    member on several ranks (None: the member is whole here), for an open swarm's member the book that numbers its
+    peers (openswarm.schedule.PeerBook), and what its transport takes from the opened run (session.open_run calls
+    it with the Swarm: an open swarm's member announces its tokenizer and dataset from it)."""
 
     exchange: Exchange
+    role: Role = field(default_factory=Role)
     shard: object | None = None  # fsdp.Shard
     open_peers: object | None = None
-    role: Role | None = None  # None: every member in this process
+    local_rank: int | None = None  # the device index among this node's ranks (None: one process)
+    opened: Callable[[object], None] | None = None
 
 
 def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None) -> Connection:
@@ -48,11 +53,13 @@ def connect_local(config: RunConfig, evaluating: bool = False, join: str | None 
         from .openswarm.member import OpenExchange
 
         exchange = OpenExchange(join, config)
-        return Connection(exchange, open_peers=exchange.book)
-    if config.swarm.mode == "async" and not evaluating:
+        return Connection(exchange, Role(joined=True, asynchronous=True), open_peers=exchange.book,
+                          opened=exchange.attach)
+    role = Role(evaluating=evaluating, asynchronous=config.swarm.mode == "async")
+    if role.asynchronous and not evaluating:
         return Connection(LocalAsync(list(range(len(config.members))), Latency(config.swarm.latency, config.seed),
-                                     queue_capacity(config)))
-    return Connection(LocalSync())
+                                     queue_capacity(config)), role)
+    return Connection(LocalSync(), role)
 
 
 def round_store(rank: int, world: int, timeout: datetime.timedelta):
@@ -172,8 +179,8 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
     from .fsdp import Shard, make_groups, weights_backend
     from .preflight import member_device
 
-    role = process_roles(config)[rank]
-    device = member_device(config, role.member, local_rank)
+    seat = process_roles(config)[rank]
+    device = member_device(config, seat.member, local_rank)
     shared = any(m.device for m in config.members)  # ranks may share a GPU: NCCL refuses that
     backend = config.swarm.backend
     if backend == "auto":
@@ -190,36 +197,39 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
     collectives = Collectives(rank, world, device, backend)
     endpoints = len(endpoint_ranks(config))
     broadcast = None
-    if role.member in groups.weights and not evaluating:  # a member with samplers: its leader or one of its samplers
+    if seat.member in groups.weights and not evaluating:  # a member with samplers: its leader or one of its samplers
         nccl = weights_backend(config, device.type, open_member=join is not None) == "nccl"  # as make_groups chose
-        broadcast = WeightBroadcast(groups.weights[role.member], weights_group_ranks(config, role.member)[0],
+        broadcast = WeightBroadcast(groups.weights[seat.member], weights_group_ranks(config, seat.member)[0],
                                     device if nccl else torch.device("cpu"))
-    open_peers = None
+    open_peers = opened = None
     if join is not None:  # one member in an open swarm, on its own ranks
         from .openswarm.member import OpenExchange, OpenSampler
         from .openswarm.schedule import PeerBook, sampler_name
 
         name = config.members[0].name
-        if role.endpoint is None:
-            exchange = ShardExchange(collectives, role.member, endpoints, True)
+        if seat.endpoint is None:
+            exchange = ShardExchange(collectives, seat.member, endpoints)
             open_peers = PeerBook(name)  # a shard's deal is its own name's; it admits nothing
-        elif role.sampler is not None:  # numbered as its member's endpoints: itself, then its samplers
-            exchange = OpenSampler(join, config, collectives, broadcast, role.endpoint, role.sampler)
+        elif seat.sampler is not None:  # numbered as its member's endpoints: itself, then its samplers
+            exchange = OpenSampler(join, config, collectives, broadcast, seat.endpoint, seat.sampler)
+            opened = exchange.attach
             open_peers = PeerBook(name)
             for k in range(config.members[0].samplers):
                 open_peers.number(sampler_name(name, k))
         else:
             exchange = OpenExchange(join, config, collectives, broadcast)
-            open_peers = exchange.book
-    elif role.endpoint is None:
-        exchange = ShardExchange(collectives, role.member, endpoints, config.swarm.mode == "async")
+            open_peers, opened = exchange.book, exchange.attach
+    elif seat.endpoint is None:
+        exchange = ShardExchange(collectives, seat.member, endpoints)
     elif config.swarm.mode == "async" and not evaluating:
         exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
-                                    endpoint=role.endpoint, group=groups.links, broadcast=broadcast)
+                                    endpoint=seat.endpoint, group=groups.links, broadcast=broadcast)
     else:
-        exchange = DistributedSync(collectives, endpoint=role.endpoint, group=groups.endpoints, endpoints=endpoints)
+        exchange = DistributedSync(collectives, endpoint=seat.endpoint, group=groups.endpoints, endpoints=endpoints)
     shard = None
-    if role.sampler is None and role.member in groups.members:
-        fsdp, objects = groups.members[role.member]
-        shard = Shard(role.shard, config.members[role.member].ranks, member_ranks(config, role.member), fsdp, objects)
-    return Connection(exchange, shard, open_peers, role)
+    if seat.sampler is None and seat.member in groups.members:
+        fsdp, objects = groups.members[seat.member]
+        shard = Shard(seat.shard, config.members[seat.member].ranks, member_ranks(config, seat.member), fsdp, objects)
+    return Connection(exchange, Role(seat, rank, joined=join is not None, evaluating=evaluating,
+                                     asynchronous=config.swarm.mode == "async"),
+                      shard=shard, open_peers=open_peers, local_rank=local_rank, opened=opened)

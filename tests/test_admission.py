@@ -422,30 +422,30 @@ def test_the_length_guards_own_lengths_go_into_the_checkpoint_and_a_resume_measu
 
     from ftis_engine.run import train
     from ftis_engine.rundir import RunDirError
-    from ftis_engine.session import open_run
+    from ftis_engine.session import Start, open_run
 
     size = ("rollout.max_new_tokens=6", "eval.every=0", "eval.at_start=false", "checkpoint.every=2",
             "defense.max_length_ratio=1.5")
-    swarm, start = open_run(short_config("train.steps=2", *size), tmp_path / "run")
+    swarm, start = open_run(short_config("train.steps=2", *size), Start(tmp_path / "run"))
     train(swarm, start)
     kept = {i: r.state() for i, r in swarm.receivers.items()}
     assert all(len(state["own_lengths"]) > 0 for state in kept.values())
     file = tmp_path / "run/checkpoints/step-2/members/tiny-s/admission.json"
     assert json.loads(file.read_text()) == kept[0]
-    swarm, start = open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    swarm, start = open_run(short_config("train.steps=3", *size), Start(tmp_path / "run", resume=True))
     assert start == 2 and {i: r.state() for i, r in swarm.receivers.items()} == kept
     assert not any("length-guard state" in r.getMessage() for r in caplog.records)
     saved = file.read_text()
     file.unlink()  # as a checkpoint written before the state was kept
-    open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    open_run(short_config("train.steps=3", *size), Start(tmp_path / "run", resume=True))
     assert any("holds no length-guard state" in r.getMessage() for r in caplog.records)
     for bad in ('{"own_lengths": [3, -1]}', '{"own_lengths": "3"}', "[]", "{"):
         file.write_text(bad)
         with pytest.raises(RunDirError, match=r"^--resume: .*step-2/members/tiny-s/admission.json"):
-            open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+            open_run(short_config("train.steps=3", *size), Start(tmp_path / "run", resume=True))
     file.write_text(saved)
     plain = tmp_path / "plain"  # without the guard nothing is written
-    swarm, start = open_run(short_config("train.steps=2", *size[:-1]), plain)
+    swarm, start = open_run(short_config("train.steps=2", *size[:-1]), Start(plain))
     train(swarm, start)
     assert not list(plain.glob("checkpoints/step-2/members/*/admission.json"))
 

@@ -16,7 +16,7 @@ from ftis_engine.exchange.verify import implausible_claims
 from ftis_engine.config import ConfigError
 from ftis_engine.rollouts import Rollout, decode, encode
 from ftis_engine.run import train
-from ftis_engine.session import open_run
+from ftis_engine.session import Start, open_run
 
 from .helpers import run_records, short_config
 
@@ -55,7 +55,7 @@ def test_an_unknown_adversary_kind_or_rate_is_refused_naming_the_field():
 
 def _run(tmp_path, name, *overrides):
     config = short_config("eval.at_start=false", "eval.every=0", "checkpoint.every=0", "train.steps=2", *overrides)
-    swarm, start = open_run(config, tmp_path / name)
+    swarm, start = open_run(config, Start(tmp_path / name))
     train(swarm, start)
     return {(r["member"], r["step"]): r for r in run_records(tmp_path / name, "train")}
 
@@ -280,12 +280,12 @@ def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_w
 
     size = ("rollout.max_new_tokens=16", "rollout.group_size=8", "rollout.prompts_per_step=8", "eval.at_start=false",
             "eval.every=0", "checkpoint.every=2", "defense.claims_monitor=true", "members.1.adversary.kind=forge-filter")
-    swarm, start = open_run(short_config("train.steps=2", *size), tmp_path / "run")
+    swarm, start = open_run(short_config("train.steps=2", *size), Start(tmp_path / "run"))
     train(swarm, start)
     screen = tmp_path / "run/checkpoints/step-2/members/tiny-s/screen.json"
     state = json.loads(screen.read_text())
     assert state["tests"]["tiny-m-lora"]["quarantined"] is True
-    swarm, start = open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    swarm, start = open_run(short_config("train.steps=3", *size), Start(tmp_path / "run", resume=True))
     assert start == 2 and swarm.receivers[0].screen.tests["tiny-m-lora"].quarantined
     assert json.loads(json.dumps(swarm.receivers[0].screen.state())) == state
     train(swarm, start)
@@ -298,10 +298,10 @@ def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_w
     screen.unlink()  # as a checkpoint written before the monitor's state was kept
     for stale in (tmp_path / "run/checkpoints").glob("step-3"):
         shutil.rmtree(stale)
-    open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+    open_run(short_config("train.steps=3", *size), Start(tmp_path / "run", resume=True))
     screen.write_text(saved)
     assert any("holds no claims-monitor state" in r.getMessage() and "starts afresh" in r.getMessage()
                for r in caplog.records)
     screen.write_text('{"tests": {"tiny-m-lora": {"tokens": "many"}}}')
     with pytest.raises(RunDirError, match=r"^--resume: .*step-2/members/tiny-s/screen.json: peer 'tiny-m-lora'"):
-        open_run(short_config("train.steps=3", *size), tmp_path / "run", resume=True)
+        open_run(short_config("train.steps=3", *size), Start(tmp_path / "run", resume=True))

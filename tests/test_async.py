@@ -10,14 +10,14 @@ import pytest
 from ftis_engine.config import ConfigError, LatencySettings
 from ftis_engine.exchange.async_ import Latency
 from ftis_engine.run import train
-from ftis_engine.session import open_run
+from ftis_engine.session import Start, open_run
 
 from .helpers import run_records, short_config
 
 
 def _run(tmp_path, name: str, *overrides: str, resume: bool = False) -> list[dict]:
     config = short_config("eval.at_start=false", "eval.every=0", *overrides)
-    swarm, start = open_run(config, tmp_path / name, resume=resume)
+    swarm, start = open_run(config, Start(tmp_path / name, resume=resume))
     train(swarm, start)
     return run_records(tmp_path / name)
 

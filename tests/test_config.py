@@ -115,7 +115,7 @@ def test_a_config_saved_as_utf16_or_with_a_utf8_mark_loads_and_other_bytes_are_o
 
 def test_a_completion_longer_than_the_models_context_is_refused_before_anything_runs(tmp_path):
     from ftis_engine.preflight import check_members
-    from ftis_engine.session import open_run
+    from ftis_engine.session import Start, open_run
 
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1024 new tokens exceed members.0.model's "
                                           r"context of 1024 tokens"):
@@ -126,7 +126,7 @@ def test_a_completion_longer_than_the_models_context_is_refused_before_anything_
     config = load_config(TINY, ["rollout.max_new_tokens=1020", "eval.max_samples=4"])
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1020 new tokens after the longest prompt of \d+ "
                                           r"tokens \(data.max_prompt_tokens=512 bounds them\) exceed"):
-        open_run(config, tmp_path / "run")
+        open_run(config, Start(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 

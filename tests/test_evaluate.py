@@ -128,12 +128,12 @@ def test_every_task_keeps_its_own_answer_check_for_eval_under_a_custom_training_
 def test_a_run_evaluates_with_eval_reward_and_trains_with_data_reward(tmp_path):
     """open_run hands eval.reward to the task: the run's eval check is the one named there, its training reward
     data.reward's (a run built without it would keep the task's own check)."""
-    from ftis_engine.session import open_run
+    from ftis_engine.session import Start, open_run
 
     from .helpers import short_config
 
     swarm, _ = open_run(short_config("data.reward=tests.real_rewards:starts_with_a_number",
-                                     "eval.reward=tests.real_rewards:contains_a_digit"), tmp_path / "run")
+                                     "eval.reward=tests.real_rewards:contains_a_digit"), Start(tmp_path / "run"))
     swarm.close()
     assert swarm.task.check.__name__ == "contains_a_digit"
     assert swarm.task.reward.__name__ == "starts_with_a_number"

@@ -3,7 +3,7 @@ exchange numbers."""
 
 from __future__ import annotations
 
-from ftis_engine.layout import (Role, describe_layout, endpoint_ranks, endpoint_roles, member_ranks, process_roles,
+from ftis_engine.layout import (Seat, describe_layout, endpoint_ranks, endpoint_roles, member_ranks, process_roles,
                                 sampler_endpoints, world_size)
 
 from .helpers import short_config
@@ -12,8 +12,8 @@ from .helpers import short_config
 def test_a_members_ranks_sit_side_by_side_and_the_exchange_sees_one_endpoint_per_member():
     config = short_config("swarm.mode=async", "members.0.ranks=3", "members.1.ranks=2", "members.1.samplers=1")
     roles = process_roles(config)
-    assert roles == [Role(0, None, 0, 0), Role(0, None, 1, None), Role(0, None, 2, None), Role(1, None, 0, 1),
-                     Role(1, None, 1, None), Role(1, 0, 0, 2)]
+    assert roles == [Seat(0, None, 0, 0), Seat(0, None, 1, None), Seat(0, None, 2, None), Seat(1, None, 0, 1),
+                     Seat(1, None, 1, None), Seat(1, 0, 0, 2)]
     assert world_size(config) == 6  # what --nproc must be
     assert endpoint_ranks(config) == [0, 3, 5]  # endpoint_roles' endpoints: member 0, member 1, member 1's sampler
     assert endpoint_roles(config) == [(0, None), (1, None), (1, 0)]

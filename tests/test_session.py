@@ -11,7 +11,7 @@ import pytest
 from ftis_engine import run, rundir, session
 from ftis_engine.config import ConfigError, dump_config
 from ftis_engine.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
-from ftis_engine.session import AgreedError, foreign_tokenizers, open_run
+from ftis_engine.session import AgreedError, Start, foreign_tokenizers, open_run
 
 from .helpers import short_config
 
@@ -43,7 +43,7 @@ def test_a_new_run_never_writes_into_a_directory_that_holds_one(tmp_path):
         check_fresh_run(tmp_path, resume=False)
     check_fresh_run(tmp_path, resume=True)
     with pytest.raises(AgreedError, match="already holds a run"):
-        open_run(short_config(), tmp_path)
+        open_run(short_config(), Start(tmp_path))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def trained(tmp_path_factory):
     """A two-step run with a checkpoint at step 2."""
     run_dir = tmp_path_factory.mktemp("session") / "run"
     config = short_config("train.steps=2", "eval.every=0")
-    swarm, start = open_run(config, run_dir)
+    swarm, start = open_run(config, Start(run_dir))
     assert start == 0
     run.train(swarm, start)
     assert (run_dir / "checkpoints" / "step-2" / "state.json").exists()
@@ -62,12 +62,12 @@ def test_resume_restores_the_newest_checkpoint_and_eval_the_given_one(trained, t
     config, run_dir = trained
     checked = []
     monkeypatch.setattr(session, "check_model", lambda member: checked.append(member.index))
-    swarm, step = open_run(config, run_dir, resume=True)
+    swarm, step = open_run(config, Start(run_dir, resume=True))
     swarm.close()
     assert step == 2 and checked == [0, 1]  # training checks the update's packing once per member
     copy = tmp_path / "copy"
     shutil.copytree(run_dir, copy)
-    swarm, step = open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+    swarm, step = open_run(config, Start(copy, checkpoint=copy / "checkpoints" / "step-2"))
     assert checked == [0, 1]  # eval only generates: no check (with train.layers=compile it would compile)
     swarm.close()
     assert step == 2
@@ -88,7 +88,7 @@ def test_an_unusable_checkpoint_is_one_line_naming_it(trained, tmp_path, damage,
     ckpt = copy / "checkpoints" / "step-2"
     damage(ckpt)
     with pytest.raises(RunDirError, match=message) as caught:
-        open_run(config, copy, checkpoint=ckpt)
+        open_run(config, Start(copy, checkpoint=ckpt))
     assert str(ckpt) in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -104,8 +104,8 @@ def test_a_resume_without_the_optimizer_or_rng_state_is_refused_naming_the_file_
     gone.unlink()
     with pytest.raises(RunDirError, match=re.escape(f"cannot load member 'tiny-s' (FileNotFoundError: {gone} is "
                                                     "missing (an exact resume needs it))")):
-        open_run(config, copy, resume=True)
-    swarm, step = open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+        open_run(config, Start(copy, resume=True))
+    swarm, step = open_run(config, Start(copy, checkpoint=copy / "checkpoints" / "step-2"))
     swarm.close()
     assert step == 2
 
@@ -120,7 +120,7 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_without_torchs_advice_
         __import__("pickle").dump({"torch": os.getcwd}, f)  # a callable: weights_only refuses it
     with pytest.raises(RunDirError, match=r"cannot load member 'tiny-s' \(UnpicklingError: it holds pickled objects "
                                           r"other than tensors and plain values; refused unread") as caught:
-        open_run(config, copy, resume=True)
+        open_run(config, Start(copy, resume=True))
     assert "weights_only" not in str(caught.value)
 
 
@@ -162,7 +162,7 @@ def test_a_checkpoint_state_of_another_form_is_one_line_naming_its_file(trained,
     torch.save([1, 2], rng)
     with pytest.raises(RunDirError, match=rf"cannot load member 'tiny-s' \(ValueError: {re.escape(str(rng))}: does "
                                           r"not hold an RNG state \(TypeError: "):
-        open_run(config, copy, resume=True)
+        open_run(config, Start(copy, resume=True))
 
 
 def test_an_adapter_that_does_not_fit_the_member_is_refused_instead_of_resuming_a_fresh_one(trained, tmp_path):
@@ -178,7 +178,7 @@ def test_an_adapter_that_does_not_fit_the_member_is_refused_instead_of_resuming_
     save_file({k.replace("q_proj", "x_proj"): v for k, v in weights.items()}, adapter)
     with pytest.raises(RunDirError, match=r"cannot load member 'tiny-m-lora' \(ValueError: .*adapter_model.safetensors "
                                           r"does not fit this member's adapter \(\d+ of its weights missing"):
-        open_run(config, copy, resume=True)
+        open_run(config, Start(copy, resume=True))
 
 
 def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(trained, tmp_path, monkeypatch):
@@ -198,7 +198,7 @@ def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(train
     monkeypatch.setattr("ftis_engine.session.read_state", read_while_pruned)
     with pytest.raises(RunDirError, match=re.escape("it was removed while being read") + ".*" +
                        re.escape(f"the newest complete one now is {newest}: retry with it")):
-        open_run(config, copy, checkpoint=older)
+        open_run(config, Start(copy, checkpoint=older))
 
 
 def test_a_second_run_into_a_held_directory_stops_naming_the_holder(tmp_path):
@@ -295,7 +295,7 @@ def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_pa
     closed = []
     monkeypatch.setattr(session, "close_generators", lambda members: closed.extend(m.name for m in members))
     with pytest.raises(RunDirError, match="cannot load member 'tiny-m-lora'"):
-        open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+        open_run(config, Start(copy, checkpoint=copy / "checkpoints" / "step-2"))
     assert closed == ["tiny-s", "tiny-m-lora"]  # a vLLM engine would otherwise hold its GPU memory
 
 
@@ -306,7 +306,7 @@ def test_a_resume_that_would_end_before_its_checkpoint_is_refused(trained, tmp_p
     shorter = short_config("train.steps=1", "eval.every=0")
     with pytest.raises(RunDirError, match=r"^train.steps: 1 is below step 2 of the checkpoint a resume continues "
                                           r"from; a resume can only go on"):
-        open_run(shorter, copy, resume=True)
+        open_run(shorter, Start(copy, resume=True))
 
 
 def test_without_config_yaml_the_checkpoints_own_record_decides_what_a_resume_may_change(trained, tmp_path):
@@ -337,7 +337,7 @@ def test_a_state_json_whose_step_is_not_its_directorys_is_refused(trained, tmp_p
     state = copy / "checkpoints" / "step-2" / "state.json"
     state.write_text(json.dumps({**json.loads(state.read_text()), "step": step}))
     with pytest.raises(RunDirError, match=rf"its state.json says step {step!r}, its directory step-2"):
-        open_run(config, copy, checkpoint=copy / "checkpoints" / "step-2")
+        open_run(config, Start(copy, checkpoint=copy / "checkpoints" / "step-2"))
 
 
 def test_after_a_divergence_a_resume_may_lower_the_step_size_and_the_restored_optimizer_takes_it(trained, tmp_path):
@@ -349,7 +349,7 @@ def test_after_a_divergence_a_resume_may_lower_the_step_size_and_the_restored_op
     lower = short_config("train.steps=3", "eval.every=0", "members.0.lr=1e-5", "members.1.grad_clip=0.5",
                          "members.0.weight_decay=0.01", "members.0.optimizer=adam")
     check_resume_config(copy, lower)
-    swarm, step = open_run(lower, copy, resume=True)
+    swarm, step = open_run(lower, Start(copy, resume=True))
     try:
         groups = swarm.members[0].optimizer.param_groups
         assert step == 2 and groups[0]["lr"] == 1e-5 and groups[0]["weight_decay"] == 0.01

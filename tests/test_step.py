@@ -12,7 +12,7 @@ import torch
 from ftis_engine import metrics
 from ftis_engine import step as step_module
 from ftis_engine.rollouts import Rollout
-from ftis_engine.session import open_run
+from ftis_engine.session import Start, open_run
 from ftis_engine.step import group_ids, training_items
 
 from .helpers import short_config
@@ -28,7 +28,7 @@ def _advantages(rewards: list[float]) -> list[float]:
 
 
 def test_horizontal_groups_span_members(tmp_path):
-    swarm, _ = open_run(short_config("collaboration=horizontal"), tmp_path / "run")
+    swarm, _ = open_run(short_config("collaboration=horizontal"), Start(tmp_path / "run"))
     # prompt 3: member 0 scored 1, 0 and member 1 scored 1, 1 -> one group of four
     mixed = [_rollout(0, 3, 1.0), _rollout(0, 3, 0.0), _rollout(1, 3, 1.0), _rollout(1, 3, 1.0)]
     adv = [it.advantage for it in training_items(swarm, swarm.members[0], mixed)]
@@ -37,7 +37,7 @@ def test_horizontal_groups_span_members(tmp_path):
 
 
 def test_vertical_groups_are_one_members_completions_of_one_prompt_at_one_version(tmp_path):
-    swarm, _ = open_run(short_config(), tmp_path / "run")  # collaboration: vertical (the default)
+    swarm, _ = open_run(short_config(), Start(tmp_path / "run"))  # collaboration: vertical (the default)
     assert swarm.config.collaboration == "vertical"
     # the same prompt from two members, and from one member at two versions (async): three groups
     rollouts = [_rollout(0, 3, 1.0), _rollout(0, 3, 0.0), _rollout(1, 3, 1.0), _rollout(1, 3, 0.0),
@@ -56,7 +56,7 @@ def test_an_engines_weight_load_at_wake_up_counts_as_sync_not_generation(tmp_pat
     only where the fake load and generation move it: the test asserts the accounting, not this machine's speed."""
     clock = [0.0]
     monkeypatch.setattr(metrics, "time", types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
-    swarm, _ = open_run(short_config(), tmp_path / "run")
+    swarm, _ = open_run(short_config(), Start(tmp_path / "run"))
     for member in swarm.members:
         real = member.generator.awake
 
@@ -91,7 +91,7 @@ def test_a_step_with_nothing_to_train_on_takes_no_optimizer_step_and_goes_on(tmp
     instead of failing in the op's stats (one pass) or the merge of no optimizer steps (epochs x mini-batches)."""
     import dataclasses
 
-    swarm, _ = open_run(short_config("collaboration=alone", passes), tmp_path / "run")
+    swarm, _ = open_run(short_config("collaboration=alone", passes), Start(tmp_path / "run"))
     real = step_module.sample.generate_rollouts
     monkeypatch.setattr(step_module.sample, "generate_rollouts",
                         lambda *args: [dataclasses.replace(r, reward=float("nan")) for r in real(*args)])
@@ -114,7 +114,7 @@ def test_a_model_that_went_nan_before_its_update_stops_the_step_with_the_diverge
     with the one-line DivergenceError the update gives (member, step, what to do), not the op's NonFiniteInputError."""
     from ftis_engine.update import DivergenceError
 
-    swarm, _ = open_run(short_config(where), tmp_path / "run")
+    swarm, _ = open_run(short_config(where), Start(tmp_path / "run"))
     real = step_module.sample.generate_rollouts
 
     def generate(swarm_, member, *args):
@@ -136,7 +136,7 @@ def test_a_model_that_went_nan_before_it_generated_stops_the_step_with_the_diver
     ("probability tensor contains either inf, nan or element < 0"); it is the one-line DivergenceError now."""
     from ftis_engine.update import DivergenceError
 
-    swarm, _ = open_run(short_config(), tmp_path / "run")
+    swarm, _ = open_run(short_config(), Start(tmp_path / "run"))
     with torch.no_grad():
         swarm.members[0].model.get_input_embeddings().weight.fill_(float("nan"))
     with pytest.raises(DivergenceError, match=r"^step 1: members\.0 \(tiny-s\) diverged: .*logits held NaN or \+inf "
@@ -151,8 +151,7 @@ def test_each_generate_call_of_a_step_has_seeds_of_its_own(tmp_path, monkeypatch
     first call's noise (the HF generator's stream, vLLM's per-request seeds, its default generator)."""
     from ftis_engine.generation import sample
 
-    swarm, _ = open_run(short_config("members.0.adversary.kind=long", "members.0.adversary.rate=0.5"),
-                        tmp_path / "run")
+    swarm, _ = open_run(short_config("members.0.adversary.kind=long", "members.0.adversary.rate=0.5"), Start(tmp_path / "run"))
     member = swarm.members[0]
     calls = []
     real = member.generator.generate
@@ -177,7 +176,7 @@ def test_a_horizontal_group_that_lost_a_share_is_left_out_on_every_member(tmp_pa
     normalising its advantages over the shares that are left."""
     import dataclasses
 
-    swarm, _ = open_run(short_config("collaboration=horizontal"), tmp_path / "run")
+    swarm, _ = open_run(short_config("collaboration=horizontal"), Start(tmp_path / "run"))
     real = step_module.sample.generate_rollouts
     unscored = []
 

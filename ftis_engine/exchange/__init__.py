@@ -109,7 +109,6 @@ class Exchange(Protocol):
 
     rank: int
     world_size: int
-    independent: bool  # ranks never synchronise after the start (async across processes)
     collectives: Collectives
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
@@ -188,7 +187,6 @@ class Alone(WithoutSamplers):
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
-        self.independent = transport.independent
         self.collectives = transport.collectives
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
@@ -208,11 +206,10 @@ class Shard(WithoutSamplers):
     """A member's further rank (fsdp.py): it takes no part in the exchange (its leader sends the member's
     rollouts and hands it what it admitted); the run's start and checkpoints still gather every rank."""
 
-    def __init__(self, collectives: Collectives, member: int, endpoints: int, independent: bool):
+    def __init__(self, collectives: Collectives, member: int, endpoints: int):
         self.collectives = collectives
         self.rank = member  # the member's endpoint: its leader's rank
         self.world_size = endpoints
-        self.independent = independent
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         """The leader exchanges."""

@@ -130,7 +130,6 @@ class LocalAsync(WithoutSamplers):
 
     world_size = 1
     rank = 0
-    independent = False
 
     def __init__(self, members: list[int], latency: Latency, capacity: int):
         self.collectives = LocalCollectives()
@@ -162,7 +161,6 @@ class DistributedAsync:
     """One member (or one sampler) per process. The collectives of the run's start go through the default group as
     in sync mode; rollouts, weights and the samplers' progress go point to point over `Links` (ZeroMQ)."""
 
-    independent = True
 
     def __init__(self, collectives: Collectives, config: RunConfig, latency: Latency, endpoint: int | None = None,
                  group=None, broadcast=None):

@@ -45,7 +45,6 @@ class LocalSync(WithoutSamplers):
 
     world_size = 1
     rank = 0
-    independent = False
 
     def __init__(self) -> None:
         self.collectives = LocalCollectives()
@@ -108,7 +107,6 @@ class DistributedSync(WithoutSamplers):
     endpoints, its ranks numbered as they are (layout.py), when members have further ranks (None: every process
     is an endpoint and its rank is its endpoint)."""
 
-    independent = False
 
     def __init__(self, collectives: Collectives, endpoint: int | None = None, group=None,
                  endpoints: int | None = None):

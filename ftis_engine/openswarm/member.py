@@ -68,7 +68,6 @@ class OpenExchange:
 
     rank = 0
     world_size = 1
-    independent = True
     broadcast = None
 
     def __init__(self, address: str, config: RunConfig, collectives=None, broadcast=None):
@@ -320,7 +319,6 @@ class OpenSampler(WithoutSamplers):
     """The exchange of a sampler rank of a member in an open swarm (see the module): its learner's weights by
     broadcast in the member's process group, its rounds to the coordinator under its sampler name."""
 
-    independent = True
 
     def __init__(self, address: str, config: RunConfig, collectives, broadcast, endpoint: int, index: int):
         self.address, self.config, self.collectives, self.broadcast = address, config, collectives, broadcast
