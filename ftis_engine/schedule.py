@@ -156,6 +156,10 @@ class Schedule:
             return 0
         return max_buffer_words(self.step_sequences(sender), self.config.rollout.max_new_tokens)
 
+    def observe(self, live: tuple[int, ...]) -> None:
+        """Who is live as of a receive (exchange.Peers.live): one world's senders are the config's, so nothing
+        changes (openswarm.schedule.OpenSchedule's change with it)."""
+
     def senders(self, receiver: int) -> list[int]:
         """The ranks whose rollouts member `receiver` takes: every other learner and every sampler (its own
         samplers included: their rollouts are the member's, made with weights a few steps old)."""

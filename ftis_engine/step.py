@@ -57,7 +57,8 @@ def run_step(swarm: Swarm, step: int) -> list[dict]:
         with diverging(swarm.run_dir, member, step):  # the screen's forward
             got = swarm.receivers[index].receive(arrivals.parcels, step, arrivals.dropped_sequences,
                                                  own_sequences=len(own[index]),  # every shard's: gathered
-                                                 own_lengths=[r.num_tokens for r in own[index]])
+                                                 own_lengths=[r.num_tokens for r in own[index]],
+                                                 peers=arrivals.peers)
         watch.seconds["screen_seconds"] += got.screen_seconds
         peers, screened = got.rollouts, got.screened
         scored, unscored = drop_unscored(own[index])

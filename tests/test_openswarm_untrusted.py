@@ -158,6 +158,35 @@ def test_only_this_members_own_samplers_are_its_own_in_the_schedule():
     assert roles == [(0, None), (0, 0), (2, 9), (3, 0), (4, None)]  # sampler-9 is no sampler of its: a peer's
 
 
+def test_membership_reaches_the_receiver_and_schedule_as_an_event_and_nothing_writes_into_them():
+    """Who is live and which peers' tokenizers loaded come up in Arrivals.peers (issue 69: no transport writes into
+    the receiver's checker or the schedule); the receiver reads them there, and its schedule's senders and budget
+    follow them: a peer that joins counts from the receive that says so, one that leaves from the next."""
+    from ftis_engine.exchange.admission import Admission
+    from ftis_engine.exchange.verify import RolloutChecker
+
+    ex = exchange("swarm.max_lead=null", "swarm.mode=async")
+    schedule = OpenSchedule(ex.config, (0, 1, 2), ex.book)
+    checker = RolloutChecker(None, None, vocab_size=100, max_new_tokens=8)
+    receiver = Admission(ex.config, schedule, checker, 0)
+    assert schedule.senders(0) == [] and receiver.budget == 0  # nobody is known live before a receive
+    got = ex.receive(0, 1)
+    assert got.peers.live == (0, ex.book.number("peer")) and got.peers.foreign == {}
+    assert schedule.senders(0) == [] and checker.foreign == {}  # the transport wrote nothing into them
+    receiver.receive(got.parcels, 1, peers=got.peers)
+    assert schedule.senders(0) == [1] and receiver.budget == 8  # the peer's step: 2 prompts x 4
+    ex.client.view["bob"] = 0  # a peer joins
+    got = ex.receive(0, 2)
+    receiver.receive(got.parcels, 2, peers=got.peers)
+    assert schedule.senders(0) == [1, 2] and receiver.budget == 16
+    del ex.client.view["peer"]  # and one leaves
+    got = ex.receive(0, 3)
+    receiver.receive(got.parcels, 3, peers=got.peers)
+    assert schedule.senders(0) == [2] and receiver.budget == 8
+    receiver.receive([], 4)  # a receive that says nothing of membership (one world's) changes nothing
+    assert schedule.senders(0) == [2]
+
+
 def test_a_sampler_name_is_as_sampler_name_writes_it():
     assert split_sampler("a/sampler-1") == ("a", 1)
     for alias in ("a/sampler-01", "a/sampler-\u0661", "a/sampler-+1", "a/sampler- 1", "a/sampler-1234567"):
@@ -532,8 +561,6 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     out and counted (foreign_refused) if not, never validated against this member's own tokenizer (which took an
     honest peer for a liar). A peer that left (finished, or crashed) keeps its tokenizer registered for what it left
     waiting, until a new holder of its name announces another: then what the old one left goes, counted."""
-    import types
-
     from ftis_engine import models
     from ftis_engine.rollouts import HEADER_WORDS
 
@@ -548,7 +575,6 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange("swarm.max_lead=null", peers=())
-    ex.checker = types.SimpleNamespace(foreign={})
     view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
             "bpe": {"step": 0, "tokenizer": other, "source": "builtin:tiny-s-bpe"}}
     ex.client.members = lambda: dict(view)
@@ -556,18 +582,18 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     ex._deliver("bpe", 1, 0, body)  # before any step of this member loaded its tokenizer
     got = ex.receive(0, 3)
     assert (len(got.parcels), got.foreign_refused) == ((2, 0) if loads else (0, 6))
-    assert ex.checker.foreign == ({1: "its tokenizer"} if loads else {})
+    assert got.peers.foreign == ({1: "its tokenizer"} if loads else {})  # what the receiver re-encodes with
     if loads:
         ex._deliver("bpe", 3, 2, body)
         del view["bpe"]  # it finished
         ex.client.gone = {"bpe"}
         got = ex.receive(0, 4)  # what it left: admitted with its tokenizer
-        assert (len(got.parcels), got.foreign_refused, ex.checker.foreign) == (1, 0, {1: "its tokenizer"})
+        assert (len(got.parcels), got.foreign_refused, got.peers.foreign) == (1, 0, {1: "its tokenizer"})
         buffer = torch.frombuffer(bytearray(body), dtype=torch.int32)
         ex.mailbox.put(Parcel(1, 4, 3, buffer, due_step=5, tokenizer=other))  # one more, delayed in transit
         view["bpe"] = {"step": 0, "tokenizer": "aa" * 32, "source": ""}  # a new holder, of a third tokenizer
         got = ex.receive(0, 5)  # the old holder's parcel is no longer admissible
-        assert (got.parcels, got.foreign_refused, ex.checker.foreign) == ([], 3, {})
+        assert (got.parcels, got.foreign_refused, got.peers.foreign) == ([], 3, {})
 
 
 def test_a_steady_stream_of_messages_never_keeps_the_client_from_its_beats():
@@ -597,7 +623,6 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
     step looked for new tokenizers to load: its parcels are due, its tokenizer not yet tried. They wait in the
     mailbox for the next step, which loads it and admits them (they were counted as refused: the two-tokenizer test
     failed beside a CPU hog)."""
-    import types
 
     from ftis_engine import models
     from ftis_engine.rollouts import HEADER_WORDS
@@ -606,7 +631,6 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
     monkeypatch.setattr(models, "load_tokenizer", lambda source: "its tokenizer")
     monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange()  # max_lead 2, with a live peer of its own tokenizer: the step waits on the lead bound
-    ex.checker = types.SimpleNamespace(foreign={})
     view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
             "peer": {"step": 2, "tokenizer": TOKENIZER, "source": ""}}
     ex.client.members = lambda: dict(view)

@@ -46,6 +46,16 @@ class Parcel:
     tokenizer: str = ""  # open swarm: its sender's tokenizer hash where not the receiver's (admitted only with it)
 
 
+@dataclass(frozen=True)
+class Peers:
+    """Who a member's peers are as of one receive, where membership changes (an open swarm's transport says it in
+    Arrivals.peers; one world's is fixed by the config): the receiver and the schedule read it from there, and no
+    transport writes into them."""
+
+    live: tuple[int, ...]  # the live members it trains on, by local number (itself, 0, included)
+    foreign: dict[int, object]  # the peers of another tokenizer whose tokenizer loaded and checked here, by number
+
+
 @dataclass
 class Arrivals:
     """What one receive() brought a member, and what it cost."""
@@ -62,6 +72,7 @@ class Arrivals:
     link_refused: int = 0  # one-world async: messages from peers the links refused since the last receive
     link_reconnects: int = 0  # one-world async: connections to peers that closed and came back since then
     foreign_refused: int = 0  # open swarm: sequences of peers of another tokenizer refused unread (not trained on)
+    peers: Peers | None = None  # open swarm: its membership as of this receive (None: fixed by the config)
 
 
 class PeerLost(RuntimeError):

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from ..config import RunConfig
 from ..rollouts import Rollout, RolloutError, buffer_digest, decode
 from ..schedule import Schedule, learner_version, staleness
-from . import Parcel
+from . import Parcel, Peers
 from .screen import LogProbs, Screen, Screened
 from .verify import RolloutChecker
 
@@ -209,7 +209,7 @@ class Admission:
         return self.schedule.sender_label(rank) if 0 <= rank < len(self.schedule.roles) else f"rank {rank}"
 
     def receive(self, parcels: list[Parcel], step: int, dropped_unread: int = 0, own_sequences: int | None = None,
-                own_lengths: list[int] | None = None) -> Received:
+                own_lengths: list[int] | None = None, peers: Peers | None = None) -> Received:
         """Admit the step's parcels, screen what was admitted, then take the intake. dropped_unread: sequences the
         transport dropped from a full queue (counted as surplus); own_sequences: the receiver's own in this update
         (default: its dealt share), for defense.max_peer_share; own_lengths: its own completions' lengths, for
@@ -217,7 +217,12 @@ class Admission:
         on this step's newly admitted peer rollouts (a sharded member's further shards admit none: they screen
         the leader's); their seconds are Received.screen_seconds. The share cap (defense.max_peer_share) then
         counts the update as it will be trained on: with a peer screened out, the others' shares grow and may be
-        capped."""
+        capped. peers: an open swarm's membership as of this receive (exchange.Peers): who is live (the schedule's
+        senders and budget) and which peers' tokenizers are loaded here (this receiver's checker re-encodes their
+        text); None: the config's, fixed."""
+        if peers is not None:
+            self.checker.foreign = dict(peers.foreign)
+            self.schedule.observe(peers.live)
         out = Received(surplus_dropped=dropped_unread)
         self._own_lengths.extend(own_lengths or ())
         now = time.time()

@@ -48,7 +48,7 @@ import torch
 
 from ..config import RunConfig
 from ..errors import shown
-from ..exchange import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
+from ..exchange import Arrivals, Limit, Parcel, Peers, WeightSlot, WithoutSamplers, wire_bytes_sent
 from ..exchange.async_ import Mailbox
 from ..exchange.pacer import Pacer, poll, queue_capacity
 from ..exchange.sync import LocalCollectives
@@ -77,16 +77,15 @@ class OpenExchange:
         self.name = config.members[0].name
         # a member on several ranks: its leader's process group (checkpoints and records gather its shards)
         self.collectives = collectives if collectives is not None else LocalCollectives()
-        self.book = PeerBook(self.name)
-        self.book.live = self._live_numbers  # the schedule asks the book, the book the coordinator's last word
+        self.book = PeerBook(self.name)  # the schedule reads names from it; who is live goes up in Arrivals.peers
         self.mailbox = Mailbox(queue_capacity(config))
         self.pacer = Pacer(config, self.name)  # the lead bound (exchange/pacer.py)
         self.timeout_s = config.swarm.timeout_s
         self.tokenizer = ""
         self.dataset = ""
         self.source = ""
-        self.checker = None  # the receiver's RolloutChecker: peers' tokenizers are registered in its `foreign`
-        self.foreign: dict[str, object] = {}  # peer name -> its tokenizer, loaded and checked here
+        # peer name -> its tokenizer, loaded and checked here: the receiver re-encodes with it (Arrivals.peers)
+        self.foreign: dict[str, object] = {}
         self._unloadable: set[tuple[str, str]] = set()  # (peer, tokenizer hash) that cannot be loaded here
         self._tried: set[str] = set()  # peers whose tokenizer was loaded or tried since they joined: once each
         self._changed: set[str] = set()  # peers that announced another tokenizer since: not trained on until they leave
@@ -105,15 +104,14 @@ class OpenExchange:
         return self.pacer.given_up
 
     def attach(self, swarm) -> None:
-        """What the member's opened run gives the exchange: its tokenizer's hash and source, its training set's
-        hash and its receiver's checker (where peers' tokenizers go)."""
+        """What the member's opened run gives the exchange (wiring.Connection.opened): its tokenizer's hash and
+        source and its training set's hash, which it joins with."""
         from ..models import vocabulary_hash
 
         member = self.config.members[0]
         self.tokenizer, self.dataset = vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task)
         spec = member.tokenizer or member.model
         self.source = spec if shareable(spec) else ""
-        self.checker = swarm.receivers[0].checker
 
     # ------------------------------------------------------------------------------------------- Exchange
 
@@ -140,15 +138,14 @@ class OpenExchange:
         lead = self.pacer.lead(step, self._published())
         lead_wait = self.pacer.hold(step, self._published, poll(self.client.check), "peer(s)")
         due = self.mailbox.take_due(step, time.time(), self.pacer.newest_version(step))
-        # a peer of another tokenizer: admitted only with the tokenizer it sent under registered (loaded: parcels
-        # taken in while it loaded are kept only if it did; a peer that left keeps it until its name's next holder);
-        # one whose tokenizer is still to be loaded (it joined after this step's _load_foreign) waits for the next
-        registered = self.checker.foreign if self.checker is not None else {}
+        # a peer of another tokenizer: admitted only with the tokenizer it sent under loaded (parcels taken in while
+        # it loaded are kept only if it did; a peer that left keeps it until its name's next holder); one whose
+        # tokenizer is still to be loaded (it joined after this step's _load_foreign) waits for the next
         parcels, unregistered = [], []
         for parcel in due:
             name = self.book.name(parcel.sender)
             if parcel.refused is not None or not parcel.tokenizer or (
-                    parcel.sender in registered and self._announced.get(name) == parcel.tokenizer):
+                    name in self.foreign and self._announced.get(name) == parcel.tokenizer):
                 parcels.append(parcel)
             elif self._to_load(name):
                 self.mailbox.put(parcel)
@@ -159,9 +156,10 @@ class OpenExchange:
         total = self.foreign_refused
         foreign, self._foreign_seen = total - self._foreign_seen, total
         foreign += sum(claimed_sequences(p.buffer) for p in unregistered)
+        peers = Peers(tuple(self._live_numbers()), {self.book.number(n): t for n, t in self.foreign.items()})
         return Arrivals(parcels, wait_seconds=time.perf_counter() - start, lead_wait_seconds=lead_wait,
                         lead_steps=lead, waiting=len(self.mailbox), dropped_sequences=self.mailbox.take_dropped(),
-                        outbox_dropped=dropped, foreign_refused=foreign)
+                        outbox_dropped=dropped, foreign_refused=foreign, peers=peers)
 
     def _forget_gone(self) -> None:
         """Forget what was known of peers that are no longer live, or that left and came back since the last step
@@ -224,10 +222,9 @@ class OpenExchange:
 
         for name, view in self._live().items():
             announced = view.get("tokenizer")
-            number = self.book.number(name)
+            self.book.number(name)  # numbered in order of first sight
             if name in self.foreign and self._announced.get(name) != announced:  # a new holder, or changed while live
                 del self.foreign[name]
-                self.checker.foreign.pop(number, None)
                 self._announced.pop(name, None)
             if name == self.name or announced == self.tokenizer or name in self.foreign or \
                     (name, announced) in self._unloadable or name in self._changed:
@@ -249,7 +246,6 @@ class OpenExchange:
                     if vocabulary_hash(tokenizer) != announced:
                         problem = f"{source!r} loads here as another tokenizer than the one it joined with"
             if problem is None:
-                self.checker.foreign[number] = tokenizer
                 self.foreign[name], self._announced[name] = tokenizer, announced
             # tried only once its outcome is in place: the parcels that arrive while it loads wait in the mailbox
             # (_to_load), and the receiver keeps them if it loaded

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import threading
 import zlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ..rollouts import max_buffer_words
 from ..schedule import Schedule, learner_version, mix_seed, prompts_for_step
@@ -31,14 +31,14 @@ def split_sampler(name: str) -> tuple[str, int] | None:
 
 class PeerBook:
     """What a member knows of its peers: their local numbers (0 is itself, then 1, 2, ... in order of first
-    sight), names, tokenizers and newest published steps, and who is live (the coordinator's last word)."""
+    sight), names and newest published steps, kept by its transport (openswarm/member.py). Who is live reaches
+    the schedule as an event (exchange.Peers, OpenSchedule.observe), not through the book."""
 
     def __init__(self, own_name: str):
         self.names = [own_name]
         self._numbers = {own_name: 0}
         self.published: dict[str, int] = {}
         self._lock = threading.Lock()
-        self.live: Callable[[], list[int]] = lambda: [0]  # the live members' numbers (the exchange's view)
 
     def number(self, name: str) -> int:
         with self._lock:
@@ -81,6 +81,8 @@ class OpenSchedule(Schedule):
     """The schedule of a member in an open swarm: every member's prompts from its own stream (see the module)."""
 
     peers: PeerBook = None  # type: ignore[assignment]
+    # the newest exchange.Peers.live, in one cell (the schedule is frozen; observe() replaces what it holds)
+    live: list[tuple[int, ...]] = field(default_factory=lambda: [(0,)], compare=False)
 
     @property
     def roles(self) -> list[tuple[int, int | None]]:
@@ -148,8 +150,13 @@ class OpenSchedule(Schedule):
             return 0
         return max_buffer_words(self.step_sequences(sender), self.config.rollout.max_new_tokens)
 
+    def observe(self, live: tuple[int, ...]) -> None:
+        """Who is live as of the member's newest receive (exchange.Peers.live, its transport's view of the
+        coordinator's word): its senders and budget until the next."""
+        self.live[0] = tuple(live)
+
     def senders(self, receiver: int) -> list[int]:
-        return [k for k in self.peers.live() if k != receiver]
+        return [k for k in self.live[0] if k != receiver]
 
     def peer_budget(self, receiver: int) -> int:
         configured = self.config.swarm.max_peer_sequences
