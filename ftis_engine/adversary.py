@@ -141,6 +141,25 @@ def plant_payloads(kind: str, rate: float, rollouts: list[Rollout], *, seed: int
     return [changed.get(i, r) for i, r in enumerate(rollouts)], len(changed)
 
 
+def least_new_tokens(settings, seed: int, prompt: int, max_new_tokens: int) -> int:
+    """The fewest tokens a member generates for `prompt` before it may end (its end of sequence suppressed until
+    then): 0 for an honest member; max_new_tokens for a `long` adversary on a `rate` share of its prompts, drawn
+    from the sampling seed and the prompt. The one attack that acts while generating (generation/sample.py); the
+    others act on the copy it sends (wire_copy)."""
+    if settings is None or settings.kind != "long":
+        return 0
+    return max_new_tokens if random.Random(f"{seed}-long-{prompt}").random() < settings.rate else 0
+
+
+def measured_payloads(config) -> tuple[str, ...]:
+    """The text attacks whose success an eval measures (eval.payloads, or by default the run's text adversaries'
+    kinds), sorted."""
+    if config.eval.payloads is not None:
+        return tuple(sorted(set(config.eval.payloads)))
+    return tuple(sorted({m.adversary.kind for m in config.members
+                         if m.adversary is not None and m.adversary.kind in TEXT_KINDS}))
+
+
 def wire_copy(swarm, member, rollouts: list[Rollout], step: int) -> tuple[list[Rollout], int]:
     """What a local member sends of its rollouts: the rollouts themselves, or an adversary's lie; and how many it
     forged."""
@@ -165,4 +184,5 @@ def wire_copy(swarm, member, rollouts: list[Rollout], step: int) -> tuple[list[R
                           max_tokens=swarm.config.rollout.max_new_tokens)
 
 
-__all__ = ["FORGED_HIGH", "PAYLOAD", "TEXT_KINDS", "carries_payload", "lie", "plant", "plant_payloads", "wire_copy"]
+__all__ = ["FORGED_HIGH", "PAYLOAD", "TEXT_KINDS", "carries_payload", "least_new_tokens", "lie", "measured_payloads",
+           "plant", "plant_payloads", "wire_copy"]

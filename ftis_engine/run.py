@@ -16,7 +16,7 @@ import os
 import pathlib
 import time
 
-from .adversary import TEXT_KINDS
+from .adversary import measured_payloads
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
 from .config import dump_config
 from .evaluate import evaluate_questions
@@ -38,9 +38,7 @@ def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
     cfg = swarm.config.eval
     max_new = cfg.max_new_tokens or swarm.config.rollout.max_new_tokens
     records = []
-    payloads = tuple(sorted(set(cfg.payloads) if cfg.payloads is not None else
-                            {m.adversary.kind for m in swarm.config.members
-                             if m.adversary is not None and m.adversary.kind in TEXT_KINDS}))
+    payloads = measured_payloads(swarm.config)
     for member in swarm.members:  # a member on several ranks: every shard evaluates a share, the leader reports
         with member.generator.awake():
             for name, examples in swarm.task.evals.items():

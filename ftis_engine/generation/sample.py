@@ -3,10 +3,10 @@ them, and tag them with the policy version that made them."""
 
 from __future__ import annotations
 
-import random
 import time
 from typing import TYPE_CHECKING
 
+from ..adversary import least_new_tokens
 from ..rollouts import Rollout
 from . import SamplingSettings
 
@@ -21,10 +21,8 @@ def generate_rollouts(swarm: Swarm, member: Member, dealt: dict[int, int], versi
     config, task = swarm.config.rollout, swarm.task
     adversary = swarm.config.members[member.index].adversary
     by_n: dict[tuple[int, int], list[int]] = {}
-    for prompt, n in dealt.items():  # a `long` adversary draws a rate share of its prompts to fill to the limit
-        long = adversary is not None and adversary.kind == "long" and \
-            random.Random(f"{seed}-long-{prompt}").random() < adversary.rate
-        by_n.setdefault((n, config.max_new_tokens if long else 0), []).append(prompt)
+    for prompt, n in dealt.items():  # a `long` adversary fills a rate share of its prompts to the limit
+        by_n.setdefault((n, least_new_tokens(adversary, seed, prompt, config.max_new_tokens)), []).append(prompt)
     rollouts: list[Rollout] = []
     bar = swarm.progress.start(f"{member.name}: generate", sum(dealt.values()))
     made = 0
