@@ -22,8 +22,7 @@ import time
 import torch
 
 from .checkpoint import diverging
-from .exchange import WeightSlot
-from .exchange.async_ import DistributedAsync
+from .exchange import SamplerExchange, WeightSlot
 from .generation import sample
 from .members import trainable_parameters
 from .metrics import MetricsLogger, mean_reward
@@ -75,9 +74,10 @@ def load_weights(model, words: torch.Tensor) -> None:
 
 def run_sampler(swarm: Swarm, start_version: int) -> None:
     """A sampler rank's life: rounds of generation until its learner has finished, then leave."""
-    exchange, config, schedule = swarm.exchange, swarm.config, swarm.schedule
-    # config and launch allow samplers only there, or in an open swarm's member (openswarm.member.OpenSampler)
-    assert isinstance(exchange, DistributedAsync) or type(exchange).__name__ == "OpenSampler"
+    # config and launch allow samplers only in async mode across processes (async_.DistributedAsync) or in an open
+    # swarm's member (openswarm.member.OpenSampler)
+    exchange: SamplerExchange = swarm.exchange
+    config, schedule = swarm.config, swarm.schedule
     member = swarm.members[0]
     rank = exchange.rank  # its endpoint on the links (members' leaders, then samplers): the schedule's numbering
     learner, index = schedule.roles[rank]

@@ -144,6 +144,25 @@ class Exchange(Protocol):
         """Leave the exchange (async: say DONE to every peer and drain what they still send)."""
 
 
+class SamplerExchange(Exchange, Protocol):
+    """What a sampler rank's loop (samplers.run_sampler) needs of its transport, besides the Exchange's: one world's
+    async_.DistributedAsync and an open swarm's openswarm.member.OpenSampler."""
+
+    broadcast: object | None  # its learner's weight broadcast (exchange.weights.WeightBroadcast), or None: links
+
+    def check(self) -> None:
+        """Raise what ended the transport (a learner lost, a link failed); nothing while it is well."""
+
+    def peer_done(self, learner: int) -> bool:
+        """Its learner has finished."""
+
+    def wait_taken(self, round_: int) -> float:
+        """Before round `round_`: the lead bound's backpressure (pacer.py); returns the seconds waited."""
+
+    def send_parcel(self, buffer: torch.Tensor, round_: int, version: int) -> int:
+        """Publish one round's rollouts (a wire buffer) made with weights `version`; returns the bytes sent."""
+
+
 class WithoutSamplers:
     """The weight side of the Exchange protocol for a transport that has no samplers (config allows them only in
     async mode across processes): nothing to start, and a push is a bug."""
