@@ -199,3 +199,27 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
     assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher's is gone
+
+
+def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and_how_to_go_on(tmp_path, monkeypatch,
+                                                                                                 capsys):
+    """What the launcher says when the elastic agent reports a worker killed (kill -9 of one rank): its rank, member
+    and signal, that the swarm stopped, and --resume (exit 1). In process, with the agent's failure report made up:
+    test_swarm's kill -9 test (slow tier) proves it on real processes."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.launcher import api
+
+    from ftis_engine.exits import FAILED
+    from ftis_engine.launch import _launch
+
+    def elastic_launch(config, entrypoint):
+        def run(*args):
+            raise ChildFailedError("run_worker", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="")})
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    assert _launch(short_config(), tmp_path / "run", False, 2) == FAILED
+    err = capsys.readouterr().err
+    assert "rank 1 (tiny-m-lora) failed with signal 9" in err, err
+    assert err.startswith("error: swarm stopped: ") and "continue with --resume" in err
+    assert os.environ.get("FTIS_FINAL_EXIT_FILE") is None  # the launcher's own setting does not outlive it

@@ -58,6 +58,20 @@ def trained(tmp_path_factory):
     return config, run_dir
 
 
+def test_a_restart_resumes_by_design_where_a_fresh_start_is_refused(trained):
+    """What test_swarm's torchrun restart test proves on processes (slow tier), in process through the one start-up
+    (trainer.build): a start that is not a resume refuses a run directory holding a run; an elastic restart
+    (Start.restarted) skips that check and resumes from the newest checkpoint."""
+    from ftis_engine.trainer import build
+
+    config, run_dir = trained
+    with pytest.raises(AgreedError, match="already holds a run"):
+        build(config, Start(run_dir))
+    trainer = build(config, Start(run_dir, restarted=True))
+    trainer.swarm.close()
+    assert trainer.start_step == 2 and trainer.swarm.role.writes_run and not trainer.swarm.role.independent
+
+
 def test_resume_restores_the_newest_checkpoint_and_eval_the_given_one(trained, tmp_path, monkeypatch):
     config, run_dir = trained
     checked = []
