@@ -23,7 +23,7 @@ import uuid
 
 from .config import ConfigError, RunConfig, validate_config
 from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
-from .layout import describe_layout, describe_role, process_roles, world_size
+from .layout import check_processes, describe_layout, describe_role, process_roles
 
 log = logging.getLogger("ftis_engine.launch")
 
@@ -43,16 +43,13 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
                        evaluate: pathlib.Path | None = None, join: str | None = None) -> int:
     """Run the swarm in several processes (or, with `evaluate`, greedy pass@1 of that checkpoint: rank 0 prints the
     records as JSON lines); returns the exit code for the command line."""
-    if evaluate is not None and any(m.samplers for m in config.members):
-        first = next(i for i, m in enumerate(config.members) if m.samplers)
-        raise ConfigError(f"members.{first}.samplers: eval runs the members' ranks only; add --set "
-                          f"members.{first}.samplers=0 (samplers do not change the model)")
     target = None if evaluate is None else str(evaluate)
     if under_torchrun():  # launched by torchrun: this process is one rank
         check_rank_environment(os.environ)
+        world = int(os.environ["WORLD_SIZE"])
+        check_processes(config, world, evaluating=evaluate is not None, given=f"WORLD_SIZE={world}")
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target, join)
-    if nproc != world_size(config):
-        raise ConfigError(f"--nproc {nproc}: {needed_processes(config)}")
+    check_processes(config, nproc, evaluating=evaluate is not None, given=f"--nproc {nproc}")
     from .rundir import RunLock, check_run_dir
     from .preflight import check_before_launch
 
@@ -95,16 +92,6 @@ def check_rank_environment(env) -> None:
                           "start the ranks with torchrun, or unset RANK and WORLD_SIZE to run in one process "
                           "(--nproc N starts N ranks itself)")
     number("MASTER_PORT", 1, 65536)
-
-
-def needed_processes(config: RunConfig) -> str:
-    """What a config's process count is made of, for a message: "3 processes: tiny-s on 2 ranks, ..."."""
-    parts = [f"{m.name} on {m.ranks} rank(s)" if m.ranks > 1 else m.name for m in config.members]
-    samplers = sum(m.samplers for m in config.members)
-    if samplers:
-        parts.append(f"{samplers} sampler rank(s)")
-    return (f"the config needs {world_size(config)} processes (one per member rank and sampler: "
-            f"{', '.join(parts)})")
 
 
 def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, evaluate: str | None = None,
@@ -181,9 +168,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
         os._exit(told.code)  # no teardown: the process group may be waiting on a peer that is gone
 
     with ending(stop, rank=rank, joining=config_data["members"][0]["name"]):
-        config = validate_config(config_data)
-        if world != world_size(config):
-            raise ConfigError(f"WORLD_SIZE={world}: {needed_processes(config)}")
+        config = validate_config(config_data)  # its process count was checked before it started (launch_distributed)
         check_placement(config)  # under torchrun nothing checked it before the processes started
         connection = connect(config, rank, world, local_rank, join, evaluating=evaluate is not None)
         collectives = connection.exchange.collectives

@@ -53,6 +53,41 @@ def world_size(config: RunConfig) -> int:
     return sum(m.ranks + m.samplers for m in config.members)
 
 
+def needed_processes(config: RunConfig) -> str:
+    """What a config's process count is made of, for a message: "3 processes: tiny-s on 2 ranks, ..."."""
+    parts = [f"{m.name} on {m.ranks} rank(s)" if m.ranks > 1 else m.name for m in config.members]
+    samplers = sum(m.samplers for m in config.members)
+    if samplers:
+        parts.append(f"{samplers} sampler rank(s)")
+    return (f"the config needs {world_size(config)} processes (one per member rank and sampler: "
+            f"{', '.join(parts)})")
+
+
+def check_processes(config: RunConfig, processes: int | None, *, evaluating: bool = False, given: str = "") -> None:
+    """The one check of the processes a run starts in against its layout (ConfigError naming the field or flag).
+    processes: how many (None: one process holding every member); given: how that count was given, for the
+    message (--nproc N, WORLD_SIZE=N). An eval runs the members' ranks only (samplers do not change the model)."""
+    from .config import ConfigError
+
+    samplers = next((i for i, m in enumerate(config.members) if m.samplers), None)
+    if processes is None:
+        if evaluating:  # every member evaluates in this process, whatever its ranks and samplers
+            return
+        if samplers is not None:
+            raise ConfigError(f"members.{samplers}.samplers: sampler ranks run in processes of their own: --nproc "
+                              f"{world_size(config)} (one per member rank and sampler) or torchrun")
+        ranked = next((i for i, m in enumerate(config.members) if m.ranks > 1), None)
+        if ranked is not None:
+            raise ConfigError(f"members.{ranked}.ranks: a member on {config.members[ranked].ranks} ranks runs in "
+                              f"processes of its own: --nproc {world_size(config)} (or torchrun)")
+        return
+    if evaluating and samplers is not None:
+        raise ConfigError(f"members.{samplers}.samplers: eval runs the members' ranks only; add --set "
+                          f"members.{samplers}.samplers=0 (samplers do not change the model)")
+    if processes != world_size(config):
+        raise ConfigError(f"{given}: {needed_processes(config)}")
+
+
 def endpoint_ranks(config: RunConfig) -> list[int]:
     """The process rank of every exchange endpoint (in endpoint_roles order)."""
     ranks = {role.endpoint: r for r, role in enumerate(process_roles(config)) if role.endpoint is not None}

@@ -36,7 +36,7 @@ from .exchange.admission import Admission
 from .exchange.pacer import warn_lead_beyond_staleness
 from .exchange.screen import LogProbs
 from .exchange.verify import RolloutChecker
-from .layout import Role, world_size
+from .layout import Role, check_processes
 from .members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
 from .models import model_context, vocabulary_hash
 from .preflight import check_backend, check_generator_placement, check_members, check_model, check_threads, member_device
@@ -151,14 +151,8 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
         connection = connect_local(config, evaluating=checkpoint is not None)
     exchange, role, shard = connection.exchange, connection.role, connection.shard
     distributed = role.seat is not None
-    if not distributed and checkpoint is None and any(m.samplers for m in config.members):
-        first = next(i for i, m in enumerate(config.members) if m.samplers)
-        raise ConfigError(f"members.{first}.samplers: sampler ranks run in processes of their own: --nproc "
-                          f"{world_size(config)} (one per member rank and sampler) or torchrun")
-    if not distributed and checkpoint is None and any(m.ranks > 1 for m in config.members):
-        first = next(i for i, m in enumerate(config.members) if m.ranks > 1)
-        raise ConfigError(f"members.{first}.ranks: a member on {config.members[first].ranks} ranks runs in "
-                          f"processes of its own: --nproc {world_size(config)} (or torchrun)")
+    if not distributed:  # a world's count was checked as it started (launch.py)
+        check_processes(config, None, evaluating=role.evaluating)
     # a rank holds its member: a learner's, or the one a sampler rank generates for
     local = [role.seat.member] if distributed else list(range(len(config.members)))
     if config.train.threads:

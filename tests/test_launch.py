@@ -223,3 +223,28 @@ def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and
     assert "rank 1 (tiny-m-lora) failed with signal 9" in err, err
     assert err.startswith("error: swarm stopped: ") and "continue with --resume" in err
     assert os.environ.get("FTIS_FINAL_EXIT_FILE") is None  # the launcher's own setting does not outlive it
+
+
+def test_the_process_count_is_checked_against_the_layout_in_one_place():
+    """layout.check_processes: every rule on how many processes a run starts in, one line naming the field or the
+    flag: one process takes neither samplers nor a member on several ranks (an eval takes anything, in one
+    process), an eval across processes runs the members' ranks only, and a world's size is the layout's."""
+    from ftis_engine.layout import check_processes
+
+    samplers, ranked = short_config("swarm.mode=async", "members.1.samplers=1"), short_config("members.0.ranks=2")
+    with pytest.raises(ConfigError, match=r"^members\.1\.samplers: sampler ranks run in processes of their own: "
+                                          r"--nproc 3 \(one per member rank and sampler\) or torchrun$"):
+        check_processes(samplers, None)
+    with pytest.raises(ConfigError, match=r"^members\.0\.ranks: a member on 2 ranks runs in processes of its own: "
+                                          r"--nproc 3 \(or torchrun\)$"):
+        check_processes(ranked, None)
+    check_processes(samplers, None, evaluating=True)
+    check_processes(ranked, None, evaluating=True)
+    with pytest.raises(ConfigError, match=r"^members\.1\.samplers: eval runs the members' ranks only; add --set "
+                                          r"members\.1\.samplers=0 \(samplers do not change the model\)$"):
+        check_processes(samplers, 3, evaluating=True, given="--nproc 3")
+    check_processes(samplers, 3, given="--nproc 3")
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE=2: the config needs 3 processes \(one per member rank and "
+                                          r"sampler: tiny-s on 2 rank\(s\), tiny-m-lora\)$"):
+        check_processes(ranked, 2, given="WORLD_SIZE=2")
+    check_processes(short_config(), None)
