@@ -57,7 +57,13 @@ def _rollouts(sender: int, dealt: dict[int, int], version: int = 0, seed: int = 
 
 def _admission(*overrides: str, receiver: int = 0, config=None) -> Admission:
     config = config or short_config("swarm.mode=async", "train.steps=100", *overrides)  # 2 members, 4 prompts of 4
-    return Admission(config, Schedule(config, tuple(range(100))), _checker(), receiver)
+    return Admission(config, Schedule(config, tuple(range(100))), _checker(), receiver, logprobs=_no_model)
+
+
+def _no_model(rollouts):
+    """The log-prob function of a receiver without a model: where a defense reads one, the test puts a stand-in
+    screen in its place (_screened_by)."""
+    pytest.fail("a screen with a stand-in reads no model")
 
 
 def _parcel(admission: Admission, sender: int, step: int) -> Parcel:
@@ -512,6 +518,14 @@ def test_the_screen_reads_each_new_group_once_before_the_take_so_a_dropped_group
     assert got.rollouts == [] and got.screened.quarantined == {"tiny-m-lora": 8} and not admission.pool
 
 
+def test_a_receiver_whose_defenses_read_its_model_is_refused_without_its_log_prob_function():
+    """It would screen nothing, silently (a review's finding, issue 69): only tests build a receiver without one."""
+    config = short_config("defense.likelihood_floor=-50")
+    with pytest.raises(ValueError, match="build it with its log-prob function"):
+        Admission(config, Schedule(config, tuple(range(100))), _checker(), 0)
+    Admission(short_config(), Schedule(short_config(), tuple(range(100))), _checker(), 0)  # no such defense: fine
+
+
 def test_a_quarantined_peer_loses_its_samplers_waiting_groups_too():
     """The screen judges a member's samplers' rollouts under the member's name: once it is quarantined, a group of
     its sampler still waiting in the pool is left out with its learner's, counted under the member's name."""
@@ -519,7 +533,7 @@ def test_a_quarantined_peer_loses_its_samplers_waiting_groups_too():
     from ftis_engine.exchange.screen import PeerTest, Screened
 
     config = short_config("swarm.mode=async", "train.steps=100", "members.1.samplers=1", "defense.claims_monitor=true")
-    admission = Admission(config, Schedule(config, tuple(range(100))), _checker(), 0)
+    admission = _admission(config=config)
     sampler = next(rank for rank, (member, k) in enumerate(admission.schedule.roles) if member == 1 and k is not None)
     learner = next(rank for rank, (member, k) in enumerate(admission.schedule.roles) if member == 1 and k is None)
     rollouts = _rollouts(1, {0: 4, 1: 4}, version=4, seed=1)

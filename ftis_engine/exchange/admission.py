@@ -151,8 +151,9 @@ class Admission:
                  start_step: int = 0, logprobs: LogProbs | None = None, shard=None):
         """logprobs: the receiver's own per-token log-probs of peer rollouts' completions (one no-grad forward of
         its model: session builds it), which the model-reading defenses read; None where no model is at hand (a
-        receiver built for a test), and then nothing is screened. shard: a sharded member's (fsdp.Shard): its
-        leader's admitted rollouts are screened on every shard (each runs the forward) and its verdicts hold."""
+        receiver built for a test), refused while such a defense is on (it would screen nothing, silently). shard: a
+        sharded member's (fsdp.Shard): its leader's admitted rollouts are screened on every shard (each runs the
+        forward) and its verdicts hold."""
         self.config = config
         self.schedule = schedule
         self.checker = checker
@@ -165,6 +166,9 @@ class Admission:
         self._screened_up_to = 0  # groups of order below it have been screened
         self._own_lengths: collections.deque[int] = collections.deque(maxlen=OWN_LENGTHS)
         self.screen = Screen(config.defense, config.members[receiver].name)  # the checks that read its model
+        if logprobs is None and self.screen.active:
+            raise ValueError("Admission: defense.likelihood_floor and defense.claims_monitor read the receiver's "
+                             "model: build it with its log-prob function (logprobs=...)")
         self.logprobs = logprobs
         self.shard = shard
 
