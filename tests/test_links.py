@@ -51,6 +51,14 @@ class Handler:
         self.delivered.append((peer, kind, step, body.tolist(), refused))
 
 
+def wait_until(links: Links, ready, timeout_s: float, what: str) -> float:
+    """Links.wait, raising TimeoutError naming `what` after timeout_s (as the pacer's waits do); the seconds waited."""
+    seconds, held = links.wait(ready, timeout_s, what)
+    if not held:
+        raise TimeoutError(f"swarm.timeout_s: waited {timeout_s:g} s for {what}")
+    return seconds
+
+
 def start(world: int = 2, timeout_s: float = 10.0, fail_at: int | None = None, max_words: int = 100,
           fixed: dict[int, str] | None = None, limit: int = 100):
     gather = Gather(world, fixed)
@@ -82,11 +90,11 @@ def test_a_parcel_arrives_and_both_ranks_leave_after_saying_done():
     links, handlers = start()
     zero, one = links[0], links[1]
     assert zero.post_parcel(1, 3, 2, torch.arange(5, dtype=torch.int32))
-    one.wait_until(lambda: handlers[1].delivered, 10.0, "the parcel")
+    wait_until(one, lambda: handlers[1].delivered, 10.0, "the parcel")
     assert handlers[1].delivered == [(0, DATA, 3, [0, 1, 2, 3, 4], None)]
     leaving = threading.Thread(target=zero.finish)
     leaving.start()
-    one.wait_until(lambda: one.peer_done(0), 10.0, "rank 0's DONE")
+    wait_until(one, lambda: one.peer_done(0), 10.0, "rank 0's DONE")
     assert not one.post_parcel(0, 4, 3, torch.ones(2, dtype=torch.int32))  # nothing is queued for a peer that left
     one.finish()
     leaving.join(10.0)
@@ -104,7 +112,7 @@ def test_what_is_queued_before_done_arrives_in_order_and_slots_keep_only_their_n
     zero.post_slot(1, TAKEN, 7)
     zero.finish_thread = threading.Thread(target=zero.finish)
     zero.finish_thread.start()
-    one.wait_until(lambda: one.peer_done(0), 10.0, "rank 0's DONE")
+    wait_until(one, lambda: one.peer_done(0), 10.0, "rank 0's DONE")
     one.finish()
     zero.finish_thread.join(10)
     kinds = [(kind, step) for _, kind, step, _, _ in handlers[1].delivered]
@@ -113,11 +121,11 @@ def test_what_is_queued_before_done_arrives_in_order_and_slots_keep_only_their_n
 
 def test_a_killed_peer_is_lost_and_check_says_so():
     links, _ = start()
-    links[0].wait_until(lambda: links[0].up[1], 10.0, "the connection")  # killed before: never up, lost as such
+    wait_until(links[0], lambda: links[0].up[1], 10.0, "the connection")  # killed before: never up, lost as such
     kill(links[1])
     started = time.monotonic()
     with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(its connection closed\)"):
-        links[0].wait_until(lambda: False, 20.0, "nothing")
+        wait_until(links[0], lambda: False, 20.0, "nothing")
     assert time.monotonic() - started < links_module.LOST_GRACE_S + 5
     assert links[0].peer_done(1)  # it holds nobody back any more
     links[0].close()
@@ -128,7 +136,7 @@ def test_a_peer_that_never_comes_up_is_lost_after_the_timeout():
     links, _ = start(timeout_s=1.0, fixed={1: address})
     with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(no connection to tcp://127.0.0.1:"
                                        r"\d+ within swarm.timeout_s=1\)"):
-        links[0].wait_until(lambda: False, 20.0, "nothing")
+        wait_until(links[0], lambda: False, 20.0, "nothing")
     links[0].close()
 
 
@@ -144,11 +152,11 @@ def test_a_stopped_peer_process_is_lost_by_heartbeat_though_its_kernel_still_acc
     try:
         address = peer.stdout.readline().strip()
         links, _ = start(timeout_s=1.0, fixed={1: address})
-        links[0].wait_until(lambda: links[0].up[1], 10.0, "the connection")  # up and heartbeating
+        wait_until(links[0], lambda: links[0].up[1], 10.0, "the connection")  # up and heartbeating
         links[0].check()
         peer.send_signal(signal.SIGSTOP)
         with pytest.raises(PeerLost, match=r"peer rank 1 is gone without finishing \(its connection closed\)"):
-            links[0].wait_until(lambda: False, 30.0, "nothing")
+            wait_until(links[0], lambda: False, 30.0, "nothing")
         links[0].close()
     finally:
         peer.kill()
@@ -160,7 +168,7 @@ def test_an_error_in_the_receiving_handler_is_a_transport_error_with_its_cause_n
     links[0].post_parcel(1, 1, 0, torch.ones(3, dtype=torch.int32))
     with pytest.raises(TransportError, match=r"rank 1: receiving from peer rank 0 failed: ValueError: "
                                              r"injected fault in deliver") as caught:
-        links[1].wait_until(lambda: False, 10.0, "nothing")
+        wait_until(links[1], lambda: False, 10.0, "nothing")
     assert isinstance(caught.value.__cause__, ValueError)
     for link in links.values():
         kill(link)
@@ -180,7 +188,7 @@ def test_a_failure_of_the_io_thread_itself_is_a_transport_error_with_its_type_an
     links, _ = start(timeout_s=30.0)
     with pytest.raises(TransportError, match=r"^rank 0: the links' I/O thread failed: AttributeError: 'NoneType' "
                                              r"object has no attribute 'send_multipart'$") as caught:
-        links[0].wait_until(lambda: False, 10.0, "nothing")
+        wait_until(links[0], lambda: False, 10.0, "nothing")
     assert isinstance(caught.value.__cause__, AttributeError) and not links[0]._worker.is_alive()
     began = time.monotonic()
     links[0].finish()  # nothing more comes from anyone: finishing ends at once, never after swarm.timeout_s
@@ -195,13 +203,13 @@ def test_a_body_over_the_receivers_limit_is_refused_and_one_over_the_socket_cap_
     links, handlers = start(max_words=50, limit=10)
     zero, one = links[0], links[1]
     zero.post_parcel(1, 1, 0, torch.ones(20, dtype=torch.int32))  # 20 > limit 10, within the cap
-    one.wait_until(lambda: handlers[1].delivered, 10.0, "the refused parcel")
+    wait_until(one, lambda: handlers[1].delivered, 10.0, "the refused parcel")
     assert handlers[1].delivered == [(0, DATA, 1, [], "20 words, an honest one holds at most 10")]
     assert one.refused == {0: 1}
     zero.post_parcel(1, 2, 1, torch.ones(1000, dtype=torch.int32))  # 4000 bytes > the cap: never read
     time.sleep(1.0)
     zero.post_parcel(1, 3, 2, torch.ones(5, dtype=torch.int32))
-    one.wait_until(lambda: len(handlers[1].delivered) == 2, 10.0, "the next parcel")
+    wait_until(one, lambda: len(handlers[1].delivered) == 2, 10.0, "the next parcel")
     assert [step for _, _, step, _, _ in handlers[1].delivered] == [1, 3]  # step 2 never arrived
     assert one.counts()[0] == 1 and zero.counts()[1] >= 1  # refused by one; zero's cut connection came back
     time.sleep(links_module.LOST_GRACE_S + 0.5)
@@ -229,7 +237,7 @@ def test_a_done_lost_with_a_cut_connection_goes_again_once_it_is_back():
         t.start()
     for t in starting:
         t.join(10)
-    one.wait_until(lambda: one.peer_done(0), 20.0, "rank 0's DONE")
+    wait_until(one, lambda: one.peer_done(0), 20.0, "rank 0's DONE")
     one.finish()
     leaving.join(20)
     assert not leaving.is_alive() and zero.reconnects[1] >= 1  # the cut happened and the link came back
@@ -255,11 +263,11 @@ def test_a_malformed_message_is_refused_and_counted_and_the_link_goes_on(frames,
     forger.setsockopt(zmq.LINGER, 1000)
     forger.connect(links[1].addresses[1])
     forger.send_multipart(frames)
-    links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
+    wait_until(links[1], lambda: links[1].refused, 10.0, "the refusal")
     assert links[1].refused == {0: 1} and handlers[1].delivered == []
     assert reason in caplog.text
     forger.send_multipart([MAGIC, HEADER.pack(DATA, 2, 1, 2), torch.ones(2, dtype=torch.int32).numpy().tobytes()])
-    links[1].wait_until(lambda: handlers[1].delivered, 10.0, "a parcel")  # a well-formed one is still heard
+    wait_until(links[1], lambda: handlers[1].delivered, 10.0, "a parcel")  # a well-formed one is still heard
     assert handlers[1].delivered == [(0, DATA, 2, [1, 1], None)]
     forger.close()
     kill(links[1])
@@ -274,7 +282,7 @@ def test_a_second_connection_claiming_a_connected_peers_id_is_turned_away():
     forger.connect(links[0].addresses[1])
     forger.send_multipart([MAGIC, HEADER.pack(DATA, 9, 8, 1), b"\x07\x00\x00\x00"])
     links[0].post_parcel(1, 2, 1, torch.ones(2, dtype=torch.int32))
-    links[1].wait_until(lambda: handlers[1].delivered, 10.0, "rank 0's parcel")
+    wait_until(links[1], lambda: handlers[1].delivered, 10.0, "rank 0's parcel")
     time.sleep(1.0)
     assert handlers[1].delivered == [(0, DATA, 2, [1, 1], None)]  # the forged step 9 never arrived
     forger.close()
@@ -291,7 +299,7 @@ def test_a_connection_under_an_alias_of_a_peers_id_is_an_unknown_sender(alias):
     forger.setsockopt(zmq.LINGER, 1000)
     forger.connect(links[0].addresses[1])
     forger.send_multipart([MAGIC, HEADER.pack(DATA, 9, 8, 1), b"\x07\x00\x00\x00"])
-    links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
+    wait_until(links[1], lambda: links[1].refused, 10.0, "the refusal")
     assert links[1].refused == {-1: 1} and handlers[1].delivered == []
     forger.close()
     for link in links.values():
@@ -305,7 +313,7 @@ def test_a_message_from_an_unknown_sender_is_refused_and_a_done_is_not_taken_fro
     stranger.setsockopt(zmq.LINGER, 1000)
     stranger.connect(links[0].addresses[1])
     stranger.send_multipart([MAGIC, HEADER.pack(DONE, 0, 0, 0)])
-    links[1].wait_until(lambda: links[1].refused, 10.0, "the refusal")
+    wait_until(links[1], lambda: links[1].refused, 10.0, "the refusal")
     assert links[1].refused == {-1: 1} and links[1].counts()[0] == 1 and not links[1].peer_done(0)
     stranger.close()
     for link in links.values():

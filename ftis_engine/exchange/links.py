@@ -191,13 +191,6 @@ class Links:
                     return time.perf_counter() - start, False
                 self.changed.wait(min(left, 1.0))
 
-    def wait_until(self, ready, timeout_s: float, what: str) -> float:
-        """wait(), raising TimeoutError naming `what` after timeout_s; returns the seconds waited."""
-        seconds, held = self.wait(ready, timeout_s, what)
-        if not held:
-            raise TimeoutError(f"swarm.timeout_s: waited {timeout_s:g} s for {what}")
-        return seconds
-
     def finish(self) -> None:
         """Say DONE on every link and wait for every peer's DONE (a peer answers as soon as it reads ours; what
         arrives meanwhile is drained, not used), then close. Bounded by swarm.timeout_s."""
