@@ -31,7 +31,7 @@ from .checkpoint import (
 from .config import ConfigError, RunConfig
 from .context import check_context, foreign_limit, usable_prompts
 from .errors import describe_load_error, first_line
-from .exchange import Alone, Exchange
+from .exchange import Exchange, Silent
 from .exchange.admission import Admission
 from .exchange.pacer import warn_lead_beyond_staleness
 from .exchange.screen import LogProbs
@@ -226,7 +226,7 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
         warn_lead_beyond_staleness(config)
     swarm = Swarm(
         config=config, role=role, task=task, members=members,
-        exchange=Alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
+        exchange=Silent.alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
         progress=start.progress or Progress(enabled=role.writes_run), schedule=schedule, receivers=receivers,
         loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
     )

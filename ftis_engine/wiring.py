@@ -4,9 +4,9 @@ world under `--nproc` or torchrun, a member of an open swarm's own ranks include
 
 Which transport a rank gets (layout.py says which rank it is):
 
-    one process              LocalSync, or LocalAsync in async mode (eval: LocalSync); OpenExchange for an open
+    one process              local.InProcess (async: deliveries delayed by swarm.latency); OpenExchange for an open
                              swarm's member on one process
-    a member's further shard exchange.Shard (its leader exchanges for it), and its fsdp.Shard
+    a member's further shard exchange.Silent (its leader exchanges for it), and its fsdp.Shard
     a learner or sampler     DistributedAsync in async mode (its weight broadcast group when it has samplers),
                              else DistributedSync
     an open swarm's member   openswarm.member.OpenExchange (its leader), OpenSampler (its samplers)
@@ -45,9 +45,9 @@ class Connection:
 def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None) -> Connection:
     """Every member in this process: they step together (async: deliveries delayed by swarm.latency only); or,
     with join (the coordinator's address), this config's one member in an open swarm, on one process."""
-    from .exchange.async_ import Latency, LocalAsync
+    from .exchange.async_ import Latency
+    from .exchange.local import InProcess
     from .exchange.pacer import queue_capacity
-    from .exchange.sync import LocalSync
 
     if join is not None:
         from .openswarm.member import OpenExchange
@@ -56,10 +56,8 @@ def connect_local(config: RunConfig, evaluating: bool = False, join: str | None 
         return Connection(exchange, Role(joined=True, asynchronous=True), open_peers=exchange.book,
                           opened=exchange.attach)
     role = Role(evaluating=evaluating, asynchronous=config.swarm.mode == "async")
-    if role.asynchronous and not evaluating:
-        return Connection(LocalAsync(list(range(len(config.members))), Latency(config.swarm.latency, config.seed),
-                                     queue_capacity(config)), role)
-    return Connection(LocalSync(), role)
+    latency = Latency(config.swarm.latency, config.seed) if role.asynchronous and not evaluating else None
+    return Connection(InProcess(list(range(len(config.members))), queue_capacity(config), latency), role)
 
 
 def round_store(rank: int, world: int, timeout: datetime.timedelta):
@@ -172,7 +170,7 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
     """One rank of a torch.distributed world (the world's size already checked against the layout): joins the
     process group, creates every group in the order all ranks do, and builds this rank's transport and shard.
     join: the open swarm's coordinator, for a member on its own ranks."""
-    from .exchange import Shard as ShardExchange
+    from .exchange import Silent
     from .exchange.async_ import DistributedAsync, Latency
     from .exchange.sync import Collectives, DistributedSync
     from .exchange.weights import WeightBroadcast
@@ -208,7 +206,7 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
 
         name = config.members[0].name
         if seat.endpoint is None:
-            exchange = ShardExchange(collectives, seat.member, endpoints)
+            exchange = Silent.shard(collectives, seat.member, endpoints)
             open_peers = PeerBook(name)  # a shard's deal is its own name's; it admits nothing
         elif seat.sampler is not None:  # numbered as its member's endpoints: itself, then its samplers
             exchange = OpenSampler(join, config, collectives, broadcast, seat.endpoint, seat.sampler)
@@ -220,7 +218,7 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
             exchange = OpenExchange(join, config, collectives, broadcast)
             open_peers, opened = exchange.book, exchange.attach
     elif seat.endpoint is None:
-        exchange = ShardExchange(collectives, seat.member, endpoints)
+        exchange = Silent.shard(collectives, seat.member, endpoints)
     elif config.swarm.mode == "async" and not evaluating:
         exchange = DistributedAsync(collectives, config, Latency(config.swarm.latency, config.seed),
                                     endpoint=seat.endpoint, group=groups.links, broadcast=broadcast)

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from ftis_engine.config import LatencySettings
-from ftis_engine.exchange import Alone, Parcel, PeerLost
+from ftis_engine.exchange import Parcel, PeerLost, Silent
 from ftis_engine.exchange import WeightSlot
-from ftis_engine.exchange.async_ import Latency, LocalAsync, Mailbox
+from ftis_engine.exchange.async_ import Latency, Mailbox
+from ftis_engine.exchange.local import InProcess
 from ftis_engine.exchange.links import DATA, DONE, TAKEN, WEIGHTS, Outbox
-from ftis_engine.exchange.sync import Collectives, DistributedSync, LocalSync
+from ftis_engine.exchange.sync import Collectives, DistributedSync
 from ftis_engine.rollouts import Rollout, encode
 
 
@@ -23,16 +24,18 @@ def _buffer(sequences: int) -> torch.Tensor:
                    for i in range(sequences)])
 
 
-def test_local_sync_gives_every_member_every_peers_buffer_and_alone_nothing():
+def test_in_process_sync_gives_every_member_every_peers_buffer_of_the_step_and_alone_nothing():
     buffers = {0: torch.zeros(3, dtype=torch.int32), 1: torch.ones(5, dtype=torch.int32)}
-    exchange = LocalSync()
+    exchange = InProcess([0, 1], capacity=2)
     assert exchange.send(buffers, step=4) == {0: 12, 1: 20}
     got = exchange.receive(0, 4).parcels
     assert [(p.sender, p.step, p.version) for p in got] == [(1, 4, 3)] and torch.equal(got[0].buffer, buffers[1])
     assert [p.sender for p in exchange.receive(1, 4).parcels] == [0]
-    alone = Alone(LocalSync())
+    exchange.send(buffers, step=5)  # the next step's: this step's alone (the last step's were taken)
+    assert [(p.sender, p.step) for p in exchange.receive(0, 5).parcels] == [(1, 5)]
+    alone = Silent.alone(InProcess([0, 1], capacity=2))
     assert alone.send(buffers, 4) == {0: 0, 1: 0} and alone.receive(0, 4).parcels == []
-    assert LocalSync().send({0: buffers[0]}, 1) == {0: 0}  # a swarm of one sends nothing
+    assert InProcess([0], capacity=2).send({0: buffers[0]}, 1) == {0: 0}  # a swarm of one sends nothing
 
 
 def test_latency_is_fixed_or_drawn_reproducibly_within_its_range():
@@ -67,8 +70,8 @@ def test_a_full_mailbox_drops_a_senders_oldest_parcel_and_counts_its_sequences()
     assert [(p.sender, p.step) for p in box.take_due(9, time.time())] == [(2, 1), (1, 2), (1, 3)]
 
 
-def test_the_local_async_exchange_delivers_to_every_peer_after_the_delay():
-    exchange = LocalAsync([0, 1, 2], Latency(LatencySettings.model_validate(2), seed=0), capacity=8)
+def test_the_in_process_async_exchange_delivers_to_every_peer_after_the_delay():
+    exchange = InProcess([0, 1, 2], capacity=8, latency=Latency(LatencySettings.model_validate(2), seed=0))
     assert exchange.send({0: torch.ones(5, dtype=torch.int32)}, step=1) == {0: 20}
     first = exchange.receive(1, 2)
     assert first.parcels == [] and first.waiting == 1 and exchange.receive(0, 2).waiting == 0

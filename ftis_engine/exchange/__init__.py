@@ -3,13 +3,12 @@
 Every step a member `send`s its scored rollouts (one wire buffer, rollouts.encode) and `receive`s what its peers
 sent as parcels; admission.py then decides what it trains on (the same checks in both modes). The transports:
 
-    sync.LocalSync            every member in this process
+    local.InProcess           every member in this process (async: deliveries delayed by swarm.latency only)
     sync.DistributedSync      one endpoint (member) per process; every member waits for every member each step
-    async_.LocalAsync         every member in this process, deliveries delayed by swarm.latency only
     async_.DistributedAsync   one member (or sampler) per process; nobody waits for anybody, except as far as
                               the lead bound (pacer.py) keeps a member from its slowest live peer
-    Alone                     collaboration: alone (wraps any of them: nothing goes on the wire)
-    Shard                     a member's further rank (members.N.ranks > 1): its leader exchanges for it
+    Silent                    nothing on the wire: collaboration: alone (over any of them), and a member's further
+                              rank (members.N.ranks > 1), whose leader exchanges for it
 
 The collectives of a run's start and checkpoints (barrier, all_agree, gather_records, all_gather_object) are the
 transport's `collectives`: sync.Collectives for both distributed transports, sync.LocalCollectives in one process.
@@ -209,40 +208,30 @@ def wire_bytes_sent(buffer: torch.Tensor, receivers: int) -> int:
     return 4 * buffer.numel() if receivers > 0 else 0
 
 
-class Alone(WithoutSamplers):
-    """collaboration: alone. Nothing goes on the wire and nothing arrives; the start's and checkpoints'
-    collectives (and, async, the DONE handshake) still go through the transport underneath."""
+class Silent(WithoutSamplers):
+    """A transport that puts nothing on the wire and delivers nothing: a run with collaboration: alone (`alone`,
+    over the transport it would have had, whose start, collectives and DONE handshake still run), and a member's
+    further rank (`shard`: its leader exchanges for it and hands it what it admitted; the run's start and
+    checkpoints still gather every rank)."""
 
-    def __init__(self, transport: Exchange):
-        self.transport = transport
-        self.rank = transport.rank
-        self.world_size = transport.world_size
-        self.collectives = transport.collectives
-
-    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
-        self.transport.start(limit, start_step)
-
-    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
-        return {m: 0 for m in buffers}
-
-    def receive(self, receiver: int, step: int) -> Arrivals:
-        return Arrivals()
-
-    def finish(self) -> None:
-        self.transport.finish()
-
-
-class Shard(WithoutSamplers):
-    """A member's further rank (fsdp.py): it takes no part in the exchange (its leader sends the member's
-    rollouts and hands it what it admitted); the run's start and checkpoints still gather every rank."""
-
-    def __init__(self, collectives: Collectives, member: int, endpoints: int):
+    def __init__(self, collectives: Collectives, rank: int, world_size: int, underneath: Exchange | None = None):
         self.collectives = collectives
-        self.rank = member  # the member's endpoint: its leader's rank
-        self.world_size = endpoints
+        self.rank = rank
+        self.world_size = world_size
+        self.underneath = underneath
+
+    @classmethod
+    def alone(cls, transport: Exchange) -> Silent:
+        return cls(transport.collectives, transport.rank, transport.world_size, transport)
+
+    @classmethod
+    def shard(cls, collectives: Collectives, member: int, endpoints: int) -> Silent:
+        """A further rank of `member`: its endpoint is its leader's (the member's index)."""
+        return cls(collectives, member, endpoints)
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
-        """The leader exchanges."""
+        if self.underneath is not None:
+            self.underneath.start(limit, start_step)
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         return {m: 0 for m in buffers}
@@ -251,4 +240,5 @@ class Shard(WithoutSamplers):
         return Arrivals()
 
     def finish(self) -> None:
-        """The leader says DONE for the member."""
+        if self.underneath is not None:  # async: say DONE; a shard's leader says it for the member
+            self.underneath.finish()

@@ -26,11 +26,11 @@ from ..config import LatencySettings, RunConfig
 from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
 from ..rollouts import claimed_sequences
 from ..schedule import learner_version
-from . import Arrivals, Limit, Parcel, TransportError, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
+from . import Arrivals, Limit, Parcel, TransportError, WeightSlot, collective, wire_bytes_sent
 from .links import Links
 from .messages import DATA, TAKEN, WEIGHTS
 from .pacer import Pacer, queue_capacity
-from .sync import Collectives, LocalCollectives
+from .sync import Collectives
 
 
 def gather_addresses(address: str, endpoints: int, group) -> list[str]:
@@ -122,39 +122,6 @@ class Mailbox:
     def __len__(self) -> int:
         with self._lock:
             return sum(len(box) for box in self._parcels.values())
-
-
-class LocalAsync(WithoutSamplers):
-    """Every member in this process, stepping together: a parcel goes straight into each peer's mailbox, delayed
-    by the latency only (the lead bound never binds: nobody is ahead)."""
-
-    world_size = 1
-    rank = 0
-
-    def __init__(self, members: list[int], latency: Latency, capacity: int):
-        self.collectives = LocalCollectives()
-        self.latency = latency
-        self.mailboxes = {m: Mailbox(capacity) for m in members}
-
-    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
-        """Nothing to allocate for: the buffers are this process's own."""
-
-    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
-        for sender, buffer in buffers.items():
-            for receiver, box in self.mailboxes.items():
-                if receiver != sender:
-                    box.put(self.latency.schedule(Parcel(sender, step, learner_version(step), buffer), receiver))
-        return {m: wire_bytes_sent(b, len(self.mailboxes) - 1) for m, b in buffers.items()}
-
-    def receive(self, receiver: int, step: int) -> Arrivals:
-        start = time.perf_counter()
-        box = self.mailboxes[receiver]
-        parcels = box.take_due(step, time.time())
-        return Arrivals(parcels, wait_seconds=time.perf_counter() - start, waiting=len(box),
-                        dropped_sequences=box.take_dropped())
-
-    def finish(self) -> None:
-        """Nothing crosses a process: what is still in a mailbox is simply not used."""
 
 
 class DistributedAsync:

@@ -40,31 +40,6 @@ class LocalCollectives:
         """No process group to tear down."""
 
 
-class LocalSync(WithoutSamplers):
-    """Every member lives in this process: every buffer is already here."""
-
-    world_size = 1
-    rank = 0
-
-    def __init__(self) -> None:
-        self.collectives = LocalCollectives()
-        self._sent: dict[int, tuple[int, torch.Tensor]] = {}
-
-    def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
-        """Nothing to allocate for: the buffers are this process's own."""
-
-    def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
-        self._sent = {m: (step, b) for m, b in buffers.items()}
-        return {m: wire_bytes_sent(b, len(buffers) - 1) for m, b in buffers.items()}
-
-    def receive(self, receiver: int, step: int) -> Arrivals:
-        return Arrivals([Parcel(sender, sent_step, learner_version(sent_step), buffer)
-                         for sender, (sent_step, buffer) in sorted(self._sent.items()) if sender != receiver])
-
-    def finish(self) -> None:
-        """Nothing crosses a process."""
-
-
 class Collectives:
     """The default process group's collectives that a run's start and its checkpoints need (both modes)."""
 
