@@ -262,8 +262,9 @@ def test_an_error_in_a_transport_thread_surfaces_with_its_own_message_not_as_a_l
     assert results[1][0] != 0, results[1][1][-3000:]  # the other rank stops too (its peer is gone)
 
 
-@pytest.mark.slow
 def test_sampler_ranks_need_async_mode_and_their_own_processes(tmp_path, capsys):
+    """Refused in this process before any rank starts: the unit tier (moved from the slow tier in issue 69, where it
+    sat with its file's process tests though it starts none)."""
     from .helpers import command_here
 
     result = command_here(capsys, *_args(tmp_path, "members.0.samplers=1"))

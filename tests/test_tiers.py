@@ -62,6 +62,7 @@ INTEGRATION = {
 # tests that name --nproc but run the command in this process (helpers.command_here) and are refused before the
 # launcher starts anything: no process. A test here must call command_here and start nothing else.
 REFUSED_IN_PROCESS = {
+    "test_async_swarm.py::test_sampler_ranks_need_async_mode_and_their_own_processes",
     "test_layers.py::test_liger_on_a_cpu_run_stops_before_any_process_starts",
     "test_placement.py::test_a_device_on_a_member_of_several_ranks_is_refused",
     "test_placement.py::test_bad_placements_exit_2_with_one_line",
