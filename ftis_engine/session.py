@@ -3,15 +3,14 @@ swarm's member), through trainer.build:
 
     swarm, start_step = open_run(config, Start(run_dir, resume=...), connection)   # wiring.connect_local / connect
 
-checks the run directory (a new run never writes into another's), loads and checks every local member's model and
-tokenizer (and every peer's tokenizer: a peer whose tokenizer differs sends text to re-encode), builds the task and the members, agrees
-with the other ranks on the training prompts, and restores the newest complete checkpoint (or the one given).
+checks what this machine allows, agrees with the other ranks on the run directory (a new run never writes into
+another's), the tokenizers (a peer whose tokenizer differs sends text to re-encode), the training prompts and the
+checkpoint to restore (restore.py reads it), then builds the task, the members, the schedule and the receivers.
 Every problem is a ConfigError whose one-line message names the field or path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import pathlib
 from dataclasses import dataclass, field
@@ -19,18 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from ftis_kernels import LossConfig
 
-from .checkpoint import (
-    READ_ERRORS,
-    STEP_DIR,
-    latest_checkpoint,
-    member_dir,
-    read_state,
-    restore_member,
-    restore_optimizer_shard,
-)
 from .config import ConfigError, RunConfig
 from .context import check_context, foreign_limit, usable_prompts
-from .errors import describe_load_error, first_line
 from .exchange import Exchange, Silent
 from .exchange.admission import Admission
 from .exchange.pacer import warn_lead_beyond_staleness
@@ -39,8 +28,16 @@ from .exchange.verify import RolloutChecker
 from .layout import Role, check_processes
 from .members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
 from .models import model_context, vocabulary_hash
-from .preflight import check_backend, check_generator_placement, check_members, check_model, check_threads, member_device
+from .preflight import (
+    check_backend,
+    check_generator_placement,
+    check_members,
+    check_model,
+    check_threads,
+    member_device,
+)
 from .progress import Progress
+from .restore import agree_checkpoint, restore_into, restore_shard, resume_screens
 from .rundir import RunDirError, check_run_dir
 from .schedule import Schedule
 from .tasks import Task, load_task, prompt_ids
@@ -136,126 +133,141 @@ class Start:
 
 
 def open_run(config: RunConfig, start: Start, connection: Connection | None = None) -> tuple[Swarm, int]:
-    """This process's Swarm and the step to start after (0: a fresh run).
+    """This process's Swarm and the step to start after (0: a fresh run), in the order below: what this machine
+    and the process count allow, then the start's four agreements with the other ranks (the run directory, the
+    tokenizers, the training prompts, the checkpoint), then the members (each built, checked, restored and sharded
+    in one pass), the schedule and the receivers.
 
     connection: this process's transport and role (wiring.connect; None: every member in this process,
     wiring.connect_local); the members it holds are its seat's (a member's rank, or a sampler's) or all of them.
     """
-    checkpoint, run_dir = start.checkpoint, start.run_dir
-    resume = start.resume or start.restarted
-    if checkpoint is None:  # a tracker that is not installed: said before anything is written (--nproc: the launcher)
+    evaluating = start.checkpoint is not None
+    if not evaluating:  # a tracker that is not installed: said before anything is written (--nproc: the launcher)
         problem = missing_tracker(config.logging.report_to)
         if problem:
             raise ConfigError(problem)
     if connection is None:
-        connection = connect_local(config, evaluating=checkpoint is not None)
-    exchange, role, shard = connection.exchange, connection.role, connection.shard
-    distributed = role.seat is not None
-    if not distributed:  # a world's count was checked as it started (launch.py)
+        connection = connect_local(config, evaluating=evaluating)
+    role, collectives = connection.role, connection.exchange.collectives
+    if role.seat is None:  # a world's count was checked as it started (launch.py)
         check_processes(config, None, evaluating=role.evaluating)
     # a rank holds its member: a learner's, or the one a sampler rank generates for
-    local = [role.seat.member] if distributed else list(range(len(config.members)))
-    if config.train.threads:
-        check_threads(config.train.threads)
-        torch.set_num_threads(config.train.threads)
-    check_generator_placement(config, distributed=distributed)
-    devices = {i: member_device(config, i, connection.local_rank) for i in local}
-    for i in local:
-        check_backend(config, devices[i])
-    if checkpoint is None and not start.restarted:
-        problem = None
-        if role.writes_run:
-            try:
-                check_run_dir(run_dir, config, resume)
-            except RunDirError as exc:
-                problem = str(exc)
-        problem = exchange.collectives.all_gather_object(problem)[0]
-        if problem:
-            raise AgreedError(problem)
-    tokenizers = check_members(config, members=local)
-    hashes: dict[int, str] = {}
-    for part in exchange.collectives.all_gather_object({i: vocabulary_hash(tokenizers[i]) for i in local}):
-        hashes.update(part)
-    # every member's tokenizer, here too: a peer whose tokenizer differs sends text this rank decodes with it
-    everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i) for i in range(len(config.members))}
-    foreign = foreign_tokenizers(config, everyone, hashes)
-
-    task = load_task(config.data, config.seed, config.eval.datasets, with_train=checkpoint is None,
+    local = [role.seat.member] if role.seat is not None else list(range(len(config.members)))
+    devices = prepare_machine(config, local, connection)
+    if not evaluating and not start.restarted:
+        agree_run_dir(config, start, role, collectives)
+    tokenizers, everyone, hashes = agree_tokenizers(config, local, collectives)
+    task = load_task(config.data, config.seed, config.eval.datasets, with_train=not evaluating,
                      eval_reward=config.eval.reward)
     for i in local:
         check_warm_start(i, config.members[i], task)
     # one per vocabulary and chat template (prompt lengths depend on both)
     distinct = list({(hashes[i], getattr(everyone[i], "chat_template", None)): everyone[i]
                      for i in everyone}.values())
-    train_indices, longest_prompt = usable_prompts(config, task, distinct, exchange.collectives)
-    source, what = restore_source(config, run_dir, checkpoint, resume, exchange.collectives)
-    start_step = checkpoint_step(config, source, what) if source is not None else 0
-    if source is not None and checkpoint is None and not config.checkpoint.save_optimizer:
-        log.warning("--resume: checkpoint.save_optimizer is false, so %s holds no optimizer state: Adam's "
-                    "moments restart from zero (the resumed run is not the run that went through)", source)
-    sampler = role.sampler is not None
-    members: list[Member] = []
-    built = False
-    try:
-        for i in local:  # each member finished (checked, restored, sharded) before the next is built
-            member = build_member(i, config, tokenizers[i], devices[i], task,
-                                  trains=checkpoint is None and not sampler, shard=shard)
-            members.append(member)
-            finish_member(member, config, longest_prompt, source, what, shard, evaluating=checkpoint is not None)
-        built = True
-    finally:  # a member or checkpoint that fails (or a Ctrl-C) closes the generators built (a vLLM engine holds a GPU)
-        if not built:
-            close_generators(members)
-    if connection.open_peers is None:
-        schedule = Schedule(config, tuple(train_indices))
-    else:
-        from .openswarm.schedule import OpenSchedule
-
-        schedule = OpenSchedule(config, tuple(train_indices), connection.open_peers)
+    train_indices, longest_prompt = usable_prompts(config, task, distinct, collectives)
+    source, what, start_step = agree_checkpoint(config, start.run_dir, start.checkpoint,
+                                                start.resume or start.restarted, collectives)
+    members = build_members(config, local, tokenizers, devices, task, longest_prompt, source, what, connection,
+                            evaluating)
+    schedule = make_schedule(config, train_indices, connection.open_peers)
     loss_config = config.algorithm.loss_config(config.rollout.temperature)
     prompt_cache: dict[tuple[int, int], list[int]] = {}
-    receivers = {m.index: Admission(config, schedule, RolloutChecker(
-        task, m.tokenizer, m.vocab_size, config.rollout.max_new_tokens, foreign[m.index],
-        foreign_limit(config, model_context(m.causal_lm.config), longest_prompt), config.defense.check_claims,
-        config.rollout.top_k is None and config.rollout.top_p == 1.0), m.index, start_step,
-        logprobs=peer_logprobs(m, task, prompt_cache, loss_config, config), shard=m.shard)
-        for m in members}
-    if source is not None and checkpoint is None:
+    foreign = foreign_tokenizers(config, everyone, hashes)
+    receivers = {m.index: make_receiver(config, m, task, schedule, foreign[m.index], longest_prompt, start_step,
+                                        peer_logprobs(m, task, prompt_cache, loss_config, config))
+                 for m in members}
+    if source is not None and not evaluating:
         resume_screens(receivers, members, source, config)
     if role.independent and role.writes_run:
         warn_lead_beyond_staleness(config)
     swarm = Swarm(
         config=config, role=role, task=task, members=members,
-        exchange=Silent.alone(exchange) if config.collaboration == "alone" else exchange, run_dir=run_dir,
-        progress=start.progress or Progress(enabled=role.writes_run), schedule=schedule, receivers=receivers,
-        loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
+        exchange=Silent.alone(connection.exchange) if config.collaboration == "alone" else connection.exchange,
+        run_dir=start.run_dir, progress=start.progress or Progress(enabled=role.writes_run), schedule=schedule,
+        receivers=receivers, loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
     )
     if connection.opened is not None:  # an open swarm's transport: the tokenizer and dataset it announces
         connection.opened(swarm)
     return swarm, start_step
 
 
-def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path, config: RunConfig) -> None:
-    """A resumed member's receiver goes on with the claims monitor's tests (screen.json) and the length guard's own
-    lengths (admission.json) its checkpoint holds; one that holds none (written before that state was kept) starts
-    afresh, warned."""
-    import json
+def prepare_machine(config: RunConfig, local: list[int], connection: Connection) -> dict[int, torch.device]:
+    """What this machine allows the members this process holds (threads, generator placement, backend), and
+    each one's device."""
+    if config.train.threads:
+        check_threads(config.train.threads)
+        torch.set_num_threads(config.train.threads)
+    check_generator_placement(config, distributed=connection.role.seat is not None)
+    devices = {i: member_device(config, i, connection.local_rank) for i in local}
+    for i in local:
+        check_backend(config, devices[i])
+    return devices
 
-    for member in members:
-        for name, kept in receivers[member.index].kept_states().items():
-            file = member_dir(source, member.name) / name
-            if not file.is_file():
-                log.warning("%s: %s holds no %s (written before it was kept); %s", member.name, source,
-                            kept.what, kept.afresh)
-                continue
-            try:
-                state = json.loads(file.read_text())
-            except (OSError, ValueError) as exc:  # json's errors are ValueErrors too
-                raise RunDirError(f"--resume: {file}: {first_line(exc)}") from None
-            try:
-                kept.target.load_state(state, str(file))
-            except ValueError as exc:
-                raise RunDirError(f"--resume: {first_line(exc)}") from None
+
+def agree_run_dir(config: RunConfig, start: Start, role: Role, collectives) -> None:
+    """A first start never writes into another run: rank 0 checks the run directory and every rank takes its
+    finding (a collective), so all stop alike (AgreedError: rank 0 alone says it)."""
+    problem = None
+    if role.writes_run:
+        try:
+            check_run_dir(start.run_dir, config, start.resume)
+        except RunDirError as exc:
+            problem = str(exc)
+    problem = collectives.all_gather_object(problem)[0]
+    if problem:
+        raise AgreedError(problem)
+
+
+def agree_tokenizers(config: RunConfig, local: list[int], collectives
+                     ) -> tuple[dict[int, object], dict[int, object], dict[int, str]]:
+    """The local members' tokenizers (loaded and checked), every member's (a peer whose tokenizer differs sends text
+    this rank decodes with it) and every member's vocabulary hash as its own rank loaded it (a collective)."""
+    tokenizers = check_members(config, members=local)
+    hashes: dict[int, str] = {}
+    for part in collectives.all_gather_object({i: vocabulary_hash(tokenizers[i]) for i in local}):
+        hashes.update(part)
+    everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i)
+                for i in range(len(config.members))}
+    return tokenizers, everyone, hashes
+
+
+def build_members(config: RunConfig, local: list[int], tokenizers: dict, devices: dict, task: Task,
+                  longest_prompt: int, source: pathlib.Path | None, what: str, connection: Connection,
+                  evaluating: bool) -> list[Member]:
+    """The members this process holds, each finished (checked, restored, sharded) before the next is built; a
+    member or checkpoint that fails (or a Ctrl-C) closes the generators built (a vLLM engine holds a GPU)."""
+    shard, trains = connection.shard, not evaluating and connection.role.sampler is None
+    members: list[Member] = []
+    built = False
+    try:
+        for i in local:
+            member = build_member(i, config, tokenizers[i], devices[i], task, trains=trains, shard=shard)
+            members.append(member)
+            finish_member(member, config, longest_prompt, source, what, shard, evaluating=evaluating)
+        built = True
+    finally:
+        if not built:
+            close_generators(members)
+    return members
+
+
+def make_schedule(config: RunConfig, train_indices, open_peers) -> Schedule:
+    """One world's schedule, or an open swarm member's by name (open_peers: its openswarm.schedule.PeerBook)."""
+    if open_peers is None:
+        return Schedule(config, tuple(train_indices))
+    from .openswarm.schedule import OpenSchedule
+
+    return OpenSchedule(config, tuple(train_indices), open_peers)
+
+
+def make_receiver(config: RunConfig, member: Member, task: Task, schedule: Schedule, foreign: dict, longest_prompt: int,
+                  start_step: int, logprobs: LogProbs) -> Admission:
+    """A local member's receiver: its checks of what peers send (RolloutChecker, with the tokenizers of peers that
+    tokenise otherwise), its screen's log-prob function and its shard."""
+    checker = RolloutChecker(task, member.tokenizer, member.vocab_size, config.rollout.max_new_tokens, foreign,
+                             foreign_limit(config, model_context(member.causal_lm.config), longest_prompt),
+                             config.defense.check_claims, config.rollout.top_k is None and config.rollout.top_p == 1.0)
+    return Admission(config, schedule, checker, member.index, start_step, logprobs=logprobs, shard=member.shard)
 
 
 def finish_member(member: Member, config: RunConfig, longest_prompt: int, source: pathlib.Path | None, what: str,
@@ -273,76 +285,3 @@ def finish_member(member: Member, config: RunConfig, longest_prompt: int, source
         shard_member(member, shard, config)
         if source is not None and optimizer:
             restore_shard(member, source, what)
-
-
-def restore_source(config: RunConfig, run_dir: pathlib.Path, checkpoint: pathlib.Path | None, resume: bool,
-                   collectives) -> tuple[pathlib.Path | None, str]:
-    """The checkpoint to restore (None: a fresh start) and how errors name it: the given one (eval), or on
-    --resume the newest complete checkpoint every rank has (a collective)."""
-    if checkpoint is not None:
-        return checkpoint, "--checkpoint"
-    if not resume:
-        return None, ""
-    found = latest_checkpoint(run_dir)
-    agreed = collectives.all_agree(found[0] if found else 0)
-    if agreed > config.train.steps:  # it would evaluate step `agreed`'s weights and call them the end
-        raise RunDirError(f"train.steps: {config.train.steps} is below step {agreed} of the checkpoint a "
-                          f"resume continues from; a resume can only go on (set train.steps >= {agreed}), or "
-                          "evaluate that checkpoint with ftis-engine eval --checkpoint")
-    return (run_dir / "checkpoints" / f"step-{agreed}", "--resume: checkpoint") if agreed else (None, "")
-
-
-def checkpoint_step(config: RunConfig, checkpoint: pathlib.Path, what: str) -> int:
-    """The step of `checkpoint` from its state.json, which must name this config's members and its directory's
-    step. `what` names the argument in errors."""
-    try:
-        state = read_state(checkpoint)
-        step = int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        _replaced(checkpoint, what)
-        raise RunDirError(f"{what} {checkpoint}: unreadable state.json ({type(exc).__name__}: "
-                          f"{first_line(exc)})") from None
-    named = STEP_DIR.match(checkpoint.name)
-    if named and int(named.group(1)) != step or isinstance(state.get("step"), bool) or step < 0:
-        raise RunDirError(f"{what} {checkpoint}: its state.json says step {state.get('step')!r}, its directory "
-                          f"{checkpoint.name}; a checkpoint's step is its directory's")
-    names = [m.name for m in config.members]
-    if state.get("members") != names:
-        raise RunDirError(f"{what} {checkpoint}: holds members {state.get('members')}, the config has {names}")
-    return step
-
-
-@contextlib.contextmanager
-def _restoring(checkpoint: pathlib.Path, what: str, part: str):
-    """Around loading `part` ("member 'x'") from `checkpoint`: what its files can raise (checkpoint.READ_ERRORS:
-    missing or truncated weights, a missing adapter, a foreign optimizer state) is one RunDirError naming it; any
-    other error (this code's own: an AttributeError) propagates as itself."""
-    try:
-        yield
-    except READ_ERRORS as exc:
-        _replaced(checkpoint, what)
-        raise RunDirError(f"{what} {checkpoint}: cannot load {part} ({describe_load_error(exc)})") from None
-
-
-def restore_into(member: Member, checkpoint: pathlib.Path, what: str, load_optimizer: bool, load_rng: bool) -> None:
-    """Load a member from `checkpoint` (weights; optimizer and RNG state when asked), its generator synced."""
-    with _restoring(checkpoint, what, f"member {member.name!r}"):
-        restore_member(member, checkpoint, load_optimizer=load_optimizer, load_rng=load_rng)
-    member.generator.sync(member.model)
-
-
-def restore_shard(member: Member, checkpoint: pathlib.Path, what: str) -> None:
-    """A sharded member's optimizer shard (after shard_member), with restore's errors."""
-    with _restoring(checkpoint, what, f"member {member.name!r}'s optimizer shard"):
-        restore_optimizer_shard(member, checkpoint)
-
-
-def _replaced(checkpoint: pathlib.Path, what: str) -> None:
-    """A running training keeps checkpoint.keep_last checkpoints: one read while it is pruned is gone midway. Say
-    so (and which is newest now) instead of blaming its files."""
-    if checkpoint.is_dir():
-        return
-    newest = latest_checkpoint(checkpoint.parent.parent)
-    now = f"the newest complete one now is {newest[1]}" if newest else "there is no complete one now"
-    raise RunDirError(f"{what} {checkpoint}: it was removed while being read (a running training keeps only its "
-                      f"newest checkpoint.keep_last); {now}: retry with it")

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from ftis_engine import run, rundir, session
+from ftis_engine import restore, run, rundir, session
 from ftis_engine.config import ConfigError, dump_config
 from ftis_engine.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
 from ftis_engine.session import AgreedError, Start, foreign_tokenizers, open_run
@@ -139,8 +139,8 @@ def test_a_checkpoint_file_that_would_run_code_is_refused_without_torchs_advice_
 
 
 @pytest.mark.parametrize("restore, loader", [
-    (lambda m, ckpt: session.restore_into(m, ckpt, "--resume: checkpoint", True, True), "restore_member"),
-    (lambda m, ckpt: session.restore_shard(m, ckpt, "--resume: checkpoint"), "restore_optimizer_shard")])
+    (lambda m, ckpt: restore.restore_into(m, ckpt, "--resume: checkpoint", True, True), "restore_member"),
+    (lambda m, ckpt: restore.restore_shard(m, ckpt, "--resume: checkpoint"), "restore_optimizer_shard")])
 def test_a_programming_error_while_restoring_is_raised_as_itself_not_as_an_unloadable_member(
         trained, monkeypatch, restore, loader):
     """What a checkpoint's files raise (a missing file: OSError) is "cannot load member"; an AttributeError in the
@@ -156,11 +156,11 @@ def test_a_programming_error_while_restoring_is_raised_as_itself_not_as_an_unloa
             raise error
         return load
 
-    monkeypatch.setattr(session, loader, raising(FileNotFoundError(2, "No such file or directory", "optimizer.pt")))
+    monkeypatch.setattr(f"ftis_engine.restore.{loader}", raising(FileNotFoundError(2, "No such file or directory", "optimizer.pt")))
     with pytest.raises(RunDirError, match=rf"--resume: checkpoint {re.escape(str(ckpt))}: cannot load member "
                                           r"'tiny-s'.*\(FileNotFoundError: "):
         restore(m, ckpt)
-    monkeypatch.setattr(session, loader, raising(AttributeError("'Member' object has no attribute 'shard'")))
+    monkeypatch.setattr(f"ftis_engine.restore.{loader}", raising(AttributeError("'Member' object has no attribute 'shard'")))
     with pytest.raises(AttributeError, match="has no attribute 'shard'"):
         restore(m, ckpt)
 
@@ -209,7 +209,7 @@ def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(train
         shutil.rmtree(checkpoint)
         return honest(checkpoint)
 
-    monkeypatch.setattr("ftis_engine.session.read_state", read_while_pruned)
+    monkeypatch.setattr("ftis_engine.restore.read_state", read_while_pruned)
     with pytest.raises(RunDirError, match=re.escape("it was removed while being read") + ".*" +
                        re.escape(f"the newest complete one now is {newest}: retry with it")):
         open_run(config, Start(copy, checkpoint=older))
