@@ -156,7 +156,7 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
     devices = prepare_machine(config, local, connection)
     if not evaluating and not start.restarted:
         agree_run_dir(config, start, role, collectives)
-    tokenizers, everyone, hashes = agree_tokenizers(config, local, collectives)
+    tokenizers, everyone, hashes, foreign = agree_tokenizers(config, local, collectives)
     task = load_task(config.data, config.seed, config.eval.datasets, with_train=not evaluating,
                      eval_reward=config.eval.reward)
     for i in local:
@@ -169,25 +169,30 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
                                                 start.resume or start.restarted, collectives)
     members = build_members(config, local, tokenizers, devices, task, longest_prompt, source, what, connection,
                             evaluating)
-    schedule = make_schedule(config, train_indices, connection.open_peers)
-    loss_config = config.algorithm.loss_config(config.rollout.temperature)
-    prompt_cache: dict[tuple[int, int], list[int]] = {}
-    foreign = foreign_tokenizers(config, everyone, hashes)
-    receivers = {m.index: make_receiver(config, m, task, schedule, foreign[m.index], longest_prompt, start_step,
-                                        peer_logprobs(m, task, prompt_cache, loss_config, config))
-                 for m in members}
-    if source is not None and not evaluating:
-        resume_screens(receivers, members, source, config)
-    if role.independent and role.writes_run:
-        warn_lead_beyond_staleness(config)
-    swarm = Swarm(
-        config=config, role=role, task=task, members=members,
-        exchange=Silent.alone(connection.exchange) if config.collaboration == "alone" else connection.exchange,
-        run_dir=start.run_dir, progress=start.progress or Progress(enabled=role.writes_run), schedule=schedule,
-        receivers=receivers, loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
-    )
-    if connection.opened is not None:  # an open swarm's transport: the tokenizer and dataset it announces
-        connection.opened(swarm)
+    opened = False
+    try:
+        schedule = make_schedule(config, train_indices, connection.open_peers)
+        loss_config = config.algorithm.loss_config(config.rollout.temperature)
+        prompt_cache: dict[tuple[int, int], list[int]] = {}
+        receivers = {m.index: make_receiver(config, m, task, schedule, foreign[m.index], longest_prompt, start_step,
+                                            peer_logprobs(m, task, prompt_cache, loss_config, config))
+                     for m in members}
+        if source is not None and not evaluating:
+            resume_screens(receivers, members, source, config)
+        if role.independent and role.writes_run:
+            warn_lead_beyond_staleness(config)
+        swarm = Swarm(
+            config=config, role=role, task=task, members=members,
+            exchange=Silent.alone(connection.exchange) if config.collaboration == "alone" else connection.exchange,
+            run_dir=start.run_dir, progress=start.progress or Progress(enabled=role.writes_run), schedule=schedule,
+            receivers=receivers, loss_config=loss_config, start_step=start_step, prompt_cache=prompt_cache,
+        )
+        if connection.opened is not None:  # an open swarm's transport: the tokenizer and dataset it announces
+            connection.opened(swarm)
+        opened = True
+    finally:  # a receiver's kept state that does not load (or a Ctrl-C) closes the generators built, as a member does
+        if not opened:
+            close_generators(members)
     return swarm, start_step
 
 
@@ -219,16 +224,18 @@ def agree_run_dir(config: RunConfig, start: Start, role: Role, collectives) -> N
 
 
 def agree_tokenizers(config: RunConfig, local: list[int], collectives
-                     ) -> tuple[dict[int, object], dict[int, object], dict[int, str]]:
+                     ) -> tuple[dict[int, object], dict[int, object], dict[int, str], dict[int, dict[int, object]]]:
     """The local members' tokenizers (loaded and checked), every member's (a peer whose tokenizer differs sends text
-    this rank decodes with it) and every member's vocabulary hash as its own rank loaded it (a collective)."""
+    this rank decodes with it), every member's vocabulary hash as its own rank loaded it (a collective), and for
+    each member the peers that tokenise otherwise (foreign_tokenizers: a rank whose copy differs stops here, before
+    anything is built)."""
     tokenizers = check_members(config, members=local)
     hashes: dict[int, str] = {}
     for part in collectives.all_gather_object({i: vocabulary_hash(tokenizers[i]) for i in local}):
         hashes.update(part)
     everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i)
                 for i in range(len(config.members))}
-    return tokenizers, everyone, hashes
+    return tokenizers, everyone, hashes, foreign_tokenizers(config, everyone, hashes)
 
 
 def build_members(config: RunConfig, local: list[int], tokenizers: dict, devices: dict, task: Task,

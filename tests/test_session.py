@@ -313,6 +313,25 @@ def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_pa
     assert closed == ["tiny-s", "tiny-m-lora"]  # a vLLM engine would otherwise hold its GPU memory
 
 
+def test_a_run_that_fails_to_open_after_its_members_are_built_closes_their_generators(trained, tmp_path,
+                                                                                       monkeypatch):
+    """A receiver's kept state (screen.json, admission.json) that does not load fails the open after every member
+    was built: their generators are closed too (a vLLM engine holds a GPU), as when a member fails."""
+    config, run_dir = trained
+    copy = tmp_path / "copy"
+    shutil.copytree(run_dir, copy)
+    closed = []
+    monkeypatch.setattr(session, "close_generators", lambda members: closed.extend(m.name for m in members))
+
+    def unreadable(receivers, members, source, config):
+        raise RunDirError(f"--resume: {source}/screen.json: not a screen state")
+
+    monkeypatch.setattr(session, "resume_screens", unreadable)
+    with pytest.raises(RunDirError, match="not a screen state"):
+        open_run(config, Start(copy, resume=True))
+    assert closed == ["tiny-s", "tiny-m-lora"]
+
+
 def test_a_resume_that_would_end_before_its_checkpoint_is_refused(trained, tmp_path):
     config, run_dir = trained
     copy = tmp_path / "copy"
