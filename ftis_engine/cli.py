@@ -137,7 +137,6 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         raise UsageFailure(str(exc)) from None
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
-
         code = launch_distributed(cfg, run_dir, resume, processes, join=address)
         if code == INTERRUPTED:
             raise Interrupted(interrupted_hint(run_dir))
