@@ -91,7 +91,26 @@ def keep_aside(metrics: pathlib.Path) -> None:
 
 def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     """Run the steps after `start_step` (0: a fresh run; else the restored checkpoint's step); returns the final
-    eval records. Rank 0 writes config.yaml, metrics.jsonl, TensorBoard events, plots and final_eval.json."""
+    eval records. Rank 0 writes config.yaml, metrics.jsonl, TensorBoard events, plots and final_eval.json. The
+    members' generators are closed however it ends, its start included (a coordinator that never answers, a peer
+    lost at the first barrier): a vLLM engine holds a GPU."""
+    try:
+        final = _steps(swarm, start_step)
+    finally:
+        swarm.close()
+    run_dir = swarm.run_dir
+    if swarm.role.independent and swarm.role.reports:
+        write_final_shared(run_dir, final)
+    elif swarm.role.writes_run:
+        make_plots(run_dir)
+        written = run_dir / f".final_eval.json.tmp{os.getpid()}"  # whole or not at all: a study takes the
+        written.write_text(json.dumps(final, indent=2))  # file's presence for a finished run (study/plan.py)
+        os.replace(written, run_dir / "final_eval.json")
+    return final
+
+
+def _steps(swarm: Swarm, start_step: int) -> list[dict]:
+    """train's start (the run directory's files, the exchange, the log) and its step loop; the final records."""
     config, run_dir = swarm.config, swarm.run_dir
     if swarm.role.writes_run:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,7 +140,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
         name = config.run_name + (f"-rank{swarm.exchange.rank}" if swarm.role.independent else "")
         trackers = open_trackers(report_to, run_dir, config.logging.project, name, config.run_name,
                                  config.model_dump(mode="json"), resume=start_step > 0)
-        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None, shared=swarm.role.independent,
+        logger = MetricsLogger(run_dir, purge_step=start_step + 1 if start_step else None,
+                               shared=swarm.role.independent,
                                tensorboard="tensorboard" in report_to, trackers=trackers,
                                tensorboard_suffix=f".rank{swarm.exchange.rank}" if swarm.role.independent else "",
                                tensorboard_subdir=f"rank{swarm.exchange.rank}" if swarm.role.independent else "",
@@ -163,16 +183,8 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
                 final = final if swarm.role.independent else swarm.exchange.collectives.gather_records(final)
             swarm.exchange.finish()  # async: say DONE to the peers, drain their late parcels
     finally:
-        swarm.close()
         if logger is not None:
             logger.close()
-    if swarm.role.independent and swarm.role.reports:
-        write_final_shared(run_dir, final)
-    elif swarm.role.writes_run:
-        make_plots(run_dir)
-        written = run_dir / f".final_eval.json.tmp{os.getpid()}"  # whole or not at all: a study takes the
-        written.write_text(json.dumps(final, indent=2))  # file's presence for a finished run (study/plan.py)
-        os.replace(written, run_dir / "final_eval.json")
     return final
 
 

@@ -149,6 +149,9 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
     if connection is None:
         connection = connect_local(config, evaluating=evaluating)
     role, collectives = connection.role, connection.exchange.collectives
+    if role.evaluating != evaluating:  # what the members are built for and what Trainer.run does must agree
+        raise ValueError(f"open_run: Start.checkpoint says evaluating={evaluating}, the connection's role says "
+                         f"{role.evaluating}")
     if role.seat is None:  # a world's count was checked as it started (launch.py)
         check_processes(config, None, evaluating=role.evaluating)
     # a rank holds its member: a learner's, or the one a sampler rank generates for

@@ -35,18 +35,20 @@ class Trainer:
 
     def run(self, emit: Callable[[dict], None] = _print_record) -> list[dict]:
         """Train (a learner: every member here, or one rank's), sample (a sampler rank) or evaluate the checkpoint
-        (eval: rank 0 emits every rank's records, one JSON line each). Returns the final (or eval) records."""
+        (eval: rank 0 emits every rank's records, one JSON line each, before its engines close). Returns the final
+        (or eval) records. The members' generators are closed however it ends (a vLLM engine holds a GPU): here
+        for an eval, by run.train and samplers.run_sampler for what they run."""
         swarm, role = self.swarm, self.swarm.role
         if role.evaluating:
             from .run import evaluate_all
 
             try:
                 records = swarm.exchange.collectives.gather_records(evaluate_all(swarm, self.start_step))
+                if role.writes_run:
+                    for record in records:
+                        emit(record)
             finally:
                 swarm.close()
-            if role.writes_run:
-                for record in records:
-                    emit(record)
             return records
         if role.sampler is not None:
             from .samplers import run_sampler

@@ -18,7 +18,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -35,7 +35,7 @@ class Connection:
     it with the Swarm: an open swarm's member announces its tokenizer and dataset from it)."""
 
     exchange: Exchange
-    role: Role = field(default_factory=Role)
+    role: Role
     shard: object | None = None  # fsdp.Shard
     open_peers: object | None = None
     local_rank: int | None = None  # the device index among this node's ranks (None: one process)
@@ -53,8 +53,8 @@ def connect_local(config: RunConfig, evaluating: bool = False, join: str | None 
         from .openswarm.member import OpenExchange
 
         exchange = OpenExchange(join, config)
-        return Connection(exchange, Role(joined=True, asynchronous=True), open_peers=exchange.book,
-                          opened=exchange.attach)
+        role = Role(joined=True, asynchronous=config.swarm.mode == "async")
+        return Connection(exchange, role, open_peers=exchange.book, opened=exchange.attach)
     role = Role(evaluating=evaluating, asynchronous=config.swarm.mode == "async")
     latency = Latency(config.swarm.latency, config.seed) if role.asynchronous and not evaluating else None
     return Connection(InProcess(list(range(len(config.members))), queue_capacity(config), latency), role)

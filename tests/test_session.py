@@ -313,6 +313,22 @@ def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_pa
     assert closed == ["tiny-s", "tiny-m-lora"]  # a vLLM engine would otherwise hold its GPU memory
 
 
+def test_a_run_that_fails_before_its_first_step_closes_its_generators_once(tmp_path, monkeypatch):
+    """run.train closes the members' generators however it ends, its start included: an exchange that fails to
+    start (an open swarm's coordinator that never answers) left them open (a vLLM engine holds a GPU)."""
+    closed = []
+    monkeypatch.setattr(session.Swarm, "close", lambda self: closed.append(True))
+    swarm, start = open_run(short_config(), Start(tmp_path / "run"))
+
+    def unanswered(*args, **kwargs):
+        raise TimeoutError("no coordinator answered within 5 s")
+
+    monkeypatch.setattr(swarm.exchange, "start", unanswered)
+    with pytest.raises(TimeoutError, match="no coordinator answered"):
+        run.train(swarm, start)
+    assert closed == [True]
+
+
 def test_a_run_that_fails_to_open_after_its_members_are_built_closes_their_generators(trained, tmp_path,
                                                                                        monkeypatch):
     """A receiver's kept state (screen.json, admission.json) that does not load fails the open after every member
