@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,6 @@ def check_processes(config: RunConfig, processes: int | None, *, evaluating: boo
     """The one check of the processes a run starts in against its layout (ConfigError naming the field or flag).
     processes: how many (None: one process holding every member); given: how that count was given, for the
     message (--nproc N, WORLD_SIZE=N). An eval runs the members' ranks only (samplers do not change the model)."""
-    from .config import ConfigError
-
     samplers = next((i for i, m in enumerate(config.members) if m.samplers), None)
     if processes is None:
         if evaluating:  # every member evaluates in this process, whatever its ranks and samplers

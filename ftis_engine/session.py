@@ -170,10 +170,15 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
     train_indices, longest_prompt = usable_prompts(config, task, distinct, collectives)
     source, what, start_step = agree_checkpoint(config, start.run_dir, start.checkpoint,
                                                 start.resume or start.restarted, collectives)
-    members = build_members(config, local, tokenizers, devices, task, longest_prompt, source, what, connection,
-                            evaluating)
+    shard, trains = connection.shard, not evaluating and role.sampler is None
+    members: list[Member] = []
     opened = False
-    try:
+    try:  # a member, checkpoint or receiver state that fails (or a Ctrl-C) closes the generators built: a vLLM
+        # engine holds a GPU
+        for i in local:  # each member finished (checked, restored, sharded) before the next is built
+            member = build_member(i, config, tokenizers[i], devices[i], task, trains=trains, shard=shard)
+            members.append(member)
+            finish_member(member, config, longest_prompt, source, what, shard, evaluating=evaluating)
         schedule = make_schedule(config, train_indices, connection.open_peers)
         loss_config = config.algorithm.loss_config(config.rollout.temperature)
         prompt_cache: dict[tuple[int, int], list[int]] = {}
@@ -193,7 +198,7 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
         if connection.opened is not None:  # an open swarm's transport: the tokenizer and dataset it announces
             connection.opened(swarm)
         opened = True
-    finally:  # a receiver's kept state that does not load (or a Ctrl-C) closes the generators built, as a member does
+    finally:
         if not opened:
             close_generators(members)
     return swarm, start_step
@@ -239,26 +244,6 @@ def agree_tokenizers(config: RunConfig, local: list[int], collectives
     everyone = {i: tokenizers[i] if i in local else load_member_tokenizer(config, i)
                 for i in range(len(config.members))}
     return tokenizers, everyone, hashes, foreign_tokenizers(config, everyone, hashes)
-
-
-def build_members(config: RunConfig, local: list[int], tokenizers: dict, devices: dict, task: Task,
-                  longest_prompt: int, source: pathlib.Path | None, what: str, connection: Connection,
-                  evaluating: bool) -> list[Member]:
-    """The members this process holds, each finished (checked, restored, sharded) before the next is built; a
-    member or checkpoint that fails (or a Ctrl-C) closes the generators built (a vLLM engine holds a GPU)."""
-    shard, trains = connection.shard, not evaluating and connection.role.sampler is None
-    members: list[Member] = []
-    built = False
-    try:
-        for i in local:
-            member = build_member(i, config, tokenizers[i], devices[i], task, trains=trains, shard=shard)
-            members.append(member)
-            finish_member(member, config, longest_prompt, source, what, shard, evaluating=evaluating)
-        built = True
-    finally:
-        if not built:
-            close_generators(members)
-    return members
 
 
 def make_schedule(config: RunConfig, train_indices, open_peers) -> Schedule:

@@ -63,6 +63,15 @@ from .wire import mac_matches
 log = logging.getLogger("ftis_engine.exchange")
 
 
+def announced(config: RunConfig, swarm) -> tuple[str, str, str]:
+    """What a member's process joins the coordinator with, from its opened run: its tokenizer's hash, its training
+    set's hash and where its tokenizer loads from ("" for a local path, which is not shareable)."""
+    from ..models import vocabulary_hash
+
+    spec = config.members[0].tokenizer or config.members[0].model
+    return vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task), spec if shareable(spec) else ""
+
+
 class OpenExchange:
     """The Exchange of a member in an open swarm (see the module)."""
 
@@ -106,12 +115,7 @@ class OpenExchange:
     def attach(self, swarm) -> None:
         """What the member's opened run gives the exchange (wiring.Connection.opened): its tokenizer's hash and
         source and its training set's hash, which it joins with."""
-        from ..models import vocabulary_hash
-
-        member = self.config.members[0]
-        self.tokenizer, self.dataset = vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task)
-        spec = member.tokenizer or member.model
-        self.source = spec if shareable(spec) else ""
+        self.tokenizer, self.dataset, self.source = announced(self.config, swarm)
 
     # ------------------------------------------------------------------------------------------- Exchange
 
@@ -327,12 +331,8 @@ class OpenSampler(WithoutSamplers):
         self.weights = None
 
     def attach(self, swarm) -> None:
-        from ..models import vocabulary_hash
-
-        member = self.config.members[0]
-        self.tokenizer, self.dataset = vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task)
-        spec = member.tokenizer or member.model
-        self.source = spec if shareable(spec) else ""
+        """As its member's exchange: what it joins with (announced)."""
+        self.tokenizer, self.dataset, self.source = announced(self.config, swarm)
 
     def start(self, limit: Limit, start_step: int = 0, weights: WeightSlot | None = None) -> None:
         self.weights = weights
