@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ftis_kernels  # noqa: E402
-from benchmarks.kernels import make_inputs  # noqa: E402
+from benchmarks.kernel_bench import make_inputs  # noqa: E402
 from ftis_kernels.logprobs import ATOMIC_HALF_BLOCKS, default_blocks  # noqa: E402
 
 # bf16 inputs, fp32 accumulation on both sides: the log-probs differ only by summation order; the gradients by

@@ -121,7 +121,7 @@ VARIANTS = [
 
 
 def sweep() -> None:
-    """Spill-free tile configurations per pass (to choose kernels/logprobs.py's defaults)."""
+    """Spill-free tile configurations per pass (to choose kernels/ftis_kernels/logprobs.py's defaults)."""
     grids = {
         ("forward", "fused"): [(n, v, d, w) for n in (64, 128) for v in (64, 128, 256) for d in (32, 64) for w in (4, 8)],
         ("backward", "fused"): [(n, v, d, w) for n in (64, 128) for v in (64, 128) for d in (32, 64) for w in (4, 8)],

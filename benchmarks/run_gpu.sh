@@ -32,8 +32,8 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     check) python3 benchmarks/check_gpu.py --output "$out/check_gpu.json" ;;
     tune) python3 benchmarks/tune.py --output "$out/tune.json" ;;
-    kernels) python3 benchmarks/kernels.py --dims 1536 --tokens 4096 16384 65536 --output "$out/kernels" ;;
-    kernels-16k) python3 benchmarks/kernels.py --dims 1536 --tokens 16384 --output "$out/kernels" ;;
+    kernels) python3 benchmarks/kernel_bench.py --dims 1536 --tokens 4096 16384 65536 --output "$out/kernels" ;;
+    kernels-16k) python3 benchmarks/kernel_bench.py --dims 1536 --tokens 16384 --output "$out/kernels" ;;
     update) python3 benchmarks/update.py --output "$out/update" ;;
     grid-1.5b|grid-3b)  # the landed precision (float32 masters, bf16 autocast), fused path: sdpa eager as the
       # before, then varlen and flex_attention with every way of running the layers; the memory-saving mode (bfloat16

@@ -4,7 +4,7 @@ vocabulary chunk and multiplied out by cuBLAS), timed alone, plus the cuBLAS ref
 
     python benchmarks/tune.py [--tokens 16384 --dim 1536 --output tune.json]
 
-The fastest configurations are what `_TILES` in kernels/logprobs.py should hold; the JSON keeps every timing.
+The fastest configurations are what `_TILES` in kernels/ftis_kernels/logprobs.py should hold; the JSON keeps every timing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.kernels import make_inputs  # noqa: E402
+from benchmarks.kernel_bench import make_inputs  # noqa: E402
 from ftis_kernels.backward import _add_product, _launch, chunk_columns, triton_backward  # noqa: E402
 from ftis_kernels.logprobs import Blocks, default_blocks, triton_forward  # noqa: E402
 

@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     parser.add_argument("--watch", nargs="*", default=[], help="top-level packages to trace")
     args = parser.parse_args(argv)
     here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # benchmarks/kernels.py is not `kernels`
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # a script beside this one must not shadow a library
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     results, first = check(watched=args.watch)
     for target, result in results:

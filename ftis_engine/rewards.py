@@ -1,16 +1,19 @@
 """Reward functions: plain callables (completion: str, gold: str) -> float.
 
-`binary_answer_reward` is the paper's reward (docs/algorithm.md, section 2). Others can be plugged in by dotted path
-(`data.reward: "my_module:my_reward"`).
+`binary_answer_reward` is the paper's reward (docs/algorithm.md, section 2). Others can be plugged in by module
+(`data.reward: "my_module:my_reward"`) or by file (`data.reward: "path/to/my_rewards.py:my_reward"`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import math
 import numbers
+import pathlib
 import re
+import sys
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -126,13 +129,57 @@ def tiny_answer_reward(completion: str, gold: str) -> float:
     return 1.0 if completion.lstrip().startswith(gold) else 0.0
 
 
-def load_reward(path: str) -> Reward:
-    """Import a reward callable from 'package.module:function' (or 'package.module.function')."""
-    module_name, _, attr = path.partition(":") if ":" in path else path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"expected 'module:function', got {path!r}")
+def _load_by_path(name: str, file: pathlib.Path):
+    """Import `file` (a module, or a package's __init__.py) as the module `name`, without touching sys.path."""
+    package = file.name == "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        name, file, submodule_search_locations=[str(file.parent)] if package else None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs, as import does: a package's submodules import it back
+    loaded = False
     try:
-        module = importlib.import_module(module_name)
+        spec.loader.exec_module(module)
+        loaded = True
+    finally:
+        if not loaded:
+            sys.modules.pop(name, None)
+    return module
+
+
+def _user_module(module_name: str):
+    """`module_name` as an installed (or already importable) module first; else as a file or package of that name
+    in the current directory. The current directory is searched last and for this name only, never put on sys.path:
+    a folder where the user stands (`kernels/`, `datasets/`) cannot shadow a library."""
+    if module_name.endswith(".py") or "/" in module_name or "\\" in module_name:  # a file, by its path
+        file = pathlib.Path(module_name)
+        if not file.is_file():
+            raise FileNotFoundError(f"no such file {module_name!r}")
+        return _load_by_path(f"ftis_user_reward_{file.stem}", file.resolve())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        if exc.name != top:  # the module exists and failed to import something of its own
+            raise
+        here = pathlib.Path.cwd()
+        for file in (here / top / "__init__.py", here / f"{top}.py"):
+            if file.is_file():
+                _load_by_path(top, file)
+                return importlib.import_module(module_name)
+        raise
+
+
+def load_reward(path: str) -> Reward:
+    """Import a reward callable from 'package.module:function' (or 'package.module.function'), the module installed
+    or in the current directory, or from 'path/to/file.py:function'."""
+    if ":" in path:
+        module_name, _, attr = path.rpartition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ValueError(f"expected 'module:function' or 'file.py:function', got {path!r}")
+    try:
+        module = _user_module(module_name)
     except Exception as exc:  # a catch-all, as it must be: importing runs the user's module, which may raise any
         # type (not found, a syntax error, its own exception); the line names its type and message
         where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""

@@ -15,6 +15,13 @@ from ftis_engine.batch import TrainItem
 from ftis_engine.rollouts import Rollout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def ci_commands(root: pathlib.Path = ROOT) -> list[str]:
+    """The lines of .ci/run, stripped, each command without the `|| fail "..."` that stops CI at its failure."""
+    import re
+
+    return [re.sub(r' \|\| fail "[^"]*"$', "", line.strip()) for line in (root / ".ci" / "run").read_text().splitlines()]
 TINY = ROOT / "configs" / "tiny.yaml"
 
 # A shortened tiny default: a few steps, small groups, eval and checkpoints every 2 steps.

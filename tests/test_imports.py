@@ -1,5 +1,6 @@
 """The package's shape: no module of ftis_engine imports, directly or through others, a module that imports it
-back (imports inside functions count too: they are cycles that merely run later)."""
+back (imports inside functions count too: they are cycles that merely run later; and so do imports for type
+checking only: to a reader, and to a type checker, the two modules still depend on each other)."""
 
 from __future__ import annotations
 
@@ -15,15 +16,11 @@ def _module_name(path: pathlib.Path) -> str:
 
 
 def _imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
-    """The ftis_engine modules `path` imports (type-checking-only imports left out: they never run)."""
+    """The ftis_engine modules `path` imports, wherever the import statement stands."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    skipped = {id(node) for stmt in ast.walk(tree) if isinstance(stmt, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(stmt.test) for node in ast.walk(stmt)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("ftis_engine")}
         elif isinstance(node, ast.ImportFrom):
@@ -84,9 +81,17 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
+def test_an_import_for_type_checking_only_is_an_edge_of_the_graph(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import B\n")
+    known = {"ftis_engine.pkg.a", "ftis_engine.pkg.b", "ftis_engine.pkg"}
+    assert _imports(tmp_path / "pkg" / "a.py", "ftis_engine.pkg.a", known) == {"ftis_engine.pkg.b"}
+
+
 def test_no_import_cycle_in_ftis_engine():
     graph = _graph()
     assert "ftis_engine.step" in graph and "ftis_engine.session" in graph["ftis_engine.step"]
     # `from .tasks import arith` in models.py runs tasks/__init__.py, which imports every task module
     assert {"ftis_engine.tasks", "ftis_engine.tasks.arith"} <= graph["ftis_engine.models"]
+    assert "ftis_engine.config.schema" not in graph["ftis_engine.config.checks"]  # issue 76: the two were a cycle
     assert _cycles(graph) == []

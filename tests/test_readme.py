@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from .helpers import ci_commands
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -27,7 +29,7 @@ def test_the_set_up_section_holds_the_two_commands_ci_runs():
     install, tests = (block.strip() for block in re.findall(r"```bash\n(.*?)```", setup, re.S))
     assert "-c constraints.txt" in install and install.endswith("ftis-engine train --config configs/tiny.yaml")
     assert tests.startswith("python -m pytest")
-    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    ci_lines = ci_commands()
     assert install in ci_lines and tests in ci_lines
     assert any("-m venv" in line for line in ci_lines)
     assert (ROOT / "constraints.txt").is_file()

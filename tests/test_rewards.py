@@ -390,7 +390,7 @@ def test_data_rewards_terms_are_recorded_in_the_one_scoring_pass_and_logged_with
     ("[{function: ftis_engine.rewards:tiny_answer_reward, weight: -2e6}]", "data.rewards.0.weight: -2e+06 is beyond"),
 ])
 def test_a_reward_weight_beyond_what_a_reward_carries_is_refused_naming_it(tmp_path, capsys, rewards, field):
-    """A weight of 1e300 passed as finite, and the advantages came out inf (a ValueError from kernels/api.py)."""
+    """A weight of 1e300 passed as finite, and the advantages came out inf (a ValueError from kernels/ftis_kernels/api.py)."""
     from .helpers import TINY, command_here
 
     done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path / "runs", "--set",

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-
-from .helpers import ROOT
-
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import step_walk  # noqa: E402
+from benchmarks import step_walk  # as a module of the package: benchmarks/ on sys.path would shadow libraries
 
 
 def test_stays_rooms_and_climbs_are_counted_as_the_method_says():

@@ -4,20 +4,19 @@ load.format_validation_error makes it the one-line ConfigError. Pure: no device,
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..rollouts import wire_bytes
-
-if TYPE_CHECKING:
-    from .schema import RunConfig
 
 # The most a step's rollouts may take (the swarm's, on the wire and in every member's update): past this a run
 # would fail late (out of memory after the step-0 eval, a run directory left behind) instead of at once.
 MAX_STEP_ROLLOUT_BYTES = 16 * 2**30
 
 
-def check_run(config: RunConfig) -> None:
-    """Every cross-field rule of a run's config, in the order they are reported (the first broken one raises)."""
+def check_run(config: Any) -> None:
+    """Every cross-field rule of a run's config (a validated schema.RunConfig; schema calls this, so this module
+    names no type of schema's: the two would import each other), in the order they are reported (the first broken
+    one raises)."""
     names = [m.name for m in config.members]
     if len(set(names)) != len(names):
         raise ValueError("members: names must be unique")
@@ -85,7 +84,7 @@ def check_run(config: RunConfig) -> None:
                          "would arrive at different steps and never form a whole group)")
 
 
-def _check_step_size(config: RunConfig) -> None:
+def _check_step_size(config: Any) -> None:
     rollout = config.rollout
     sequences = rollout.group_size * rollout.prompts_per_step
     size = wire_bytes(sequences, sequences * rollout.max_new_tokens)

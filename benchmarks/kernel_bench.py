@@ -1,8 +1,8 @@
 """The fused F-TIS loss against its peers, side by side in one process: fwd+bwd time and peak memory.
 
-    python benchmarks/kernels.py                       # GPU: d in {1536, 2048, 3584}, N in {4096, 16384, 65536}
-    python benchmarks/kernels.py --dims 1536 --tokens 16384
-    python benchmarks/kernels.py --quick               # CPU, tiny shapes (CI keeps this from rotting)
+    python benchmarks/kernel_bench.py                       # GPU: d in {1536, 2048, 3584}, N in {4096, 16384, 65536}
+    python benchmarks/kernel_bench.py --dims 1536 --tokens 16384
+    python benchmarks/kernel_bench.py --quick               # CPU, tiny shapes (CI keeps this from rotting)
 
 Peers (each computes a loss from hidden states [N, d] and the lm_head [V, d], then its gradient):
   ours-fused-linear   ftis_kernels.fused_linear_ftis_loss (F-TIS; no N x V tensor)
@@ -399,7 +399,7 @@ def main(argv=None) -> list[dict]:
     if args.count_filtered:
         counts = [count_filtered(n, args.vocab, dim) for dim in args.dims for n in args.tokens]
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        command = "python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python benchmarks/kernel_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
         args.output.with_suffix(".json").write_text(json.dumps({"command": command, "counts": counts}, indent=2) + "\n")
         for c in counts:
             print(json.dumps(c))
@@ -425,7 +425,7 @@ def main(argv=None) -> list[dict]:
     table = markdown(rows, matmul)
     print(table)
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+    meta = {"command": "python benchmarks/kernel_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "dtype": str(dtype), "cpus": os.cpu_count(),
             "matmul_tflops": matmul}

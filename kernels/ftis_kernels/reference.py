@@ -1,6 +1,6 @@
 """Chunked PyTorch twin of the Triton vocabulary passes: the CPU backend.
 
-Same contract as kernels/logprobs.py + kernels/backward.py: per-token log-prob of the target at temperature T,
+Same contract as kernels/ftis_kernels/logprobs.py + kernels/ftis_kernels/backward.py: per-token log-prob of the target at temperature T,
 entropy of the tempered distribution, and in backward the gradient of the logits, or of hidden, weight and bias,
 recomputed chunk by chunk over tokens so that peak memory is chunk x V, never N x V.
 Arithmetic is fp32 (fp64 for fp64 inputs, so that gradcheck can run on this backend).

@@ -4,7 +4,7 @@
     out = fused_linear_ftis_loss(hidden, lm_head.weight, targets, gen_logprobs, advantages, cu_seqlens)
     out.loss.backward()
 
-See the README (The fused loss op) for the contract and docs/algorithm.md for the formulas (kernels/epilogue.py).
+See the README (The fused loss op) for the contract and docs/algorithm.md for the formulas (kernels/ftis_kernels/epilogue.py).
 """
 
 from .api import (
