@@ -1,5 +1,11 @@
 """From rollouts to the update's input: TrainItems packed back to back into one row, cut into micro-batches by a
-token budget."""
+token budget.
+
+The shared-prompt row (train.shared_prompt): the completions of one group follow one copy of their prompt, each
+attending to that prompt and to itself (PackedBatch.attention_mask), so a group of G costs one prompt and G
+completions where the packed row held G copies of the prompt. The prompt's last position predicts every
+completion's first token (target_rows repeats it), and each completion's positions continue from the prompt's
+length: every hidden state equals the one of the packed row, and so do the loss and its gradients."""
 
 from __future__ import annotations
 
@@ -46,6 +52,27 @@ class PackedBatch:
     cu_seqlens: torch.Tensor
     gen_seq_logprobs: torch.Tensor | None = None  # [S]: NaN, or a foreign sequence's generation log-prob (None: none)
     old_logprobs: torch.Tensor | None = None  # [N]: the step's starting policy's, when every item has them
+    segments: torch.Tensor | None = None  # [T]: shared-prompt rows: the segment of each row (a prompt or a completion)
+    homes: torch.Tensor | None = None  # [T]: the prompt segment each row also attends to (its own for a prompt)
+
+    @property
+    def shares_prompts(self) -> bool:
+        return self.segments is not None
+
+    def attention_mask(self, kind: str = "bool", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """[1, 1, T, T] what each row (query) attends to: the rows before it, itself included, of its own segment
+        and of its prompt's. kind "bool" (True: attend; sdpa), or "additive" (0 or dtype's lowest; eager)."""
+        if self.segments is None:
+            raise ValueError("attention_mask: a packed row without shared prompts attends by its position_ids")
+        seg, home = self.segments, self.homes
+        rows = torch.arange(seg.numel(), device=seg.device)
+        allowed = (rows[None, :] <= rows[:, None]) & ((seg[None, :] == seg[:, None]) | (seg[None, :] == home[:, None]))
+        if kind == "bool":
+            return allowed[None, None]
+        if kind == "additive":
+            low = torch.finfo(dtype).min
+            return torch.zeros(allowed.shape, dtype=dtype, device=seg.device).masked_fill(~allowed, low)[None, None]
+        raise ValueError(f"attention_mask: unknown kind {kind!r} (bool or additive)")
 
     @property
     def num_sequences(self) -> int:
@@ -56,22 +83,48 @@ class PackedBatch:
         return int(self.targets.numel())
 
 
-def pack(items: list[TrainItem]) -> PackedBatch:
+def pack(items: list[TrainItem], shared_prompt: bool = False) -> PackedBatch:
     """Pack items into one row: each contributes prompt + completion[:-1] as input, and its completion tokens
-    as targets, predicted from the positions len(prompt)-1 ... end of its segment."""
+    as targets, predicted from the positions len(prompt)-1 ... end of its segment. shared_prompt=True: consecutive
+    items of one group with the same prompt share one copy of it (the module's docstring); the sequences, their
+    order and every [N] and [S] tensor stay those of the packed row."""
     inputs, positions, rows, targets, logprobs, lengths = [], [], [], [], [], [0]
+    segments, homes = [], []
     offset = 0
-    for item in items:
+    prompt_end = -1  # the row of the current shared prompt's last token
+    home = -1
+    for k, item in enumerate(items):
         completion = item.rollout.completion_ids.long()
-        segment = torch.cat([torch.tensor(item.prompt_ids, dtype=torch.long), completion[:-1]])
-        inputs.append(segment)
-        positions.append(torch.arange(segment.numel()))
-        first = offset + len(item.prompt_ids) - 1
-        rows.append(torch.arange(first, first + completion.numel()))
+        prompt = torch.tensor(item.prompt_ids, dtype=torch.long)
+        shares = (shared_prompt and k > 0 and item.group == items[k - 1].group
+                  and item.prompt_ids == items[k - 1].prompt_ids)
+        if shared_prompt and not shares:  # a new prompt: its own segment
+            home = len(segments)
+            inputs.append(prompt)
+            positions.append(torch.arange(prompt.numel()))
+            segments.append(torch.full((prompt.numel(),), home))
+            homes.append(torch.full((prompt.numel(),), home))
+            offset += prompt.numel()
+            prompt_end = offset - 1
+        if shared_prompt:
+            body = completion[:-1]
+            own = len(segments)
+            inputs.append(body)
+            positions.append(torch.arange(prompt.numel(), prompt.numel() + body.numel()))
+            segments.append(torch.full((body.numel(),), own))
+            homes.append(torch.full((body.numel(),), home))
+            rows.append(torch.cat([torch.tensor([prompt_end]), torch.arange(offset, offset + body.numel())]))
+            offset += body.numel()
+        else:
+            segment = torch.cat([prompt, completion[:-1]])
+            inputs.append(segment)
+            positions.append(torch.arange(segment.numel()))
+            first = offset + len(item.prompt_ids) - 1
+            rows.append(torch.arange(first, first + completion.numel()))
+            offset += segment.numel()
         targets.append(completion)
         logprobs.append(item.rollout.gen_logprobs.float())
         lengths.append(completion.numel())
-        offset += segment.numel()
     return PackedBatch(
         input_ids=torch.cat(inputs), position_ids=torch.cat(positions), target_rows=torch.cat(rows),
         targets=torch.cat(targets), gen_logprobs=torch.cat(logprobs),
@@ -83,7 +136,18 @@ def pack(items: list[TrainItem]) -> PackedBatch:
         if any(it.rollout.seq_logprob is not None for it in items) else None,
         old_logprobs=torch.cat([it.old_logprobs.float() for it in items])
         if all(it.old_logprobs is not None for it in items) else None,
+        segments=torch.cat(segments) if shared_prompt else None,
+        homes=torch.cat(homes) if shared_prompt else None,
     )
+
+
+def input_tokens(items: list[TrainItem], shared_prompt: bool = False) -> int:
+    """The row's length pack(items, shared_prompt) gives."""
+    total = sum(it.num_input_tokens for it in items)
+    if shared_prompt:  # every item after the first of a run of one group and prompt drops its prompt's copy
+        total -= sum(len(it.prompt_ids) for k, it in enumerate(items) if k > 0 and it.group == items[k - 1].group
+                     and it.prompt_ids == items[k - 1].prompt_ids)
+    return total
 
 
 def mini_batches(items: list[TrainItem], parts: int) -> list[list[TrainItem]]:
@@ -102,10 +166,13 @@ def mini_batches(items: list[TrainItem], parts: int) -> list[list[TrainItem]]:
     return [part for part in out if part]
 
 
-def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool = False) -> list[list[TrainItem]]:
+def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool = False,
+                  shared_prompt: bool = False) -> list[list[TrainItem]]:
     """Split items into consecutive micro-batches of at most `token_budget` input tokens (a sequence longer than
-    the budget gets a micro-batch of its own). keep_groups=True never splits a group (items sorted by group)."""
-    if keep_groups:
+    the budget gets a micro-batch of its own). keep_groups=True never splits a group (items sorted by group).
+    shared_prompt=True: a group's prompt is counted once (pack's shared-prompt row), and a group is split only
+    where it alone exceeds the budget, in parts that each hold one copy of the prompt."""
+    if keep_groups or shared_prompt:
         items = sorted(items, key=lambda it: it.group)
         units: list[list[TrainItem]] = []
         for item in items:
@@ -113,12 +180,14 @@ def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool =
                 units[-1].append(item)
             else:
                 units.append([item])
+        if shared_prompt and not keep_groups:  # a group over the budget: cut into parts that fit
+            units = [part for unit in units for part in _fit(unit, token_budget)]
     else:
         units = [[item] for item in items]
     batches: list[list[TrainItem]] = []
     used = 0
     for unit in units:
-        size = sum(it.num_input_tokens for it in unit)
+        size = input_tokens(unit, shared_prompt)
         if batches and used + size <= token_budget:
             batches[-1].extend(unit)
             used += size
@@ -126,6 +195,16 @@ def micro_batches(items: list[TrainItem], token_budget: int, keep_groups: bool =
             batches.append(list(unit))
             used = size
     return batches
+
+
+def _fit(unit: list[TrainItem], token_budget: int) -> list[list[TrainItem]]:
+    """One group's items in consecutive parts of at most token_budget shared-prompt tokens (one item at least)."""
+    parts: list[list[TrainItem]] = [[]]
+    for item in unit:
+        if parts[-1] and input_tokens(parts[-1] + [item], True) > token_budget:
+            parts.append([])
+        parts[-1].append(item)
+    return parts
 
 
 def shard_items(items: list[TrainItem], index: int, size: int) -> list[TrainItem]:

@@ -138,10 +138,11 @@ class ShardedPolicy(torch.nn.Module):
         self.model = model  # registered: the root owns the embeddings, final norm and head (and their adapters)
         self._causal_lm = [causal_lm]  # not a submodule twice
 
-    def forward(self, input_ids, position_ids, rows, loss):
+    def forward(self, input_ids, position_ids, rows, loss, attention_mask=None):
         lm = self._causal_lm[0]
-        hidden = lm.get_decoder()(input_ids=input_ids, position_ids=position_ids,
-                                  use_cache=False).last_hidden_state[0, rows]
+        extra = {} if attention_mask is None else {"attention_mask": attention_mask}  # a shared-prompt row's
+        hidden = lm.get_decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                  **extra).last_hidden_state[0, rows]
         head = lm.get_output_embeddings()
         out = loss(hidden, head.weight, head.bias)
         return out.loss, out

@@ -33,6 +33,7 @@ class Member:
     shard: object | None = None  # fsdp.Shard: this rank's part of a member on several ranks (None: one rank)
     policy: torch.nn.Module | None = None  # fsdp.ShardedPolicy: the FSDP2 root the update runs through
     reference: torch.nn.Module | None = None  # algorithm.beta > 0, full member: a frozen copy of its initial weights
+    shared_prompt: bool = False  # the update packs a group's prompt once (train.shared_prompt, where the attention can)
 
     @property
     def name(self) -> str:
@@ -101,6 +102,10 @@ def attention_implementation(choice: str, device: torch.device) -> str:
         raise ConfigError(f"train.attn_implementation: flex_attention runs on a CUDA GPU (this member is on "
                           f"{device}); auto picks sdpa here")
     return choice
+
+
+# the attention implementations that take the shared-prompt row's [1, 1, T, T] mask as transformers passes it
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 def enable_checkpointing(model) -> None:
@@ -306,4 +311,5 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         generator = HFGenerator(model, tokenizer, device, batch_size=config.rollout.generation_batch_size,
                                 dtype=dtype)
     return Member(index=index, settings=settings, model=model, tokenizer=tokenizer, optimizer=optimizer,
-                  generator=generator, device=device, dtype=dtype, reference=reference)
+                  generator=generator, device=device, dtype=dtype, reference=reference,
+                  shared_prompt=config.train.shared_prompt and attn in MASKED_ATTENTION)

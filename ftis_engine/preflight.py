@@ -398,6 +398,8 @@ def check_model(member) -> None:
                 f"{transformers.__version__} with attn_implementation={member.causal_lm.config._attn_implementation} "
                 f"(relative error {error:.3g}); use a transformers version that detects packing from position_ids"
             )
+        if member.shared_prompt:
+            check_shared_prompt(member, a, b, tolerance)
         with member.autocast():
             logits = member.causal_lm(input_ids=a[None].to(device), use_cache=False).logits[0].float()
             fused = fused_linear_token_logprobs(alone[:5], head.weight, b[:1].repeat(5).to(device), bias=head.bias)
@@ -407,4 +409,27 @@ def check_model(member) -> None:
         raise ConfigError(
             f"members.{member.index}.model: its logits are not lm_head(hidden) (log-prob gap {gap:.3g}; soft-capping "
             "or logit scaling?): the fused loss would score tokens differently from the model that samples them"
+        )
+
+
+def check_shared_prompt(member, prompt: torch.Tensor, completion: torch.Tensor, tolerance: float) -> None:
+    """(3) train.shared_prompt: two completions after one copy of a prompt, each attending to it through the mask,
+    give the hidden states the packed row gives them (a model whose attention ignores a 4D mask would not)."""
+    from .batch import TrainItem, pack
+    from .rollouts import Rollout
+    from .update import packed_hidden
+
+    items = [TrainItem(Rollout(member=0, prompt_index=0, completion_ids=ids.to(torch.int32),
+                               gen_logprobs=torch.full((ids.numel(),), -1.0), reward=0.0, finish_reason="length",
+                               policy_version=0), prompt.tolist(), 0.0, 0)
+             for ids in (completion, completion.flip(0))]
+    with torch.set_grad_enabled(layers.compiled(member.model)):
+        packed = packed_hidden(member, pack(items)).detach().float()
+        shared = packed_hidden(member, pack(items, shared_prompt=True)).detach().float()
+    error = float((shared - packed).abs().max() / packed.abs().max().clamp(min=1e-6))
+    if error > tolerance:
+        raise ConfigError(
+            f"members.{member.index}.model: the shared-prompt row does not give the packed row's hidden states with "
+            f"attn_implementation={member.causal_lm.config._attn_implementation} (relative error {error:.3g}); set "
+            "train.shared_prompt=false"
         )

@@ -53,7 +53,7 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
 RESUMABLE = ("train.steps", "train.threads", "eval.", "checkpoint.every", "checkpoint.keep_last", "output_dir",
              "swarm.timeout_s", "swarm.max_restarts", "data.reward_timeout_s", "data.eval_paths",
              "logging.report_to", "logging.project", "logging.completions", "train.device",
-             "train.gradient_checkpointing")
+             "train.gradient_checkpointing", "train.shared_prompt")
 # and, to go on after a divergence, a member's step size: its learning rate, gradient clip and weight decay (the
 # restored optimizer takes them from the config, not from its saved state); and where it runs and how much of the
 # GPU its engine takes

@@ -141,7 +141,7 @@ def completion_records(swarm: Swarm, member: Member, items: list[TrainItem], ste
     chosen = sorted(items, key=lambda it: it.rollout.member != member.index)[: swarm.config.logging.completions]
     if not chosen:
         return []
-    out = batch_loss(member, pack(chosen), swarm.loss_config, swarm.config.train.backend)
+    out = batch_loss(member, pack(chosen, member.shared_prompt), swarm.loss_config, swarm.config.train.backend)
     decode = member.tokenizer.decode
     return [{"step": step, "member": member.name, "kind": "completion",
              "from": swarm.names[it.rollout.member] if 0 <= it.rollout.member < len(swarm.names) else "?",

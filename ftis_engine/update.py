@@ -27,17 +27,26 @@ from .batch import PackedBatch, TrainItem, micro_batches, mini_batches, pack, sh
 from .fsdp import full, local
 
 
-def packed_hidden(member, batch: PackedBatch) -> torch.Tensor:
+def body_inputs(member, batch: PackedBatch) -> dict:
+    """The decoder body's keyword arguments for one packed row: ids and positions, and for a shared-prompt row the
+    [1, 1, T, T] mask in the form the member's attention takes (transformers passes a 4D mask through as it is)."""
+    device = member.device
+    inputs = dict(input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device))
+    if batch.shares_prompts:
+        kind = "additive" if member.causal_lm.config._attn_implementation == "eager" else "bool"
+        inputs["attention_mask"] = batch.attention_mask(kind).to(device)
+    return inputs
+
+
+def packed_hidden(member, batch: PackedBatch, body=None) -> torch.Tensor:
     """[N, d] final hidden states at the rows that predict the completion tokens (no logits are formed).
     The sequences are packed in one row with restarting position_ids and no attention mask, which transformers
-    turns into per-sequence attention (flash-attn varlen, or a block-diagonal mask for sdpa/eager)."""
-    body, _ = member.body_and_head()
+    turns into per-sequence attention (flash-attn varlen, or a block-diagonal mask for sdpa/eager); a shared-
+    prompt row carries its own mask (batch.py)."""
+    if body is None:
+        body, _ = member.body_and_head()
     with member.autocast():
-        out = body(
-            input_ids=batch.input_ids[None].to(member.device),
-            position_ids=batch.position_ids[None].to(member.device),
-            use_cache=False,
-        )
+        out = body(**body_inputs(member, batch), use_cache=False)
     return out.last_hidden_state[0, batch.target_rows.to(member.device)]
 
 
@@ -61,9 +70,10 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
         )
 
     if member.policy is not None:
+        inputs = body_inputs(member, batch)
         with member.autocast():
-            return member.policy(batch.input_ids[None].to(device), batch.position_ids[None].to(device),
-                                 batch.target_rows.to(device), loss)[1]
+            return member.policy(inputs["input_ids"], inputs["position_ids"], batch.target_rows.to(device), loss,
+                                 attention_mask=inputs.get("attention_mask"))[1]
     _, head = member.body_and_head()
     with member.autocast():
         return loss(packed_hidden(member, batch), head.weight, head.bias)
@@ -82,9 +92,7 @@ def reference_logprobs(member, batch: PackedBatch, cfg: LossConfig) -> torch.Ten
                 hidden = packed_hidden(member, batch)
             head = member.causal_lm.get_output_embeddings()
         else:
-            body = member.reference.get_decoder()
-            hidden = body(input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device),
-                          use_cache=False).last_hidden_state[0, batch.target_rows.to(device)]
+            hidden = packed_hidden(member, batch, body=member.reference.get_decoder())
             head = member.reference.get_output_embeddings()
         return fused_linear_token_logprobs(hidden, head.weight, batch.targets.to(device), cfg.temperature,
                                            bias=head.bias)
@@ -97,7 +105,8 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     whole = dict(num_sequences=len(items), num_tokens=sum(it.rollout.num_tokens for it in items))
     shard = member.shard
     mine = items if shard is None else shard_items(items, shard.index, shard.size)
-    batches = micro_batches(mine, token_budget, keep_groups=cfg.base_method == "gepo")
+    batches = micro_batches(mine, token_budget, keep_groups=cfg.base_method == "gepo",
+                            shared_prompt=member.shared_prompt)
     # a sharded member's ranks run as many micro-batches each (FSDP2 gathers every layer for each): a rank with
     # fewer runs the rest on a stand-in whose loss counts zero. FSDP2 averages the ranks' gradients: x K sums them
     rounds = len(batches) if shard is None else shard.max(len(batches))
@@ -109,7 +118,7 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         if k >= len(batches) or failed is not None:
             stand_in(member)
             continue
-        batch = pack(batches[k])
+        batch = pack(batches[k], member.shared_prompt)
         try:
             out = batch_loss(member, batch, cfg, backend, **whole)
         except NonFiniteInputError as exc:
@@ -227,8 +236,9 @@ def with_old_logprobs(member, items: list[TrainItem], cfg: LossConfig, token_bud
     same forward the update runs (train mode, the same micro-batches), so the first optimizer step's ratio is 1."""
     member.model.train()
     out: list[TrainItem] = []
-    for batch_items in micro_batches(items, token_budget, keep_groups=cfg.base_method == "gepo"):
-        batch = pack(batch_items)
+    for batch_items in micro_batches(items, token_budget, keep_groups=cfg.base_method == "gepo",
+                                     shared_prompt=member.shared_prompt):
+        batch = pack(batch_items, member.shared_prompt)
         logprobs = batch_loss(member, batch, cfg, backend).logprobs.float().cpu()
         bounds = batch.cu_seqlens.tolist()
         out += [dataclasses.replace(item, old_logprobs=logprobs[bounds[k]:bounds[k + 1]].clone())

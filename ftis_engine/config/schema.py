@@ -65,10 +65,9 @@ class VllmSettings(_Section):
                     "(every sequence of a step's generation at the engine's full length, at least 0.25 GiB); the "
                     "environment's VLLM_CPU_KVCACHE_SPACE, when set, wins on the CPU.",
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        "bfloat16", description="The engine's compute dtype; the trainer's float32 masters are pushed in it. float32 "
-                                "makes the engine's log-probs the trainer's to ~1e-5 (tests; slower).",
-    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="The engine's compute dtype; "
+                                                             "the trainer's float32 masters are pushed in it. float32 "
+                                                             "makes the engine's log-probs the trainer's to ~1e-5.")
     max_model_len: int | None = Field(None, gt=0, description="vLLM context length; default prompt + max_new_tokens.")
     enforce_eager: bool | None = Field(
         None, description="true: no CUDA graphs and no torch.compile (slower decode, faster start, less memory). "
@@ -225,9 +224,8 @@ _LossFields = create_model("_LossFields", __base__=_Section, **_loss_config_fiel
 class AlgorithmSettings(_LossFields):
     """The loss: every LossConfig option (docs/algorithm.md), plus how rewards become advantages."""
 
-    scale_rewards: Literal["group", "none"] = Field(
-        "group", description="group: A = (r - mean) / (std + 1e-8); none: A = r - mean (Dr. GRPO)."
-    )
+    scale_rewards: Literal["group", "none"] = Field("group", description="group: A = (r - mean) / (std + 1e-8); "
+                                                    "none: A = r - mean (Dr. GRPO).")
 
     @model_validator(mode="after")
     def _loss_op_accepts(self) -> AlgorithmSettings:
@@ -368,10 +366,8 @@ class DataSettings(_Section):
             raise ValueError("data.rewards: give either data.reward or data.rewards, not both")
         return self
     system_prompt: str | None = Field(None, description="System prompt; default: the paper's <think>/<answer> prompt.")
-    prompt_format: Literal["auto", "chat", "plain"] = Field(
-        "auto", description="chat: the tokenizer's chat template; plain: system + question text; auto: chat if "
-                            "available."
-    )
+    prompt_format: Literal["auto", "chat", "plain"] = Field("auto", description="chat: the tokenizer's chat template; "
+                                                            "plain: system + question text; auto: chat if available.")
     reward: str | None = Field(None, description="The training reward as 'module:function' (completion, gold) -> "
                                "float, instead of the task's; eval still counts right answers (eval.reward).")
     reward_timeout_s: float | None = Field(
@@ -400,6 +396,10 @@ class TrainSettings(_Section):
         "(benchmarks/results/update_step.json). Every member checks at start that packed sequences stay isolated.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward (saves memory).")
+    shared_prompt: bool = Field(True, description="A group's prompt computed once in the update (its completions "
+                                "attend to one copy through a mask): the packed update's loss and gradients from "
+                                "fewer tokens. Where the attention takes a mask (sdpa, eager: the CPU's); varlen and "
+                                "flash_attention_2 keep the packed row. false: the packed row always.")
     layers: Literal["auto", "eager", "liger", "compile", "liger+compile"] = Field(
         "auto",
         description="How the decoder layers run in the update: eager (transformers' code); liger (Liger-Kernel's "
