@@ -255,3 +255,21 @@ def test_the_real_gpu_summary_gives_the_share_of_completions_cut_and_the_reward_
     text = real_gpu_summary.main(tmp_path)
     assert "| 1-10 | 0.100 | 50% | 0.200 |" in text  # a reward of 0.1 from the half that stopped: at most 0.2 there
     assert "cannot be split into form and answer" in text
+
+
+def test_the_real_step_benchmark_means_steps_after_the_first_and_divides_before_by_after():
+    from benchmarks import real_step_cpu
+
+    def run(side, scale):
+        return {"side": side, "records": [
+            {"step": s, "member": m, "gen_seconds": 1.0, "train_seconds": scale * (10.0 if s > 1 else 99.0),
+             "sync_seconds": 0.5, "step_seconds": scale * 10.0 + 1.5, "rss_mib": 100.0 * s}
+            for s in (1, 2, 3) for m in ("full", "lora")]}
+
+    summary = real_step_cpu.summarise([run("before", 4.0), run("after", 1.0)])
+    assert summary["by_side"]["after"]["full"]["train_seconds"] == 10.0  # step 1 left out
+    assert summary["by_side"]["before"]["lora"]["steps_measured"] == 2
+    assert summary["speedup"]["full"]["update"] == 4.0
+    assert summary["speedup"]["full"]["step"] == 41.5 / 11.5
+    table = real_step_cpu.markdown(summary, {"command": "c", "machine": "m", "date": "d", "rounds": 1, "steps": 3})
+    assert "| full | before | 1.0 | 40.0 | 0.50 | 41.5 | 300 |" in table and "| full | 4.00x | 3.61x |" in table

@@ -214,3 +214,44 @@ def test_a_real_model_and_a_member_of_another_family_exchange_text_and_both_trai
         assert train[name]["foreign_sequences"] > 0 and train[name]["peer_sequences"] > 0, train[name]
         assert train[name]["sequences"] == train[name]["own_sequences"] + train[name]["peer_sequences"]
         assert train[name]["grad_norm"] >= 0
+
+
+def test_the_shared_prompt_update_of_the_real_model_equals_its_packed_update(smol_member):
+    """Issue 77: SmolLM2's own tensors, 2 real prompts (its chat template: ~35 tokens) x 4 completions of real and
+    random tokens, with advantages of both signs: the shared-prompt row's loss, log-probs and every gradient equal
+    the packed row's in float32, from about half the tokens."""
+    from ftis_engine.batch import TrainItem, pack
+    from ftis_engine.rollouts import Rollout
+    from ftis_engine.tasks import prompt_ids
+    from ftis_engine.update import batch_loss
+
+    member, config, task = smol_member
+    g = torch.Generator().manual_seed(1)
+    items = []
+    for i, example in enumerate(task.train[:2]):
+        prompt = prompt_ids(member.tokenizer, task, example.question)
+        for k in range(4):
+            completion = member.tokenizer(f"{example.answer}", add_special_tokens=False)["input_ids"]
+            completion = completion[: k + 1] + torch.randint(0, member.vocab_size, (k + 2,), generator=g).tolist()
+            rollout = Rollout(member=0, prompt_index=i, completion_ids=torch.tensor(completion, dtype=torch.int32),
+                              gen_logprobs=-3 * torch.rand(len(completion), generator=g), reward=0.0,
+                              finish_reason="length", policy_version=0)
+            items.append(TrainItem(rollout, prompt, float(torch.randn(1, generator=g)), i))
+    cfg = config.algorithm.loss_config(1.0)
+    results = []
+    for shared in (False, True):
+        member.shared_prompt = shared
+        member.model.zero_grad(set_to_none=True)
+        batch = pack(items, shared)
+        out = batch_loss(member, batch, cfg, "torch")
+        out.loss.backward()
+        results.append((batch.input_ids.numel(), out.loss.detach(), out.logprobs.detach(),
+                        [p.grad.detach().clone() for p in member.trainable_parameters()]))
+        member.model.zero_grad(set_to_none=True)
+    member.shared_prompt = False
+    (rows0, loss0, lp0, grads0), (rows1, loss1, lp1, grads1) = results
+    assert rows1 < 0.6 * rows0
+    assert abs(float(loss1 - loss0)) <= 1e-5 * max(1.0, abs(float(loss0)))
+    assert float((lp1 - lp0).abs().max()) < 1e-4
+    worst = max(float((b - a).abs().max() / a.abs().max().clamp(min=1e-12)) for a, b in zip(grads0, grads1))
+    assert worst < 1e-4

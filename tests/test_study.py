@@ -1110,3 +1110,52 @@ def test_the_report_says_when_a_run_was_launched_before_its_pre_registration_was
     assert "**1 launch(es) came before the pre-registration's last commit**" in line
     summary["launches"].pop(0)
     assert "came before" not in _launch_line(summary)
+
+
+def test_a_study_that_keeps_folders_commits_each_run_as_it_finishes_and_a_kept_run_is_not_run_again(tmp_path,
+                                                                                                     monkeypatch):
+    """Issue 77: a study of hours on a machine that may be replaced between runs. records: folders keeps each
+    finished run's metrics.jsonl, config.yaml and final_eval.json at <group>/seed-<s>/, commit_records commits them
+    (and nothing else) the moment the run ends, and a run whose records are kept is done: a study on a machine that
+    never held its run directory does not run it again, and aggregates it from the kept records."""
+    import shutil
+
+    from ftis_engine.study import runner
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    _git(repo, "config", "user.email", "t@example.org")
+    _git(repo, "config", "user.name", "t")
+    (repo / "unrelated.txt").write_text("a person's work in progress\n")
+    _git(repo, "add", "unrelated.txt")
+    spec = study_module.StudyConfig.model_validate({**MINIMAL, "records": "folders", "commit_records": True})
+    out = repo / "study"
+    launched = []
+
+    def fake_launch(self, run):
+        launched.append((run.group, run.seed))
+        _fake_run(run, [(0, 0.1), (2, 0.3 + run.seed / 10)], [1.0], samples=4)
+        (run.run_dir / "config.yaml").write_text("resolved\n")
+        runner.record_launch(run, {"commit": "c" * 40, "dirty": False})
+        return 0
+
+    monkeypatch.setattr(runner.Launcher, "__call__", fake_launch)
+    monkeypatch.setattr(runner, "check_runs", lambda *args: None)
+    summary = runner.run_study(spec, out, progress=False)
+    assert len(launched) == 4
+    log = _git(repo, "log", "--format=%s", "--name-only").stdout
+    assert log.count("committed as the run finished") == 4
+    for group in ("pair-nois", "pair-f-tis"):
+        for seed in (0, 1):
+            kept = out / group / f"seed-{seed}"
+            assert {p.name for p in kept.iterdir()} == {"metrics.jsonl", "config.yaml", "final_eval.json"}
+            assert f"study/{group}/seed-{seed}/metrics.jsonl" in log
+    assert "unrelated.txt" not in log  # staged by a person: left for them to commit
+    assert "runs/" not in log
+    # a new machine: the run directories are gone; nothing runs again and the numbers are the same
+    shutil.rmtree(out / "runs")
+    launched.clear()
+    again = runner.run_study(spec, out, progress=False)
+    assert launched == []
+    assert [g["by_member"] for g in again["groups"]] == [g["by_member"] for g in summary["groups"]]

@@ -168,6 +168,14 @@ class StudyConfig(_Section):
     figures: list[FigureSettings] = Field(default_factory=list, description="Figures (default: one per member set).")
     quick: QuickSettings = Field(default_factory=QuickSettings, description="What --quick runs instead.")
     jobs: int = Field(1, ge=1, description="Runs at once (default for --jobs).")
+    records: Literal["gzip", "folders"] = Field(
+        "gzip", description="How each finished run's records are kept in the study's directory: gzip: "
+        "records/<group>/seed-<s>.metrics.jsonl.gz; folders: <group>/seed-<s>/ holding its metrics.jsonl (eval lines "
+        "with each question's result), config.yaml and final_eval.json. A run whose records are kept is done: a "
+        "study on another machine does not run it again.")
+    commit_records: bool = Field(False, description="Commit each run's kept records to git as soon as it finishes "
+                                 "(the study's directory must lie in a checkout): runs that take hours survive the "
+                                 "machine.")
     preregistration: Preregistration | None = Field(
         None, description="The hypotheses fixed before the runs, judged by the study under Holm's correction "
         "(verdicts.md); in the config, or a YAML file beside it named by its path (relative to the config). A study "

@@ -23,6 +23,7 @@ class Run:
     config: RunConfig
     config_path: pathlib.Path
     log_path: pathlib.Path
+    records: str = "gzip"  # StudyConfig.records: how a finished run's records are kept
 
     @property
     def run_dir(self) -> pathlib.Path:
@@ -36,8 +37,17 @@ class Run:
     def record_path(self) -> pathlib.Path:
         """records/<group>/seed-<s>.metrics.jsonl.gz in the study's directory: the finished run's metrics.jsonl,
         compressed, beside summary.json (runs/ holds checkpoints and is not committed): what --aggregate-only
-        recomputes the study's tables from."""
+        recomputes the study's tables from. records: folders: <group>/seed-<s>/metrics.jsonl as it is, beside the
+        run's resolved config.yaml and final_eval.json."""
+        if self.records == "folders":
+            return self.config_path.parents[2] / self.group / f"seed-{self.seed}" / "metrics.jsonl"
         return self.config_path.parents[2] / "records" / self.group / f"seed-{self.seed}.metrics.jsonl.gz"
+
+    @property
+    def kept(self) -> bool:
+        """Its records are kept in the study's directory (committed, where the study commits them): the run is done
+        even on a machine that never held its run directory."""
+        return self.record_path.is_file()
 
     @property
     def metrics_source(self) -> pathlib.Path | None:
@@ -196,7 +206,7 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool, only: list[s
                 raise StudyError(f"{where}: {str(exc).removeprefix('--set ')}") from None
             runs.append(Run(group=name, seed=seed, config=config,
                             config_path=output_dir / "configs" / name / f"seed-{seed}.yaml",
-                            log_path=output_dir / "logs" / f"{name}-seed-{seed}.log"))
+                            log_path=output_dir / "logs" / f"{name}-seed-{seed}.log", records=study.records))
         combo = {k: overrides[k] for k in group.grid}
         groups.append(Group(name=name, member_set=group.members, config=runs[0].config, runs=runs,
                             baseline=baseline_name(group, combo), alone=group.alone,

@@ -103,21 +103,53 @@ def check_registered(paths: list[pathlib.Path], refuse: bool = True) -> list[dic
 
 
 def keep_records(runs: list[Run]) -> list[pathlib.Path]:
-    """Each finished run's metrics.jsonl, gzip-compressed (no time stamp: the same records give the same bytes), at
-    its record_path in the study's directory, written again only when it changed. Returns the records written."""
+    """Each finished run's metrics.jsonl at its record_path in the study's directory (gzip-compressed without a time
+    stamp, so the same records give the same bytes; or, records: folders, as it is with the run's config.yaml and
+    final_eval.json beside it), each file written again only when it changed, atomically. Returns the files
+    written."""
     written = []
     for run in runs:
         if not run.finished:
             continue
-        packed = gzip.compress((run.run_dir / "metrics.jsonl").read_bytes(), mtime=0)
-        if run.record_path.is_file() and run.record_path.read_bytes() == packed:
-            continue
-        run.record_path.parent.mkdir(parents=True, exist_ok=True)
-        partial = run.record_path.with_name(run.record_path.name + ".tmp")
-        partial.write_bytes(packed)
-        os.replace(partial, run.record_path)
-        written.append(run.record_path)
+        raw = (run.run_dir / "metrics.jsonl").read_bytes()
+        files = {run.record_path: gzip.compress(raw, mtime=0) if run.records == "gzip" else raw}
+        if run.records == "folders":
+            for name in ("config.yaml", "final_eval.json"):
+                files[run.record_path.with_name(name)] = (run.run_dir / name).read_bytes()
+        # the metrics last: a record_path that exists marks the run done (Run.kept)
+        for path, data in sorted(files.items(), key=lambda item: item[0] == run.record_path):
+            if path.is_file() and path.read_bytes() == data:
+                continue
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(path.name + ".tmp")
+            partial.write_bytes(data)
+            os.replace(partial, path)
+            written.append(path)
     return written
+
+
+def commit_records(run: Run, paths: list[pathlib.Path], attempts: int = 20) -> bool:
+    """git commit `paths` (a finished run's kept records and code record) and nothing else, in the checkout that
+    holds them; retried while another git command holds the index (a person committing beside the study). Returns
+    whether a commit was made; a failure is logged, never raised: the records stay on disk for the next try."""
+    if not paths:
+        return False
+    folder = paths[0].parent
+    names = [str(p.resolve()) for p in paths]
+    message = (f"study {run.config_path.parents[2].name}: the records of {run.group} seed {run.seed} "
+               f"({len(paths)} files), committed as the run finished")
+    for attempt in range(attempts):
+        added = subprocess.run(["git", "add", "--", *names], cwd=folder, capture_output=True, text=True)
+        done = added if added.returncode != 0 else subprocess.run(
+            ["git", "commit", "-q", "-m", message, "--", *names], cwd=folder, capture_output=True, text=True)
+        if done.returncode == 0:
+            return True
+        if "index.lock" not in done.stderr:
+            break
+        time.sleep(min(30.0, 0.5 * 2 ** attempt))
+    log.warning("the records of %s seed %s were kept but not committed: %s", run.group, run.seed,
+                " ".join(done.stderr.split())[:300])
+    return False
 
 
 class Launcher:
@@ -234,7 +266,7 @@ def run_study(study: StudyConfig, output_dir: pathlib.Path, *, quick: bool = Fal
         raise StudyError(f"--aggregate-only: {output_dir} holds no finished run of this study and no records/ of one")
     # seed by seed: a study stopped half way has every group at the same number of seeds
     todo = [run for nth in itertools.zip_longest(*(group.runs for group in groups)) for run in nth
-            if run is not None and not run.finished and not aggregate_only]
+            if run is not None and not run.finished and not run.kept and not aggregate_only]
     if not aggregate_only:
         check_runs(study, groups, todo)
     # one study at a time in a directory: a second one would delete and rerun the first one's runs under it
@@ -268,6 +300,11 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
                         failed.append(run)
                         bar.console.print(f"[red]failed[/red] {run.group} seed {run.seed} (exit {exit_code}): "
                                           f"{run.log_path}")
+                    else:  # kept (and committed) now: a study cut later keeps this run
+                        written = keep_records([run])
+                        if study.commit_records and not quick:
+                            commit_records(run, [p for p in (*written, run.code_path, run.config_path)
+                                                 if p.is_file()])
                     bar.advance(task)
                 finished = True
             finally:  # Ctrl-C or SIGTERM (the CLI turns it into KeyboardInterrupt), or a launch that raised: stop
