@@ -7,7 +7,6 @@ import contextlib
 import ctypes
 import fcntl
 import functools
-import gzip
 import json
 import logging
 import math
@@ -288,22 +287,51 @@ class Lines(NamedTuple):
     blank: list[int]  # the numbers of the blank lines
     count: int  # its lines
     open_end: bool  # its last line has no newline: a writer is still writing it, or a crash tore it
+    numbers: tuple[int, ...] = ()  # the line number of each record
+
+
+# The most a metrics.jsonl (or a kept record, once decompressed) may hold to be read whole: a long run's is tens of MB.
+MAX_LOG_BYTES = 1 << 30
+
+
+def _read_bounded(path: pathlib.Path) -> bytes:
+    """The bytes of a metrics.jsonl, or of a .gz record decompressed (its members one after another, as gzip
+    does), never more than MAX_LOG_BYTES read or inflated: MetricsError naming the file otherwise."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_LOG_BYTES + 1)
+    except OSError as exc:
+        raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
+    too_big = MetricsError(f"{path}: holds more than {MAX_LOG_BYTES >> 20} MiB of records (a run's are far fewer): "
+                           "not read")
+    if len(data) > MAX_LOG_BYTES:
+        raise too_big
+    if not path.name.endswith(".gz"):
+        return data
+    out, size, rest = [], 0, data
+    while rest:
+        member = zlib.decompressobj(wbits=31)
+        try:
+            out.append(member.decompress(rest, MAX_LOG_BYTES + 1 - size))
+        except zlib.error:
+            raise MetricsError(f"{path}: cannot read it (not gzip data)") from None
+        size += len(out[-1])
+        if size > MAX_LOG_BYTES or member.unconsumed_tail:
+            raise too_big
+        if not member.eof:
+            raise MetricsError(f"{path}: cannot read it (not a whole gzip stream: cut short)")
+        rest = member.unused_data
+    return b"".join(out)
 
 
 def read_lines(path: pathlib.Path) -> Lines:
     """Every line of a metrics.jsonl, sorted into records, lines that are not, and blank lines, from one read; a
     name ending in .gz is read through gzip (a study's records/). A file that is not there has no lines. Raises
-    MetricsError when the file cannot be read."""
+    MetricsError when the file cannot be read, or holds (or inflates to) more than MAX_LOG_BYTES."""
     if not path.exists():
         return Lines([], [], [], 0, False)
-    try:
-        data = path.read_bytes()
-        text = (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8", errors="replace")
-    except OSError as exc:
-        raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
-    except (EOFError, zlib.error):
-        raise MetricsError(f"{path}: cannot read it (not a whole gzip stream)") from None
-    records, bad, blank = [], [], []
+    text = _read_bounded(path).decode("utf-8", errors="replace")
+    records, bad, blank, numbers = [], [], [], []
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -315,9 +343,11 @@ def read_lines(path: pathlib.Path) -> Lines:
             record = None
         if is_record(record):
             records.append(record)
+            numbers.append(number)
         else:
             bad.append((number, line))
-    return Lines(records, bad, blank, len(lines), bool(text) and not text.endswith("\n"))
+    return Lines(records, bad, blank, len(lines), bool(text) and not text.endswith("\n"), tuple(numbers))
+
 
 
 def _numbers(numbers: list[int]) -> str:

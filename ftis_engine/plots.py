@@ -7,6 +7,7 @@ import math
 import pathlib
 
 from .metrics import read_metrics
+from .safefile import save_figure
 
 TRAIN_LABELS = {  # the train.png panels, key: (title, y label); the loss panel is named for the run's method
     "reward_mean": ("reward of its own rollouts", "mean reward"),
@@ -77,7 +78,9 @@ FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 
 
 def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Write plots/eval.png and plots/train.png from run_dir/metrics.jsonl; returns the files written."""
+    """Write plots/eval.png and plots/train.png from run_dir/metrics.jsonl; returns the files written. Each through
+    the one safe writer (safefile): plots/ a real folder of the run directory, never a link followed out of it
+    (safefile.LinkRefused), each figure whole or not at all."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +95,6 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
                             "needs a step >= 0, a dataset and an accuracy in [0, 1], a train record a step >= 0 and a "
                             f"number under one of {', '.join(TRAIN_KEYS)}")
     out_dir = run_dir / "plots"
-    out_dir.mkdir(exist_ok=True)
     written = []
     members = sorted({r["member"] for r in records}, key=[r["member"] for r in records].index)
 
@@ -108,8 +110,7 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
-        written.append(out_dir / "eval.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(save_figure(fig, out_dir / "eval.png", run_dir, dpi=110))
         plt.close(fig)
 
     if train:
@@ -132,8 +133,7 @@ def make_plots(run_dir: pathlib.Path) -> list[pathlib.Path]:
         smooth = f" (running mean over {window} steps, raw values faint)" if window > 1 else ""
         fig.suptitle(f"{run_dir.name}: training{smooth}")
         fig.tight_layout()
-        written.append(out_dir / "train.png")
-        fig.savefig(written[-1], dpi=110)
+        written.append(save_figure(fig, out_dir / "train.png", run_dir, dpi=110))
         plt.close(fig)
     return written
 
@@ -177,7 +177,7 @@ def overlay_plots(run_dirs: list[pathlib.Path], out: pathlib.Path) -> pathlib.Pa
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    out.parent.mkdir(parents=True, exist_ok=True)  # the folder the user named: its own (a link at `out` is replaced)
+    save_figure(fig, out, dpi=100)
     plt.close(fig)
     return out

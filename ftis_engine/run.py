@@ -8,7 +8,6 @@ stages its own checkpoint (the last member to stage step N completes it) and lea
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import logging
@@ -16,6 +15,7 @@ import os
 import pathlib
 import time
 
+from . import safefile
 from .adversary import measured_payloads
 from .checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
 from .config import dump_config
@@ -102,11 +102,21 @@ def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
     if swarm.role.independent and swarm.role.reports:
         write_final_shared(run_dir, final)
     elif swarm.role.writes_run:
-        make_plots(run_dir)
-        written = run_dir / f".final_eval.json.tmp{os.getpid()}"  # whole or not at all: a study takes the
-        written.write_text(json.dumps(final, indent=2))  # file's presence for a finished run (study/plan.py)
-        os.replace(written, run_dir / "final_eval.json")
+        end_plots(run_dir)
+        # whole or not at all, never through a link: a study takes the file's presence for a finished run
+        safefile.write_text(run_dir / "final_eval.json", json.dumps(final, indent=2), root=run_dir)
     return final
+
+
+def end_plots(run_dir: pathlib.Path) -> None:
+    """The run's figures as it ends; a figure that cannot be drawn or written (a link planted where it goes,
+    refused by safefile) is a warning: the run's records and final_eval.json matter more than its pictures."""
+    try:
+        make_plots(run_dir)
+    except NothingToPlot:  # a rank that logged no record yet has nothing to draw
+        pass
+    except OSError as exc:
+        log.warning("the run's figures were not written (%s); `ftis-engine plot %s` draws them", exc, run_dir)
 
 
 def _steps(swarm: Swarm, start_step: int) -> list[dict]:
@@ -114,9 +124,7 @@ def _steps(swarm: Swarm, start_step: int) -> list[dict]:
     config, run_dir = swarm.config, swarm.run_dir
     if swarm.role.writes_run:
         run_dir.mkdir(parents=True, exist_ok=True)
-        written = run_dir / f".config.yaml.tmp{os.getpid()}"  # whole or not at all: a Ctrl-C may land here
-        written.write_text(dump_config(config))
-        os.replace(written, run_dir / "config.yaml")
+        safefile.write_text(run_dir / "config.yaml", dump_config(config), root=run_dir)  # a Ctrl-C may land here
         record_data(run_dir, config, start_step)  # its data files' sha256 (a resume on changed data: the change)
         if start_step == 0:  # a start over a run that stopped before its first checkpoint: its logs are kept aside
             for log_file in ("metrics.jsonl", "completions.jsonl"):
@@ -219,11 +227,8 @@ def write_final_shared(run_dir: pathlib.Path, final: list[dict]) -> None:
         path = run_dir / "final_eval.json"
         mine = {r["member"] for r in final}
         kept = [r for r in (json.loads(path.read_text()) if path.is_file() else []) if r["member"] not in mine]
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(kept + final, indent=2))
-        tmp.replace(path)
-        with contextlib.suppress(NothingToPlot):  # a rank that logged no record yet has nothing to draw
-            make_plots(run_dir)
+        safefile.write_text(path, json.dumps(kept + final, indent=2), root=run_dir)
+        end_plots(run_dir)
 
 
 def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[dict],

@@ -247,3 +247,51 @@ def test_two_async_ranks_writing_tensorboard_keep_both_ranks_steps_fresh_and_on_
     assert _tensorboard_points(tmp_path) == {"m0/train/loss": 4, "m1/train/loss": 4}
     run(3, range(3, 6))  # resumed from the checkpoint of step 2: steps 3 and 4 again, then 5
     assert _tensorboard_points(tmp_path) == {"m0/train/loss": 5, "m1/train/loss": 5}
+
+
+# ------------------------------------------------------------------------------------------------ bounded reading
+
+
+def _records(n: int) -> bytes:
+    return "".join(json.dumps({"step": s, "member": "a", "kind": "train"}) + "\n" for s in range(n)).encode()
+
+
+def test_a_kept_record_of_several_gzip_members_reads_as_gzip_reads_it(tmp_path):
+    import gzip
+
+    data = gzip.compress(_records(3), mtime=0) + gzip.compress(_records(2), mtime=0)
+    (tmp_path / "r.metrics.jsonl.gz").write_bytes(data)
+    lines = metrics_module.read_lines(tmp_path / "r.metrics.jsonl.gz")
+    assert [json.dumps(r) + "\n" for r in lines.records] == gzip.decompress(data).decode().splitlines(keepends=True)
+    assert lines.numbers == tuple(range(1, len(lines.records) + 1))
+
+
+def test_a_record_that_inflates_past_the_bound_is_refused_unread(tmp_path, monkeypatch):
+    """A kept record was read through gzip.decompress whole: a small file inflating to gigabytes filled memory."""
+    import gzip
+
+    monkeypatch.setattr(metrics_module, "MAX_LOG_BYTES", 4096)
+    bomb = tmp_path / "r.metrics.jsonl.gz"
+    bomb.write_bytes(gzip.compress(b"\n" * 100_000))
+    assert bomb.stat().st_size < 4096
+    with pytest.raises(MetricsError, match=rf"^{bomb}: holds more than 0 MiB of records .*: not read$"):
+        read_metrics(bomb)
+    plain = tmp_path / "metrics.jsonl"
+    plain.write_bytes(_records(200))
+    with pytest.raises(MetricsError, match="holds more than"):
+        read_metrics(plain)
+    plain.write_bytes(_records(10))
+    assert len(read_metrics(plain)) == 10
+
+
+@pytest.mark.parametrize("damage, said", [(lambda data: data[:-9], "not a whole gzip stream: cut short"),
+                                          (lambda data: b"plain text\n", "not gzip data"),
+                                          (lambda data: data + b"trailing", "not gzip data")])
+def test_a_damaged_kept_record_is_one_error_naming_it(tmp_path, damage, said):
+    import gzip
+
+    path = tmp_path / "r.metrics.jsonl.gz"
+    path.write_bytes(damage(gzip.compress(_records(3))))
+    with pytest.raises(MetricsError) as told:
+        read_metrics(path)
+    assert str(told.value) == f"{path}: cannot read it ({said})"

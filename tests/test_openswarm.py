@@ -21,6 +21,7 @@ pytest.importorskip("zmq")
 
 from ftis_engine.openswarm.client import JoinRefused, SwarmClient  # noqa: E402
 from ftis_engine.openswarm.coordinator import Coordinator, first_difference, shared_settings  # noqa: E402
+from ftis_engine.openswarm.joining import training_set_hash  # noqa: E402
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
 from .helpers import run_records, short_config  # noqa: E402
@@ -28,7 +29,8 @@ from .ports import free_port  # noqa: E402
 from .netlab import NetLab  # noqa: E402
 
 SHARED = {"seed": 0, "data": {"task": "tiny-add"}, "train": {"steps": 5}}
-DATA = "ab" * 32  # a training set's sha256 (hex), as dataset_hash gives it
+# SHARED's training set's sha256: the coordinator computes the swarm's from its own settings (issue 78)
+DATA = training_set_hash(SHARED["data"], SHARED["seed"])
 TOKENIZER = "cd" * 32  # a tokenizer's, as vocabulary_hash gives it
 
 
@@ -411,7 +413,7 @@ def test_a_coordinator_restarted_with_other_shared_settings_is_refused_at_start_
     swarm_yaml = ROOT / "configs/swarm/swarm.yaml"
     log = tmp_path / "coordinator.jsonl"
     old = Coordinator(shared_settings(load_swarm_config(swarm_yaml)), lease_s=10, max_body=100, log_path=log)
-    old.handle(b"A", join("a", shared=old.shared), now=0)
+    old.handle(b"A", join("a", shared=old.shared, dataset=old.dataset), now=0)
     del old
     written = log.read_bytes()
     done = command_here(capsys, "swarm", "serve", "--config", swarm_yaml, "--bind", "tcp://127.0.0.1:0", "--set",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ftis_engine.plots import TRAIN_KEYS, make_plots, running_mean
 
 
@@ -110,3 +112,61 @@ def test_plot_of_a_log_with_no_record_it_can_draw_is_one_line_and_writes_nothing
     with open(tmp_path / "metrics.jsonl", "a") as log:  # one record it can draw: drawn, the others left out
         log.write(json.dumps({"step": 1, "member": "a", "kind": "eval", "dataset": "d", "accuracy": 0.5}) + "\n")
     assert command_here(capsys, "plot", tmp_path).returncode == 0 and (tmp_path / "plots" / "eval.png").is_file()
+
+
+def _drawable_log(run_dir) -> None:
+    lines = [{"step": s, "member": "a", "kind": "eval", "dataset": "d", "accuracy": s / 10} for s in (0, 5)]
+    lines += [{"step": s, "member": "a", "kind": "train", **{k: 0.1 for k in TRAIN_KEYS}} for s in (1, 2)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_plots_never_write_through_a_link_planted_where_a_figure_goes(tmp_path):
+    """Issue 78: `plot` and the end of `train` wrote plots/eval.png through a symbolic link placed there,
+    overwriting its target outside the run directory. The link is replaced by the figure; its target is untouched."""
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (outside / "precious").write_text("kept")
+    _drawable_log(run)
+    (run / "plots").mkdir()
+    (run / "plots" / "eval.png").symlink_to(outside / "precious")
+    written = make_plots(run)
+    assert written == [run / "plots" / "eval.png", run / "plots" / "train.png"]
+    assert not (run / "plots" / "eval.png").is_symlink()
+    assert (run / "plots" / "eval.png").read_bytes().startswith(b"\x89PNG")
+    assert (outside / "precious").read_text() == "kept" and {p.name for p in outside.iterdir()} == {"precious"}
+
+
+def test_plots_as_a_link_is_refused_in_one_line_and_nothing_is_written_through_it(tmp_path, capsys):
+    """plots/ itself a link: followed before (the figures landed in its target); now `plot` exits 2 naming it."""
+    from ftis_engine.safefile import LinkRefused
+
+    from .helpers import command_here
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    _drawable_log(run)
+    (run / "plots").symlink_to(outside)
+    with pytest.raises(LinkRefused):
+        make_plots(run)
+    result = command_here(capsys, "plot", run)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: RUN_DIR {run}: {run / 'plots'}: cannot write it (a symbolic link where a folder the command writes "
+        "goes: nothing is written through it; move it away)"], result.stderr
+    assert list(outside.iterdir()) == []
+
+
+def test_the_overlay_replaces_a_link_at_its_out_file(tmp_path, capsys):
+    from .helpers import command_here
+
+    runs = []
+    for name in ("R1", "R2"):
+        (tmp_path / name).mkdir()
+        _drawable_log(tmp_path / name)
+        runs.append(tmp_path / name)
+    (tmp_path / "precious").write_text("kept")
+    (tmp_path / "overlay.png").symlink_to(tmp_path / "precious")
+    result = command_here(capsys, "plot", *runs, "--out", tmp_path / "overlay.png")
+    assert result.returncode == 0 and (tmp_path / "precious").read_text() == "kept"
+    assert (tmp_path / "overlay.png").read_bytes().startswith(b"\x89PNG")

@@ -1159,3 +1159,197 @@ def test_a_study_that_keeps_folders_commits_each_run_as_it_finishes_and_a_kept_r
     again = runner.run_study(spec, out, progress=False)
     assert launched == []
     assert [g["by_member"] for g in again["groups"]] == [g["by_member"] for g in summary["groups"]]
+
+
+# ------------------------------------------------------------------------------------------------ issue 78
+
+
+def _kept_study(tmp_path):
+    """MINIMAL's four runs finished and kept in records/ (gzip), their run directories gone: what a committed study
+    holds and --aggregate-only reads. Returns (its config file, its output directory, its groups)."""
+    import shutil
+
+    from ftis_engine.study.runner import keep_records
+
+    config = write_study(tmp_path, MINIMAL)
+    out = tmp_path / "out"
+    groups = plan(load_study(config), out, quick=False)
+    for group in groups:
+        for run, final in zip(group.runs, (0.2, 0.4)):
+            _fake_run(run, [(0, 0.1), (2, final)], [1.0], samples=4)
+    keep_records([run for group in groups for run in group.runs])
+    shutil.rmtree(out / "runs")
+    return config, out, groups
+
+
+def _aggregate_only(capsys, config, out):
+    return command_here(capsys, "study", "--config", config, "--output-dir", out, "--aggregate-only")
+
+
+SEED_AGAIN = "restore the file, or delete it (and the run's directory) to run that seed again"
+
+
+@pytest.mark.parametrize("damage, said", [
+    (lambda data: data[: len(data) // 2], "not a whole gzip stream: cut short"),
+    (lambda data: b'{"step": 0}\n', "not gzip data"),
+])
+def test_aggregate_only_on_a_cut_short_or_non_gzip_record_is_one_line_naming_it(tmp_path, capsys, damage, said):
+    """Its own message was good but never caught: a 62-line traceback."""
+    config, out, groups = _kept_study(tmp_path)
+    record = groups[0].runs[1].record_path
+    record.write_bytes(damage(record.read_bytes()))
+    result = _aggregate_only(capsys, config, out)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: {record}: cannot read it ({said}) (group pair-nois, seed 1); {SEED_AGAIN}"], result.stderr
+    assert not (out / "summary.json").exists()
+
+
+BAD_RECORDS = [
+    ({"accuracy": 1e308}, "accuracy: 1e+308 is not a share of the questions in [0, 1]"),
+    ({"accuracy": float("nan")}, "accuracy: nan is not a share of the questions in [0, 1]"),
+    ({"accuracy": -0.5}, "accuracy: -0.5 is not a share of the questions in [0, 1]"),
+    ({"accuracy": True}, "accuracy: True is not a share of the questions in [0, 1]"),
+    ({"samples": -4}, "samples: -4 is not a count of questions (a whole number, at least 1)"),
+    ({"samples": 0}, "samples: 0 is not a count of questions (a whole number, at least 1)"),
+    ({"dataset": None}, "dataset: None is not an eval set's name"),
+    ({"attack_success_by": {"inject": 2.0}}, "attack_success_by: not a share in [0, 1] for each payload"),
+    ({"step": -1}, "step -1: below 0"),
+    ({"kind": "train", "kl_mean": 1e308}, "kl_mean: 1e+308 is not a number within +-1e+15"),
+    ({"kind": "train", "reward_mean": float("inf")}, "reward_mean: inf is not a number within +-1e+15"),
+    ({"kind": "train", "sequences": "8"}, "sequences: '8' is not a number within +-1e+15"),
+]
+
+
+@pytest.mark.parametrize("change, said", BAD_RECORDS, ids=[s.split(":")[0] for _, s in BAD_RECORDS])
+def test_a_record_out_of_range_is_refused_naming_the_file_and_its_line(tmp_path, change, said):
+    """An accuracy of 1e308 or a negative samples crashed the aggregate (OverflowError in the standard deviation,
+    a math domain error in the report); a NaN accuracy went into summary.json as a bare NaN."""
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    group = plan(spec, tmp_path, quick=False)[0]
+    for run in group.runs:
+        _fake_run(run, [(0, 0.1), (2, 0.5)], [1.0], samples=4)
+    path = group.runs[1].run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[1] = json.dumps({**json.loads(lines[1]), **change})  # line 2: the eval at step 2
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(StudyError) as told:
+        aggregate(spec, [group], quick=False, command="c")
+    assert str(told.value) == f"{path} line 2: {said} (group pair-nois, seed 1); {SEED_AGAIN}"
+
+
+def test_aggregate_only_on_a_record_of_1e308_is_one_line_with_exit_code_2(tmp_path, capsys):
+    import gzip
+
+    config, out, groups = _kept_study(tmp_path)
+    record = groups[1].runs[0].record_path
+    text = gzip.decompress(record.read_bytes()).decode().replace('"accuracy": 0.2', '"accuracy": 1e308')
+    record.write_bytes(gzip.compress(text.encode()))
+    result = _aggregate_only(capsys, config, out)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: {record} line 2: accuracy: 1e+308 is not a share of the questions in [0, 1] (group pair-f-tis, "
+        f"seed 0); {SEED_AGAIN}"], result.stderr
+
+
+def test_a_second_eval_of_one_step_is_refused_naming_both_lines(tmp_path):
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    group = plan(spec, tmp_path, quick=False)[0]
+    for run in group.runs:
+        _fake_run(run, [(0, 0.1), (0, 0.5)], [1.0])  # its area over no span divided by zero
+    with pytest.raises(StudyError, match=r"metrics.jsonl line 2: a second eval of a on tiny-add at step 0 \(line 1\)"):
+        aggregate(spec, [group], quick=False, command="c")
+
+
+def test_summary_json_is_strict_json_and_a_nan_in_it_writes_nothing(tmp_path):
+    from ftis_engine.study import write_outputs
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    groups = plan(spec, tmp_path, quick=False)
+    for group in groups:
+        for run in group.runs:
+            _fake_run(run, [(0, 0.1), (2, 0.5)], [1.0], samples=4)
+    summary = aggregate(spec, groups, quick=False, command="c")
+    write_outputs(spec, groups, summary, tmp_path)
+
+    def no_constant(name):
+        raise AssertionError(f"summary.json holds {name}: not JSON")
+
+    assert json.loads((tmp_path / "summary.json").read_text(), parse_constant=no_constant)["study"] == "t"
+    written = (tmp_path / "summary.json").read_bytes()
+    summary["groups"][0]["by_member"]["a"]["final"]["tiny-add"]["mean"] = float("nan")
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_outputs(spec, groups, summary, tmp_path)
+    assert (tmp_path / "summary.json").read_bytes() == written
+
+
+def test_a_seed_left_out_of_a_groups_numbers_is_said(tmp_path, caplog):
+    """A study's aggregate never drops a seed without saying so: a finished run without an eval of a member, or a
+    seed without a finished run."""
+    spec = study_module.StudyConfig.model_validate({**MINIMAL, "seeds": [0, 1, 2]})
+    group = plan(spec, tmp_path, quick=False)[0]
+    _fake_run(group.runs[0], [(0, 0.1), (2, 0.5)], [1.0])
+    _fake_run(group.runs[1], [], [1.0])  # finished, no eval record
+    with caplog.at_level("WARNING", logger="ftis_engine"):
+        summary = aggregate(spec, [group], quick=False, command="c")
+    assert summary["groups"][0]["by_member"]["a"]["final"]["tiny-add"]["seeds"] == [0]
+    said = [r.getMessage() for r in caplog.records]
+    assert "group pair-nois: seed(s) 2 have no finished run and no kept records: left out of its numbers" in said
+    assert "group pair-nois: seed(s) 1 have no eval of a on tiny-add: left out of its numbers" in said
+
+
+def test_a_studys_outputs_replace_links_planted_at_their_names_and_leave_the_targets(tmp_path, capsys):
+    """report.md, summary.json and figures/*.png were written through a link placed where the file goes; a link at
+    the old temp name (summary.json.tmp) was written through too."""
+    config, out, _ = _kept_study(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious").write_text("kept")
+    (out / "figures").mkdir()
+    for name in ("report.md", "summary.json", "summary.json.tmp", "figures/set-pair.png"):
+        (out / name).symlink_to(outside / "precious")
+    result = _aggregate_only(capsys, config, out)
+    assert result.returncode == 0, result.stderr
+    assert (outside / "precious").read_text() == "kept" and {p.name for p in outside.iterdir()} == {"precious"}
+    assert not any((out / name).is_symlink() for name in ("report.md", "summary.json", "figures/set-pair.png"))
+    assert (out / "report.md").read_text().startswith("# Study `t`")
+    assert (out / "figures" / "set-pair.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_studys_figures_folder_as_a_link_is_refused_in_one_line(tmp_path, capsys):
+    config, out, _ = _kept_study(tmp_path)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (out / "figures").symlink_to(outside)
+    result = _aggregate_only(capsys, config, out)
+    assert result.returncode == 2 and result.stderr.splitlines() == [
+        f"error: {out / 'figures'}: a symbolic link where a folder the command writes goes: nothing is written "
+        "through it; move it away (check --output-dir and the paths in the config)"], result.stderr
+    assert list(outside.iterdir()) == []
+
+
+def test_a_studys_kept_records_are_never_written_through_a_link(tmp_path):
+    from ftis_engine.safefile import LinkRefused
+    from ftis_engine.study.runner import keep_records
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    out, outside = tmp_path / "out", tmp_path / "outside"
+    outside.mkdir()
+    run = plan(spec, out, quick=False)[0].runs[0]
+    _fake_run(run, [(0, 0.1)], [1.0])
+    (out / "records").symlink_to(outside)
+    with pytest.raises(LinkRefused):
+        keep_records([run])
+    assert list(outside.iterdir()) == []
+
+
+def test_a_runs_launch_record_is_never_appended_to_through_a_link(tmp_path):
+    from ftis_engine.safefile import LinkRefused
+    from ftis_engine.study.runner import record_launch
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    run = plan(spec, tmp_path / "out", quick=False)[0].runs[0]
+    run.code_path.parent.mkdir(parents=True)
+    (tmp_path / "precious").write_text("kept")
+    run.code_path.symlink_to(tmp_path / "precious")
+    with pytest.raises(LinkRefused):
+        record_launch(run, {"commit": "c" * 40, "dirty": False})
+    assert (tmp_path / "precious").read_text() == "kept"

@@ -14,6 +14,11 @@ or header (ZMQ_MAXMSGSIZE: never read, the connection is closed and dialled agai
 that makes `on_parcel` raise is counted and logged, and the thread goes on. So every name, tokenizer and source the
 member logs or records is plain printable text; a refusal's reason, free text, is kept escaped and cut
 (errors.shown), as it will be shown to a person.
+
+What the coordinator announces is held to the rules a coordinator's own config obeys (rules.lease_problem,
+rules.view_problem): a welcome whose lease no coordinator's config allows (1e-300 s: beats as fast as the loop
+turns) is refused, the member stops with one line (CoordinatorRefused); a member list with more names than a
+coordinator admits, or a member at a step past train.steps, is counted and dropped as a malformed one.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import uuid
 from collections.abc import Callable
 
 from ..errors import shown
-from .rules import join_problem
+from .rules import join_problem, lease_problem, view_problem
 from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 
 log = logging.getLogger("ftis_engine.exchange")
@@ -37,6 +42,11 @@ VIEW_FIELDS = {"step": int, "tokenizer": str, "source": str}  # a member list's 
 
 class JoinRefused(RuntimeError):
     """The coordinator refused this member; the message is its reason (a field that differs, a name in use)."""
+
+
+class CoordinatorRefused(ConnectionError):
+    """This member refused the coordinator: it announced a setting no coordinator's config allows (the message
+    names it). A ConnectionError: `train --join` tells it as one line, exit 2, as a coordinator it cannot dial."""
 
 
 class SwarmClient:
@@ -51,6 +61,8 @@ class SwarmClient:
         # source: where peers of another tokenizer can load this member's (builtin:, packaged: or a hub id; "": none)
         self._join_header = {"name": name, "tokenizer": tokenizer, "source": source, "shared": shared,
                              "dataset": dataset}
+        steps = shared.get("train", {}).get("steps") if isinstance(shared.get("train"), dict) else None
+        self._steps = steps if isinstance(steps, int) else None  # no member's step in a member list is past it
         self._max_body = max_body
         self._on_parcel = on_parcel
         self._key = key
@@ -91,6 +103,8 @@ class SwarmClient:
     def check(self) -> None:
         if self.refused is not None:
             raise JoinRefused(self.refused)
+        if isinstance(self.error, CoordinatorRefused):
+            raise self.error
         if self.error is not None:
             raise RuntimeError(f"the swarm client failed: {self.error!r}") from self.error
 
@@ -221,6 +235,12 @@ class SwarmClient:
             self.malformed += 1
             return
         if kind == "welcome":
+            problem = lease_problem(header["lease_s"])
+            if problem is not None:  # no coordinator's config has it: a coordinator of no swarm this member is in
+                self.error = CoordinatorRefused(f"the coordinator at {self.address} announced {shown(problem, 300)}; "
+                                                "this member does not join it")
+                self._stop.set()
+                return
             self._beat_s = min(1.0, header["lease_s"] / 4)  # its step, fresh for the peers' lead bound
             self._set_members(header["members"])
             self._joined.set()
@@ -258,7 +278,8 @@ class SwarmClient:
         kept)."""
         if all(isinstance(v, dict) and set(v) == set(VIEW_FIELDS) and all(
                 isinstance(v[f], t) and not isinstance(v[f], bool) for f, t in VIEW_FIELDS.items())
-               and _named_as_admitted(name, v["tokenizer"], v["source"]) for name, v in members.items()):
+               and _named_as_admitted(name, v["tokenizer"], v["source"]) for name, v in members.items()) and \
+                view_problem(members, self._steps) is None:
             with self._lock:
                 self._departed.update(name for name, seen in self._members.items()
                                       if name not in members or members[name]["step"] < seen["step"])

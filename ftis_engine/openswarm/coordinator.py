@@ -2,8 +2,12 @@
 the dataset), and the relay of every member's parcels to the other live members.
 
 A member joins under its name with its shared settings, its tokenizer's hash and its dataset's hash; it is refused
-in one line naming the first field that differs from the swarm's, when its training set differs from the one the
-swarm has, or when a live member already has its name. It stays in the live set while it is heard from (a
+in one line naming the first field that differs from the swarm's, when its training set differs from the swarm's,
+or when a live member already has its name. The swarm's shared settings and its training set's sha256 are the
+coordinator's own, from its config (the training set's computed from its `data` and `seed` as each member computes
+its own: joining.training_set_hash), never what a member says: a stranger who joins first with a made-up hash
+fixes nothing (it is refused), and a restart takes neither from its log (a log whose start record holds another
+training set is refused at start, as one of other settings is). It stays in the live set while it is heard from (a
 heartbeat, a parcel) within `lease_s`; a member that leaves says so; one that crashes is dropped when its lease
 expires. Every change, and every second (or lease / 4), goes to every live member as a `members` message (name ->
 newest step heard: the lead bound's view). A member whose message the coordinator cannot place (unknown, e.g.
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 from ..config import value_differences
 from ..errors import shown
+from ..safefile import open_append
 from .rules import (  # noqa: F401 (MAX_SOURCE, load_swarm_config, max_parcel_bytes, shared_settings: importable here)
     DIGEST,
     MAX_LIVE,
@@ -86,12 +91,21 @@ class SwarmLogError(ValueError):
 
 class Coordinator:
     def __init__(self, shared: dict, lease_s: float, max_body: int, log_path: pathlib.Path | None = None,
-                 echo=None, now: float | None = None):
+                 echo=None, now: float | None = None, dataset: str | None = None):
+        """shared: the swarm's shared settings (rules.shared_settings of its config); dataset: its training set's
+        sha256, the operator's word; None: computed from shared's data and seed (joining.training_set_hash, which
+        raises TaskError when the set cannot be read here)."""
+        if dataset is None:
+            from .joining import training_set_hash
+
+            dataset = training_set_hash(shared.get("data", {}), shared.get("seed", 0))
+        if not DIGEST.fullmatch(dataset):
+            raise ValueError(f"dataset: {_shown(repr(dataset))} is not a sha256 hex digest (64 of 0-9a-f)")
         self.shared = shared
         self.lease_s = lease_s
         self.max_body = max_body  # the largest parcel body an honest member can send (bytes)
         self.live: dict[str, Live] = {}
-        self.dataset: str | None = None  # the first joined member's training-set hash: the swarm's
+        self.dataset = dataset  # the swarm's training set: its own config's, never a joiner's or its log's
         self.relayed = 0  # parcels relayed (one per receiver)
         self.undeliverable = 0  # relays a receiver's full queue (or its vanished connection) refused
         self.refused = 0  # messages refused (a malformed one, a join refused, a parcel from no live member)
@@ -99,7 +113,7 @@ class Coordinator:
         self._noisy: tuple[float, int] = (float("-inf"), 0)  # (start of the current minute, noisy records in it)
         self._echo = echo
         self._log_path, self._log = log_path, None  # opened by the first record, or by serve once it is bound
-        restored, self.dataset, recorded, logged = self._restore(log_path) if log_path is not None else \
+        restored, logged_dataset, recorded, logged = self._restore(log_path) if log_path is not None else \
             ({}, None, None, False)
         if logged and recorded is None:
             raise SwarmLogError(f"{log_path} holds the log of a coordinator that recorded no shared settings (an "
@@ -112,6 +126,10 @@ class Coordinator:
             said += f" and {len(changes) - 3} more" if len(changes) > 3 else ""
             raise SwarmLogError(f"{log_path} is the log of a swarm with other shared settings: {said}; restart it "
                                 "with that swarm's settings, or give this swarm a fresh --output-dir")
+        if logged_dataset is not None and logged_dataset != self.dataset:
+            raise SwarmLogError(f"{log_path} is the log of a swarm that trained on another training set (sha256 "
+                                f"{logged_dataset[:12]}... there, {self.dataset[:12]}... from this config's data): "
+                                "restore that swarm's data files, or give this swarm a fresh --output-dir")
         self._restored = sorted(restored)
         if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
             now = time.monotonic() if now is None else now
@@ -125,9 +143,9 @@ class Coordinator:
         record."""
         if self._log is not None or self._log_path is None:
             return
-        self._log = open(self._log_path, "a", encoding="utf-8")
+        self._log = open_append(self._log_path)  # never through a link at its name (safefile)
         self._log.write(json.dumps({"time": time.time(), "event": "start", "member": None, "shared": self.shared,
-                                    "lease_s": self.lease_s}) + "\n")
+                                    "lease_s": self.lease_s, "dataset": self.dataset}) + "\n")
         self._log.flush()
         if self._restored:
             self._record(now, "restored", None, members=self._restored, dataset=self.dataset)
@@ -136,10 +154,10 @@ class Coordinator:
     def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes]], str | None, dict | None,
                                                   bool]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source, the connection identity it joined from)), the swarm's training-set
-        hash (the first logged: every later join had to match it), the shared settings its newest `start` record
-        holds and whether the log holds any record; ({}, None, None, False) for a new log. A member that is gone
-        holds its place for one lease at most. Read a line at a time: the log grows with the run. Every coordinator
+        newest step logged, tokenizer source, the connection identity it joined from)), the training set's hash
+        its newest `start` record holds (a coordinator's own; a join's, a stranger's word, never counts), the shared
+        settings that record holds and whether the log holds any record; ({}, None, None, False) for a new log. A
+        member that is gone holds its place for one lease at most. Read a line at a time: the log grows with the run. Every coordinator
         that wrote to a log had its settings (each was refused at start otherwise) and held its directory's lock
         (swarm serve's RunLock), so all of it is one swarm's."""
         if not log_path.is_file():
@@ -163,6 +181,8 @@ class Coordinator:
                 logged = True
                 if record.get("event") == "start" and isinstance(record.get("shared"), dict):
                     recorded = record["shared"]
+                    said = record.get("dataset")  # a start record of before this was logged: nothing to compare
+                    dataset = said if isinstance(said, str) and DIGEST.fullmatch(said) else None
                 name = record.get("member")
                 if isinstance(record.get("tokenizer"), str) and isinstance(name, str):
                     tokenizers[name] = record["tokenizer"]
@@ -170,8 +190,6 @@ class Coordinator:
                     identities[name] = _identity(record.get("identity"))
                 if isinstance(record.get("step"), int) and isinstance(name, str):
                     steps[name] = record["step"]
-                if dataset is None and isinstance(record.get("dataset"), str) and DIGEST.fullmatch(record["dataset"]):
-                    dataset = record["dataset"]
                 if isinstance(record.get("live"), list):
                     live = record["live"]
         # what a join would be refused for is not restored either (a log written before these caps)
@@ -232,7 +250,7 @@ class Coordinator:
             problem = f"step: {header['step']}, past train.steps={self._steps}"
         if problem is None:
             problem = first_difference(self.shared, header["shared"])
-        if problem is None and self.dataset is not None and header["dataset"] != self.dataset:
+        if problem is None and header["dataset"] != self.dataset:
             problem = (f"data: this member's training set (sha256 {header['dataset'][:12]}...) differs from the "
                        f"swarm's ({self.dataset[:12]}...)")
         current = self.live.get(name)
@@ -251,7 +269,6 @@ class Coordinator:
             self.refused += 1
             self._record(now, "refuse", name, reason=problem)
             return [(identity, pack("refuse", {"reason": problem}))]
-        self.dataset = self.dataset or header["dataset"]
         rejoined = name in self.live and current.identity != b""
         self.live[name] = Live(identity, header["tokenizer"], header["step"], now,
                                current.joined_at if current else now, header["source"])

@@ -1,6 +1,7 @@
 """What a member brings to join an open swarm (openswarm/member.py): a config that can join (check_joinable), its
-training set's hash (dataset_hash), a tokenizer source its peers can load (shareable) and, with samplers, the key
-its samplers sign their parcels with (share_key)."""
+training set's hash (dataset_hash; the coordinator computes the swarm's from its own config: training_set_hash), a
+tokenizer source its peers can load (shareable) and, with samplers, the key its samplers sign their parcels with
+(share_key)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,21 @@ def dataset_hash(task) -> str:
         digest.update(example.answer.encode())
         digest.update(b"\x01")
     return digest.hexdigest()
+
+
+def training_set_hash(data, seed: int) -> str:
+    """The training set's sha256 (dataset_hash) that a member of these shared settings joins with, computed from
+    them: `data` (a DataSettings, or its JSON as shared_settings gives it) and the run's `seed`. The coordinator's
+    own, from its config: the swarm's (never what a member says it is). Only the training set is read: the
+    rewards are not loaded (they change no example), and the eval sets are those data.eval_paths names (the task's
+    default ones without it), as a member's training set does not depend on which it evaluates. Raises TaskError
+    (naming the data field) when the set cannot be read here."""
+    from ..config import DataSettings
+    from ..tasks import load_task
+
+    data = data if isinstance(data, DataSettings) else DataSettings.model_validate(data)
+    data = data.model_copy(update={"reward": None, "rewards": []})
+    return dataset_hash(load_task(data, seed, list(data.eval_paths) or None))
 
 
 def share_key(broadcast, key: bytes | None = None) -> bytes:

@@ -1,7 +1,9 @@
 """An open swarm's rules, which the coordinator enforces and its members and clients check before they ask: the
 shared settings every member must agree on (SHARED) and the swarm's config (load_swarm_config), what a join's own
 fields may be (join_problem: the caps keep every member list within one header, wire.MAX_HEADER) and what a parcel
-may be (parcel_problem, max_parcel_bytes)."""
+may be (parcel_problem, max_parcel_bytes). What a coordinator announces is held to the same rules its own config
+obeys (lease_problem, view_problem): a member takes no setting from a coordinator that no coordinator's config
+could have."""
 
 from __future__ import annotations
 
@@ -62,6 +64,32 @@ def join_problem(header: dict) -> str | None:
         return (f"source: {_shown(repr(header['source']))} is not a tokenizer source (at most {MAX_SOURCE} letters, "
                 "digits and : / _ . @ + = -)")
     return None
+
+
+def lease_problem(lease_s: float) -> str | None:
+    """Why a lease a coordinator announced (its welcome) is not one a coordinator's config allows, by that
+    field's own rules (swarm.lease_s: config.MIN_LEASE_S up to a day, finite): one line naming the field; None
+    when it is one. A lease of 1e-300 s had a member beat as fast as its loop turns."""
+    from pydantic import ValidationError
+
+    from ..config import SwarmSettings
+
+    try:
+        SwarmSettings(lease_s=lease_s)
+    except ValidationError as exc:
+        return f"swarm.lease_s={lease_s!r}: {exc.errors()[0]['msg'].removeprefix('Value error, ')}"
+    return None
+
+
+def view_problem(members: dict, steps: int | None) -> str | None:
+    """Why a member list a coordinator sent is not one it can send (beyond each entry's format, which the client
+    checks): more than MAX_LIVE names (it admits no more), or a member (not a sampler: its rounds are its own
+    count) at a step past train.steps (it refuses such a step in a join, a beat and a parcel). None when it is one."""
+    if len(members) > MAX_LIVE:
+        return f"{len(members)} live names, more than the {MAX_LIVE} a coordinator admits"
+    past = [name for name, view in members.items() if SAMPLER_MARK not in name and steps is not None
+            and isinstance(view, dict) and isinstance(view.get("step"), int) and view["step"] > steps]
+    return f"{_shown(repr(past[0]))} at a step past train.steps={steps}" if past else None
 
 
 def _shown(text: str) -> str:

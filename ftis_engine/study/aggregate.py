@@ -6,13 +6,17 @@ says how much the numbers move from seed to seed, not how much another sample of
 
 from __future__ import annotations
 
+import logging
 import math
 import pathlib
+from collections.abc import Collection
 from typing import Any
 
-from ..metrics import read_metrics
-from .config import StudyConfig
+from ..metrics import MetricsError, read_lines
+from .config import StudyConfig, StudyError
 from .plan import Group, first_alone_groups, paired_alone
+
+log = logging.getLogger("ftis_engine")
 
 # two-sided 95% quantiles of Student's t by degrees of freedom (1..30); 1.96 beyond
 _T95 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -35,6 +39,70 @@ PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
 # what an accuracy or an attack success rate can be (a share of the eval questions), and a difference of two
 ACCURACY_BOUNDS = (0.0, 1.0)
 DIFFERENCE_BOUNDS = (-1.0, 1.0)
+# The largest magnitude a number the aggregate computes with may have (record_problem): no count, second, mean or KL
+# of a run comes near it, and the sums over steps and seeds stay finite (1e308 overflowed the standard deviation).
+MAX_MAGNITUDE = 1e15
+# the train keys read_run computes with: each a number within MAX_MAGNITUDE where present
+NUMBERS = (*TRAIN_STATS, *PEER_STATS.values(), "sequences", "own_sequences")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _share(value: object) -> bool:
+    """A share of questions: a number in [0, 1] (a NaN is in no range)."""
+    return _number(value) and 0.0 <= value <= 1.0
+
+
+def record_problem(record: dict, numbers: Collection[str] = NUMBERS) -> str | None:
+    """Why a record (metrics.is_record) is out of the range the engine writes, in a few words naming the key; None
+    when it is in range. A step below 0; an eval without a dataset, with an accuracy that is not a share in [0, 1]
+    (1e308, NaN), samples that are not a count of at least 1, attack success rates that are not shares; under a key
+    of `numbers`, present and not null (the writer logs a non-finite value as null), a value that is not a number
+    within +-MAX_MAGNITUDE."""
+    if record["step"] < 0:
+        return f"step {record['step']}: below 0"
+    for key in numbers:
+        value = record.get(key)
+        if value is not None and not (_number(value) and abs(value) <= MAX_MAGNITUDE):
+            return f"{key}: {value!r} is not a number within +-{MAX_MAGNITUDE:g}"
+    if record["kind"] != "eval":
+        return None
+    if not isinstance(record.get("dataset"), str) or not record["dataset"]:
+        return f"dataset: {record.get('dataset')!r} is not an eval set's name"
+    if not _share(record.get("accuracy")):
+        return f"accuracy: {record.get('accuracy')!r} is not a share of the questions in [0, 1]"
+    samples = record.get("samples")
+    if samples is not None and not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
+        return f"samples: {samples!r} is not a count of questions (a whole number, at least 1)"
+    rates = record.get("attack_success_by")
+    if rates is not None and not (isinstance(rates, dict) and all(_share(v) for v in rates.values())):
+        return "attack_success_by: not a share in [0, 1] for each payload"
+    return None
+
+
+def checked_records(path: pathlib.Path) -> list[tuple[dict, int]]:
+    """(record, line number) of each record of a finished run's metrics.jsonl (or its kept .gz), read bounded
+    (metrics.read_lines), each in range (record_problem) and no eval twice (a member's eval set at one step):
+    MetricsError naming the file and the line otherwise. A line that is no record is left out with a warning that
+    names the file, a last line torn by a crash silently (as metrics.read_metrics does)."""
+    lines = read_lines(path)
+    skipped = [n for n, _ in lines.bad if n < lines.count or not lines.open_end]
+    if skipped:
+        log.warning("%s: line(s) %s are not records (a JSON object with a kind, a member and a whole-number step); "
+                    "left out of the study's numbers", path, ", ".join(map(str, skipped[:5])))
+    evals: dict[tuple, int] = {}
+    for record, number in zip(lines.records, lines.numbers, strict=True):
+        problem = record_problem(record)
+        key = (record["member"], record.get("dataset"), record["step"]) if record["kind"] == "eval" else None
+        if problem is None and key in evals:
+            problem = f"a second eval of {key[0]} on {key[1]} at step {key[2]} (line {evals[key]})"
+        if problem is not None:
+            raise MetricsError(f"{path} line {number}: {problem}")
+        if key is not None:
+            evals[key] = number
+    return list(zip(lines.records, lines.numbers))
 
 
 def interval(values: list[float], seeds: list[int] | None = None,
@@ -162,11 +230,12 @@ def _curve_area(points: list[tuple[int, float]]) -> float:
 def read_run(source: pathlib.Path) -> tuple[dict, dict, dict]:
     """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}, {dataset: {eval set sizes}})
     of a finished run, from its directory or a metrics file (its metrics.jsonl, or the .jsonl.gz a study keeps in
-    records/); an attack success rate's set is its eval set's size."""
+    records/); an attack success rate's set is its eval set's size. MetricsError naming the file (and the line) for
+    one that cannot be read, or holds a record out of range (checked_records)."""
     evals: dict[tuple[str, str], list[tuple[int, float]]] = {}
     train: dict[str, dict[str, list[float]]] = {}
     sizes: dict[str, set[int]] = {}
-    for record in read_metrics(source / "metrics.jsonl" if source.is_dir() else source):
+    for record, _ in checked_records(source / "metrics.jsonl" if source.is_dir() else source):
         if record["kind"] == "eval":
             evals.setdefault((record["member"], record["dataset"]), []).append((record["step"], record["accuracy"]))
             if isinstance(record.get("samples"), int):
@@ -182,7 +251,7 @@ def read_run(source: pathlib.Path) -> tuple[dict, dict, dict]:
             for key in TRAIN_STATS:
                 if isinstance(record.get(key), (int, float)):
                     stats.setdefault(key, []).append(float(record[key]))
-            peers = record.get("sequences", 0) - record.get("own_sequences", 0)
+            peers = (record.get("sequences") or 0) - (record.get("own_sequences") or 0)  # null: not logged
             for key, source in PEER_STATS.items():
                 if peers > 0 and isinstance(record.get(source), (int, float)):
                     stats.setdefault(key, []).append(float(record[source]) * record["sequences"] / peers)
@@ -207,7 +276,17 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             "alone": group.alone, "also_alone": group.also_alone,
             "swarm_mode": config.swarm.mode, "latency": config.swarm.latency.model_dump(),
         }
-        read = {run.seed: read_run(run.metrics_source) for run in finished}
+        unfinished = [run.seed for run in group.runs if run.metrics_source is None]
+        if unfinished:
+            log.warning("group %s: seed(s) %s have no finished run and no kept records: left out of its numbers",
+                        group.name, ", ".join(map(str, unfinished)))
+        read = {}
+        for run in finished:
+            try:
+                read[run.seed] = read_run(run.metrics_source)
+            except MetricsError as exc:
+                raise StudyError(f"{exc} (group {group.name}, seed {run.seed}); restore the file, or delete it (and "
+                                 "the run's directory) to run that seed again") from None
         per_run = {seed: (evals, train) for seed, (evals, train, _) in read.items()}
         entry["eval_questions"] = eval_questions([sizes for _, _, sizes in read.values()])
         for member in entry["members"]:
@@ -218,6 +297,9 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
                 curves = {seed: evals[(member, dataset)] for seed, (evals, _) in per_run.items()
                           if evals.get((member, dataset))}
                 seeds = list(curves)
+                if len(seeds) < len(per_run):  # never a seed dropped without a word
+                    log.warning("group %s: seed(s) %s have no eval of %s on %s: left out of its numbers", group.name,
+                                ", ".join(str(s) for s in per_run if s not in curves), member, dataset)
                 steps = sorted(set.intersection(*(set(s for s, _ in c) for c in curves.values())))
                 by_step = [dict(c) for c in curves.values()]
                 result["final"][dataset] = interval([c[-1][1] for c in curves.values()], seeds, ACCURACY_BOUNDS)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 import textwrap
 
+from ..safefile import save_figure
 from .aggregate import ACCURACY_BOUNDS, interval
 from .config import FigureSettings, StudyConfig
 from .tables import against, seed_list, set_distances
@@ -44,7 +45,8 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
     """One PNG per figure (default: one per member set): a column per member, a row per eval set, a line per
     group with its 95% band over seeds (curve_lines: on the seeds the groups share). A study run with --groups draws
     only the figures whose groups it ran all of (a figure with half its lines would read as the whole comparison);
-    --quick draws what it has."""
+    --quick draws what it has. Each through the one safe writer (safefile): out_dir a real folder of the study's
+    directory (its parent), never a link followed out of it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,7 +57,6 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
         FigureSettings(name=f"set-{s}", title=f"member set {s}", groups=[g["group"] for g in summary["groups"]
                                                                           if g["member_set"] == s])
         for s in dict.fromkeys(g["member_set"] for g in summary["groups"])]
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for figure in figures:
         chosen = [groups[name] for name in figure.groups if name in groups]
@@ -89,10 +90,8 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
         said = "; ".join(dict.fromkeys(n for n in notes if n))
         title = f"{figure.title or figure.name} (mean over seeds, 95% band{'; ' + said if said else ''})"
         fig.suptitle(textwrap.fill(title, width=int(11 * 5.2 * len(members))))  # about 11 characters an inch
-        path = out_dir / f"{figure.name}.png"
-        fig.savefig(path, dpi=100)
+        written.append(save_figure(fig, out_dir / f"{figure.name}.png", out_dir.parent, dpi=100))
         plt.close(fig)
-        written.append(path)
     return written
 
 
@@ -154,7 +153,6 @@ def _distance_figure(plt, figure: FigureSettings, groups: list[dict], member: st
     zero = f"`{figure.alone}`" if figure.alone else "alone"
     fig.suptitle(f"{figure.title or figure.name} (mean over seeds, 95% interval; 0 = {zero})")
     fig.tight_layout()
-    path = out_dir / f"{figure.name}.png"
-    fig.savefig(path, dpi=100)
+    path = save_figure(fig, out_dir / f"{figure.name}.png", out_dir.parent, dpi=100)
     plt.close(fig)
     return path

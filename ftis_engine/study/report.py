@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import pathlib
 
+from ..safefile import write_json, write_text
 from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS
 from .config import StudyConfig
 from .figures import curve_lines, distance_points, draw_figures, kl_measure  # noqa: F401 (importable from here)
@@ -241,16 +241,16 @@ def verdicts_markdown(study: str, verdicts: dict, command: str = "", sources: li
 
 
 def write_outputs(study: StudyConfig, groups: list[Group], summary: dict, output_dir: pathlib.Path) -> None:
+    """figures/*.png, summary.json (strict JSON: no NaN), report.md and verdicts.md, each through the one safe
+    writer (safefile: whole or not at all, never through a link in the study's directory)."""
     figures = draw_figures(study, summary, output_dir / "figures")
     summary["figures"] = [f"figures/{p.name}" for p in figures]
-    partial = output_dir / "summary.json.tmp"
-    partial.write_text(json.dumps(summary, indent=1))
-    os.replace(partial, output_dir / "summary.json")
-    (output_dir / "report.md").write_text(report_markdown(summary, figures))
+    write_json(output_dir / "summary.json", summary, indent=1)
+    write_text(output_dir / "report.md", report_markdown(summary, figures))
     if summary.get("verdicts"):
-        (output_dir / "verdicts.md").write_text(verdicts_markdown(summary["study"], summary["verdicts"],
-                                                                  command=summary.get("command", ""),
-                                                                  sources=["summary.json"]))
+        write_text(output_dir / "verdicts.md", verdicts_markdown(summary["study"], summary["verdicts"],
+                                                                 command=summary.get("command", ""),
+                                                                 sources=["summary.json"]))
 
 
 def eval_questions_from_config(study: StudyConfig, summary: dict) -> dict[str, int | list[int]]:
@@ -289,7 +289,5 @@ def rewrite_report(study: StudyConfig, output_dir: pathlib.Path, figures: bool =
         drawn = draw_figures(study, summary, output_dir / "figures")
     else:
         drawn = [output_dir / f for f in summary.get("figures", [])]
-    path = output_dir / "report.md"
-    path.write_text(report_markdown(summary, drawn))
-    return path
+    return write_text(output_dir / "report.md", report_markdown(summary, drawn))
 

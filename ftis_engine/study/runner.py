@@ -22,6 +22,7 @@ from ..config import ConfigError, dump_config
 from ..members import check_warm_start
 from ..rundir import RunLock
 from ..preflight import check_before_launch
+from ..safefile import open_append, write_bytes, write_text
 from ..tasks import TaskError, load_task
 from .aggregate import aggregate
 from .config import StudyConfig, StudyError, registration_files
@@ -57,12 +58,17 @@ def code_version(root: pathlib.Path | None = None) -> dict:
     return {"commit": head, "dirty": bool(status)}
 
 
+def study_dir(run: Run) -> pathlib.Path:
+    """The study's output directory that holds the run's files (configs/<group>/seed-<s>.yaml is under it): the
+    root nothing the study writes leaves by a link (safefile)."""
+    return run.config_path.parents[2]
+
+
 def record_launch(run: Run, code: dict) -> None:
     """Append this launch to the run's code record (plan.Run.code_path): the code version and when it started
     (UTC; summary.json's `launches`)."""
-    run.code_path.parent.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    with run.code_path.open("a", encoding="utf-8") as f:
+    with open_append(run.code_path, study_dir(run)) as f:
         f.write(json.dumps({"commit": code["commit"], "dirty": code["dirty"], "started": started}) + "\n")
 
 
@@ -118,13 +124,9 @@ def keep_records(runs: list[Run]) -> list[pathlib.Path]:
                 files[run.record_path.with_name(name)] = (run.run_dir / name).read_bytes()
         # the metrics last: a record_path that exists marks the run done (Run.kept)
         for path, data in sorted(files.items(), key=lambda item: item[0] == run.record_path):
-            if path.is_file() and path.read_bytes() == data:
+            if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
                 continue
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(path.name + ".tmp")
-            partial.write_bytes(data)
-            os.replace(partial, path)
-            written.append(path)
+            written.append(write_bytes(path, data, study_dir(run)))
     return written
 
 
@@ -170,13 +172,11 @@ class Launcher:
     def __call__(self, run: Run) -> int | None:
         """Run one train process to completion (resuming from its newest checkpoint when it has one); its output
         goes to the run's log. Returns its exit code, or None when the study was stopped before it started."""
-        run.config_path.parent.mkdir(parents=True, exist_ok=True)
-        run.log_path.parent.mkdir(parents=True, exist_ok=True)
-        run.config_path.write_text(dump_config(run.config))
+        write_text(run.config_path, dump_config(run.config), study_dir(run))
         command = [sys.executable, "-m", "ftis_engine", "train", "--config", str(run.config_path)]
         if latest_checkpoint(run.run_dir) is not None:
             command.append("--resume")
-        with run.log_path.open("a") as log, self._lock:
+        with open_append(run.log_path, study_dir(run)) as log, self._lock:
             if self._stopping.is_set():
                 return None
             record_launch(run, self.code)

@@ -1,0 +1,157 @@
+"""The one writer of the files the commands write (figures, reports, summaries, records, logs): never through a
+symbolic link, and a whole file or none.
+
+A file is written in a folder of a directory the command owns (`root`: a run or study directory, or the folder a
+user named for one file): every folder from `root` down to the file is a real folder, made where missing, and a
+symbolic link (or a file) in the place of one is refused (LinkRefused), never followed out of the directory. It is
+opened by a descriptor walked from `root` one folder at a time (O_NOFOLLOW), so a link planted while it writes is
+refused too. `root` itself is followed: it is the path the user gave.
+
+- write_bytes / write_text / write_json / save_figure: atomic. The bytes go to a temp file of a fresh random name
+  in the same folder (created exclusively: never an existing file or a link), are flushed to disk, and replace the
+  file's name in one rename: a reader sees the old file or the new one, never part of one; a link at the file's
+  name is replaced by the file, its target untouched. The temp file is removed however the write fails.
+- open_append: a log the command appends to a line at a time (coordinator.jsonl, a study's launch records): opened
+  without following a link at its name, and only a regular file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import pathlib
+import secrets
+import stat
+from typing import Any, TextIO
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class LinkRefused(OSError):
+    """A symbolic link, or something that is not a folder or a regular file, where a folder or file the command
+    writes goes (errno ENOTDIR or EPERM, filename the path): nothing is written through it. One line to the user:
+    exits.py tells an OSError of this errno as a path to check, with exit code 2."""
+
+
+def _parts(path: pathlib.Path, root: pathlib.Path) -> tuple[str, ...]:
+    """The names from `root` down to `path` (its folders, then its own name); ValueError when `path` is not inside
+    `root` or walks up out of it."""
+    parts = pathlib.Path(path).relative_to(root).parts
+    if not parts or any(part in ("..", ".") for part in parts):
+        raise ValueError(f"{path}: not a file inside {root}")
+    return parts
+
+
+def _refused(path: pathlib.Path, what: str) -> LinkRefused:
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        mode = 0
+    kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a folder" if what == "folder" else "not a regular file"
+    code = errno.ENOTDIR if what == "folder" else errno.EPERM
+    return LinkRefused(code, f"{kind} where a {what} the command writes goes: nothing is written through it; move it "
+                             "away", str(path))
+
+
+def open_folder(folder: pathlib.Path, root: pathlib.Path | None = None) -> int:
+    """A descriptor of `folder` (a real folder under `root`, made where missing, each step of the way never a link:
+    LinkRefused); the caller closes it. root None: `folder` itself, followed (the user's path)."""
+    root = pathlib.Path(folder if root is None else root)
+    parts = pathlib.Path(folder).relative_to(root).parts
+    if any(part in ("..", ".") for part in parts):
+        raise ValueError(f"{folder}: not a folder inside {root}")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    here, opened = root, False
+    try:
+        for part in parts:
+            here = here / part
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o777, dir_fd=fd)
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refused(here, "folder") from None
+                raise
+            os.close(fd)
+            fd = child
+        opened = True
+    finally:
+        if not opened:
+            os.close(fd)
+    return fd
+
+
+def write_bytes(path: pathlib.Path, data: bytes, root: pathlib.Path | None = None) -> pathlib.Path:
+    """Write `data` as the file `path` (see the module: atomic, never through a link; its folders made under `root`,
+    default its own folder). Returns `path`."""
+    path = pathlib.Path(path)
+    root = path.parent if root is None else pathlib.Path(root)
+    name = _parts(path, root)[-1]
+    folder = open_folder(path.parent, root)
+    temp = f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
+                     dir_fd=folder)
+        replaced = False
+        try:
+            with open(fd, "wb", closefd=True) as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            replaced = True
+        finally:
+            if not replaced:  # however it failed (a full disk, a Ctrl-C): no temp file stays
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=folder)
+        with contextlib.suppress(OSError):  # the rename itself on disk (a crash now keeps the new file)
+            os.fsync(folder)
+    finally:
+        os.close(folder)
+    return path
+
+
+def write_text(path: pathlib.Path, text: str, root: pathlib.Path | None = None) -> pathlib.Path:
+    """write_bytes of `text` in UTF-8."""
+    return write_bytes(path, text.encode("utf-8"), root)
+
+
+def write_json(path: pathlib.Path, value: Any, root: pathlib.Path | None = None,
+               indent: int | None = 2) -> pathlib.Path:
+    """write_bytes of `value` as strict JSON: a NaN or an infinity is a ValueError, never a bare NaN in the file (no
+    JSON reader but Python's takes one)."""
+    return write_text(path, json.dumps(value, indent=indent, allow_nan=False), root)
+
+
+def save_figure(figure, path: pathlib.Path, root: pathlib.Path | None = None, **savefig) -> pathlib.Path:
+    """A matplotlib figure drawn in memory in the format its suffix names (.png, .pdf, .svg), then write_bytes."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=pathlib.Path(path).suffix.lstrip(".").lower() or "png", **savefig)
+    return write_bytes(path, buffer.getvalue(), root)
+
+
+def open_append(path: pathlib.Path, root: pathlib.Path | None = None) -> TextIO:
+    """`path` opened to append text (UTF-8), created where missing: never through a link at its name or in its
+    folders (LinkRefused), and only a regular file (a FIFO would block the command)."""
+    path = pathlib.Path(path)
+    root = path.parent if root is None else pathlib.Path(root)
+    name = _parts(path, root)[-1]
+    folder = open_folder(path.parent, root)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o666, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO nobody reads
+            raise _refused(path, "file") from None
+        raise
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refused(path, "file")
+    os.set_blocking(fd, True)
+    return open(fd, "a", encoding="utf-8", closefd=True)
