@@ -5,7 +5,9 @@ data position follows from it), and per member members/<name>/ with the model (H
 float32 whatever the compute dtype, so a resume is exact) or the LoRA adapter (peft format), the tokenizer, optimizer.pt (a member on several ranks: optimizer.shard-<i>.pt per rank) and
 rng.pt. A directory named step-<N> is complete by construction (the
 rename is the last act). Nothing is loaded with pickle's code execution (torch.load(weights_only=True)), so a
-checkpoint from someone else can be resumed or evaluated safely; weights that are NaN or inf are never saved.
+checkpoint from someone else can be resumed or evaluated safely; weights that are NaN or inf are never saved, and a
+member's folder is checked whole before it is used (checkpoint_files.py: its kind, every tensor's shape, dtype and
+finiteness, from the local files alone).
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ import torch
 from ftis_kernels import NonFiniteInputError
 from safetensors import SafetensorError
 
+from .checkpoint_files import (
+    ADAPTER_FILE,
+    CheckpointFault,
+    check_finite,
+    check_kind,
+    check_loaded,
+    check_optimizer_state,
+    check_tensors,
+    model_weight_files,
+    read_headers,
+    read_small_json,
+)
 from .errors import first_line
 from .fsdp import full_state_dict, local
 from .saving import save_pretrained
@@ -157,6 +171,7 @@ def restore_optimizer_shard(member, checkpoint: pathlib.Path) -> None:
 
     path = member_dir(checkpoint, member.name) / f"optimizer.shard-{member.shard.index}.pt"
     state = torch.load(path, map_location="cpu", weights_only=True)  # Adam's step count stays on the CPU
+    check_optimizer_state(state, None, path)  # its parts are this rank's: finite, their shapes the shards'
     params = [p for group in member.optimizer.param_groups for p in group["params"]]
     for key, entry in state["state"].items():
         param = params[int(key)]
@@ -193,11 +208,19 @@ def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimize
             save_member(member, target, save_optimizer, (extras or {}).get(member.name))
     except CheckpointWriteError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        newest = latest_checkpoint(run_dir)
-        kept = f"the newest complete one, step-{newest[0]}, is intact" if newest else "no complete one was written"
         raise CheckpointWriteError(f"checkpoint step-{step} could not be written into {checkpoint_root(run_dir)} "
-                                   f"({exc}); {kept}: free space, then --resume") from None
+                                   f"({exc}); {after_failed_write(run_dir)}") from None
     return tmp
+
+
+def after_failed_write(run_dir: pathlib.Path) -> str:
+    """How a run goes on after a write the disk refused (full, over quota): from its newest complete checkpoint
+    (--resume), or, with none yet, from the start (a --resume there would find nothing to continue)."""
+    newest = latest_checkpoint(run_dir)
+    if newest is not None:
+        return f"the newest complete checkpoint, step-{newest[0]}, is intact: free space, then --resume"
+    return ("the run has no complete checkpoint yet, so nothing to continue from: free space, then start it again "
+            "(the same command, without --resume)")
 
 
 def sync_tree(root: pathlib.Path) -> None:
@@ -280,7 +303,7 @@ def clear_staging(run_dir: pathlib.Path, up_to: int | None = None) -> None:
 
 
 def read_state(checkpoint: pathlib.Path) -> dict:
-    return json.loads((checkpoint / "state.json").read_text())
+    return read_small_json(checkpoint / "state.json")
 
 
 def member_dir(checkpoint: pathlib.Path, name: str) -> pathlib.Path:
@@ -290,7 +313,9 @@ def member_dir(checkpoint: pathlib.Path, name: str) -> pathlib.Path:
 def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True, load_rng: bool = True) -> None:
     """Load weights (full model or LoRA adapter), optimizer and RNG state saved by save_member. A resume needs all
     three (an exact resume: Adam's moments and the sampling streams continue): a missing optimizer.pt or rng.pt
-    raises FileNotFoundError naming it, never a silent restart from zero. Eval loads the weights only."""
+    raises FileNotFoundError naming it, never a silent restart from zero. Eval loads the weights only. Whatever of
+    the folder does not fit the member (another kind or architecture, a tensor missing, extra, of another shape or
+    dtype, NaN or inf) is a CheckpointFault naming the file, raised before any of it is used."""
     directory = member_dir(checkpoint, member.name)
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint {checkpoint} has no member {member.name!r}")
@@ -299,27 +324,42 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
     for needed, file in ((load_optimizer, optimizer_file), (load_rng, rng_file)):
         if needed and not file.is_file():
             raise FileNotFoundError(f"{file} is missing (an exact resume needs it)")
+    check_kind(member, model_dir)  # before a byte of weights is read: another member's folder, another kind
     if member.settings.lora is not None:  # peft: load the adapter weights in place
-        from peft import set_peft_model_state_dict
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
         from safetensors.torch import load_file
 
-        weights = load_file(str(model_dir / "adapter_model.safetensors"), device=str(member.device))
+        adapter_file = model_dir / ADAPTER_FILE
+        check_tensors(member, read_headers([adapter_file]), get_peft_model_state_dict(member.model), True, adapter_file)
+        weights = load_file(str(adapter_file), device=str(member.device))
+        check_finite(weights.items(), lambda name: adapter_file)
         loaded = set_peft_model_state_dict(member.model, weights)
         adapter = [k for k in loaded.missing_keys if "lora_" in k]
         if loaded.unexpected_keys or adapter or not weights:  # else the member would go on from a fresh adapter
-            raise ValueError(f"{model_dir / 'adapter_model.safetensors'} does not fit this member's adapter "
-                             f"({len(adapter)} of its weights missing, e.g. {adapter[:1]}; {len(loaded.unexpected_keys)} "
-                             f"unexpected, e.g. {loaded.unexpected_keys[:1]})")
+            raise CheckpointFault(f"{adapter_file} does not fit this member's adapter ({len(adapter)} of its weights "
+                                  f"missing, e.g. {adapter[:1]}; {len(loaded.unexpected_keys)} unexpected, e.g. "
+                                  f"{loaded.unexpected_keys[:1]})")
     else:
+        files = model_weight_files(model_dir)
+        found = read_headers(files)
+        check_tensors(member, found, member.model.state_dict(), False, model_dir)
         # through transformers' own loader: it maps the saved (original-format) names back to the module's
-        # names, which differ for families whose weights transformers converts on load (e.g. MoE experts)
-        saved = type(member.model).from_pretrained(str(model_dir), dtype=master_dtype(member.settings.master_dtype))
-        member.model.load_state_dict(saved.state_dict(), strict=True)
-        del saved
+        # names, which differ for families whose weights transformers converts on load (e.g. MoE experts); local
+        # files only, and what it finds amiss is said in one line (check_loaded), not in its report
+        with _quiet_load_report():
+            saved, info = type(member.model).from_pretrained(
+                str(model_dir), dtype=master_dtype(member.settings.master_dtype), local_files_only=True,
+                output_loading_info=True, ignore_mismatched_sizes=True)
+        check_loaded(member, info, model_dir)
+        weights = saved.state_dict()
+        check_finite(weights.items(), lambda name: found[name][2] if name in found else model_dir)
+        member.model.load_state_dict(weights, strict=True)
+        del saved, weights
     if load_optimizer:
         # loaded to the CPU: load_state_dict moves each moment to its parameter's device and leaves Adam's step
         # count where it lies, as torch keeps it (on the CPU: loaded onto a GPU, every step would sync once a tensor)
         state = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+        check_optimizer_state(state, member.optimizer, optimizer_file)
         with _holding(optimizer_file, "an optimizer state"):
             member.optimizer.load_state_dict(state)
         apply_step_size(member)
@@ -327,6 +367,21 @@ def restore_member(member, checkpoint: pathlib.Path, load_optimizer: bool = True
         state = torch.load(rng_file, weights_only=True)
         with _holding(rng_file, "an RNG state"):
             set_rng_state(state)
+
+
+@contextlib.contextmanager
+def _quiet_load_report():
+    """transformers logs a multi-line load report (missing, unexpected, mismatched tensors) as a warning before it
+    returns them; restore_member says what matters of it in one line (check_loaded)."""
+    import logging
+
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import typer
 
 from .config import RunConfig, dump_config, load_config
 from .errors import error_line
-from .exits import INTERRUPTED, Interrupted, Interrupts, UsageFailure, ending
+from .exits import FULL, INTERRUPTED, Interrupted, Interrupts, UsageFailure, WriteFailure, ending
 from .launch import launch_distributed, under_torchrun
 from .progress import quiet_libraries
 
@@ -77,12 +77,12 @@ def train(
         "recorded it (refused without; warned, and every record from the resumed step carries data_changed_at)."),
 ) -> None:
     """Train the members of a config together."""
+    if allow_data_change and not resume:  # a dry run included: it shows what the command would do
+        raise UsageFailure("--allow-data-change: only with --resume (a new run records the data it starts on)")
     cfg = _load(config, set_, output_dir)
     if dry_run:
         typer.echo(dump_config(cfg), nl=False)
         return
-    if allow_data_change and not resume:
-        raise UsageFailure("--allow-data-change: only with --resume (a new run records the data it starts on)")
     run_dir = run_directory(cfg)
     if resume:  # the data a resumed run goes on with is the data it had (rundir.check_resume_data): refused, or marked
         from .rundir import check_resume_data, check_run_dir
@@ -110,6 +110,12 @@ def train(
             build(cfg, Start(run_dir, resume=resume, progress=Progress())).run()
     except KeyboardInterrupt:
         raise Interrupted(interrupted_hint(run_dir)) from None
+    except OSError as exc:  # a full disk: what the run left (RunLock removed its temporary files) and how to go on
+        if exc.errno not in FULL:
+            raise
+        from .checkpoint import after_failed_write
+
+        raise WriteFailure(f"{exc.strerror} writing {exc.filename or run_dir}; {after_failed_write(run_dir)}") from None
     typer.echo(f"run directory: {run_dir}", err=True)
 
 

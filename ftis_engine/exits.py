@@ -7,12 +7,14 @@ The first row that matches tells it:
     the command line: KeyboardInterrupt                            130         the command's hint
     Interrupted                                                    130         its message (what the command left)
     ConfigError, TaskError, UsageFailure                             2  yes    its message (AgreedError: rank 0's)
+    WriteFailure                                                     1         its message (what the run left)
     DivergenceError, EngineError                                     1  yes    its message
     a rank: JoinRefused                                              2  yes    "--join: the coordinator refused ..."
     a rank: PeerLost, TimeoutError, torch.distributed.DistError      1         "rank N lost contact with a peer ..."
     a rank: TransportError                                           1         "rank N failed in the exchange ...",
                                                                                then its cause's traceback
-    CheckpointWriteError, OSError ENOSPC / EDQUOT                    1         "... free space, then --resume"
+    CheckpointWriteError, OSError ENOSPC / EDQUOT                    1         "... free space, then ..." (--resume
+                                                                               when a checkpoint is there)
     OSError ENAMETOOLONG / EACCES / EROFS / ENOTDIR / EPERM          2         the path and what to check
     the command line: an error caused by a KeyboardInterrupt       130         the command's hint
     anything else: the command line                                  -         raised as itself (its traceback)
@@ -50,6 +52,11 @@ class UsageFailure(Exception):
     """A one-line error for the user; exits with code 2."""
 
 
+class WriteFailure(Exception):
+    """A write the machine refused (a full disk, a quota) told with what the run left and how it goes on; exits
+    with code 1."""
+
+
 class Interrupted(Exception):
     """Ctrl-C (or SIGTERM) stopped a command; the message says what it left. Exits with code 130."""
 
@@ -74,6 +81,8 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
         return None
     if isinstance(exc, UsageFailure):
         return Outcome(CONFIG, str(exc), final=True)
+    if isinstance(exc, WriteFailure):
+        return Outcome(FAILED, str(exc))
     from .checkpoint import CheckpointWriteError
     from .config import ConfigError
     from .generation import EngineError
@@ -97,8 +106,9 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
         if isinstance(exc, CheckpointWriteError):
             return Outcome(FAILED, str(exc))
         if exc.errno in FULL:
-            return Outcome(FAILED, f"{exc.strerror} writing {exc.filename or 'the run directory'}; the newest "
-                                   "complete checkpoint is intact: free space, then --resume")
+            return Outcome(FAILED, f"{exc.strerror} writing {exc.filename or 'the run directory'}: free space, then "
+                                   "--resume goes on from the run's newest complete checkpoint (a run with none yet: "
+                                   "start it again without --resume)")
         if exc.errno in REFUSED_PATH:
             return Outcome(CONFIG, f"{exc.filename or 'a path'}: {exc.strerror} (check --output-dir and the paths "
                                    "in the config)")

@@ -204,8 +204,8 @@ def load_tokenizer(spec: str):
     where = str(builtin_tokenizer_dir(spec)) if is_builtin(spec) else source(spec)
     if not is_builtin(spec) and _from_hub(where):
         hub_reachable()
-    with _loading(f"tokenizer {spec!r}"):
-        tokenizer = AutoTokenizer.from_pretrained(where)
+    with _loading(f"tokenizer {spec!r}"):  # a local folder is read from the disk alone (no hub lookups)
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=not _from_hub(where))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -222,6 +222,15 @@ def _from_hub(spec: str) -> bool:
     return not is_builtin(spec) and not pathlib.Path(spec).exists()
 
 
+def _check_local_model(spec: str, where: str) -> None:
+    """A local folder that holds a LoRA adapter and no model (no config.json) is said as such: transformers goes
+    looking for the adapter's base model on the hub, and blames the network for what is a wrong folder."""
+    folder = pathlib.Path(where)
+    if folder.is_dir() and not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        raise ModelSpecError(f"cannot load model {spec!r}: {folder} has no config.json (it holds a LoRA adapter, "
+                             "not a model)")
+
+
 def check_model_spec(spec: str) -> int | None:
     """Fail fast on a model that cannot be found, without loading weights; returns its context length in tokens
     (max_position_embeddings; None when its config does not say)."""
@@ -232,8 +241,9 @@ def check_model_spec(spec: str) -> int | None:
     where = source(spec)
     if _from_hub(where):
         hub_reachable()
+    _check_local_model(spec, where)
     with _loading(f"model {spec!r}"):
-        config = AutoConfig.from_pretrained(where)
+        config = AutoConfig.from_pretrained(where, local_files_only=not _from_hub(where))
     return model_context(config)
 
 
@@ -272,5 +282,8 @@ def load_model(spec: str, vocab_size: int, dtype: torch.dtype, seed: int, attn_i
             torch.cuda.empty_cache()  # the float32 draws: not held back from the engine's memory
             torch.cuda.manual_seed_all(seed)  # the draw advanced its GPU's stream: left as a CPU draw leaves it
         return model
-    with _loading(f"model {spec!r}"):
-        return AutoModelForCausalLM.from_pretrained(source(spec), dtype=dtype, attn_implementation=attn_implementation)
+    where = source(spec)
+    _check_local_model(spec, where)
+    with _loading(f"model {spec!r}"):  # a local folder from the disk alone
+        return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, attn_implementation=attn_implementation,
+                                                    local_files_only=not _from_hub(where))

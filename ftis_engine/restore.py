@@ -8,7 +8,6 @@ themselves. Writing checkpoints is checkpoint.py's.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import pathlib
 from typing import TYPE_CHECKING
@@ -16,12 +15,14 @@ from typing import TYPE_CHECKING
 from .checkpoint import (
     READ_ERRORS,
     STEP_DIR,
+    complete_checkpoints,
     latest_checkpoint,
     member_dir,
     read_state,
     restore_member,
     restore_optimizer_shard,
 )
+from .checkpoint_files import CheckpointFault, read_small_json
 from .config import RunConfig
 from .errors import describe_load_error, first_line
 from .rundir import RunDirError
@@ -57,7 +58,7 @@ def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path,
                             kept.what, kept.afresh)
                 continue
             try:
-                state = json.loads(file.read_text())
+                state = read_small_json(file)
             except (OSError, ValueError) as exc:  # json's errors are ValueErrors too
                 raise RunDirError(f"--resume: {file}: {first_line(exc)}") from None
             try:
@@ -112,7 +113,23 @@ def _restoring(checkpoint: pathlib.Path, what: str, part: str):
         yield
     except READ_ERRORS as exc:
         _replaced(checkpoint, what)
-        raise RunDirError(f"{what} {checkpoint}: cannot load {part} ({describe_load_error(exc)})") from None
+        said = str(exc) if isinstance(exc, CheckpointFault) else describe_load_error(exc)
+        raise RunDirError(f"{what} {checkpoint}: cannot load {part} ({said}); {_instead(checkpoint, what)}") from None
+
+
+def _instead(checkpoint: pathlib.Path, what: str) -> str:
+    """A checkpoint that cannot be used is its files' fault, not the run's: what else there is to go on from (an
+    older complete checkpoint beside it), never the advice to retry the same one."""
+    named = STEP_DIR.match(checkpoint.name)
+    older = [path for step, path in complete_checkpoints(checkpoint.parent.parent)
+             if named and path.parent == checkpoint.parent and step < int(named.group(1))]
+    if not older:
+        return "no older complete checkpoint is kept beside it"
+    path = older[-1]
+    if what == "--checkpoint":
+        return f"an older complete checkpoint is {path}: evaluate that one with --checkpoint {path}"
+    return (f"an older complete checkpoint is {path}: move {checkpoint.name} out of {checkpoint.parent} and --resume "
+            "goes on from it")
 
 
 def restore_into(member: Member, checkpoint: pathlib.Path, what: str, load_optimizer: bool, load_rng: bool) -> None:

@@ -8,11 +8,13 @@ import errno
 import fcntl
 import os
 import pathlib
+import re
 import socket
 import time
 
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state
 from .config import ConfigError, RunConfig, config_differences, validate_config
+from .safefile import write_text
 
 
 class RunDirError(ConfigError):
@@ -38,6 +40,9 @@ def check_fresh_run(run_dir: pathlib.Path, resume: bool) -> None:
     metrics = run_dir / "metrics.jsonl"
     if metrics.exists() and not metrics.is_file():
         raise RunDirError(f"run_name: {metrics} is not a file (a run's metrics log is); move it away")
+    record = run_dir / DATA_RECORD  # a run with a checkpoint: check_resume_data's to judge
+    if record.exists() and not record.is_file() and latest_checkpoint(run_dir) is None:
+        raise RunDirError(f"run_name: {record} is not a file (a run's record of its data is); move it away")
     if holds_run(run_dir) and not resume:
         raise RunDirError(f"run_name: {run_dir} already holds a run; pass --resume to continue it or choose "
                           "another run_name/--output-dir")
@@ -150,6 +155,10 @@ def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list
     return config
 
 
+# the temporary files of the run's whole-or-nothing writes: .config.yaml.tmp<pid>, safefile's .data.json.<hex>.tmp
+TEMPORARY = re.compile(r"^\.[^/]+\.(tmp\d+|[0-9a-f]{12}\.tmp)$")
+
+
 class RunLock:
     """Holds a directory for one run (train, or an --nproc launcher for its ranks) or one study: `<dir>/.lock`,
     locked with flock (the OS releases it when the process ends, kill -9 included) and naming its holder. A
@@ -204,6 +213,9 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         if self._fd is None:
             return
+        for partial in self.run_dir.glob(".*.tmp*"):  # a write cut short (a full disk, a kill) left its temporary
+            if TEMPORARY.match(partial.name) and partial.is_file() and not partial.is_symlink():  # file: no one
+                partial.unlink(missing_ok=True)  # else writes here while the lock is held
         leftover = sorted(p.name for p in self.run_dir.iterdir())
         # a run that stopped before its first record (a refused join, a failure at start) wrote at most its resolved
         # config and an empty log: nothing a person needs, and a rerun writes them again
@@ -273,17 +285,61 @@ def data_digests(config: RunConfig) -> dict[str, dict[str, str]]:
     return out
 
 
-def read_data_record(run_dir: pathlib.Path) -> dict | None:
-    """The run's data.json ({"files": {field: {path, sha256}}, "changes": [{"step", "fields"}]}); None when it has
-    none (a run started before it was written) or it cannot be read."""
+MAX_DATA_RECORD_BYTES = 4 << 20  # data.json holds a digest per data file and a line per resume: kilobytes
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class DataRecordError(RunDirError):
+    """A data.json that is missing, not a file, empty, too large, not JSON or not a whole, in-range record."""
+
+
+def load_data_record(run_dir: pathlib.Path) -> dict:
+    """The run's data.json ({"files": {field: {path, sha256}}, "changes": [{"step", "fields"}]}), checked whole: a
+    DataRecordError saying what is wrong with it (missing, not a file, empty, over MAX_DATA_RECORD_BYTES, not JSON,
+    a field of another form or out of range)."""
     import json
 
+    path = run_dir / DATA_RECORD
+    if not path.exists() and not path.is_symlink():
+        raise DataRecordError(f"{path} is missing")
+    if not path.is_file():
+        raise DataRecordError(f"{path} is not a file")
     try:
-        record = json.loads((run_dir / DATA_RECORD).read_text())
-    except (OSError, ValueError):
+        size = path.stat().st_size
+        if 0 < size <= MAX_DATA_RECORD_BYTES:
+            text = path.read_bytes()
+    except OSError as exc:
+        raise DataRecordError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    if size == 0 or size > MAX_DATA_RECORD_BYTES:
+        raise DataRecordError(f"{path} is {'empty' if size == 0 else f'{size} bytes (a record is kilobytes)'}")
+    try:
+        record = json.loads(text)
+    except ValueError as exc:  # json's errors, and bytes that are not UTF-8
+        raise DataRecordError(f"{path} is not JSON ({' '.join(str(exc).split())[:120]})") from None
+    files = record.get("files") if isinstance(record, dict) else None
+    changes = record.get("changes") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not isinstance(changes, list):
+        raise DataRecordError(f"{path} is not a data record (an object with files and changes)")
+    for field, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("path"), str)
+                and isinstance(entry.get("sha256"), str) and SHA256.match(entry["sha256"])):
+            raise DataRecordError(f"{path}: files.{field} is not a file's path and sha256")
+    for k, change in enumerate(changes):
+        step = change.get("step") if isinstance(change, dict) else None
+        fields = change.get("fields") if isinstance(change, dict) else None
+        if (not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(fields, list)
+                or not all(isinstance(f, str) for f in fields)):
+            raise DataRecordError(f"{path}: changes.{k} is not a step (>= 0) and its fields")
+    return record
+
+
+def read_data_record(run_dir: pathlib.Path) -> dict | None:
+    """load_data_record's record, or None when there is none whole (the resume was refused for it, or went on
+    with --allow-data-change and recorded so)."""
+    try:
+        return load_data_record(run_dir)
+    except DataRecordError:
         return None
-    ok = isinstance(record, dict) and isinstance(record.get("files"), dict) and isinstance(record.get("changes"), list)
-    return record if ok else None
 
 
 def changed_data(recorded: dict, config: RunConfig) -> list[tuple[str, dict, dict | None]]:
@@ -299,12 +355,23 @@ def check_resume_data(run_dir: pathlib.Path, config: RunConfig, allow_change: bo
     """--resume continues on the data the run trained and evaluated on: a recorded data file whose bytes changed
     since (data.json) refuses the resume, one line naming the field, unless allow_change (--allow-data-change): then
     it is warned about, and the run records the change (record_data) and marks every record after it. Returns the
-    changed fields. A run that recorded nothing (started before data.json) is not checked."""
+    changed fields. A data.json that is not whole (missing, emptied, damaged: load_data_record) is refused alike, never
+    taken for "unchanged" (a run started before data.json was written too: --allow-data-change goes on)."""
     import logging
 
-    recorded = read_data_record(run_dir) if latest_checkpoint(run_dir) is not None else None
-    if recorded is None:
-        return []
+    if latest_checkpoint(run_dir) is None:
+        return []  # nothing to continue from: the run starts over and records its data anew
+    try:
+        recorded = load_data_record(run_dir)
+    except DataRecordError as exc:
+        if not allow_change:
+            raise RunDirError(f"--resume: {exc}; it records the sha256 of the data the run trained on, so without it "
+                              "a resume cannot tell whether the data changed: restore it, or pass --allow-data-change "
+                              "to go on on the data as it is now (warned, the unusable record kept aside, and every "
+                              "record from the resumed step marked data_changed_at)") from None
+        logging.getLogger("ftis_engine").warning("--resume --allow-data-change: %s, so whether the run's data changed "
+                                                 "is not known; its records from here carry data_changed_at", exc)
+        return sorted(data_files(config))
     changes = changed_data(recorded, config)
     if not changes:
         return []
@@ -326,17 +393,40 @@ def record_data(run_dir: pathlib.Path, config: RunConfig, start_step: int) -> in
     changed (allowed by --allow-data-change, check_resume_data) adds {step, fields} to its changes. Returns the
     step of the newest change (None: the data is as the run began), which the run's records then carry."""
     import json
+    import logging
 
-    recorded = read_data_record(run_dir) if start_step else None
+    recorded, problem = None, None
+    if start_step:
+        try:
+            recorded = load_data_record(run_dir)
+        except DataRecordError as exc:
+            problem = str(exc)
     changes = list(recorded["changes"]) if recorded is not None else []
     if recorded is not None:
         fields = [field for field, _, _ in changed_data(recorded, config)]
         if fields:
             changes.append({"step": start_step, "fields": fields})
+    elif problem is not None:  # a resume past an unusable record (--allow-data-change): kept, and said
+        kept = _keep_aside(run_dir / DATA_RECORD, f"unusable-step-{start_step}")
+        changes.append({"step": start_step, "fields": sorted(data_files(config)), "unverified": problem})
+        logging.getLogger("ftis_engine").warning(
+            "%s; the data is recorded as it is now%s, and the records from step %d on carry data_changed_at", problem,
+            f" (the old record kept as {kept})" if kept else "", start_step)
     record = {"files": {**(recorded["files"] if recorded is not None else {}), **data_digests(config)},
               "changes": changes}
-    written = run_dir / f".{DATA_RECORD}.tmp{os.getpid()}"
-    written.write_text(json.dumps(record, indent=2))
-    os.replace(written, run_dir / DATA_RECORD)
+    write_text(run_dir / DATA_RECORD, json.dumps(record, indent=2), run_dir)  # whole, never through a link
     steps = [c.get("step") for c in changes if isinstance(c, dict) and isinstance(c.get("step"), int)]
     return max(steps) if steps else None
+
+
+def _keep_aside(path: pathlib.Path, tag: str) -> pathlib.Path | None:
+    """Move `path` (a file, a directory or a link) to `<path>.<tag>` (or .<tag>-2, ...) beside it; None when
+    there is nothing there."""
+    if not path.exists() and not path.is_symlink():
+        return None
+    target, n = path.with_name(f"{path.name}.{tag}"), 1
+    while target.exists() or target.is_symlink():
+        n += 1
+        target = path.with_name(f"{path.name}.{tag}-{n}")
+    os.rename(path, target)
+    return target

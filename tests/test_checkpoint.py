@@ -138,10 +138,25 @@ def test_a_write_that_fails_removes_the_staging_and_says_free_space_then_resume(
 
     monkeypatch.setattr(checkpoint.torch, "save", full)
     said = (r"checkpoint step-4 could not be written into .*checkpoints \(.*optimizer.pt: .*\); the newest complete "
-            r"one, step-2, is intact: free space, then --resume")
+            r"checkpoint, step-2, is intact: free space, then --resume")
     with pytest.raises(CheckpointWriteError, match=said):
         stage_members(tmp_path, 4, [m], save_optimizer=True)
     assert not checkpoint.staging_dir(tmp_path, 4).exists() and [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+
+
+def test_a_full_disk_at_the_first_checkpoint_says_there_is_none_to_resume_from(tmp_path, monkeypatch):
+    """It said "free space, then --resume" where there was nothing to continue from (issue 78, finding 8)."""
+    m, _ = member(0)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", full)
+    with pytest.raises(CheckpointWriteError) as caught:
+        stage_members(tmp_path, 2, [m], save_optimizer=True)
+    assert str(caught.value).endswith("the run has no complete checkpoint yet, so nothing to continue from: free "
+                                      "space, then start it again (the same command, without --resume)")
+    assert not checkpoint.staging_dir(tmp_path, 2).exists()
 
 
 def test_a_programming_error_while_a_checkpoint_is_written_is_raised_as_itself_never_as_a_full_disk(tmp_path,

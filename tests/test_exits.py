@@ -45,7 +45,8 @@ def _chained(exc: BaseException, context: BaseException) -> BaseException:
     (KeyboardInterrupt(), INTERRUPTED, "the hint", False),
     (CheckpointWriteError("step 4: could not be written"), FAILED, "step 4: could not be written", False),
     (OSError(errno.ENOSPC, "No space left on device", "/runs/a/x"), FAILED,
-     "No space left on device writing /runs/a/x; the newest complete checkpoint is intact: free space, then --resume",
+     "No space left on device writing /runs/a/x: free space, then --resume goes on from the run's newest complete "
+     "checkpoint (a run with none yet: start it again without --resume)",
      False),
     (OSError(errno.EACCES, "Permission denied", "/runs"), CONFIG,
      "/runs: Permission denied (check --output-dir and the paths in the config)", False),
