@@ -9,6 +9,7 @@ length: every hidden state equals the one of the packed row, and so do the loss 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +39,10 @@ class PackedBatch:
     input_ids / position_ids: [T] (positions restart at 0 for each sequence); target_rows: [N] indices into T of
     the positions that predict each completion token; targets, gen_logprobs: [N]; advantages, group_ids: [S];
     cu_seqlens: [S+1] int32 over the N completion tokens; gen_seq_logprobs: [S] when a sequence came from a peer
-    with another tokenizer (its sequence generation log-prob; NaN for the others), else None; old_logprobs: [N] the
-    step's starting policy's log-probs (several optimizer steps per batch), else None.
+    with another tokenizer (its sequence generation log-prob; NaN for the others), else None, and with it
+    gen_seq_tokens (the sender's token count behind it) and gen_seq_eos_logprobs (its final EOS's log-prob when it
+    stopped); old_logprobs: [N] the step's starting policy's log-probs (several optimizer steps per batch), else
+    None; members, stopped: [S] who generated each sequence, and whether it stopped at an EOS (its last token).
     """
 
     input_ids: torch.Tensor
@@ -54,6 +57,10 @@ class PackedBatch:
     old_logprobs: torch.Tensor | None = None  # [N]: the step's starting policy's, when every item has them
     segments: torch.Tensor | None = None  # [T]: shared-prompt rows: the segment of each row (a prompt or a completion)
     homes: torch.Tensor | None = None  # [T]: the prompt segment each row also attends to (its own for a prompt)
+    gen_seq_tokens: torch.Tensor | None = None  # [S] int32 with gen_seq_logprobs: the sender's tokens (0: not foreign)
+    gen_seq_eos_logprobs: torch.Tensor | None = None  # [S] with gen_seq_logprobs: its final EOS's (NaN: none)
+    members: torch.Tensor | None = None  # [S] int64: the member that generated each sequence (pack sets it)
+    stopped: torch.Tensor | None = None  # [S] bool: its generator stopped it at an EOS, its last token (pack sets it)
 
     @property
     def shares_prompts(self) -> bool:
@@ -125,6 +132,7 @@ def pack(items: list[TrainItem], shared_prompt: bool = False) -> PackedBatch:
         targets.append(completion)
         logprobs.append(item.rollout.gen_logprobs.float())
         lengths.append(completion.numel())
+    foreign = any(it.rollout.seq_logprob is not None for it in items)
     return PackedBatch(
         input_ids=torch.cat(inputs), position_ids=torch.cat(positions), target_rows=torch.cat(rows),
         targets=torch.cat(targets), gen_logprobs=torch.cat(logprobs),
@@ -138,7 +146,33 @@ def pack(items: list[TrainItem], shared_prompt: bool = False) -> PackedBatch:
         if all(it.old_logprobs is not None for it in items) else None,
         segments=torch.cat(segments) if shared_prompt else None,
         homes=torch.cat(homes) if shared_prompt else None,
+        gen_seq_tokens=torch.tensor([it.rollout.seq_tokens or 0 for it in items], dtype=torch.int32) if foreign
+        else None,
+        gen_seq_eos_logprobs=torch.tensor([float("nan") if it.rollout.seq_eos_logprob is None
+                                           else it.rollout.seq_eos_logprob for it in items], dtype=torch.float32)
+        if foreign else None,
+        members=torch.tensor([it.rollout.member for it in items], dtype=torch.long),
+        stopped=torch.tensor([it.rollout.finish_reason == "stop" for it in items]),
     )
+
+
+def without_final_eos(batch: PackedBatch, ignore_index: int) -> PackedBatch:
+    """HACPO's view of a packed batch, as its authors prepare every response before its loss (zzx-peter/HACRL-code,
+    recipe/hacpo/hacpo_trajectory.py, materialize_rollout_records: a final EOS is popped, an EOS-only response
+    keeps it, and the source's log-prob sum and token count are over what is left): the last token of a stopped
+    sequence of more than one token counts nowhere (its target ignore_index), and a foreign sequence's generation
+    log-prob and token count leave out its sender's final EOS alike."""
+    lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+    targets = batch.targets.clone()
+    targets[(batch.cu_seqlens[1:] - 1).long()[batch.stopped & (lengths > 1)]] = ignore_index
+    if batch.gen_seq_logprobs is None:
+        return dataclasses.replace(batch, targets=targets)
+    sender = ~torch.isnan(batch.gen_seq_logprobs) & batch.stopped & (batch.gen_seq_tokens > 1)
+    eos = torch.nan_to_num(batch.gen_seq_eos_logprobs, nan=0.0)
+    return dataclasses.replace(batch, targets=targets,
+                               gen_seq_logprobs=torch.where(sender, (batch.gen_seq_logprobs - eos).clamp(max=0.0),
+                                                            batch.gen_seq_logprobs),
+                               gen_seq_tokens=torch.where(sender, batch.gen_seq_tokens - 1, batch.gen_seq_tokens))
 
 
 def input_tokens(items: list[TrainItem], shared_prompt: bool = False) -> int:

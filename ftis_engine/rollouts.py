@@ -38,6 +38,10 @@ class Rollout:
     made_at: float = 0.0
     seq_logprob: float | None = None  # a foreign peer's (another tokenizer): the sequence's generation log-prob,
     # its per-token ones unknown (completion_ids are the receiver's re-encoding); never on the wire
+    seq_tokens: int | None = None  # a foreign peer's: how many of its own tokens seq_logprob is over (the length
+    # word of the header its rollout came in: the wire's 4 bytes a sequence)
+    seq_eos_logprob: float | None = None  # a foreign peer's that stopped: its log-prob of its final EOS, which
+    # seq_logprob includes and HACPO leaves out (batch.without_final_eos)
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +50,20 @@ class Rollout:
 
 class RolloutError(ValueError):
     """A rollout buffer or rollout that fails validation (peers' rollouts are untrusted input)."""
+
+
+def reencoded(rollout: Rollout, ids: list[int]) -> Rollout:
+    """A foreign peer's rollout, as its sender's tokens decoded in `rollout`, carried in the receiver's tokens `ids`
+    (its text re-encoded, the receiver's EOS appended when it stopped): the per-token log-probs unknown (zeros),
+    the sequence's log-prob (the sum of the sender's per-token ones), their count (the sender's length: what the
+    header said) and, when it stopped, the sender's log-prob of its final EOS."""
+    stopped = rollout.finish_reason == "stop"
+    return Rollout(member=rollout.member, prompt_index=rollout.prompt_index,
+                   completion_ids=torch.tensor(ids, dtype=torch.int32), gen_logprobs=torch.zeros(len(ids)),
+                   reward=rollout.reward, finish_reason=rollout.finish_reason, policy_version=rollout.policy_version,
+                   made_at=rollout.made_at, seq_logprob=float(rollout.gen_logprobs.double().sum()),
+                   seq_tokens=rollout.num_tokens,
+                   seq_eos_logprob=float(rollout.gen_logprobs[-1]) if stopped else None)
 
 
 def wire_bytes(num_sequences: int, num_tokens: int) -> int:

@@ -176,8 +176,8 @@ def whole_groups(rollouts: list[Rollout], collaboration: str, group_size: int) -
 
 def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:
     """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G)."""
-    rewards = torch.tensor([r.reward for r in rollouts])
-    groups = torch.tensor(group_ids(rollouts, swarm.config.collaboration))
+    rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
+    groups = torch.tensor(group_ids(rollouts, swarm.config.collaboration), dtype=torch.long)  # none: still ids
     advantages = group_advantages(rewards, groups, scale=swarm.config.algorithm.scale_rewards == "group")
     return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g))
             for r, a, g in zip(rollouts, advantages, groups)]

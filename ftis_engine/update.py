@@ -23,7 +23,7 @@ from ftis_kernels import (
     rejection_scale,
 )
 
-from .batch import PackedBatch, TrainItem, micro_batches, mini_batches, pack, shard_items
+from .batch import PackedBatch, TrainItem, micro_batches, mini_batches, pack, shard_items, without_final_eos
 from .fsdp import full, local
 
 
@@ -51,13 +51,15 @@ def packed_hidden(member, batch: PackedBatch, body=None) -> torch.Tensor:
 
 
 def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num_sequences: int | None = None,
-               num_tokens: int | None = None) -> LossOutput:
+               num_tokens: int | None = None, mini_batch_index: int | None = None) -> LossOutput:
     """LossOutput of one packed micro-batch, normalised by the whole batch's counts when given (default: its own).
     A sharded member runs it through its FSDP2 root (fsdp.ShardedPolicy), which gathers the head for it. The
     head runs in the member's compute dtype: under autocast the op casts its operands as a linear layer would (the
-    float32 master weight's cast widens dW on the way back) and computes in float32."""
+    float32 master weight's cast widens dW on the way back) and computes in float32. hacpo: the member's own
+    sequences are its self term (is_self), mini_batch_index the step's optimizer step (its cross term's bound)."""
     device = member.device
     reference = reference_logprobs(member, batch, cfg) if cfg.beta > 0 else None
+    is_self = (batch.members == member.index).to(device) if cfg.method == "hacpo" else None
 
     def loss(hidden, weight, bias):
         return fused_linear_ftis_loss(
@@ -66,7 +68,8 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
             backend=backend, num_sequences=num_sequences, num_tokens=num_tokens,
             gen_seq_logprobs=None if batch.gen_seq_logprobs is None else batch.gen_seq_logprobs.to(device),
             old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs.to(device),
-            ref_logprobs=reference,
+            ref_logprobs=reference, is_self=is_self, mini_batch_index=mini_batch_index,
+            gen_seq_tokens=None if batch.gen_seq_tokens is None else batch.gen_seq_tokens.to(device),
         )
 
     if member.policy is not None:
@@ -99,9 +102,10 @@ def reference_logprobs(member, batch: PackedBatch, cfg: LossConfig) -> torch.Ten
 
 
 def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
-                         on_micro_batch=None) -> dict[str, float]:
+                         on_micro_batch=None, mini_batch_index: int | None = None) -> dict[str, float]:
     """Forward and backward over all micro-batches (gradients accumulate in .grad); returns the whole-batch loss
-    and stats. GEPO's group term needs whole groups, so its micro-batches never split one."""
+    and stats. GEPO's group term needs whole groups, so its micro-batches never split one. hacpo trains on its
+    authors' view of each micro-batch (batch.without_final_eos)."""
     whole = dict(num_sequences=len(items), num_tokens=sum(it.rollout.num_tokens for it in items))
     shard = member.shard
     mine = items if shard is None else shard_items(items, shard.index, shard.size)
@@ -119,8 +123,10 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
             stand_in(member)
             continue
         batch = pack(batches[k], member.shared_prompt)
+        if cfg.method == "hacpo":
+            batch = without_final_eos(batch, cfg.ignore_index)
         try:
-            out = batch_loss(member, batch, cfg, backend, **whole)
+            out = batch_loss(member, batch, cfg, backend, **whole, mini_batch_index=mini_batch_index)
         except NonFiniteInputError as exc:
             if shard is None:
                 raise
@@ -167,6 +173,7 @@ def own_ratios(logprobs: torch.Tensor, batch: PackedBatch, items: list[TrainItem
     if not bool(mine.any()):  # a peers' micro-batch: no copy of its log-probs off the device
         return torch.zeros(0)
     tokens = torch.repeat_interleave(mine, (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).long())
+    tokens &= batch.targets >= 0  # not a target the loss left out (ignore_index: hacpo's final EOS)
     ratio = (logprobs.detach().float().cpu() - batch.gen_logprobs.float()).clamp(max=20.0).exp()[tokens]
     return ratio[ratio.isfinite()]
 
@@ -209,7 +216,7 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
     steps = []
     for k, part in enumerate(plan):
         try:
-            steps.append(optimizer_step(member, part, cfg, token_budget, backend, on_micro_batch))
+            steps.append(optimizer_step(member, part, cfg, token_budget, backend, on_micro_batch, mini_batch_index=k))
         except DivergenceError as exc:
             raise DivergenceError(f"{exc} (optimizer step {k + 1} of the step's {len(plan)}: the {k} before it "
                                   "were taken)") from None
@@ -256,12 +263,13 @@ def rollout_logprobs(member, rollouts: list, prompts: list[list[int]], cfg: Loss
 
 
 def optimizer_step(member, items: list[TrainItem], cfg: LossConfig, token_budget: int, backend: str,
-                   on_micro_batch=None) -> dict[str, float]:
-    """One optimizer step of `member` on `items`: gradients, clipping to members.N.grad_clip, Adam step."""
+                   on_micro_batch=None, mini_batch_index: int | None = None) -> dict[str, float]:
+    """One optimizer step of `member` on `items`: gradients, clipping to members.N.grad_clip, Adam step.
+    mini_batch_index: which of the step's optimizer steps this is (from 0; hacpo's m)."""
     member.model.train()
     member.optimizer.zero_grad(set_to_none=True)
     try:
-        stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch)
+        stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch, mini_batch_index)
     except NonFiniteInputError as exc:
         member.optimizer.zero_grad(set_to_none=True)
         raise DivergenceError(f"the model's hidden states became NaN or inf ({exc}); no step was taken") from None

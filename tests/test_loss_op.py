@@ -199,7 +199,8 @@ def test_each_off_policy_option_changes_the_loss_its_case_tests(case):
     cfg, extra = configure(CASES[case], problem)
     paper = cfg.replace(is_level="token", is_mode="truncate", is_min=None, is_source="current", dual_clip=None,
                         delta=None, kl_estimator="k3", ratio_level="token", policy_loss="ppo",
-                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0), beta=0.0, entropy_coef=0.0)
+                        reject="none", is_tokens="kept", eps_high=max(cfg.eps_high, 0.0), beta=0.0, entropy_coef=0.0,
+                        kl_threshold=max(cfg.kl_threshold, 0.0))  # k3's estimates are >= 0: a threshold below 0 is 0's
     with_option, *_ = run_oracle(problem, cfg, extra)
     without, *_ = run_oracle(problem, paper, extra)
     assert abs(float(with_option) - float(without)) > 1e-3 * max(abs(float(without)), 1e-3)
@@ -366,7 +367,9 @@ def test_every_optional_input_reaches_the_op_alike_through_the_functions_and_the
     cfg = LossConfig(method="f-tis", beta=0.1)  # (group_ids: only gepo reads them; checked all the same)
     n, s = problem.targets.numel(), problem.adv.numel()
     inputs = dict(old_logprobs=problem.gen - 0.01, group_ids=torch.arange(s) % 2, num_sequences=s + 1,
-                  num_tokens=n + 3, gen_seq_logprobs=torch.full((s,), float("nan")), ref_logprobs=problem.gen - 0.02)
+                  num_tokens=n + 3, gen_seq_logprobs=torch.full((s,), float("nan")), ref_logprobs=problem.gen - 0.02,
+                  is_self=torch.arange(s) % 2 == 0, gen_seq_tokens=torch.ones(s, dtype=torch.int32),
+                  capability_ratio=torch.full((s,), 2.0), mini_batch_index=1)  # hacpo's: only hacpo reads them
     assert set(inputs) == set(OPTIONAL_INPUTS)
     args = (problem.targets, problem.gen, problem.adv, problem.cu)
     hidden, weight = problem.hidden.float(), problem.weight.float()

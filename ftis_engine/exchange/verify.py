@@ -11,7 +11,7 @@ import math
 import torch
 
 from ..context import FOREIGN_EXPANSION
-from ..rollouts import Rollout, RolloutError
+from ..rollouts import Rollout, RolloutError, reencoded
 from ..tasks import Task
 
 
@@ -207,12 +207,7 @@ class RolloutChecker:
                     or (stopped and eos is None) or len(mine) + stopped > self.foreign_limit:
                 lost.add(r.prompt_index)
                 continue
-            mine = mine + ([eos] if stopped else [])
-            converted.append(Rollout(member=r.member, prompt_index=r.prompt_index,
-                                     completion_ids=torch.tensor(mine, dtype=torch.int32),
-                                     gen_logprobs=torch.zeros(len(mine)), reward=r.reward,
-                                     finish_reason=r.finish_reason, policy_version=r.policy_version,
-                                     made_at=r.made_at, seq_logprob=seq_logprob))
+            converted.append(reencoded(r, mine + ([eos] if stopped else [])))  # its sum, count and final EOS
         kept = [r for r in converted if r.prompt_index not in lost]
         return kept, len(rollouts) - len(kept)
 

@@ -1,4 +1,5 @@
-"""Public functions of ftis_kernels: input validation, backend choice, and the nn.Module wrappers."""
+"""Public functions of ftis_kernels: backend choice, the calls and the nn.Module wrappers (their inputs are
+validated by checks.py)."""
 
 from __future__ import annotations
 
@@ -7,45 +8,35 @@ import os
 
 import torch
 
-from .config import OPTIONAL_INPUTS, LossConfig, LossInputs, LossOutput, NonFiniteInputError
+from .checks import (
+    check_count,
+    check_device,
+    check_finite_logprobs,
+    check_inputs,
+    check_linear,
+    check_matrix,
+    check_targets,
+    check_temperature,
+    require_tensor,
+)
+from .config import OPTIONAL_INPUTS, LossConfig, LossInputs, LossOutput
 from .epilogue import ftis_objective
 from .reference import chunked_token_logprobs
 
 BACKENDS = ("auto", "triton", "torch")
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_ID_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
 
 
-# ----------------------------------------------------------------------------------------------- validation
+# ----------------------------------------------------------------------------------------------- options
 
 
-def _require_tensor(name: str, value: object) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _check_float(name: str, t: torch.Tensor, backend: str) -> None:
-    allowed = _FLOAT_DTYPES + ((torch.float64,) if backend == "torch" else ())
-    if t.dtype not in allowed:
-        names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-        raise TypeError(f"{name}: dtype {t.dtype} is not supported by the {backend} backend (use {names})")
-
-
-def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name}: expected shape {list(shape)} ({what}), got {list(t.shape)}")
-
-
-def _check_finite(name: str, t: torch.Tensor) -> None:
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"{name}: contains NaN or inf")
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device | str) -> str:
     """auto -> triton on CUDA, torch otherwise. Triton on CPU needs TRITON_INTERPRET=1 (set before import)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: unknown value {backend!r}; expected one of {', '.join(BACKENDS)}")
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError):
+        raise ValueError(f"device: not a torch device: {device!r}") from None
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -99,106 +90,6 @@ def _resolve_config(config: LossConfig | None, overrides: dict) -> LossConfig:
     return config.replace(**overrides) if overrides else config
 
 
-def _check_targets(targets, n: int, vocab: int, x_name: str, device, ignore_index: int | None) -> torch.Tensor:
-    """Targets are [N] integer ids in [0, V) or ignore_index; returns the [N] bool mask of counted tokens."""
-    _require_tensor("targets", targets)
-    if targets.device != device:
-        raise ValueError(f"targets: on {targets.device}, but {x_name} is on {device}")
-    if targets.dtype not in _ID_DTYPES:
-        raise TypeError(f"targets: expected a signed integer tensor (int64 or int32; ignore_index is negative), "
-                        f"got {targets.dtype}")
-    _check_shape("targets", targets, (n,), f"one target per row of {x_name}")
-    counted = targets != ignore_index if ignore_index is not None else torch.ones_like(targets, dtype=torch.bool)
-    bad = counted & ((targets < 0) | (targets >= vocab))
-    if bool(bad.any()):
-        value = int(targets[bad][0])
-        allowed = f" and is not ignore_index={ignore_index}" if ignore_index is not None else ""
-        raise ValueError(f"targets: id {value} is outside [0, {vocab}){allowed}")
-    return counted
-
-
-def _check_logprobs(name: str, t: torch.Tensor) -> None:
-    _check_finite(name, t)
-    if bool((t > 0).any()):
-        raise ValueError(f"{name}: log-probabilities must be <= 0, found a positive value")
-
-
-def _check_inputs(x: torch.Tensor, x_name: str, vocab: int, inputs: LossInputs, cfg: LossConfig, backend: str
-                  ) -> torch.Tensor:
-    """Validate the per-token and per-sequence inputs; returns the [N] bool mask of counted tokens."""
-    targets, gen_logprobs, advantages, cu_seqlens = (inputs.targets, inputs.gen_logprobs, inputs.advantages,
-                                                     inputs.cu_seqlens)
-    old_logprobs, group_ids, gen_seq_logprobs, ref_logprobs = (inputs.old_logprobs, inputs.group_ids,
-                                                               inputs.gen_seq_logprobs, inputs.ref_logprobs)
-    n = x.shape[0]
-    device = x.device
-    counted = _check_targets(targets, n, vocab, x_name, device, cfg.ignore_index)
-    tensors = {"gen_logprobs": gen_logprobs, "advantages": advantages, "cu_seqlens": cu_seqlens}
-    if old_logprobs is not None:
-        tensors["old_logprobs"] = old_logprobs
-    if ref_logprobs is not None:
-        tensors["ref_logprobs"] = ref_logprobs
-    elif cfg.beta > 0:
-        raise ValueError(f"ref_logprobs: required when beta={cfg.beta!r} > 0 (the reference policy's log-probs of "
-                         "the targets)")
-    if group_ids is not None:
-        tensors["group_ids"] = group_ids
-    if gen_seq_logprobs is not None:
-        tensors["gen_seq_logprobs"] = gen_seq_logprobs
-    for name, t in tensors.items():
-        _require_tensor(name, t)
-        if t.device != device:
-            raise ValueError(f"{name}: on {t.device}, but {x_name} is on {device}")
-    for name in ("cu_seqlens",) + (("group_ids",) if group_ids is not None else ()):
-        t = tensors[name]
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name}: expected an integer tensor, got {t.dtype}")
-    per_token = [name for name in ("old_logprobs", "ref_logprobs") if name in tensors]
-    for name in ("gen_logprobs", "advantages", *per_token) + (
-            ("gen_seq_logprobs",) if gen_seq_logprobs is not None else ()):
-        _check_float(name, tensors[name], backend)
-
-    _check_shape("gen_logprobs", gen_logprobs, (n,), f"one per row of {x_name}")
-    for name in per_token:
-        _check_shape(name, tensors[name], (n,), f"one per row of {x_name}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens: expected a 1-D tensor [S+1] with S >= 1, got shape {list(cu_seqlens.shape)}")
-    num_seqs = cu_seqlens.numel() - 1
-    _check_shape("advantages", advantages, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
-    if group_ids is not None:
-        _check_shape("group_ids", group_ids, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
-    if gen_seq_logprobs is not None:
-        _check_shape("gen_seq_logprobs", gen_seq_logprobs, (num_seqs,), "one per sequence: len(cu_seqlens) - 1")
-        given = gen_seq_logprobs[~torch.isnan(gen_seq_logprobs)]
-        if not bool(torch.isfinite(given).all()) or bool((given > 0).any()):
-            raise ValueError("gen_seq_logprobs: a sequence's log-probability must be finite and <= 0 (NaN: the "
-                             "sequence has per-token gen_logprobs)")
-
-    cu = cu_seqlens.long()
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens: cu_seqlens[0] must be 0, got {int(cu[0])}")
-    steps = cu[1:] <= cu[:-1]
-    if bool(steps.any()):
-        i = int(steps.nonzero()[0, 0]) + 1
-        raise ValueError(f"cu_seqlens: must increase strictly (every sequence has at least one token), but "
-                         f"cu_seqlens[{i}]={int(cu[i])} <= cu_seqlens[{i - 1}]={int(cu[i - 1])}")
-    if int(cu[-1]) != n:
-        raise ValueError(f"cu_seqlens: the last entry must be N={n} (the rows of {x_name}), got {int(cu[-1])}")
-    _check_logprobs("gen_logprobs", gen_logprobs)
-    for name in per_token:
-        _check_logprobs(name, tensors[name])
-    _check_finite("advantages", advantages)
-    return counted
-
-
-def _check_matrix(name: str, t, backend: str) -> torch.Tensor:
-    _require_tensor(name, t)
-    if t.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D tensor, got shape {list(t.shape)}")
-    _check_float(name, t, backend)
-    return t
-
-
 # ----------------------------------------------------------------------------------------------- vocabulary pass
 
 
@@ -210,40 +101,19 @@ def _token_logprobs(x, weight, bias, targets, counted, temperature: float, backe
     return chunked_token_logprobs(x, weight, bias, targets, counted, temperature)
 
 
-def _check_count(name: str, value, own: int, what: str) -> int | None:
-    """A whole batch's count passed to a micro-batch call: None, or an int >= this call's own count."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < max(own, 1):
-        raise ValueError(f"{name}: must be an int >= this call's {own} {what} (the whole batch's count, of which "
-                         f"this call is a part), got {value!r}")
-    return value
-
-
-def _check_finite_logprobs(x: torch.Tensor, x_name: str, counted: torch.Tensor, logprobs: torch.Tensor) -> None:
-    """NaN or inf in the inputs of the vocabulary pass: a counted row's log-prob is then not finite (its
-    log-sum-exp reads all of weight and bias), so one check of [N] finds it; the rows of ignored targets (whose
-    log-prob is 0 by definition, but which a NaN would still turn into NaN gradients) are read directly."""
-    names = "logits" if x_name == "logits" else "hidden, weight or bias"
-    bad = ~torch.isfinite(logprobs.detach())
-    if not bool(counted.all()):
-        bad |= ~counted & ~torch.isfinite(x.detach()).all(dim=1)
-    if bool(bad.any()):
-        raise NonFiniteInputError(f"{names}: contains NaN or inf (it reaches row {int(bad.nonzero()[0, 0])} of "
-                                  f"{x_name})")
-
-
 def _loss(x, x_name, weight, bias, inputs: LossInputs, counted, cfg, backend) -> LossOutput:
-    num_sequences = _check_count("num_sequences", inputs.num_sequences, inputs.advantages.numel(), "sequences")
+    num_sequences = check_count("num_sequences", inputs.num_sequences, inputs.advantages.numel(), "sequences")
     num_tokens = inputs.num_tokens
     if num_tokens is not None:
-        num_tokens = _check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
+        num_tokens = check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
     logprobs, entropy = _token_logprobs(x, weight, bias, inputs.targets, counted, cfg.temperature, backend)
-    _check_finite_logprobs(x, x_name, counted, logprobs)
+    check_finite_logprobs(x, x_name, counted, logprobs)
     loss, (sums, counts), per_sequence = ftis_objective(
         logprobs, entropy, inputs.gen_logprobs, inputs.advantages, inputs.cu_seqlens, counted, cfg,
         inputs.old_logprobs, inputs.group_ids, num_sequences=num_sequences, num_tokens=num_tokens,
-        gen_seq_logprobs=inputs.gen_seq_logprobs, ref_logprobs=inputs.ref_logprobs,
+        gen_seq_logprobs=inputs.gen_seq_logprobs, ref_logprobs=inputs.ref_logprobs, is_self=inputs.is_self,
+        gen_seq_tokens=inputs.gen_seq_tokens, capability_ratio=inputs.capability_ratio,
+        mini_batch_index=inputs.mini_batch_index,
     )
     stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
     return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts,
@@ -268,7 +138,8 @@ def ftis_loss(
 
     logits: [N, V] bf16/fp16/fp32 (fp64 on the torch backend); row j predicts targets[j].
     targets, gen_logprobs, advantages, cu_seqlens and the optional inputs in `options` (old_logprobs, group_ids,
-    num_sequences, num_tokens, gen_seq_logprobs, ref_logprobs): as LossInputs documents them.
+    num_sequences, num_tokens, gen_seq_logprobs, ref_logprobs; hacpo's is_self, gen_seq_tokens, capability_ratio,
+    mini_batch_index): as LossInputs documents them.
     config / the other `options`: LossConfig and field overrides (e.g. method="tis").
     backend: "triton" (CUDA, or CPU under TRITON_INTERPRET=1), "torch" (chunked PyTorch), "auto".
     Returns LossOutput(loss, logprobs, stats, stat_sums, stat_counts); `combine_stats` merges micro-batches'
@@ -276,10 +147,11 @@ def ftis_loss(
     """
     inputs, overrides = _split_options(targets, gen_logprobs, advantages, cu_seqlens, options)
     cfg = _resolve_config(config, overrides)
-    _require_tensor("logits", logits)
+    require_tensor("logits", logits)
+    check_device("logits", logits)
     backend = resolve_backend(backend, logits.device)
-    _check_matrix("logits", logits, backend)
-    counted = _check_inputs(logits, "logits", logits.shape[1], inputs, cfg, backend)
+    check_matrix("logits", logits, backend)
+    counted = check_inputs(logits, "logits", logits.shape[1], inputs, cfg, backend)
     with torch.autocast(logits.device.type, enabled=False):  # the logits as given; arithmetic float32
         return _loss(logits, "logits", None, None, inputs, counted, cfg, backend)
 
@@ -308,50 +180,28 @@ def fused_linear_ftis_loss(
     """
     inputs, overrides = _split_options(targets, gen_logprobs, advantages, cu_seqlens, options)
     cfg = _resolve_config(config, overrides)
-    _require_tensor("hidden", hidden)
-    backend = resolve_backend(backend, hidden.device)
-    _require_tensor("weight", weight)
+    backend = _linear_operands(hidden, weight, backend)
     hidden, weight, bias = _autocast_operands(hidden.device, hidden, weight, bias)
-    _check_linear(hidden, weight, bias, backend)
-    counted = _check_inputs(hidden, "hidden", weight.shape[0], inputs, cfg, backend)
+    check_linear(hidden, weight, bias, backend)
+    counted = check_inputs(hidden, "hidden", weight.shape[0], inputs, cfg, backend)
     with torch.autocast(hidden.device.type, enabled=False):
         return _loss(hidden, "hidden", weight, bias, inputs, counted, cfg, backend)
 
 
-def _check_linear(hidden, weight, bias, backend: str) -> None:
-    _check_matrix("hidden", hidden, backend)
-    _check_matrix("weight", weight, backend)
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight: expected shape [V, {hidden.shape[1]}] to match hidden's d, got {list(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight: dtype {weight.dtype} differs from hidden's {hidden.dtype}")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight: on {weight.device}, but hidden is on {hidden.device}")
-    if bias is not None:
-        _require_tensor("bias", bias)
-        _check_shape("bias", bias, (weight.shape[0],), "one per vocabulary row of weight")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias: dtype {bias.dtype} differs from hidden's {hidden.dtype}")
-        if bias.device != hidden.device:
-            raise ValueError(f"bias: on {bias.device}, but hidden is on {hidden.device}")
-
-
-def _check_temperature(temperature: float) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature: must be a finite number > 0, got {temperature!r}")
-    return float(temperature)
-
-
 @torch.no_grad()
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T)[j, targets[j]] as [N] fp32, without materialising log_softmax. No gradient."""
-    temperature = _check_temperature(temperature)
-    _require_tensor("logits", logits)
+    """log_softmax(logits / T)[j, targets[j]] as [N] fp32, without materialising log_softmax. No gradient.
+    NaN or inf in the logits raises NonFiniteInputError (a ValueError), as the loss does."""
+    temperature = check_temperature(temperature)
+    require_tensor("logits", logits)
+    check_device("logits", logits)
     backend = resolve_backend("auto", logits.device)
-    _check_matrix("logits", logits, backend)
-    counted = _check_targets(targets, logits.shape[0], logits.shape[1], "logits", logits.device, None)
+    check_matrix("logits", logits, backend)
+    counted = check_targets(targets, logits.shape[0], logits.shape[1], "logits", logits.device, None)
     with torch.autocast(logits.device.type, enabled=False):
-        return _token_logprobs(logits, None, None, targets, counted, temperature, backend)[0].float()
+        logprobs = _token_logprobs(logits, None, None, targets, counted, temperature, backend)[0]
+    check_finite_logprobs(logits, "logits", counted, logprobs)  # NaN or inf in the logits, named as the loss does
+    return logprobs.float()
 
 
 @torch.no_grad()
@@ -360,16 +210,26 @@ def fused_linear_token_logprobs(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """log_softmax((hidden @ weight^T + bias) / T)[j, targets[j]] as [N] fp32, with no N x V tensor. No gradient.
-    Under autocast, hidden, weight and bias are cast to its dtype first (as in fused_linear_ftis_loss)."""
-    temperature = _check_temperature(temperature)
-    _require_tensor("hidden", hidden)
-    backend = resolve_backend("auto", hidden.device)
-    _require_tensor("weight", weight)
+    Under autocast, hidden, weight and bias are cast to its dtype first (as in fused_linear_ftis_loss). NaN or inf in
+    hidden, weight or bias raises NonFiniteInputError (a ValueError), as the loss does."""
+    temperature = check_temperature(temperature)
+    backend = _linear_operands(hidden, weight, "auto")
     hidden, weight, bias = _autocast_operands(hidden.device, hidden, weight, bias)
-    _check_linear(hidden, weight, bias, backend)
-    counted = _check_targets(targets, hidden.shape[0], weight.shape[0], "hidden", hidden.device, None)
+    check_linear(hidden, weight, bias, backend)
+    counted = check_targets(targets, hidden.shape[0], weight.shape[0], "hidden", hidden.device, None)
     with torch.autocast(hidden.device.type, enabled=False):
-        return _token_logprobs(hidden, weight, bias, targets, counted, temperature, backend)[0].float()
+        logprobs = _token_logprobs(hidden, weight, bias, targets, counted, temperature, backend)[0]
+    check_finite_logprobs(hidden, "hidden", counted, logprobs)
+    return logprobs.float()
+
+
+def _linear_operands(hidden, weight, backend: str) -> str:
+    """hidden and weight are tensors on devices the op computes on; returns the backend for hidden's device."""
+    require_tensor("hidden", hidden)
+    check_device("hidden", hidden)
+    require_tensor("weight", weight)
+    check_device("weight", weight)
+    return resolve_backend(backend, hidden.device)
 
 
 # ----------------------------------------------------------------------------------------------- modules

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-METHODS = ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo")
+METHODS = ("nois", "vis", "tis", "f-nois", "f-vis", "f-tis", "gepo", "hacpo")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k1-gen", "k3-gen")
 IS_LEVELS = ("token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask")
@@ -33,6 +33,18 @@ STAT_KEYS = (
     "ref_kl_mean",
 )
 REF_KL_ESTIMATORS = ("k1", "k2", "k3")
+# The largest count or index the op takes (num_sequences, num_tokens, kl_max_len, norm_max_len, mini_batch_index):
+# 2^53, the last integer a float64 holds exactly. A count is only ever used as a divisor or a factor in floating
+# point, and no batch comes near it; a larger Python int would overflow torch's int64 scalar with an OverflowError
+# that names nothing.
+MAX_COUNT = 2**53
+# The smallest IS cap: every log-ratio is clamped to [-20, 20] before exp, so no weight is below exp(-20) (2.1e-9);
+# a cap at or below that makes every weight the cap (a constant factor, not a truncation), and a subnormal one
+# (1e-320) makes every weight ~0.
+MIN_IS_CAP = math.exp(-20.0)
+# The lowest temperature: log-probs are log_softmax(logits / T) in float32, and below 1e-5 samplers no longer sample
+# (vLLM's _SAMPLING_EPS: greedy), so no generator's log-probs are at such a temperature; 1 / T of a subnormal T is inf.
+MIN_TEMPERATURE = 1e-5
 
 
 def _choice(name: str, value: object, allowed: tuple[str, ...]) -> None:
@@ -49,32 +61,44 @@ def _number(name: str, value: object) -> float:
 def _positive_int_or_none(name: str, value: object) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"LossConfig.{name}: expected a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_COUNT:
+        raise ValueError(f"LossConfig.{name}: expected a positive integer up to 2**53, got {value!r}")
+
+
+def _in_range(name: str, value: object, low: float, high: float, what: str) -> None:
+    if not low <= _number(name, value) <= high or not math.isfinite(value):
+        raise ValueError(f"LossConfig.{name}: must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class LossConfig:
     """Hyper-parameters of the F-TIS loss (docs/algorithm.md). Defaults are the paper's.
 
-    method: nois | vis | tis | f-nois | f-vis | f-tis | gepo ("f-" adds the KL filter).
-    is_cap: C, the truncation of the importance weight w_t = min(exp(lb_t - g_t), C).
-    kl_threshold: g; a sequence with A_i <= 0 and KL_i >= g is filtered (its advantage becomes 0).
+    method: nois | vis | tis | f-nois | f-vis | f-tis | gepo | hacpo ("f-" adds the KL filter).
+    is_cap: C, the truncation of the importance weight w_t = min(exp(lb_t - g_t), C); C > exp(-20).
+    kl_threshold: g; a sequence with A_i <= 0 and KL_i >= g is filtered (its advantage becomes 0); g >= 0 but with
+        the signed estimators k1 and k1-gen.
     kl_estimator: k1 | k2 | k3 per-token terms of KL(pi_theta || pi_gen), x_t = g_t - lb_t.
     kl_reduction: sum | mean | padded_mean (sum / kl_max_len) over a sequence's tokens.
     eps_low, eps_high: PPO clip range [1 - eps_low, 1 + eps_high].
     temperature: the generator's sampling temperature; log-probs are log_softmax(logits / T).
     normalization: sequence (GRPO) | token (DAPO) | constant (Dr. GRPO, divides by S * norm_max_len).
     ignore_index: target id that marks positions which count nowhere.
+    self_clip_low, self_clip_high, cross_clip_delta, cross_clip_step, alpha, max_abs_log_ratio: hacpo's, under its
+        authors' names (zzx-peter/HACRL-code, recipe/hacpo/config/hacpo_trainer.yaml, hacpo.loss), with their
+        defaults; see the fields' help and docs/algorithm.md.
     """
 
     # Each field's `help` (and `choices`) is also the description of the run config's `algorithm` section
     # (ftis_engine/config.py derives that section from these fields): the paper's defaults live here only.
     method: str = field(default="f-tis", metadata={"choices": METHODS, "help": (
-        "Loss: nois | vis | tis | f-nois | f-vis | f-tis (default) | gepo; f- adds the KL filter.")})
-    is_cap: float = field(default=2.0, metadata={"help": "C: truncation of the importance weight min(exp(l - g), C)."})
+        "Loss: nois | vis | tis | f-nois | f-vis | f-tis (default) | gepo | hacpo (HACPO's sequence-level self and "
+        "cross terms, as its authors coded them); f- adds the KL filter.")})
+    is_cap: float = field(default=2.0, metadata={"help": (
+        "C: truncation of the importance weight min(exp(l - g), C); above exp(-20), the smallest weight there is.")})
     kl_threshold: float = field(default=50.0, metadata={"help": (
-        "g: a sequence with A <= 0 and KL >= g is filtered (.inf: never).")})
+        "g: a sequence with A <= 0 and KL >= g is filtered (.inf: never); >= 0 but with k1 and k1-gen, whose "
+        "estimates may be negative.")})
     kl_estimator: str = field(default="k3", metadata={"choices": KL_ESTIMATORS, "help": (
         "Per-token KL term from x = g - l (clamped to [-20, 20]): k1 -x | k2 x^2/2 | k3 exp(x)-x-1 (default) (the "
         "paper authors', KL(pi_theta || pi_gen) written as if sampled from pi_theta) | k1-gen x | k3-gen exp(-x)-1+x "
@@ -135,7 +159,22 @@ class LossConfig:
         "Entropy bonus, verl's entropy_coeff: each counted token's term adds entropy_coef * H_t (the entropy of "
         "the tempered distribution, differentiated through the fused passes), under the policy term's normaliser: "
         "the loss is verl's pg_loss - entropy_coeff * entropy_loss (0: the paper; negative: a penalty). Not for "
-        "gepo.")})
+        "gepo or hacpo.")})
+    # hacpo's options: its authors' names and defaults (recipe/hacpo/config/hacpo_trainer.yaml, hacpo.loss)
+    self_clip_low: float = field(default=0.0003, metadata={"help": (
+        "hacpo: the self term (the learner's own rollouts) is PPO's min on the sequence ratio clipped to "
+        "[1 - self_clip_low, 1 + self_clip_high]; in [0, 1].")})
+    self_clip_high: float = field(default=0.0004, metadata={"help": "hacpo: see self_clip_low; finite, >= 0."})
+    cross_clip_delta: float = field(default=0.2, metadata={"help": (
+        "hacpo: a peer rollout's sequence ratio is clamped to [lower, 1], lower = min(1, 1 - cross_clip_delta + m * "
+        "cross_clip_step) at the step's m-th optimizer step (from 0); in [0, 1].")})
+    cross_clip_step: float = field(default=0.025, metadata={"help": (
+        "hacpo: how much the cross term's lower bound rises per optimizer step of a step's update; finite, >= 0.")})
+    alpha: float = field(default=1.0, metadata={"help": (
+        "hacpo: the cross term is clamp(r) * sg(clamp(r))^alpha * c * A (c: the capability ratio); finite, >= 0.")})
+    max_abs_log_ratio: float = field(default=10.0, metadata={"help": (
+        "hacpo: the sequence log-ratio is clamped to [-max_abs_log_ratio, max_abs_log_ratio] before exp; in (0, 20] "
+        "(every log-ratio of the op is within [-20, 20]).")})
 
     def __post_init__(self) -> None:
         for spec in dataclasses.fields(self):  # every field with a fixed set of values declares it in `choices`
@@ -150,15 +189,27 @@ class LossConfig:
         if self.reject_max is not None and self.reject_min is not None and not self.reject_min < self.reject_max:
             raise ValueError(f"LossConfig.reject_min: must be below reject_max={self.reject_max!r}, "
                              f"got {self.reject_min!r}")
-        if self.method == "gepo" and (self.ratio_level != "token" or self.policy_loss != "ppo"):
+        if self.method in ("gepo", "hacpo") and (self.ratio_level != "token" or self.policy_loss != "ppo"):
             field_name = "ratio_level" if self.ratio_level != "token" else "policy_loss"
-            raise ValueError(f"LossConfig.{field_name}: gepo has its own sequence-level PPO ratio; use the default")
+            raise ValueError(f"LossConfig.{field_name}: {self.method} has its own sequence-level ratio; use the "
+                             "default")
+        if self.method == "hacpo":  # its authors' loss has none of these (hacpo_core_algos.py, compute_hacpo_loss)
+            for field_name, default in (("normalization", "sequence"), ("reject", "none"), ("dual_clip", None),
+                                        ("delta", None), ("beta", 0.0), ("entropy_coef", 0.0)):
+                if getattr(self, field_name) != default:
+                    raise ValueError(f"LossConfig.{field_name}: hacpo's loss is its authors' sequence mean, without "
+                                     f"this option; use {default!r}")
         if self.policy_loss == "cispo" and (self.dual_clip is not None or self.delta is not None):
             field_name = "dual_clip" if self.dual_clip is not None else "delta"
             raise ValueError(f"LossConfig.{field_name}: a PPO clip, which cispo does not use")
-        if not _number("is_cap", self.is_cap) > 0:
-            raise ValueError(f"LossConfig.is_cap: must be > 0, got {self.is_cap!r}")
-        _number("kl_threshold", self.kl_threshold)
+        if not _number("is_cap", self.is_cap) > MIN_IS_CAP:
+            raise ValueError(f"LossConfig.is_cap: must be above exp(-20) = {MIN_IS_CAP:.3g} (the smallest IS weight: "
+                             f"a cap at or below it truncates every weight), got {self.is_cap!r}")
+        # k2, k3 and k3-gen never estimate a KL below 0, so a negative threshold filters as 0 does (every sequence
+        # with A <= 0): a mistake, refused; k1 and k1-gen sum signed terms, which may lie below 0
+        if _number("kl_threshold", self.kl_threshold) < 0 and self.kl_estimator not in ("k1", "k1-gen"):
+            raise ValueError(f"LossConfig.kl_threshold: must be >= 0 with kl_estimator {self.kl_estimator} (its KL "
+                             f"estimates are never negative; .inf: never filter), got {self.kl_threshold!r}")
         if not 0 <= _number("eps_low", self.eps_low) <= 1:
             raise ValueError(f"LossConfig.eps_low: must be in [0, 1], got {self.eps_low!r}")
         if self.policy_loss == "cispo":  # a cap on the weight, not a trust region: it may lie below 1
@@ -167,8 +218,9 @@ class LossConfig:
                                  f" = {1 - self.eps_low!r}, got eps_high={self.eps_high!r}")
         elif not 0 <= _number("eps_high", self.eps_high) < math.inf:
             raise ValueError(f"LossConfig.eps_high: must be a finite number >= 0, got {self.eps_high!r}")
-        if not 0 < _number("temperature", self.temperature) < math.inf:
-            raise ValueError(f"LossConfig.temperature: must be a finite number > 0, got {self.temperature!r}")
+        if not MIN_TEMPERATURE <= _number("temperature", self.temperature) < math.inf:
+            raise ValueError(f"LossConfig.temperature: must be a finite number >= {MIN_TEMPERATURE:g}, got "
+                             f"{self.temperature!r}")
         if self.is_min is not None and not 0 < _number("is_min", self.is_min) < self.is_cap:
             raise ValueError(f"LossConfig.is_min: must be > 0 and below is_cap={self.is_cap!r}, got {self.is_min!r}")
         if self.dual_clip is not None and not 1 < _number("dual_clip", self.dual_clip) < math.inf:
@@ -190,8 +242,17 @@ class LossConfig:
             raise ValueError("LossConfig.entropy_coef: gepo's sequence-level loss has no per-token term; use 0")
         if self.beta > 0 and self.method == "gepo":
             raise ValueError("LossConfig.beta: gepo's sequence-level loss has no per-token KL term; use beta 0")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int):
-            raise ValueError(f"LossConfig.ignore_index: expected an integer, got {self.ignore_index!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, int) \
+                or not -2**63 <= self.ignore_index < 2**63:
+            raise ValueError(f"LossConfig.ignore_index: expected an integer a target tensor can hold (int64), got "
+                             f"{self.ignore_index!r}")
+        _in_range("self_clip_low", self.self_clip_low, 0.0, 1.0, "in [0, 1]")
+        _in_range("self_clip_high", self.self_clip_high, 0.0, math.inf, "finite and >= 0")
+        _in_range("cross_clip_delta", self.cross_clip_delta, 0.0, 1.0, "in [0, 1]")
+        _in_range("cross_clip_step", self.cross_clip_step, 0.0, math.inf, "finite and >= 0")
+        _in_range("alpha", self.alpha, 0.0, math.inf, "finite and >= 0")
+        if not 0 < _number("max_abs_log_ratio", self.max_abs_log_ratio) <= 20:
+            raise ValueError(f"LossConfig.max_abs_log_ratio: must be in (0, 20], got {self.max_abs_log_ratio!r}")
 
     @property
     def filtered(self) -> bool:
@@ -200,7 +261,7 @@ class LossConfig:
 
     @property
     def base_method(self) -> str:
-        """The method without its filter prefix: nois, vis, tis or gepo."""
+        """The method without its filter prefix: nois, vis, tis, gepo or hacpo."""
         return self.method.removeprefix("f-")
 
     def replace(self, **overrides: object) -> "LossConfig":
@@ -243,6 +304,18 @@ class LossInputs:
         With config.beta > 0 (required then) each counted token's loss term subtracts beta * KL_ref,t (the
         ref_kl_estimator of x = ref_t - l_t: k3 exp(x) - x - 1, TRL's beta term and verl's low_var_kl),
         normalised as the policy term; ref_kl_mean reports its mean whenever ref_logprobs are given.
+    The inputs of hacpo (the other methods read none of them; docs/algorithm.md):
+    is_self: [S] bool, required by hacpo: the learner's own sequences (the self term; the others are its peers').
+    gen_seq_tokens: [S] int or None: for each sequence with a finite gen_seq_logprobs, how many of its generator's
+        own tokens that log-probability is over (>= 1; other entries are not read). hacpo's source mean is
+        gen_seq_logprobs / gen_seq_tokens (its authors divide by the peer's length, not the receiver's); required
+        by hacpo where gen_seq_logprobs is finite. Leave a token hacpo is not to count out of both sides: its target
+        ignore_index here, out of gen_seq_logprobs and gen_seq_tokens there (its authors drop a final EOS so).
+    capability_ratio: [S] fp32 > 0 or None (1): hacpo's c of each peer sequence, its generator's capability over
+        the learner's (the authors' source_to_target_capability_ratio); not read for the learner's own sequences.
+    mini_batch_index: int in [0, 2^53] or None (0): m, the optimizer step of this step's update the call belongs to
+        (from 0, across epochs and mini-batches: the authors' minibatch_update_index); hacpo's cross term's lower
+        bound rises with it.
     """
 
     targets: torch.Tensor
@@ -255,6 +328,10 @@ class LossInputs:
     num_tokens: int | None = None
     gen_seq_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    is_self: torch.Tensor | None = None
+    gen_seq_tokens: torch.Tensor | None = None
+    capability_ratio: torch.Tensor | None = None
+    mini_batch_index: int | None = None
 
 
 # the keyword arguments of the op's functions and modules that are inputs (the rest are LossConfig overrides)
@@ -315,8 +392,17 @@ def rejection_scale(config: LossConfig, stats: dict[str, float], num_sequences: 
     (num_sequences, num_tokens, as given to each call) into the loss normalised by the counts rejection left:
     S / S_kept (sequence normalisation, gepo), N / N_kept (token), 1 (constant, or reject none). `stats` are the
     whole batch's, from combine_stats. Multiply the accumulated loss and gradients by it before clipping."""
+    if not isinstance(config, LossConfig):
+        raise TypeError(f"config: expected a LossConfig, got {type(config).__name__}")
+    for name, value in (("num_sequences", num_sequences), ("num_tokens", num_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_COUNT:
+            raise ValueError(f"{name}: must be an int in [1, 2**53] (the whole batch's count), got {value!r}")
     if config.reject == "none" or config.normalization == "constant" and config.base_method != "gepo":
         return 1.0
+    for key in ("rejected_frac", "rejected_seq_frac"):
+        value = stats.get(key) if isinstance(stats, dict) else None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ValueError(f"stats: {key} must be a fraction in [0, 1] (combine_stats gives it), got {value!r}")
     if config.normalization == "token" and config.base_method != "gepo":
         kept = num_tokens - round(num_tokens * stats["rejected_frac"])
         return num_tokens / max(kept, 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .checks import check_rewards
 from .config import LossConfig
 
 LOG_RATIO_CLAMP = 20.0  # every log-ratio is clamped to [-20, 20] before exp
@@ -43,7 +44,9 @@ def group_advantages(rewards: torch.Tensor, groups: torch.Tensor, scale: bool = 
 
     over the completions j of i's group G(i) (groups[j] == groups[i]; std unbiased, as torch.std). scale=False
     drops the division (Dr. GRPO's `scale_rewards: none`). A group of one has no spread: its advantage is 0.
-    rewards, groups: [S] (any numeric dtype; groups any integer labels)."""
+    rewards, groups: [S] (any numeric dtype; groups any integer labels), on one device; rewards finite (an unscored
+    completion's NaN reward is the caller's to leave out), else ValueError naming the argument, as the loss does."""
+    check_rewards(rewards, groups)
     rewards = rewards.double()
     advantages = torch.zeros_like(rewards)
     for key in torch.unique(groups):
@@ -183,6 +186,10 @@ def ftis_objective(
     num_tokens: int | None = None,
     gen_seq_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    is_self: torch.Tensor | None = None,
+    gen_seq_tokens: torch.Tensor | None = None,
+    capability_ratio: torch.Tensor | None = None,
+    mini_batch_index: int | None = None,
 ) -> tuple[torch.Tensor, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """Loss and stats of one update (or one micro-batch of it) from per-token log-probs.
 
@@ -196,6 +203,7 @@ def ftis_objective(
     term below sees the sequence-level log-ratio spread evenly over its tokens.
     ref_logprobs: [N] the reference policy's log-probs, or None; with cfg.beta > 0 each counted token's u_t becomes
     u_t - beta * KL_ref,t (cfg.ref_kl_estimator of x = ref_t - l_t), under the policy term's normaliser.
+    is_self, gen_seq_tokens [S], capability_ratio [S], mini_batch_index: hacpo's inputs (LossInputs; _hacpo).
     Returns the scalar loss, (sums, counts): per stat key, the detached sum and the int64 count it is over, and
     the per-sequence values behind the stats ([S] each, detached): kl (KL_i), filtered (the filter's verdict) and
     is_weight (the mean IS weight over the sequence's counted tokens).
@@ -210,6 +218,7 @@ def ftis_objective(
     # The IS weight's numerator: l_t (the paper), or the given old policy o_t (decoupled PPO).
     old = lb if old_logprobs is None else torch.where(given, old_logprobs.to(dtype), zero)
     numerator = old if cfg.is_source == "old" else lb
+    own_gen = gen_logprobs.to(dtype)  # the generators' per-token log-probs, before any spreading (hacpo's source)
     if gen_seq_logprobs is not None:
         gen_logprobs = spread_sequence_logprobs(gen_logprobs.to(dtype), gen_seq_logprobs.to(dtype), numerator, seq,
                                                 given, num_seqs)
@@ -261,6 +270,10 @@ def ftis_objective(
 
     if cfg.base_method == "gepo":
         loss, clipped = _gepo(logprobs, g, adv, seq, tokens_per_seq, counted, cfg, group_ids, seq_norm)
+    elif cfg.base_method == "hacpo":
+        source = _hacpo_source(old, own_gen, seq, tokens_per_seq, counted, is_self, gen_seq_logprobs, gen_seq_tokens)
+        loss, clipped = _hacpo(logprobs, source, adv, seq, tokens_per_seq, counted, cfg, is_self, capability_ratio,
+                               mini_batch_index or 0, seq_norm)
     else:
         reference = g if cfg.base_method == "vis" else old
         log_ratio = torch.where(counted, logprobs - reference, zero)
@@ -302,7 +315,7 @@ def ftis_objective(
             "is_truncated_frac": ((out_of_range & counted).to(dtype).sum(), tokens),
             "filtered_frac": (filtered.to(dtype).sum(), sequences),
             "kl_mean": (torch.where(has_tokens, kl_seq, zero).sum(), sequences),
-            "clip_frac": (clipped, sequences if cfg.base_method == "gepo" else tokens),
+            "clip_frac": (clipped, sequences if cfg.base_method in ("gepo", "hacpo") else tokens),
             "entropy_mean": (torch.where(counted, entropy.to(dtype), zero).sum(), tokens),
             "logprob_mean": (torch.where(counted, lb, zero).sum(), tokens),
             "rejected_frac": ((given & ~counted).to(dtype).sum(), given.sum()),
@@ -346,4 +359,68 @@ def _gepo(
     ratio = exp_log_ratio(mean_l - log_e[group])
     u = torch.where(has_tokens, ppo(ratio, adv, cfg), zero)
     clipped = (clip_active(ratio.detach(), adv, cfg) & has_tokens).to(logprobs.dtype).sum()
+    return -u.sum() / seq_norm, clipped
+
+
+# HACPO (arXiv 2603.02604), as its authors coded it: zzx-peter/HACRL-code, recipe/hacpo/hacpo_core_algos.py,
+# sequence_mean_log_prob (lines 153-165) and compute_hacpo_loss (lines 168-225); the lower bound is
+# HacpoLossConfig.cross_clip_lower (lines 35-40), the index m the count of the step's optimizer steps
+# (hacpo_workers.py, MinibatchUpdateCounter). Each side's mean is over its own tokens: the learner's over the
+# targets it counts, the source's over the generator's (a final EOS left out of both by the caller, as the
+# authors' hacpo_trajectory.py does before anything is computed).
+
+
+def _hacpo_source(old, gen, seq, tokens_per_seq, counted, is_self, gen_seq, gen_seq_tokens) -> torch.Tensor:
+    """[S] the source's mean log-prob of each sequence: mean_t o_t over a learner's own sequence (the authors'
+    source actor recomputes its rollouts as the step starts: the old policy), mean_t g_t over a peer's with
+    per-token log-probs, and G_i / n_i (the generator's log-prob over its own token count) over a foreign one."""
+    zero = old.new_zeros(())
+    num_seqs = tokens_per_seq.numel()
+    own = _mean(segment_sum(torch.where(counted, old, zero), seq, num_seqs), tokens_per_seq)
+    peer = _mean(segment_sum(torch.where(counted, gen, zero), seq, num_seqs), tokens_per_seq)
+    if gen_seq is not None and gen_seq_tokens is not None:  # (without counts no entry is finite: the op checks)
+        foreign = ~torch.isnan(gen_seq)
+        count = torch.where(foreign, gen_seq_tokens, torch.ones_like(gen_seq_tokens)).to(old.dtype)
+        peer = torch.where(foreign, torch.nan_to_num(gen_seq.to(old.dtype), nan=0.0) / count, peer)
+    return torch.where(is_self, own, peer)
+
+
+def _hacpo(
+    logprobs: torch.Tensor,
+    source: torch.Tensor,
+    adv: torch.Tensor,
+    seq: torch.Tensor,
+    tokens_per_seq: torch.Tensor,
+    counted: torch.Tensor,
+    cfg: LossConfig,
+    is_self: torch.Tensor,
+    capability: torch.Tensor | None,
+    mini_batch_index: int,
+    seq_norm: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HACPO's loss from the sequence ratio r_i = exp(clamp(mean_t l_t - source_i, -M, M)), M = max_abs_log_ratio:
+
+        self  (the learner's own):  u_i = min(r_i A_i, clip(r_i, 1 - self_clip_low, 1 + self_clip_high) A_i)
+        cross (a peer's):           u_i = k_i sg(k_i)^alpha c_i A_i,   k_i = clip(r_i, lower_m, 1),
+                                    lower_m = min(1, 1 - cross_clip_delta + m cross_clip_step)
+
+    and L = -sum_i u_i / seq_norm (the batch's sequences; a sequence without counted tokens adds 0). Returns the
+    loss and the count of sequences a clip took (self: PPO's clipped branch strictly the smaller; cross: r_i outside
+    [lower_m, 1])."""
+    num_seqs = adv.numel()
+    zero = logprobs.new_zeros(())
+    has_tokens = tokens_per_seq > 0
+    mean_l = _mean(segment_sum(torch.where(counted, logprobs, zero), seq, num_seqs), tokens_per_seq)
+    bound = cfg.max_abs_log_ratio  # <= 20: the op's own clamp of every log-ratio holds
+    ratio = torch.exp(torch.clamp(mean_l - source, -bound, bound))
+    clipped_self = torch.clamp(ratio, 1.0 - cfg.self_clip_low, 1.0 + cfg.self_clip_high)
+    u_self = torch.minimum(ratio * adv, clipped_self * adv)
+    lower = min(1.0, 1.0 - cfg.cross_clip_delta + mini_batch_index * cfg.cross_clip_step)
+    kept = torch.clamp(ratio, lower, 1.0)
+    c = torch.ones_like(adv) if capability is None else capability.to(adv.dtype)
+    u_cross = kept * kept.detach().pow(cfg.alpha) * c * adv
+    u = torch.where(has_tokens, torch.where(is_self, u_self, u_cross), zero)
+    with torch.no_grad():
+        took = torch.where(is_self, clipped_self * adv < ratio * adv, (ratio < lower) | (ratio > 1.0))
+        clipped = (took & has_tokens).to(logprobs.dtype).sum()
     return -u.sum() / seq_norm, clipped
