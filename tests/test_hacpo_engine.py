@@ -187,3 +187,21 @@ def test_the_tiny_default_trains_with_hacpo_end_to_end(tmp_path):
     for r in train:
         assert r["optimizer_steps"] == 2 and r["loss"] == r["loss"] and abs(r["loss"]) < 10, r
         assert 0 <= r["clip_frac"] <= 1 and r["sequences"] > r["own_sequences"] > 0, r
+
+
+def test_hacpo_trains_on_a_peer_of_another_tokenizer_end_to_end(tmp_path):
+    """The case HACPO's correction is for: tiny-m-bpe's rollouts reach tiny-s as text, re-encoded, with the sender's
+    token count; every step trains on them (foreign sequences counted) with a finite loss, in this process."""
+    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
+    for override in [*SHORT, "algorithm.method=hacpo", "members.1.model=builtin:tiny-m-bpe", "train.steps=2",
+                     "eval.every=0", "checkpoint.every=0"]:
+        args += ["--set", override]
+    try:
+        main(args)
+    except SystemExit as exc:
+        assert not exc.code, exc
+    train = run_records(tmp_path / "tiny", "train")
+    assert len(train) == 4
+    for r in train:
+        assert r["foreign_sequences"] > 0 and r["foreign_refused"] == 0, r
+        assert r["loss"] == r["loss"] and r["sequences"] > r["own_sequences"] > 0, r
