@@ -103,9 +103,7 @@ def pack(items: list[TrainItem], shared_prompt: bool = False) -> PackedBatch:
     for k, item in enumerate(items):
         completion = item.rollout.completion_ids.long()
         prompt = torch.tensor(item.prompt_ids, dtype=torch.long)
-        shares = (shared_prompt and k > 0 and item.group == items[k - 1].group
-                  and item.prompt_ids == items[k - 1].prompt_ids)
-        if shared_prompt and not shares:  # a new prompt: its own segment
+        if shared_prompt and not shares_previous_prompt(items, k):  # a new prompt: its own segment
             home = len(segments)
             inputs.append(prompt)
             positions.append(torch.arange(prompt.numel()))
@@ -175,12 +173,16 @@ def without_final_eos(batch: PackedBatch, ignore_index: int) -> PackedBatch:
                                gen_seq_tokens=torch.where(sender, batch.gen_seq_tokens - 1, batch.gen_seq_tokens))
 
 
+def shares_previous_prompt(items: list[TrainItem], k: int) -> bool:
+    """Item k follows an item of its group with the same prompt: in a shared-prompt row it adds no copy of it."""
+    return k > 0 and items[k].group == items[k - 1].group and items[k].prompt_ids == items[k - 1].prompt_ids
+
+
 def input_tokens(items: list[TrainItem], shared_prompt: bool = False) -> int:
     """The row's length pack(items, shared_prompt) gives."""
     total = sum(it.num_input_tokens for it in items)
     if shared_prompt:  # every item after the first of a run of one group and prompt drops its prompt's copy
-        total -= sum(len(it.prompt_ids) for k, it in enumerate(items) if k > 0 and it.group == items[k - 1].group
-                     and it.prompt_ids == items[k - 1].prompt_ids)
+        total -= sum(len(it.prompt_ids) for k, it in enumerate(items) if shares_previous_prompt(items, k))
     return total
 
 

@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from ftis_engine.batch import TrainItem, pack, without_final_eos
-from ftis_engine.cli import main
 from ftis_engine.config import ConfigError, load_config
 from ftis_engine.models import load_model, load_tokenizer
 from ftis_engine.rollouts import Rollout, decode, encode, reencoded
 from ftis_engine.update import batch_loss, packed_hidden
 from ftis_kernels import LossConfig
 
-from .helpers import SHORT, TINY, member, run_records
+from .helpers import SHORT, TINY, command_here, member, run_records
 from .test_hacpo import authors_loss
 
 CHAR, BPE = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-s-bpe")
@@ -170,18 +169,22 @@ def test_a_config_with_method_hacpo_and_its_options_builds_the_ops_config():
         load_config(TINY, ["algorithm.method=hacpo", "algorithm.normalization=token"])
 
 
-def test_the_tiny_default_trains_with_hacpo_end_to_end(tmp_path):
+def _hacpo_run(capsys, tmp_path, *overrides: str) -> list[dict]:
+    """configs/tiny.yaml trained with method hacpo on the short settings, 2 steps, in this process: its train
+    records."""
+    args = ["train", "--config", TINY, "--output-dir", tmp_path]
+    for override in [*SHORT, "algorithm.method=hacpo", "train.steps=2", "eval.every=0", "checkpoint.every=0",
+                     *overrides]:
+        args += ["--set", override]
+    done = command_here(capsys, *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return run_records(tmp_path / "tiny", "train")
+
+
+def test_the_tiny_default_trains_with_hacpo_end_to_end(capsys, tmp_path):
     """configs/tiny.yaml with --set algorithm.method=hacpo on the short settings, two optimizer steps a step (the
     cross term's bound rises between them), in this process."""
-    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
-    for override in [*SHORT, "algorithm.method=hacpo", "train.mini_batches=2", "train.steps=2", "eval.every=0",
-                     "checkpoint.every=0"]:
-        args += ["--set", override]
-    try:
-        main(args)
-    except SystemExit as exc:
-        assert not exc.code, exc
-    train = run_records(tmp_path / "tiny", "train")
+    train = _hacpo_run(capsys, tmp_path, "train.mini_batches=2")
     assert sorted((r["member"], r["step"]) for r in train) == [("tiny-m-lora", 1), ("tiny-m-lora", 2),
                                                                ("tiny-s", 1), ("tiny-s", 2)]
     for r in train:
@@ -189,18 +192,10 @@ def test_the_tiny_default_trains_with_hacpo_end_to_end(tmp_path):
         assert 0 <= r["clip_frac"] <= 1 and r["sequences"] > r["own_sequences"] > 0, r
 
 
-def test_hacpo_trains_on_a_peer_of_another_tokenizer_end_to_end(tmp_path):
+def test_hacpo_trains_on_a_peer_of_another_tokenizer_end_to_end(capsys, tmp_path):
     """The case HACPO's correction is for: tiny-m-bpe's rollouts reach tiny-s as text, re-encoded, with the sender's
     token count; every step trains on them (foreign sequences counted) with a finite loss, in this process."""
-    args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
-    for override in [*SHORT, "algorithm.method=hacpo", "members.1.model=builtin:tiny-m-bpe", "train.steps=2",
-                     "eval.every=0", "checkpoint.every=0"]:
-        args += ["--set", override]
-    try:
-        main(args)
-    except SystemExit as exc:
-        assert not exc.code, exc
-    train = run_records(tmp_path / "tiny", "train")
+    train = _hacpo_run(capsys, tmp_path, "members.1.model=builtin:tiny-m-bpe")
     assert len(train) == 4
     for r in train:
         assert r["foreign_sequences"] > 0 and r["foreign_refused"] == 0, r
