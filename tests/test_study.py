@@ -1353,3 +1353,16 @@ def test_a_runs_launch_record_is_never_appended_to_through_a_link(tmp_path):
     with pytest.raises(LinkRefused):
         record_launch(run, {"commit": "c" * 40, "dirty": False})
     assert (tmp_path / "precious").read_text() == "kept"
+
+
+def test_a_stopped_study_writes_nothing_for_the_runs_it_never_starts(tmp_path):
+    """Stopped by Ctrl-C, the study's pool still hands each queued run to the launcher: it wrote every queued run's
+    config (32 files in the real-PEFT study's directory) before seeing the stop."""
+    from ftis_engine.study import runner
+
+    spec = study_module.StudyConfig.model_validate(MINIMAL)
+    run = plan(spec, tmp_path, quick=False)[0].runs[0]
+    launcher = runner.Launcher({}, {"commit": "c" * 40, "dirty": False})
+    launcher.stop()
+    assert launcher(run) is None
+    assert not run.config_path.exists() and not run.log_path.exists()

@@ -172,6 +172,8 @@ class Launcher:
     def __call__(self, run: Run) -> int | None:
         """Run one train process to completion (resuming from its newest checkpoint when it has one); its output
         goes to the run's log. Returns its exit code, or None when the study was stopped before it started."""
+        if self._stopping.is_set():  # a run the stopped study never starts leaves no config behind
+            return None
         write_text(run.config_path, dump_config(run.config), study_dir(run))
         command = [sys.executable, "-m", "ftis_engine", "train", "--config", str(run.config_path)]
         if latest_checkpoint(run.run_dir) is not None:
