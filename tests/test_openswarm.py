@@ -293,8 +293,9 @@ def test_a_coordinator_killed_and_restarted_finds_its_members_again_and_parcels_
     coordinator = serve(0)
     a = b = None
     try:
-        a = SwarmClient(address, "a", TOKENIZER, shared, DATA, 1 << 20, lambda *args: None)
-        b = SwarmClient(address, "b", TOKENIZER, shared, DATA, 1 << 20, lambda *args: got.append(args))
+        data = training_set_hash(shared["data"], shared["seed"])  # the swarm's, from its own config (issue 78)
+        a = SwarmClient(address, "a", TOKENIZER, shared, data, 1 << 20, lambda *args: None)
+        b = SwarmClient(address, "b", TOKENIZER, shared, data, 1 << 20, lambda *args: got.append(args))
         a.start(timeout=60)
         b.start(timeout=60)
         until(lambda: set(b.members()) == {"a", "b"}, "both joined")
@@ -451,7 +452,8 @@ def test_swarm_serve_takes_members_and_ctrl_c_ends_it_cleanly_with_its_log(tmp_p
         line = serve.stderr.readline()
         assert line.startswith("coordinator listening on tcp://127.0.0.1:"), line
         address = line.split()[3]
-        member = SwarmClient(address, "tiny-s", TOKENIZER, shared, DATA, 1 << 20, lambda *a: None)
+        data = training_set_hash(shared["data"], shared["seed"])  # swarm.yaml's task, not SHARED's
+        member = SwarmClient(address, "tiny-s", TOKENIZER, shared, data, 1 << 20, lambda *a: None)
         member.start(timeout=30)
         assert serve.stderr.readline().startswith("join: tiny-s")
         member.close()
