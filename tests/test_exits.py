@@ -1,4 +1,4 @@
-"""The one table from exceptions to exit codes (ftis_engine/exits.py): what the command line and a rank of a
+"""The one table from exceptions to exit codes (ftis_engine/app/exits.py): what the command line and a rank of a
 multi-process run print and exit with, and the entry point's line for a Ctrl-C while it starts."""
 
 from __future__ import annotations
@@ -9,15 +9,15 @@ import sys
 
 import pytest
 
-from ftis_engine.checkpoint import CheckpointWriteError
+from ftis_engine.model.checkpoint import CheckpointWriteError
 from ftis_engine.config import ConfigError
 from ftis_engine.exchange import PeerLost, TransportError
-from ftis_engine.exits import CONFIG, FAILED, INTERRUPTED, Interrupted, Outcome, UsageFailure, ending, outcome
+from ftis_engine.app.exits import CONFIG, FAILED, INTERRUPTED, Interrupted, Outcome, UsageFailure, ending, outcome
 from ftis_engine.generation import EngineError
 from ftis_engine.openswarm.client import JoinRefused
-from ftis_engine.session import AgreedError
-from ftis_engine.tasks import TaskError
-from ftis_engine.update import DivergenceError
+from ftis_engine.run.session import AgreedError
+from ftis_engine.data.tasks import TaskError
+from ftis_engine.model.update import DivergenceError
 
 from .helpers import ROOT
 
@@ -131,12 +131,12 @@ import os, signal, sys
 
 class CtrlC:  # the signal arrives as the command line's module is about to be imported
     def find_spec(self, name, path=None, target=None):
-        if name == "ftis_engine.cli":
+        if name == "ftis_engine.app.cli":
             os.kill(os.getpid(), signal.SIGINT)
         return None
 
 sys.meta_path.insert(0, CtrlC())
-from ftis_engine.entry import main
+from ftis_engine.app.entry import main
 main(["--help"])
 """
     from .helpers import with_default_sigint  # a CI script's background job starts with SIGINT ignored

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from ftis_engine.entry import drop_working_directory
-from ftis_engine.rewards import load_reward
+from ftis_engine.app.entry import drop_working_directory
+from ftis_engine.data.rewards import load_reward
 
 from .helpers import ROOT, SHORT
 

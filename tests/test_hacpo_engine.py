@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.batch import TrainItem, pack, without_final_eos
+from ftis_engine.model.batch import TrainItem, pack, without_final_eos
 from ftis_engine.config import ConfigError, load_config
-from ftis_engine.models import load_model, load_tokenizer
-from ftis_engine.rollouts import Rollout, decode, encode, reencoded
-from ftis_engine.update import batch_loss, packed_hidden
+from ftis_engine.model.models import load_model, load_tokenizer
+from ftis_engine.data.rollouts import Rollout, decode, encode, reencoded
+from ftis_engine.model.update import batch_loss, packed_hidden
 from ftis_kernels import LossConfig
 
 from .helpers import SHORT, TINY, command_here, member, run_records

@@ -90,8 +90,58 @@ def test_an_import_for_type_checking_only_is_an_edge_of_the_graph(tmp_path):
 
 def test_no_import_cycle_in_ftis_engine():
     graph = _graph()
-    assert "ftis_engine.step" in graph and "ftis_engine.session" in graph["ftis_engine.step"]
+    assert "ftis_engine.run.step" in graph and "ftis_engine.run.session" in graph["ftis_engine.run.step"]
     # `from .tasks import arith` in models.py runs tasks/__init__.py, which imports every task module
-    assert {"ftis_engine.tasks", "ftis_engine.tasks.arith"} <= graph["ftis_engine.models"]
+    assert {"ftis_engine.data.tasks", "ftis_engine.data.tasks.arith"} <= graph["ftis_engine.model.models"]
     assert "ftis_engine.config.schema" not in graph["ftis_engine.config.checks"]  # issue 76: the two were a cycle
     assert _cycles(graph) == []
+
+
+# ftis_engine's packages from the top down (docs/architecture.md draws them): a module imports only modules of its
+# own package or of a package below it, imports inside functions and for type checking counted. The two files at
+# the root are the package's own (`__init__`: its version) and `python -m ftis_engine` (`__main__`: the console).
+LAYERS = ("app", "study", "run", "member", "openswarm", "exchange", "generation", "model", "report", "topology", "data",
+          "config", "core")
+ROOT_FILES = {"ftis_engine", "ftis_engine.__main__"}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, imported in sorted(graph.items()):
+        here = _layer(module)
+        for target in sorted(imported):
+            there = _layer(target)
+            if here is not None and there is not None and LAYERS.index(there) < LAYERS.index(here):
+                out.append(f"{module} -> {target}")
+    return out
+
+
+def test_the_direction_checker_refuses_an_import_of_a_package_above():
+    graph = {"ftis_engine.core.errors": {"ftis_engine.run.step"}, "ftis_engine.run.step": {"ftis_engine.core.errors"}}
+    assert _upward(graph) == ["ftis_engine.core.errors -> ftis_engine.run.step"]
+
+
+def test_every_module_of_ftis_engine_lives_in_a_package_of_the_layers_and_imports_only_downward():
+    graph = _graph()
+    assert sorted(m for m in graph if _layer(m) is None and m not in ROOT_FILES) == []
+    assert sorted(m.split(".")[1] for m in graph if m.count(".") == 1 and m not in ROOT_FILES) == sorted(LAYERS)
+    assert _upward(graph) == []
+
+
+def test_the_config_reaches_nothing_of_the_runtime():
+    """config/ is a leaf: loading and checking a config reaches none of the engine's runtime, through any chain of
+    imports (the constants it shares with the runtime live in core/limits.py and config/tasks.py)."""
+    graph = _graph()
+    reached, todo = set(), ["ftis_engine.config"]
+    while todo:
+        for target in graph[todo.pop()] - reached:
+            reached.add(target)
+            todo.append(target)
+    assert "ftis_engine.config.tasks" in reached and "ftis_engine.core.limits" in reached
+    assert sorted(m for m in reached if _layer(m) not in ("config", "core")) == []
+    assert sorted(m for m in reached if _layer(m) == "core") == ["ftis_engine.core", "ftis_engine.core.limits"]

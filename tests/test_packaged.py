@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ftis_engine import packaged
-from ftis_engine.cli import main as cli_main
+from ftis_engine.model import packaged
+from ftis_engine.app.cli import main as cli_main
 
 
 @pytest.fixture

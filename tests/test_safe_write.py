@@ -1,4 +1,4 @@
-"""The one writer of the files the commands write (ftis_engine/safefile.py, issue 78): atomic, never through a
+"""The one writer of the files the commands write (ftis_engine/core/safefile.py, issue 78): atomic, never through a
 symbolic link (at the file's name, or in place of a folder of the directory it writes in), nothing half-written, no
 temp file left however a write fails."""
 
@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from ftis_engine import safefile
-from ftis_engine.safefile import LinkRefused, open_append, save_figure, write_bytes, write_json, write_text
+from ftis_engine.core import safefile
+from ftis_engine.core.safefile import LinkRefused, open_append, save_figure, write_bytes, write_json, write_text
 
 
 def listing(folder) -> set[str]:
@@ -144,7 +144,7 @@ def test_a_log_is_appended_to_never_through_a_link_and_only_when_it_is_a_regular
 
 def test_a_refused_link_ends_a_command_in_one_line_with_exit_code_2(tmp_path, outside):
     """The end of `train` draws its plots with the same writer: a link there ends it as a path to check does."""
-    from ftis_engine.exits import outcome
+    from ftis_engine.app.exits import outcome
 
     (tmp_path / "plots").symlink_to(outside)
     with pytest.raises(LinkRefused) as told:

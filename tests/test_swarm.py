@@ -136,7 +136,7 @@ def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_
 
 @pytest.mark.slow
 def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_refuses(tmp_path):
-    from ftis_engine.models import build_tiny_tokenizer
+    from ftis_engine.model.models import build_tiny_tokenizer
 
     other = build_tiny_tokenizer()
     other.add_tokens(["<extra>"])  # another vocabulary: members exchange text, not ids

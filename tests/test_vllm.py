@@ -16,7 +16,7 @@ import torch
 from ftis_engine.config import ConfigError, load_config
 from ftis_engine.generation import engine_weights
 from ftis_engine.generation import vllm as vllm_gen
-from ftis_engine.preflight import check_generator_placement
+from ftis_engine.run.preflight import check_generator_placement
 
 from .helpers import TINY
 
@@ -261,7 +261,7 @@ def test_no_two_requests_of_a_members_steps_share_a_seed_where_seed_plus_i_times
     prompts x 8) drew, with seed + i * n, the noise of its previous step for most of its requests: consecutive steps'
     seeds are 7,919 apart (schedule.mix_seed). Hashed, the n seeds of every request of two steps of two members are
     all different, and each request's seeds stay in [0, 2^31)."""
-    from ftis_engine.schedule import mix_seed
+    from ftis_engine.topology.schedule import mix_seed
 
     prompts, n = 1024, 8
     step_seeds = [mix_seed(0, step, member) for step in (1, 2) for member in (0, 1)]
@@ -444,7 +444,7 @@ def test_paper_config_has_the_papers_hyperparameters(path):
 
 
 def test_every_paper_config_passes_dry_run(capsys):
-    from ftis_engine.cli import main
+    from ftis_engine.app.cli import main
 
     for path in PAPER:
         with pytest.raises(SystemExit) as done:
@@ -462,9 +462,9 @@ def _vllm_member(tmp_path, lora: bool = False):
     when `lora`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
-    from ftis_engine.models import load_tokenizer
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.model.models import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-s")
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -610,7 +610,7 @@ needs_flash = pytest.mark.skipif(
 
 @needs_flash
 def test_flash_attention_and_sdpa_agree_on_packed_sequences():
-    from ftis_engine.models import load_model
+    from ftis_engine.model.models import load_model
 
     a, b = torch.randint(0, 100, (37,)), torch.randint(0, 100, (21,))
     ids = torch.cat([a, b])[None].cuda()
@@ -969,7 +969,7 @@ def test_an_engine_sized_by_its_kv_cache_counts_its_weights_and_cache_not_a_shar
     gpu_memory_utilization (which vLLM then reads only as a start-up check): the 3B shape's bf16 engine with 3.8 GiB
     of cache is about 11.6 GiB, more than 0.1 of an 80 GB GPU; a plan too big names kv_cache_gib."""
     from ftis_engine.config import ConfigError
-    from ftis_engine.preflight import (ENGINE_OVERHEAD_BYTES, check_memory_plan, engine_bytes, model_shape,
+    from ftis_engine.run.preflight import (ENGINE_OVERHEAD_BYTES, check_memory_plan, engine_bytes, model_shape,
                                        parameter_counts)
 
     from .helpers import short_config

@@ -59,8 +59,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..config import RunConfig
-from ..rollouts import Rollout, RolloutError, buffer_digest, decode
-from ..schedule import Schedule, learner_version, staleness
+from ..data.rollouts import Rollout, RolloutError, buffer_digest, decode
+from ..topology.schedule import Schedule, learner_version, staleness
 from . import Parcel, Peers
 from .screen import LogProbs, Screen, Screened
 from .verify import RolloutChecker

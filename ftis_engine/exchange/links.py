@@ -36,8 +36,8 @@ from typing import Protocol
 
 import torch
 
-from ..errors import first_line
-from ..threads import Worker
+from ..core.errors import first_line
+from ..core.threads import Worker
 from . import PeerLost, TransportError
 from .messages import (
     DATA,

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rollouts import Rollout
+from ..data.rollouts import Rollout
 
 # a receiver's own per-token log-probs of peer rollouts' completions (one tensor each), from one no-grad forward of
 # its model: what the defenses below read (session builds it around update.rollout_logprobs)

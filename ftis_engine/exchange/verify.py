@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from ..context import FOREIGN_EXPANSION
-from ..rollouts import Rollout, RolloutError, reencoded
-from ..tasks import Task
+from ..data.context import FOREIGN_EXPANSION
+from ..data.rollouts import Rollout, RolloutError, reencoded
+from ..data.tasks import Task
 
 
 def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,

@@ -43,10 +43,10 @@ import time
 
 import torch
 
-from ..context import engine_length
-from ..errors import first_line
-from ..fsdp import full, is_sharded
-from ..saving import save_pretrained
+from ..data.context import engine_length
+from ..core.errors import first_line
+from ..model.fsdp import full, is_sharded
+from ..model.saving import save_pretrained
 from . import Completion, EngineError, SamplingSettings, eos_token_ids, warn_if_biased
 from .engine_weights import GIB, checkpoint_names, engine_source, engine_weights, kv_cache_bytes, merged_state
 
@@ -247,7 +247,7 @@ class VLLMGenerator:
 
     def _start_engine(self, model, tokenizer, device, settings, config, seed, LLM) -> None:
         """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
-        from ..models import source as model_source
+        from ..model.models import source as model_source
 
         source = engine_source(model, tokenizer, settings, self._work / "base")
         # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left

@@ -42,8 +42,8 @@ import time
 from dataclasses import dataclass
 
 from ..config import value_differences
-from ..errors import shown
-from ..safefile import open_append
+from ..core.errors import shown
+from ..core.safefile import open_append
 from .rules import (  # noqa: F401 (MAX_SOURCE, load_swarm_config, max_parcel_bytes, shared_settings: importable here)
     DIGEST,
     MAX_LIVE,

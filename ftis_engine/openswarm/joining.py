@@ -11,7 +11,7 @@ import torch
 
 from ..config import RunConfig
 from ..exchange import collective
-from ..layout import world_size
+from ..topology.layout import world_size
 
 KEY_BYTES = 32  # the key a learner shares with its samplers: 256 bits, as strong as HMAC-SHA256 gets
 
@@ -71,7 +71,7 @@ def training_set_hash(data, seed: int) -> str:
     default ones without it), as a member's training set does not depend on which it evaluates. Raises TaskError
     (naming the data field) when the set cannot be read here."""
     from ..config import DataSettings
-    from ..tasks import load_task
+    from ..data.tasks import load_task
 
     data = data if isinstance(data, DataSettings) else DataSettings.model_validate(data)
     data = data.model_copy(update={"reward": None, "rewards": []})

@@ -11,8 +11,9 @@ import pathlib
 import re
 
 from ..config import SAFE_NAME, RunConfig, value_differences
-from ..errors import shown
+from ..core.errors import shown
 from .wire import MAC, SAMPLER_INDEX, SAMPLER_MARK
+from ..core.limits import max_buffer_words
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
 # optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
@@ -128,7 +129,5 @@ def load_swarm_config(path: pathlib.Path, overrides: list[str] | tuple[str, ...]
 
 def max_parcel_bytes(config: RunConfig) -> int:
     """The largest parcel an honest member sends: one step's whole groups of rollout.prompts_per_step prompts."""
-    from ..rollouts import max_buffer_words
-
     sequences = config.rollout.prompts_per_step * config.rollout.group_size
     return 4 * max_buffer_words(sequences, config.rollout.max_new_tokens)

@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Collection
 from typing import Any
 
-from ..metrics import MetricsError, read_lines
+from ..report.metrics import MetricsError, read_lines
 from .config import StudyConfig, StudyError
 from .plan import Group, first_alone_groups, paired_alone
 

@@ -17,13 +17,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 
-from ..checkpoint import latest_checkpoint
+from ..model.checkpoint import latest_checkpoint
 from ..config import ConfigError, dump_config
-from ..members import check_warm_start
-from ..rundir import RunLock
-from ..preflight import check_before_launch
-from ..safefile import open_append, write_bytes, write_text
-from ..tasks import TaskError, load_task
+from ..member.members import check_warm_start
+from ..run.rundir import RunLock
+from ..run.preflight import check_before_launch
+from ..core.safefile import open_append, write_bytes, write_text
+from ..data.tasks import TaskError, load_task
 from .aggregate import aggregate
 from .config import StudyConfig, StudyError, registration_files
 from .plan import Group, Run, check_reuse, launch_times, plan, runs_under_other_code

@@ -194,7 +194,7 @@ def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command
             raise StudyError(f"--dir {folder}: no readable summary.json ({exc})") from None
     verdicts = judge(study.preregistration, summaries)
     sources = [str(d / "summary.json") for d in dirs]
-    from ..safefile import write_text
+    from ..core.safefile import write_text
 
     return write_text(dirs[0] / "verdicts.md", verdicts_markdown(study.study, verdicts, command=command,
                                                                  sources=sources))
