@@ -92,7 +92,7 @@ def test_no_script_or_folder_of_the_repository_is_named_like_a_library_it_runs_b
 
 def test_the_ops_package_imports_only_torch_triton_and_the_standard_library():
     found = set()
-    for path in (ROOT / "kernels" / "ftis_kernels").glob("*.py"):
+    for path in (ROOT / "kernels" / "ftis_kernels").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {alias.name.split(".")[0] for alias in node.names}
