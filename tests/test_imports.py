@@ -145,3 +145,31 @@ def test_the_config_reaches_nothing_of_the_runtime():
     assert "ftis_engine.config.tasks" in reached and "ftis_engine.core.limits" in reached
     assert sorted(m for m in reached if _layer(m) not in ("config", "core")) == []
     assert sorted(m for m in reached if _layer(m) == "core") == ["ftis_engine.core", "ftis_engine.core.limits"]
+
+
+def _late_imports(path: pathlib.Path) -> list[int]:
+    """Lines of the imports of ftis_engine's own modules that stand inside a function without a comment saying why
+    (on the import's line)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    late = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                own = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ftis_engine"))
+                       or isinstance(node, ast.Import) and any(a.name.startswith("ftis_engine") for a in node.names))
+                if own and "#" not in lines[node.end_lineno - 1]:
+                    late.append(node.lineno)
+    return sorted(set(late))
+
+
+def test_an_import_of_the_engines_own_inside_a_function_is_the_command_lines_or_says_why(tmp_path):
+    """The layers make a cycle impossible, so an import inside a function is no cycle's way out: only app/ imports
+    late (the command line answers --help, a bad flag or a config error before it loads the runtime), and anywhere
+    else an import inside a function says why on its line."""
+    sample = tmp_path / "m.py"
+    sample.write_text("def f():\n    from . import a\n    from . import b  # why\n    import os\n")
+    assert _late_imports(sample) == [2]
+    found = {str(path.relative_to(ROOT)): _late_imports(path) for path in sorted(ROOT.rglob("*.py"))
+             if path.relative_to(ROOT).parts[0] != "app"}
+    assert {name: lines for name, lines in found.items() if lines} == {}

@@ -43,9 +43,11 @@ import time
 
 import torch
 
-from ..data.context import engine_length
+from ..config import ConfigError
 from ..core.errors import first_line
+from ..data.context import engine_length
 from ..model.fsdp import full, is_sharded
+from ..model.models import source as model_source
 from ..model.saving import save_pretrained
 from . import Completion, EngineError, SamplingSettings, eos_token_ids, warn_if_biased
 from .engine_weights import GIB, checkpoint_names, engine_source, engine_weights, kv_cache_bytes, merged_state
@@ -247,8 +249,6 @@ class VLLMGenerator:
 
     def _start_engine(self, model, tokenizer, device, settings, config, seed, LLM) -> None:
         """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
-        from ..model.models import source as model_source
-
         source = engine_source(model, tokenizer, settings, self._work / "base")
         # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left
         # initialised by an earlier engine of this process: a new engine runs on its own then too
@@ -286,8 +286,6 @@ class VLLMGenerator:
             # UniProcExecutor._distributed_args), so the engine would run on cuda:0 beside a member on cuda:N;
             # device_ids maps its local rank 0 to the member's GPU (indices into CUDA_VISIBLE_DEVICES, as torch's)
             if not _engine_takes("device_ids"):
-                from ..config import ConfigError
-
                 raise ConfigError(f"members.{self.index}.device: this vLLM runs an in-process engine on cuda:0 only, "
                                   f"not on the member's {device}; run with CUDA_VISIBLE_DEVICES={device.index} "
                                   "(the member then on cuda:0), or one process per member (--nproc), or vLLM >= 0.24")

@@ -12,11 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model import layers, precision
 from ..config import ConfigError, MemberSettings, RunConfig
 from ..core.errors import first_line
 from ..generation import Generator
+from ..generation.hf import HFGenerator
+from ..generation.vllm import VLLMGenerator
+from ..model import attention, layers, precision
+from ..model.fsdp import broadcast_weights, replica, shard_model
 from ..model.models import ModelSpecError, load_model, load_tokenizer
+from ..model.warmstart import warm_start
 from ..topology.schedule import mix_seed
 
 
@@ -78,8 +82,6 @@ def resolve_dtype(settings: MemberSettings, device: torch.device) -> torch.dtype
 
 
 def attention_implementation(choice: str, device: torch.device) -> str:
-    from ..model import attention
-
     if choice == "auto":  # on a GPU: flash-attn where installed, else torch's own FlashAttention kernel (2.1x sdpa's
         # update on an H100, update_step.json) where this torch has it; sdpa otherwise
         if device.type != "cuda":
@@ -152,15 +154,11 @@ def shard_member(member: Member, shard, config: RunConfig) -> None:
     over its model, then its optimizer over the shards (built once, here), and for the HF generator a plain
     replica of the leader's weights to sample from (vLLM engines hold their own weights and take them gathered,
     one tensor at a time)."""
-    from ..model.fsdp import broadcast_weights, replica, shard_model
-
     if member.optimizer is not None:
         raise ValueError(f"members.{member.index}: build it with build_member(..., shard=shard) to shard it")
     settings = config.members[member.index]
     broadcast_weights(member.model, shard)  # every shard starts from the leader's bits (a GPU warm start may differ)
     if settings.generator == "hf":
-        from ..generation.hf import HFGenerator
-
         member.generator = HFGenerator(replica(member.model), member.tokenizer, member.device,
                                        batch_size=config.rollout.generation_batch_size, replica=True,
                                        dtype=member.dtype)
@@ -271,8 +269,6 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         raise ConfigError(f"members.{index}.model: {exc}") from None
     model.to(device)
     if settings.warm_start is not None:
-        from ..model.warmstart import warm_start
-
         check_warm_start(index, settings, task)
         warm_start(model, tokenizer, task, settings.warm_start, settings.model, seed, device, dtype)
     layers.fuse(model, layer_mode)
@@ -302,12 +298,8 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
     layers.compile_layers(model, layer_mode)
     optimizer = make_optimizer(settings, trainable_parameters(model)) if shard is None else None
     if settings.generator == "vllm":
-        from ..generation.vllm import VLLMGenerator
-
         generator = VLLMGenerator(model, tokenizer, device, settings, config, seed)
     else:
-        from ..generation.hf import HFGenerator
-
         generator = HFGenerator(model, tokenizer, device, batch_size=config.rollout.generation_batch_size,
                                 dtype=dtype)
     return Member(index=index, settings=settings, model=model, tokenizer=tokenizer, optimizer=optimizer,

@@ -28,6 +28,9 @@ from safetensors import SafetensorError
 
 from ..core.errors import first_line
 from ..core.hub import hub_reachable
+from ..data.tasks import arith, tiny
+from ..data.tasks.base import SYSTEM_PROMPT
+from .packaged import PackageError, resolve
 
 BUILTIN_PREFIX = "builtin:"
 TOKENIZER_DIR = pathlib.Path(__file__).resolve().parent / "assets" / "tiny-tokenizer"
@@ -118,8 +121,6 @@ def is_builtin(spec: str) -> bool:
 def source(spec: str) -> str:
     """Where transformers loads a (non-built-in) spec from: a packaged model's fetched folder (packaged.py), else
     the spec itself (an HF id or a local path)."""
-    from .packaged import PackageError, resolve
-
     try:
         return resolve(spec)
     except PackageError as exc:
@@ -165,8 +166,6 @@ def bpe_corpus() -> list[str]:
     """The text the BPE tokenizer is trained on: every built-in task's questions and the arith demonstrations in
     two styles (columns, carry-first: the tokenizer's merges are fixed, a later style does not change them), as
     the prompts and completions the models see."""
-    from ..data.tasks import arith, tiny
-    from ..data.tasks.base import SYSTEM_PROMPT
 
     texts = [SYSTEM_PROMPT, "system\n", "user\n", "assistant\n"]
     for name in tiny.TINY_TASKS:

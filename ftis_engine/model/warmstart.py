@@ -18,6 +18,7 @@ import pickle
 import torch
 
 from ..config import ConfigError
+from ..data.tasks import prompt_ids
 from .precision import autocast, make_optimizer
 
 log = logging.getLogger("ftis_engine")
@@ -106,8 +107,6 @@ def supervised_phase(model: torch.nn.Module, tokenizer, task, settings, init_see
                      device: torch.device, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Next-token cross-entropy on the completion tokens (and end of text) of `settings.steps` batches of
     demonstrations in `settings.style`, with Adam. Returns the weights (CPU)."""
-    from ..data.tasks import prompt_ids
-
     seed = settings.seed if settings.seed is not None else init_seed
     pairs = task.demonstrations(settings.style, settings.steps * settings.batch_size, seed)
     eos = tokenizer.eos_token_id

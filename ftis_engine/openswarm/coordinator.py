@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from ..config import value_differences
 from ..core.errors import shown
 from ..core.safefile import open_append
+from .joining import training_set_hash
 from .rules import (  # noqa: F401 (MAX_SOURCE, load_swarm_config, max_parcel_bytes, shared_settings: importable here)
     DIGEST,
     MAX_LIVE,
@@ -96,8 +97,6 @@ class Coordinator:
         sha256, the operator's word; None: computed from shared's data and seed (joining.training_set_hash, which
         raises TaskError when the set cannot be read here)."""
         if dataset is None:
-            from .joining import training_set_hash
-
             dataset = training_set_hash(shared.get("data", {}), shared.get("seed", 0))
         if not DIGEST.fullmatch(dataset):
             raise ValueError(f"dataset: {_shown(repr(dataset))} is not a sha256 hex digest (64 of 0-9a-f)")

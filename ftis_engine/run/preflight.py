@@ -15,12 +15,30 @@ from dataclasses import dataclass
 import torch
 from ftis_kernels import resolve_backend
 
-from ..model import layers, precision
 from ..config import ConfigError, RunConfig
-from ..data.context import check_context
 from ..core.errors import first_line
+from ..core.hub import hub_reachable
+from ..data.context import check_context
+from ..data.rollouts import Rollout
+from ..generation.vllm import check_available
 from ..member.members import load_member_tokenizer
-from ..model.models import ModelSpecError, check_model_spec
+from ..model import layers, precision
+from ..model.batch import TrainItem, pack
+from ..model.models import (
+    BPE_VOCAB_SIZE,
+    LOAD_ERRORS,
+    QWEN_VOCAB_SIZE,
+    TINY_MODELS,
+    ModelSpecError,
+    _from_hub,
+    builtin_name,
+    builtin_tokenizer,
+    check_model_spec,
+    is_builtin,
+    source,
+)
+from ..model.update import packed_hidden
+from ..report.trackers import check_available as missing_tracker
 
 log = logging.getLogger("ftis_engine")
 
@@ -82,9 +100,6 @@ def plan_shape(spec: str) -> dict | Unplanned:
     """model_shape's dict, or Unplanned saying why there is none: what reading the config raised (models.LOAD_ERRORS:
     not in the cache and the hub does not answer, an architecture transformers does not know), or a config without
     one of the sizes. Any other error is this code's own and propagates as itself."""
-    from ..model.models import (BPE_VOCAB_SIZE, LOAD_ERRORS, QWEN_VOCAB_SIZE, TINY_MODELS, builtin_name, builtin_tokenizer,
-                         is_builtin)
-
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
     if is_builtin(spec):
         name = builtin_name(spec)
@@ -94,8 +109,6 @@ def plan_shape(spec: str) -> dict | Unplanned:
                 "tie_word_embeddings": TINY_MODELS[name]["tie_word_embeddings"], "attention_bias": True}
     from transformers import AutoConfig
 
-    from ..core.hub import hub_reachable
-    from ..model.models import _from_hub, source
 
     try:
         where = source(spec)
@@ -312,8 +325,6 @@ def check_members(config: RunConfig, members: list[int] | None = None) -> list[o
     chosen = [i for i in range(len(config.members)) if members is None or i in members]
     for i in chosen:  # the generators first: checking them needs no download
         if config.members[i].generator == "vllm":
-            from ..generation.vllm import check_available
-
             problem = check_available(member_device(config, i, None))
             if problem:
                 raise ConfigError(f"members.{i}.generator: {problem}")
@@ -356,8 +367,6 @@ def check_backend(config: RunConfig, device: torch.device) -> None:
 
 def check_before_launch(config: RunConfig, distributed: bool) -> list:
     """Everything that can be checked before any member is built or any process started; returns the tokenizers."""
-    from ..report.trackers import check_available as missing_tracker
-
     problem = missing_tracker(config.logging.report_to)
     if problem:
         raise ConfigError(problem)
@@ -415,9 +424,6 @@ def check_model(member) -> None:
 def check_shared_prompt(member, prompt: torch.Tensor, completion: torch.Tensor, tolerance: float) -> None:
     """(3) train.shared_prompt: two completions after one copy of a prompt, each attending to it through the mask,
     give the hidden states the packed row gives them (a model whose attention ignores a 4D mask would not)."""
-    from ..model.batch import TrainItem, pack
-    from ..data.rollouts import Rollout
-    from ..model.update import packed_hidden
 
     items = [TrainItem(Rollout(member=0, prompt_index=0, completion_ids=ids.to(torch.int32),
                                gen_logprobs=torch.full((ids.numel(),), -1.0), reward=0.0, finish_reason="length",

@@ -12,9 +12,10 @@ import re
 import socket
 import time
 
-from ..model.checkpoint import complete_checkpoints, latest_checkpoint, read_state
-from ..config import ConfigError, RunConfig, config_differences, validate_config
+from ..config import ConfigError, RunConfig, config_differences, load_config, validate_config
+from ..config.tasks import settings_read
 from ..core.safefile import write_text
+from ..model.checkpoint import complete_checkpoints, latest_checkpoint, read_state
 
 
 class RunDirError(ConfigError):
@@ -73,8 +74,6 @@ MEMBER_MODEL_KEYS = ("name", "model", "tokenizer", "lora", "seed", "dtype", "war
 
 
 def _saved_config(run_dir: pathlib.Path, what: str) -> RunConfig | None:
-    from ..config import load_config
-
     path = run_dir / "config.yaml"
     if not path.is_file():
         return None
@@ -136,8 +135,6 @@ def eval_config(run_dir: pathlib.Path, config: RunConfig | None, overrides: list
     """The config eval builds the members from: the run's own config.yaml (beside its checkpoints, with
     `overrides`), or the given one. Either must build the models the run trained (seed, members' model,
     tokenizer, LoRA, init seed, dtype)."""
-    from ..config import load_config
-
     saved = _saved_config(run_dir, "--checkpoint")
     given = "--config" if config is not None else "--set"  # what the user changed the run's config with
     if config is None:
@@ -243,8 +240,6 @@ def data_files(config: RunConfig) -> dict[str, pathlib.Path]:
     """The local files (or, task hf, the local directory) the run's data is read from, by the config field that
     names them: data.train_path, data.eval_paths.<name> (a file per eval set), data.path. A dataset read from the
     HF hub has none here (the hub's own revisions are not checked)."""
-    from ..config.tasks import settings_read
-
     data = config.data
     read = settings_read(data.task) or set()
     files = {}

@@ -20,14 +20,20 @@ from ftis_kernels import LossConfig
 
 from ..config import ConfigError, RunConfig
 from ..data.context import check_context, foreign_limit, usable_prompts
+from ..data.tasks import Task, load_task, prompt_ids
 from ..exchange import Exchange, Silent
 from ..exchange.admission import Admission
 from ..exchange.pacer import warn_lead_beyond_staleness
 from ..exchange.screen import LogProbs
 from ..exchange.verify import RolloutChecker
-from ..topology.layout import Role, check_processes
 from ..member.members import Member, build_member, check_warm_start, load_member_tokenizer, shard_member
 from ..model.models import model_context, vocabulary_hash
+from ..model.update import rollout_logprobs
+from ..openswarm.schedule import OpenSchedule
+from ..report.progress import Progress
+from ..report.trackers import check_available as missing_tracker
+from ..topology.layout import Role, check_processes
+from ..topology.schedule import Schedule
 from .preflight import (
     check_backend,
     check_generator_placement,
@@ -36,13 +42,8 @@ from .preflight import (
     check_threads,
     member_device,
 )
-from ..report.progress import Progress
 from .restore import agree_checkpoint, restore_into, restore_shard, resume_screens
 from .rundir import RunDirError, check_run_dir
-from ..topology.schedule import Schedule
-from ..data.tasks import Task, load_task, prompt_ids
-from ..report.trackers import check_available as missing_tracker
-from ..model.update import rollout_logprobs
 from .wiring import Connection, connect_local
 
 log = logging.getLogger("ftis_engine")
@@ -250,8 +251,6 @@ def make_schedule(config: RunConfig, train_indices, open_peers) -> Schedule:
     """One world's schedule, or an open swarm member's by name (open_peers: its openswarm.schedule.PeerBook)."""
     if open_peers is None:
         return Schedule(config, tuple(train_indices))
-    from ..openswarm.schedule import OpenSchedule
-
     return OpenSchedule(config, tuple(train_indices), open_peers)
 
 

@@ -16,6 +16,8 @@ import json
 from collections.abc import Callable
 
 from ..config import RunConfig
+from .loop import evaluate_all, train
+from .samplers import run_sampler
 from .session import Start, Swarm, open_run
 from .wiring import Connection
 
@@ -40,8 +42,6 @@ class Trainer:
         for an eval, by run.train and samplers.run_sampler for what they run."""
         swarm, role = self.swarm, self.swarm.role
         if role.evaluating:
-            from .loop import evaluate_all
-
             try:
                 records = swarm.exchange.collectives.gather_records(evaluate_all(swarm, self.start_step))
                 if role.writes_run:
@@ -51,12 +51,8 @@ class Trainer:
                 swarm.close()
             return records
         if role.sampler is not None:
-            from .samplers import run_sampler
-
             run_sampler(swarm, self.start_step)
             return []
-        from .loop import train
-
         return train(swarm, self.start_step)
 
 

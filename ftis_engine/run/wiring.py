@@ -23,8 +23,18 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, RunConfig
-from ..exchange import Exchange
+from ..exchange import Exchange, Silent
+from ..exchange.async_ import DistributedAsync, Latency
+from ..exchange.links import advertised_host
+from ..exchange.local import InProcess
+from ..exchange.pacer import queue_capacity
+from ..exchange.sync import Collectives, DistributedSync
+from ..exchange.weights import WeightBroadcast
+from ..model.fsdp import Shard, make_groups, weights_backend
+from ..openswarm.member import OpenExchange, OpenSampler
+from ..openswarm.schedule import PeerBook, sampler_name
 from ..topology.layout import Role, endpoint_ranks, member_ranks, process_roles, weights_group_ranks
+from .preflight import member_device
 
 
 @dataclass
@@ -45,13 +55,8 @@ class Connection:
 def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None) -> Connection:
     """Every member in this process: they step together (async: deliveries delayed by swarm.latency only); or,
     with join (the coordinator's address), this config's one member in an open swarm, on one process."""
-    from ..exchange.async_ import Latency
-    from ..exchange.local import InProcess
-    from ..exchange.pacer import queue_capacity
 
     if join is not None:
-        from ..openswarm.member import OpenExchange
-
         exchange = OpenExchange(join, config)
         role = Role(joined=True, asynchronous=config.swarm.mode == "async")
         return Connection(exchange, role, open_peers=exchange.book, opened=exchange.attach)
@@ -136,8 +141,6 @@ def gloo_interface(environ=os.environ) -> str | None:
             return None
     except (OSError, ValueError):
         resolved = "nothing"
-    from ..exchange.links import advertised_host
-
     address = advertised_host()
     name = interface_of(address)
     if name is None:
@@ -170,12 +173,6 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
     """One rank of a torch.distributed world (the world's size already checked against the layout): joins the
     process group, creates every group in the order all ranks do, and builds this rank's transport and shard.
     join: the open swarm's coordinator, for a member on its own ranks."""
-    from ..exchange import Silent
-    from ..exchange.async_ import DistributedAsync, Latency
-    from ..exchange.sync import Collectives, DistributedSync
-    from ..exchange.weights import WeightBroadcast
-    from ..model.fsdp import Shard, make_groups, weights_backend
-    from .preflight import member_device
 
     seat = process_roles(config)[rank]
     device = member_device(config, seat.member, local_rank)
@@ -201,8 +198,6 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
                                     device if nccl else torch.device("cpu"))
     open_peers = opened = None
     if join is not None:  # one member in an open swarm, on its own ranks
-        from ..openswarm.member import OpenExchange, OpenSampler
-        from ..openswarm.schedule import PeerBook, sampler_name
 
         name = config.members[0].name
         if seat.endpoint is None:

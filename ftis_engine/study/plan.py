@@ -13,6 +13,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, RunConfig, apply_value, config_differences, validate_config
+from ..run.rundir import holds_run
 from .config import GroupSettings, StudyConfig, StudyError
 
 
@@ -263,8 +264,6 @@ def check_hypotheses(study: StudyConfig, members: dict[str, list[str]]) -> None:
 def check_reuse(run: Run) -> None:
     """A run directory already there must hold this very run: the same config in everything but where it lives.
     One that holds nothing to continue (no complete checkpoint, not finished) starts over whatever it says."""
-    from ..run.rundir import holds_run
-
     saved = run.run_dir / "config.yaml"
     if not saved.is_file() or not holds_run(run.run_dir):
         return
@@ -313,8 +312,6 @@ def runs_under_other_code(runs: list[Run], commit: str, kept: bool = False) -> l
     """The runs a study reuses or resumes (a run directory that holds one; with `kept`, --aggregate-only, also a
     run kept only in records/) that were launched, in whole or in part, under another commit than `commit` or under
     one not recorded: [{group, seed, commits}]. check_reuse compares configs only; code is not in a config."""
-    from ..run.rundir import holds_run
-
     other = []
     for run in runs:
         if not holds_run(run.run_dir) and not (kept and run.metrics_source is not None):

@@ -18,7 +18,8 @@ import math
 import pathlib
 
 from ..core.safefile import write_json, write_text
-from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS
+from ..data.tasks import load_task
+from .aggregate import ACCURACY_BOUNDS, ATTACK_SUFFIX, DIFFERENCE_BOUNDS, eval_questions
 from .config import StudyConfig
 from .figures import curve_lines, distance_points, draw_figures, kl_measure  # noqa: F401 (importable from here)
 from .plan import Group, first_alone_groups, paired_alone, plan
@@ -256,8 +257,6 @@ def write_outputs(study: StudyConfig, groups: list[Group], summary: dict, output
 def eval_questions_from_config(study: StudyConfig, summary: dict) -> dict[str, int | list[int]]:
     """Eval set -> its number of questions as the study's config makes it (the task's eval sets, cut to
     eval.max_samples), for the groups of `summary`: a summary made before the eval records' sizes were kept."""
-    from ..data.tasks import load_task
-    from .aggregate import ATTACK_SUFFIX, eval_questions
 
     names = {g["group"] for g in summary["groups"]}
     planned = [g for g in plan(study, pathlib.Path("/nonexistent"), summary["quick"], summary.get("only"))

@@ -29,8 +29,10 @@ import json
 import pathlib
 from typing import Any
 
+from ..core.safefile import write_text
 from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS, holm_adjusted, interval, margin_p, t_test_p
 from .config import COUNT_CLAIMS, EFFECT_CLAIMS, HypothesisTest, Preregistration, StudyError, load_study
+from .report import verdicts_markdown
 
 HOLDS, CONTRADICTED, NOT_DETECTED, NOT_SHOWN, NO_DATA = "holds", "contradicted", "not detected", "not shown", "no data"
 ONE_FAMILY = "all"
@@ -181,8 +183,6 @@ def judge(preregistration: Preregistration, summaries: list[dict]) -> dict[str, 
 
 def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command: str = "") -> pathlib.Path:
     """verdicts.md in dirs[0], the study's hypotheses judged on the summary.json of every dir. Returns its path."""
-    from .report import verdicts_markdown
-
     study = load_study(study_config)
     if study.preregistration is None:
         raise StudyError(f"--config {study_config}: the study carries no preregistration")
@@ -194,8 +194,6 @@ def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command
             raise StudyError(f"--dir {folder}: no readable summary.json ({exc})") from None
     verdicts = judge(study.preregistration, summaries)
     sources = [str(d / "summary.json") for d in dirs]
-    from ..core.safefile import write_text
-
     return write_text(dirs[0] / "verdicts.md", verdicts_markdown(study.study, verdicts, command=command,
                                                                  sources=sources))
 

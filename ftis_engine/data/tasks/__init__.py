@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ..rewards import WeightedReward, binary_answer_reward, load_reward, tiny_answer_reward
+from . import arith, generic, tiny
 from .base import SYSTEM_PROMPT, Example, RewardError, Task, TaskError
 
 
@@ -11,7 +12,6 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
     """Build the task named by `data.task` (a DataSettings), with its eval sets, its training reward (the task's,
     or data.reward / data.rewards) and its answer check for eval (the task's, or `eval_reward`: eval.reward).
     with_train=False (eval of a checkpoint): a task read from files leaves its training set unread (empty)."""
-    from . import arith, tiny
     from . import math as math_tasks  # each imports only .base: loaded when a task needs it
 
     if data.task in math_tasks.MATH_TASKS:  # the sets evaluated: a path for any other is read for nothing
@@ -32,8 +32,6 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
     elif data.task in math_tasks.MATH_TASKS:
         task = math_tasks.make_task(data, eval_datasets, with_train)
     elif data.task in ("jsonl", "hf"):
-        from . import generic
-
         task = generic.make_task(data, eval_datasets, with_train)
     else:
         known = ", ".join(sorted(set(tiny.TINY_TASKS) | set(math_tasks.MATH_TASKS) | {"arith", "jsonl", "hf"}))

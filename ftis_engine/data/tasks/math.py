@@ -11,6 +11,7 @@ import re
 from collections.abc import Callable
 
 from ...core.errors import first_line
+from ...core.hub import hub_reachable
 from ..rewards import binary_answer_reward, final_answer_reward
 from .base import Example, Task, TaskError
 
@@ -79,8 +80,6 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
 def load_hf(path: str, subset: str | None, split: str, problem: Callable[[Exception], str]):
     """The split of a dataset `datasets` loads (a hub id, or a local directory of data files), quietly: no progress
     bars, none of its own log lines before ours; TaskError(problem(exc)) when it cannot be loaded."""
-    from ...core.hub import hub_reachable
-
     hub_reachable()  # offline: fail at once from the cache or a local directory instead of retrying
     import datasets
 
