@@ -1,6 +1,7 @@
 """A ratchet on the figures issue 69 names, set at their values when it was written (2026-11-28): each passes today
 and fails when its figure grows. A change that lowers a figure lowers its bound here in the same commit, until each
-reaches the issue's target (given beside it)."""
+reaches the issue's target (given beside it). Then issue 79's rules, each at its target already: no test asserts a
+bound on a wall-clock duration."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ CATCH_ALLS = 11
 # too, as the issue's check reads them. Target: none
 PRIVATE_NAMES = ("_" + "forkserver", "_" + "execute_child", "_" + "internal_poll")
 PRIVATE_NAME_USES: dict[str, int] = {}  # the target: the fork server, tests/zygote.py and launch_start.py went
+# issue 79. A test that asserts a bound on a duration it measured with the wall clock fails on a loaded machine; a
+# test checks the behaviour the duration stood for (an injected clock, an event, a count). The target: empty
+WALL_CLOCK_ASSERTS: dict[str, int] = {}
+CLOCKS = ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns")
 
 
 def _engine_modules() -> list[pathlib.Path]:
@@ -112,3 +117,81 @@ def test_cpythons_private_names_are_used_no_more_than_today():
             if count := sum(text.count(name) for name in PRIVATE_NAMES):
                 found[str(path.relative_to(ROOT))] = count
     assert {name: n for name, n in found.items() if n > PRIVATE_NAME_USES.get(name, 0)} == {}
+
+
+def _reads_clock(node: ast.AST) -> bool:
+    """A call of time.time(), time.monotonic(), time.perf_counter() (or their _ns twins), by module or bare name."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Attribute) and func.attr in CLOCKS and isinstance(func.value, ast.Name)
+            and func.value.id == "time") or (isinstance(func, ast.Name) and func.id in CLOCKS)
+
+
+def _own_nodes(scope: ast.AST):
+    """The nodes of a module's or a function's own body, not those of the functions and classes defined in it."""
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _wall_clock_asserts(tree: ast.AST) -> list[int]:
+    """The lines of the asserts that order (<, <=, >, >=) a duration measured on the wall clock against anything: a
+    difference with a clock's reading (time.monotonic() - start, start read from the clock in the same function),
+    or a name bound to one (took = time.perf_counter() - began). A wait's deadline (assert time.monotonic() <
+    deadline, in a loop that polls) is a time-out, as a wait's timeout= is, and not a duration."""
+    lines = []
+    for scope in [tree, *(n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        nodes = list(_own_nodes(scope))
+        clocked: set[str] = set()  # names bound to a clock's reading, or to a value computed from one
+        durations: set[str] = set()  # names bound to a duration
+
+        def timed(expr: ast.AST) -> bool:
+            return any(_reads_clock(n) or isinstance(n, ast.Name) and n.id in clocked for n in ast.walk(expr))
+
+        def measures(expr: ast.AST) -> bool:
+            return any(isinstance(n, ast.BinOp) and isinstance(n.op, ast.Sub) and (timed(n.left) or timed(n.right))
+                       or isinstance(n, ast.Name) and n.id in durations for n in ast.walk(expr))
+
+        grew = True
+        while grew:
+            grew = False
+            for node in nodes:
+                if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value \
+                        is not None:
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                    for bound, holds in ((clocked, timed), (durations, measures)):
+                        if holds(node.value) and not names <= bound:
+                            bound |= names
+                            grew = True
+        for node in nodes:
+            if isinstance(node, ast.Assert) and any(
+                    isinstance(c, ast.Compare) and any(isinstance(op, (ast.Lt, ast.LtE, ast.Gt, ast.GtE))
+                                                       for op in c.ops) and measures(c)
+                    for c in ast.walk(node.test)):
+                lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_test_asserts_a_bound_on_a_wall_clock_duration():
+    found = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        if lines := _wall_clock_asserts(ast.parse(path.read_text())):
+            found[str(path.relative_to(ROOT))] = len(lines)
+    assert {name: n for name, n in found.items() if n > WALL_CLOCK_ASSERTS.get(name, 0)} == {}, found
+
+
+def test_the_wall_clock_finder_sees_a_measured_duration_but_not_a_deadline_or_a_clock_passed_along():
+    source = ("import time\nfrom time import perf_counter\n"
+              "def a():\n    start = time.monotonic()\n    work()\n    assert time.monotonic() - start < 5\n"
+              "def b():\n    began = perf_counter()\n    took = perf_counter() - began\n"
+              "    assert 0 < took <= 1, took\n"
+              "def c():\n    deadline = time.time() + 10\n    assert time.time() < deadline\n"
+              "def d():\n    start = 3\n    assert box.take_due(9, time.time()) == [1] and start - 1 < 5\n"
+              "def e():\n    assert clock.reads >= 2 and seconds < 1.0\n"
+              "def f():\n    killed = time.time()\n    wait()\n    assert 60 + 120 > time.time() - killed\n")
+    assert _wall_clock_asserts(ast.parse(source)) == [6, 10, 22]
