@@ -22,6 +22,7 @@ import tempfile
 import uuid
 
 from .config import ConfigError, RunConfig, validate_config
+from .env import set_env
 from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 from .layout import check_processes, describe_layout, describe_role, process_roles
 
@@ -109,9 +110,9 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
     final = pathlib.Path(tempfile.gettempdir()) / f"{launch.run_id}.final-exit"  # see FINAL_EXIT_ENV
-    os.environ[FINAL_EXIT_ENV] = str(final)  # the workers inherit it
     try:
-        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
+        with set_env(**{FINAL_EXIT_ENV: str(final)}):  # the workers inherit it; after the launch it is as it was
+            elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
         return INTERRUPTED
     except ChildFailedError as exc:
@@ -134,7 +135,6 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
                          "the newest complete checkpoint is intact, continue with --resume\n")
         return FAILED
     finally:
-        os.environ.pop(FINAL_EXIT_ENV, None)
         final.unlink(missing_ok=True)
     return 0
 

@@ -1,7 +1,7 @@
 """A ratchet on the figures issue 69 names, set at their values when it was written (2026-11-28): each passes today
 and fails when its figure grows. A change that lowers a figure lowers its bound here in the same commit, until each
 reaches the issue's target (given beside it). Then issue 79's rules, each at its target already: no test asserts a
-bound on a wall-clock duration."""
+bound on a wall-clock duration; only env.py writes the process's environment."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ PRIVATE_NAME_USES: dict[str, int] = {}  # the target: the fork server, tests/zyg
 # test checks the behaviour the duration stood for (an injected clock, an event, a count). The target: empty
 WALL_CLOCK_ASSERTS: dict[str, int] = {}
 CLOCKS = ("time", "monotonic", "perf_counter", "time_ns", "monotonic_ns", "perf_counter_ns")
+# the one module that writes the process's environment (set_env, set_for_process); a child's env= dict is no write
+ENV_MODULE = "env.py"
+ENVIRON_METHODS = ("update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__")
 
 
 def _engine_modules() -> list[pathlib.Path]:
@@ -195,3 +198,40 @@ def test_the_wall_clock_finder_sees_a_measured_duration_but_not_a_deadline_or_a_
               "def e():\n    assert clock.reads >= 2 and seconds < 1.0\n"
               "def f():\n    killed = time.time()\n    wait()\n    assert 60 + 120 > time.time() - killed\n")
     assert _wall_clock_asserts(ast.parse(source)) == [6, 10, 22]
+
+
+def _is_environ(node: ast.AST) -> bool:
+    """os.environ, or environ imported from os."""
+    return (isinstance(node, ast.Attribute) and node.attr == "environ" and isinstance(node.value, ast.Name)
+            and node.value.id == "os") or (isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _environ_writes(tree: ast.AST) -> list[int]:
+    """The lines that write the process's environment: os.environ[...] assigned (=, +=) or deleted, one of its
+    mutating methods called (update, setdefault, pop, ...), os.putenv, os.unsetenv."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)) and _is_environ(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and (
+                node.func.attr in ENVIRON_METHODS and _is_environ(node.func.value)
+                or node.func.attr in ("putenv", "unsetenv") and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "os"):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_no_module_but_env_py_writes_the_process_environment():
+    found = {str(path.relative_to(ENGINE)): _environ_writes(ast.parse(path.read_text())) for path in _engine_modules()}
+    assert (ENGINE / ENV_MODULE).is_file() and found[ENV_MODULE]  # the one that does
+    assert {name: lines for name, lines in found.items() if lines and name != ENV_MODULE} == {}
+
+
+def test_the_environment_write_finder_sees_every_way_of_writing_and_no_read():
+    source = ("import os\nfrom os import environ\n"
+              "os.environ['A'] = '1'\nos.environ['A'] += '1'\ndel os.environ['A']\nenviron['B'] = '1'\n"
+              "os.environ.update(A='1')\nos.environ.setdefault('A', '1')\nos.environ.pop('A', None)\n"
+              "os.putenv('A', '1')\nos.unsetenv('A')\nx = a = os.environ['A'] = '1'\n"
+              "os.environ.get('A')\nb = os.environ['A']\nenv = {**os.environ, 'A': '1'}\nenv['A'] = '2'\n"
+              "env.update(A='1')\n'A' in os.environ\n")
+    assert _environ_writes(ast.parse(source)) == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
