@@ -79,6 +79,7 @@ def check_rank_environment(env) -> None:
         try:
             value = int(env[name])
         except (KeyError, ValueError):
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ConfigError(f"{name}: {env.get(name)!r} is not a whole number (RANK and WORLD_SIZE are set, so this "
                               "process runs as one rank of torchrun; unset them to run alone)") from None
         if value < low or (high is not None and value >= high):

@@ -1,13 +1,15 @@
 """A ratchet on the figures issue 69 names, set at their values when it was written (2026-11-28): each passes today
 and fails when its figure grows. A change that lowers a figure lowers its bound here in the same commit, until each
 reaches the issue's target (given beside it). Then issue 79's rules, each at its target already: no test asserts a
-bound on a wall-clock duration; only env.py writes the process's environment."""
+bound on a wall-clock duration; only env.py writes the process's environment; every `raise ... from None` says why."""
 
 from __future__ import annotations
 
 import ast
+import io
 import pathlib
 import re
+import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "ftis_engine"
@@ -235,3 +237,29 @@ def test_the_environment_write_finder_sees_every_way_of_writing_and_no_read():
               "os.environ.get('A')\nb = os.environ['A']\nenv = {**os.environ, 'A': '1'}\nenv['A'] = '2'\n"
               "env.update(A='1')\n'A' in os.environ\n")
     assert _environ_writes(ast.parse(source)) == [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+
+
+def _raises_from_none_without_why(source: str) -> list[int]:
+    """The lines of each `raise ... from None` with no comment that says "from None" on its lines or the line before
+    (why the cause goes: a one-line error for the user, the cause adding nothing to it)."""
+    comments = {token.start[0] for token in tokenize.generate_tokens(io.StringIO(source).readline)
+                if token.type == tokenize.COMMENT and "from None" in token.string}
+    return sorted(node.lineno for node in ast.walk(ast.parse(source))
+                  if isinstance(node, ast.Raise) and isinstance(node.cause, ast.Constant) and node.cause.value is None
+                  and not comments & set(range(node.lineno - 1, node.end_lineno + 1)))
+
+
+def test_every_raise_from_none_in_ftis_engine_says_why():
+    found = {str(path.relative_to(ENGINE)): _raises_from_none_without_why(path.read_text())
+             for path in _engine_modules()}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+
+
+def test_the_from_none_reader_takes_a_comment_on_the_raise_or_the_line_before_and_no_other():
+    source = ("try:\n    pass\nexcept KeyError:\n    # from None: one line for the user\n"
+              "    raise ValueError('x') from None\n"
+              "except OSError:\n    raise ValueError('x' '#') from None  # from None: the same\n"
+              "except TypeError:\n    raise ValueError(\n        'x') from None\n"
+              "except IndexError:  # from None: too far up\n    x = 1\n    raise ValueError('x') from None\n"
+              "except ZeroDivisionError as e:\n    raise ValueError('x') from e\n")
+    assert _raises_from_none_without_why(source) == [9, 13]

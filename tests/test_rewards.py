@@ -91,8 +91,9 @@ def test_a_math_verify_time_out_is_no_verdict_not_a_zero(monkeypatch):
         raise TimeoutException("Operation timed out!")
 
     monkeypatch.setattr(math_verify, "parse", slow_parse)
-    with pytest.raises(RewardTimeout, match="timed out"):
+    with pytest.raises(RewardTimeout, match="timed out") as caught:
         binary_answer_reward("<think>x</think><answer>12</answer>", "12")
+    assert isinstance(caught.value.__cause__, TimeoutException)
     assert binary_answer_reward("no tags at all", "12") == 0.0  # nothing to parse: a verdict
 
 
