@@ -141,6 +141,22 @@ def test_a_re_score_that_times_out_leaves_out_its_group_not_the_batch():
     assert task.score(DigitTokenizer(), [rollouts[1].completion_ids], [TASK.train[10]]) == [0.0]  # eval's: 0
 
 
+def test_a_re_score_that_fails_refuses_the_parcel_in_one_line_with_the_rewards_error_as_its_cause():
+    """The reward raising on a peer's text (its own bug, or text it cannot take) refuses the parcel with one line; what
+    it raised stays the refusal's cause, for whoever reads the traceback."""
+    from ftis_engine.data.tasks.base import RewardError
+
+    def reward(text, gold):
+        raise ZeroDivisionError("the reward's own bug")
+
+    task = Task(name="digits", train=TASK.train, evals={}, reward=reward)
+    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
+    with pytest.raises(RolloutError, match=r"^cannot score the completions: data.reward: .* raised ZeroDivisionError: "
+                                           r"the reward's own bug$") as caught:
+        _check(checker, _rollouts(1, {10: 1}))
+    assert isinstance(caught.value.__cause__, RewardError)
+
+
 def test_an_honest_sender_whose_scoring_timed_out_is_no_liar_and_both_sides_leave_that_group_out():
     """The sender's math-verify ran out of time under its load (a receiver's would not): it sends the completion
     unscored (NaN on the wire) instead of a 0 the receiver would contradict. The receiver keeps the parcel, leaves

@@ -139,9 +139,10 @@ def test_a_write_that_fails_removes_the_staging_and_says_free_space_then_resume(
     monkeypatch.setattr(checkpoint.torch, "save", full)
     said = (r"checkpoint step-4 could not be written into .*checkpoints \(.*optimizer.pt: .*\); the newest complete "
             r"checkpoint, step-2, is intact: free space, then --resume")
-    with pytest.raises(CheckpointWriteError, match=said):
+    with pytest.raises(CheckpointWriteError, match=said) as caught:
         stage_members(tmp_path, 4, [m], save_optimizer=True)
     assert not checkpoint.staging_dir(tmp_path, 4).exists() and [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+    assert caught.value.__cause__.__cause__ is failure  # the write's own error stays in the chain, under the file's
 
 
 def test_a_full_disk_at_the_first_checkpoint_says_there_is_none_to_resume_from(tmp_path, monkeypatch):

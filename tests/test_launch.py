@@ -212,13 +212,18 @@ def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and
     from ftis_engine.app.exits import FAILED
     from ftis_engine.app.launch import _launch
 
+    inherited = []  # what the workers the agent starts would find in the environment
+
     def elastic_launch(config, entrypoint):
         def run(*args):
+            inherited.append(os.environ.get("FTIS_FINAL_EXIT_FILE"))
             raise ChildFailedError("run_worker", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="")})
         return run
 
     monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.delenv("FTIS_FINAL_EXIT_FILE", raising=False)
     assert _launch(short_config(), tmp_path / "run", False, 2) == FAILED
+    assert inherited[0].endswith(".final-exit")
     err = capsys.readouterr().err
     assert "rank 1 (tiny-m-lora) failed with signal 9" in err, err
     assert err.startswith("error: swarm stopped: ") and "continue with --resume" in err

@@ -635,7 +635,8 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
                                                                        backend, local_rank):
     """What vLLM's LLM(...) is given (stand-in engine, no GPU): in a multi-process run the external launcher, with
     RANK the process's rank and LOCAL_RANK the member's own GPU (vLLM's external launcher places the engine on
-    cuda:LOCAL_RANK; the process's local rank would put the second of two members sharing cuda:0 on cuda:1)."""
+    cuda:LOCAL_RANK; the process's local rank would put the second of two members sharing cuda:0 on cuda:1). Those,
+    like the rest of what vLLM reads while it builds the engine, hold for that alone: the environment is as before."""
     import contextlib
     import os
 
@@ -645,7 +646,8 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
 
     class LLM:
         def __init__(self, **kwargs):
-            built.update(kwargs, RANK=os.environ.get("RANK"), LOCAL_RANK=os.environ.get("LOCAL_RANK"))
+            built.update(kwargs, RANK=os.environ.get("RANK"), LOCAL_RANK=os.environ.get("LOCAL_RANK"),
+                         multiprocessing=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
 
     monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: world > 1)
@@ -655,12 +657,16 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
     monkeypatch.setattr(vllm_gen, "_engine_takes", lambda name: name == "device_ids")  # vLLM 0.24's arguments
     monkeypatch.setenv("LOCAL_RANK", str(rank))  # what --nproc / torchrun set
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     config = short_config("members.0.generator=vllm")
     gen = _bare_generator()
     gen.lora = False
     m = _tiny_member()
     gen._work = tmp_path
+    before = dict(os.environ)
     gen._start_engine(m.model, m.tokenizer, torch.device(device), config.members[0], config, 0, LLM)
+    assert dict(os.environ) == before
+    assert built["multiprocessing"] == (None if backend else "0")  # in-process: the engine's model is reachable
     assert built.get("distributed_executor_backend") == backend
     assert built["tensor_parallel_size"] == 1 and built["dtype"] == "bfloat16"
     if backend is not None:

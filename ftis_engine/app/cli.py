@@ -109,12 +109,14 @@ def train(
             # build checks the backend, the directory and a resumed config before any model is loaded
             build(cfg, Start(run_dir, resume=resume, progress=Progress())).run()
     except KeyboardInterrupt:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise Interrupted(interrupted_hint(run_dir)) from None
     except OSError as exc:  # a full disk: what the run left (RunLock removed its temporary files) and how to go on
         if exc.errno not in FULL:
             raise
         from ..model.checkpoint import after_failed_write
 
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise WriteFailure(f"{exc.strerror} writing {exc.filename or run_dir}; {after_failed_write(run_dir)}") from None
     typer.echo(f"run directory: {run_dir}", err=True)
 
@@ -140,6 +142,7 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     try:
         check_joinable(cfg, nproc)
     except JoinError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise UsageFailure(str(exc)) from None
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
@@ -155,11 +158,14 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
             try:
                 trainer.run()
             except JoinRefused as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
             except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise UsageFailure(f"--join: {exc}") from None
     except KeyboardInterrupt:
         connection.exchange.finish()
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise Interrupted(interrupted_hint(run_dir)) from None
     typer.echo(f"run directory: {run_dir}", err=True)
 
@@ -237,11 +243,14 @@ def plot(
     try:
         written = make_plots(run_dirs[0]) if len(run_dirs) == 1 else [overlay_plots(run_dirs, out)]
     except NothingToPlot as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise UsageFailure(f"RUN_DIR {' '.join(map(str, run_dirs))}: {exc}") from None
     except MetricsError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise UsageFailure(f"RUN_DIR {exc}") from None
     except OSError as exc:
         where = f"--out {out}" if len(run_dirs) > 1 else f"RUN_DIR {run_dirs[0]}: {run_dirs[0] / 'plots'}"
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise UsageFailure(f"{where}: cannot write it ({exc.strerror or type(exc).__name__})") from None
     for path in written:
         typer.echo(str(path))
@@ -302,6 +311,7 @@ def models_fetch(
     try:
         folder = fetch(name, log=lambda line: typer.echo(line, err=True), gguf=gguf)
     except PackageError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise UsageFailure(f"models fetch {name}: {exc}") from None
     typer.echo(str(folder))
 
@@ -352,6 +362,7 @@ def swarm_serve(
             coordinator = Coordinator(shared_settings(cfg), cfg.swarm.lease_s, max_parcel_bytes(cfg), log_path=log,
                                       echo=lambda line: typer.echo(line, err=True))
         except SwarmLogError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise UsageFailure(f"--output-dir {output_dir}: {exc}") from None
         stop = threading.Event()
         bound: list[str] = []
@@ -362,6 +373,7 @@ def swarm_serve(
         except zmq.ZMQError as exc:
             if bound:
                 raise
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise UsageFailure(f"--bind {bind}: {exc}") from None
         except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a coordinator ends: the summary line follows
             pass

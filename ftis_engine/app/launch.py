@@ -22,6 +22,7 @@ import tempfile
 import uuid
 
 from ..config import ConfigError, RunConfig, validate_config
+from ..core.env import set_env
 from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 from ..topology.layout import check_processes, describe_layout, describe_role, process_roles
 
@@ -78,6 +79,7 @@ def check_rank_environment(env) -> None:
         try:
             value = int(env[name])
         except (KeyError, ValueError):
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ConfigError(f"{name}: {env.get(name)!r} is not a whole number (RANK and WORLD_SIZE are set, so this "
                               "process runs as one rank of torchrun; unset them to run alone)") from None
         if value < low or (high is not None and value >= high):
@@ -109,9 +111,9 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
     final = pathlib.Path(tempfile.gettempdir()) / f"{launch.run_id}.final-exit"  # see FINAL_EXIT_ENV
-    os.environ[FINAL_EXIT_ENV] = str(final)  # the workers inherit it
     try:
-        elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
+        with set_env(**{FINAL_EXIT_ENV: str(final)}):  # the workers inherit it; after the launch it is as it was
+            elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
     except (SignalException, KeyboardInterrupt):  # Ctrl-C or SIGTERM: the agent stopped its workers
         return INTERRUPTED
     except ChildFailedError as exc:
@@ -134,7 +136,6 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
                          "the newest complete checkpoint is intact, continue with --resume\n")
         return FAILED
     finally:
-        os.environ.pop(FINAL_EXIT_ENV, None)
         final.unlink(missing_ok=True)
     return 0
 

@@ -333,6 +333,7 @@ class DataSettings(_Section):
             fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(value)
                       if name is not None]
         except ValueError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ValueError(f"{exc}{brace}") from None
         for name, spec, conversion in fields:
             if name != "question" or spec or conversion:  # {question.x}, {0}, {question:{question}}, {question!r}
@@ -343,6 +344,7 @@ class DataSettings(_Section):
         try:
             value.format(question=_PROMPT_SAMPLE)
         except Exception as exc:  # whatever the parse above let through that a question's text cannot fill in
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ValueError(f"cannot be filled in with a question ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:100]}){brace}") from None
         return value

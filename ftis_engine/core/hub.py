@@ -10,6 +10,8 @@ import socket
 import sys
 import urllib.parse
 
+from .env import set_for_process
+
 
 @functools.cache
 def hub_reachable() -> bool:
@@ -33,7 +35,9 @@ def hub_reachable() -> bool:
         return True
     except OSError:
         _libraries_offline()
-        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"  # datasets reads them at import
+        # for the rest of the process, and its children (a launch's workers): datasets reads them at import, and
+        # every later load of a model or a dataset, in this process or a child, is to use the cache alone
+        set_for_process(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
         logging.getLogger("ftis_engine").warning("the HF hub (%s) cannot be reached: using the local cache only",
                                                  url.hostname)
         return False

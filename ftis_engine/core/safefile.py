@@ -74,6 +74,7 @@ def open_folder(folder: pathlib.Path, root: pathlib.Path | None = None) -> int:
                 child = os.open(part, _DIR_FLAGS, dir_fd=fd)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    # from None: a one-line error for the user; the cause adds nothing to it
                     raise _refused(here, "folder") from None
                 raise
             os.close(fd)
@@ -146,6 +147,7 @@ def open_append(path: pathlib.Path, root: pathlib.Path | None = None) -> TextIO:
                      0o666, dir_fd=folder)
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO nobody reads
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise _refused(path, "file") from None
         raise
     finally:

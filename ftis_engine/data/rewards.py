@@ -55,8 +55,8 @@ def _math_verify(call: Callable[[], object], timed_out: str, unreadable: object)
 
     try:
         return call()
-    except TimeoutException:
-        raise RewardTimeout(timed_out) from None
+    except TimeoutException as exc:
+        raise RewardTimeout(timed_out) from exc
     except Exception:  # a catch-all, as it must be: math-verify runs a model's text (untrusted, any string) and the
         # gold through its LaTeX and expression parsers and sympy, which raise any type on text they cannot read or
         # compare; such text has no expression, and no answer is equal by it
@@ -183,6 +183,7 @@ def load_reward(path: str) -> Reward:
     except Exception as exc:  # a catch-all, as it must be: importing runs the user's module, which may raise any
         # type (not found, a syntax error, its own exception); the line names its type and message
         where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        # from None: a one-line error for the user, which names what the import raised (its type and message)
         raise ValueError(f"cannot import {module_name!r}: {type(exc).__name__}{where}: "
                          f"{' '.join(str(exc).split())[:200]}") from None
     reward = getattr(module, attr, None)
@@ -191,6 +192,7 @@ def load_reward(path: str) -> Reward:
     try:
         inspect.signature(reward).bind("completion", "gold")
     except TypeError:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ValueError(f"{path!r} must take two arguments (completion, gold); its signature is "
                          f"{inspect.signature(reward)}") from None
     except ValueError:  # a callable without a signature (a builtin): called as it is

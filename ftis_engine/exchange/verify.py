@@ -166,7 +166,7 @@ class RolloutChecker:
         # a catch-all, as it must be: a peer's (untrusted) ids and text through the user's reward code, which may raise
         # anything on them (ids the tokenizer cannot decode, a reward that fails on this text): the parcel is refused
         except Exception as exc:
-            raise RolloutError(f"cannot score the completions: {exc}") from None
+            raise RolloutError(f"cannot score the completions: {exc}") from exc
         unverified = set()
         for (i, rollout), reward in zip(claimed, local):
             if reward is None:

@@ -127,6 +127,7 @@ def load_member_tokenizer(config: RunConfig, index: int):
         return load_tokenizer(member.tokenizer or member.model)
     except ModelSpecError as exc:
         field_name = "tokenizer" if member.tokenizer else "model"
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"members.{index}.{field_name}: {exc}") from None
 
 
@@ -140,6 +141,7 @@ def check_warm_start(index: int, settings: MemberSettings, task) -> None:
     try:
         task.demonstrations(settings.warm_start.style, 0, 0)
     except ValueError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"members.{index}.warm_start.style: {exc}") from None
 
 
@@ -266,6 +268,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         model = load_model(settings.model, len(tokenizer), master, seed, attn,
                            device if draws_on_device(config, index) else None)
     except ModelSpecError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"members.{index}.model: {exc}") from None
     model.to(device)
     if settings.warm_start is not None:
@@ -289,6 +292,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
                 # peft widens bf16 adapters to float32 (autocast_adapter_dtype): they are the master weights
                 model = get_peft_model(model, lora, autocast_adapter_dtype=master == torch.float32)
         except ValueError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ConfigError(f"members.{index}.lora.target_modules: {first_line(exc)}") from None
         check_lora_head(index, model)
     if config.train.gradient_checkpointing:

@@ -209,7 +209,7 @@ def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimize
     except CheckpointWriteError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"checkpoint step-{step} could not be written into {checkpoint_root(run_dir)} "
-                                   f"({exc}); {after_failed_write(run_dir)}") from None
+                                   f"({exc}); {after_failed_write(run_dir)}") from exc
     return tmp
 
 
@@ -411,5 +411,6 @@ def diverging(run_dir: pathlib.Path, member, step: int):
         advice = (f"the newest complete checkpoint, step-{newest[0]}, is kept: --resume with a smaller step, e.g. "
                   f"--set members.{member.index}.lr=... (a resume may change {knobs})" if newest else
                   f"no checkpoint was written before it: rerun with a smaller step ({knobs}); the run starts over")
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise DivergenceError(f"step {step}: members.{member.index} ({member.name}) diverged: {what}; {advice}") \
             from None

@@ -111,6 +111,7 @@ def _loading(what: str):
     try:
         yield
     except LOAD_ERRORS as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ModelSpecError(f"cannot load {what}: {first_line(exc)}") from None
 
 
@@ -124,6 +125,7 @@ def source(spec: str) -> str:
     try:
         return resolve(spec)
     except PackageError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ModelSpecError(str(exc)) from None
 
 

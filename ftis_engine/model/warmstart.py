@@ -48,6 +48,7 @@ def _locked(path: pathlib.Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"FTIS_CACHE_DIR: cannot keep warm starts in {path.parent} ({exc.strerror or exc}); point "
                           "it at a writable directory") from None
     try:
@@ -77,6 +78,7 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
                 partial.unlink(missing_ok=True)
                 reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:120]
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise ConfigError(f"FTIS_CACHE_DIR: cannot write {path} ({reason})") from None
     model.load_state_dict(state)
     return path

@@ -301,6 +301,7 @@ def _read_bounded(path: pathlib.Path) -> bytes:
         with open(path, "rb") as handle:
             data = handle.read(MAX_LOG_BYTES + 1)
     except OSError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise MetricsError(f"{path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     too_big = MetricsError(f"{path}: holds more than {MAX_LOG_BYTES >> 20} MiB of records (a run's are far fewer): "
                            "not read")
@@ -314,6 +315,7 @@ def _read_bounded(path: pathlib.Path) -> bytes:
         try:
             out.append(member.decompress(rest, MAX_LOG_BYTES + 1 - size))
         except zlib.error:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise MetricsError(f"{path}: cannot read it (not gzip data)") from None
         size += len(out[-1])
         if size > MAX_LOG_BYTES or member.unconsumed_tail:

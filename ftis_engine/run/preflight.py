@@ -258,6 +258,7 @@ def check_device(field: str, spec: str) -> torch.device:
     try:
         device = torch.device(spec)
     except RuntimeError:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"{field}: unknown device {spec!r}") from None
     if device.type not in ("cpu", "cuda"):
         raise ConfigError(f"{field}: {spec!r} is not a device to train on (cpu, cuda or cuda:N)")
@@ -342,6 +343,7 @@ def check_members(config: RunConfig, members: list[int] | None = None) -> list[o
         try:
             context = check_model_spec(member.model)
         except ModelSpecError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ConfigError(f"members.{i}.model: {exc}") from None
         check_context(config, i, context)
         tokenizers.append(load_member_tokenizer(config, i))
@@ -362,6 +364,7 @@ def check_backend(config: RunConfig, device: torch.device) -> None:
     try:
         resolve_backend(config.train.backend, device)
     except ValueError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"train.{exc} (train.device={config.train.device!r} gives {device.type} here)") from None
 
 

@@ -60,10 +60,12 @@ def resume_screens(receivers: dict, members: list[Member], source: pathlib.Path,
             try:
                 state = read_small_json(file)
             except (OSError, ValueError) as exc:  # json's errors are ValueErrors too
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise RunDirError(f"--resume: {file}: {first_line(exc)}") from None
             try:
                 kept.target.load_state(state, str(file))
             except ValueError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise RunDirError(f"--resume: {first_line(exc)}") from None
 
 
@@ -92,6 +94,7 @@ def checkpoint_step(config: RunConfig, checkpoint: pathlib.Path, what: str) -> i
         step = int(state["step"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         _replaced(checkpoint, what)
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise RunDirError(f"{what} {checkpoint}: unreadable state.json ({type(exc).__name__}: "
                           f"{first_line(exc)})") from None
     named = STEP_DIR.match(checkpoint.name)
@@ -114,6 +117,7 @@ def _restoring(checkpoint: pathlib.Path, what: str, part: str):
     except READ_ERRORS as exc:
         _replaced(checkpoint, what)
         said = str(exc) if isinstance(exc, CheckpointFault) else describe_load_error(exc)
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise RunDirError(f"{what} {checkpoint}: cannot load {part} ({said}); {_instead(checkpoint, what)}") from None
 
 

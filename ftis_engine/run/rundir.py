@@ -80,6 +80,7 @@ def _saved_config(run_dir: pathlib.Path, what: str) -> RunConfig | None:
     try:
         return load_config(path)
     except ConfigError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise RunDirError(f"{what}: the run's {path} is not a valid config ({exc})") from None
 
 
@@ -187,6 +188,7 @@ class RunLock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise RunDirError(f"{where}: cannot write to {self.run_dir} ({exc.strerror or type(exc).__name__})"
                               ) from None
         try:
@@ -194,11 +196,13 @@ class RunLock:
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):  # not held: locks do not work here
                 os.close(fd)
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise RunDirError(f"{field}: cannot lock {self.run_dir / '.lock'} ({exc.strerror or exc}): its file "
                                   "system takes no flock (NFS without locking, Lustre without -o flock); use a "
                                   "local or lock-capable --output-dir") from None
             holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise RunDirError(f"{field}: {self.run_dir} is in use by another {self.kind} ({holder}); wait for it to "
                               f"end or choose {instead}") from None
         os.ftruncate(fd, 0)
@@ -304,12 +308,14 @@ def load_data_record(run_dir: pathlib.Path) -> dict:
         if 0 < size <= MAX_DATA_RECORD_BYTES:
             text = path.read_bytes()
     except OSError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise DataRecordError(f"{path} cannot be read ({exc.strerror or type(exc).__name__})") from None
     if size == 0 or size > MAX_DATA_RECORD_BYTES:
         raise DataRecordError(f"{path} is {'empty' if size == 0 else f'{size} bytes (a record is kilobytes)'}")
     try:
         record = json.loads(text)
     except ValueError as exc:  # json's errors, and bytes that are not UTF-8
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise DataRecordError(f"{path} is not JSON ({' '.join(str(exc).split())[:120]})") from None
     files = record.get("files") if isinstance(record, dict) else None
     changes = record.get("changes") if isinstance(record, dict) else None
@@ -360,6 +366,7 @@ def check_resume_data(run_dir: pathlib.Path, config: RunConfig, allow_change: bo
         recorded = load_data_record(run_dir)
     except DataRecordError as exc:
         if not allow_change:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise RunDirError(f"--resume: {exc}; it records the sha256 of the data the run trained on, so without it "
                               "a resume cannot tell whether the data changed: restore it, or pass --allow-data-change "
                               "to go on on the data as it is now (warned, the unusable record kept aside, and every "

@@ -35,6 +35,7 @@ from ..openswarm.member import OpenExchange, OpenSampler
 from ..openswarm.schedule import PeerBook, sampler_name
 from ..topology.layout import Role, endpoint_ranks, member_ranks, process_roles, weights_group_ranks
 from .preflight import member_device
+from ..core.env import set_for_process
 
 
 @dataclass
@@ -184,8 +185,8 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=config.swarm.timeout_s)
     interface = gloo_interface()  # every gloo group, the helper groups of an NCCL world included
-    if interface is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = interface
+    if interface is not None:  # for the process: gloo reads it at each group's creation, vLLM's later ones too
+        set_for_process(GLOO_SOCKET_IFNAME=interface)
     torch.distributed.init_process_group(backend, store=round_store(rank, world, timeout), rank=rank,
                                          world_size=world, timeout=timeout)
     groups = make_groups(config, "nccl" if device.type == "cuda" else "gloo", timeout, open_member=join is not None)

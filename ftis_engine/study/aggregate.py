@@ -285,6 +285,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             try:
                 read[run.seed] = read_run(run.metrics_source)
             except MetricsError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"{exc} (group {group.name}, seed {run.seed}); restore the file, or delete it (and "
                                  "the run's directory) to run that seed again") from None
         per_run = {seed: (evals, train) for seed, (evals, train, _) in read.items()}

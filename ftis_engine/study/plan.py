@@ -112,10 +112,12 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
             try:
                 name = fill(group.name, combo)
             except (KeyError, IndexError, ValueError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"groups.{i}.name: {group.name!r} cannot be filled from the grid ({exc})") from None
             try:
                 baseline_name(group, combo)
             except (KeyError, IndexError, ValueError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"groups.{i}.baseline: {group.baseline!r} cannot be filled from the grid "
                                  f"({exc})") from None
             if keys and name == group.name:
@@ -204,6 +206,7 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool, only: list[s
                 raw.update(seed=seed, run_name=f"seed-{seed}", output_dir=str(output_dir / "runs" / name))
                 config = validate_config(raw)
             except ConfigError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"{where}: {str(exc).removeprefix('--set ')}") from None
             runs.append(Run(group=name, seed=seed, config=config,
                             config_path=output_dir / "configs" / name / f"seed-{seed}.yaml",
@@ -270,6 +273,7 @@ def check_reuse(run: Run) -> None:
     try:
         old = validate_config(yaml.safe_load(saved.read_text(encoding="utf-8")))
     except (ConfigError, yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError):
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise StudyError(f"--output-dir: {saved} is not a run config; choose another --output-dir") from None
     # where the study lives is no part of the run: a study directory moved or copied elsewhere is still itself
     changed = [c for c in config_differences(old, run.config) if c[0] != "output_dir"]

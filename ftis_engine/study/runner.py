@@ -230,6 +230,7 @@ def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None
                 for i, member in enumerate(config.members):
                     check_warm_start(i, member, task)
             except (ConfigError, TaskError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"groups ({group.name}): {exc}") from None
             checked[key] = list(task.evals)
         evals[group.name] = checked[key]

@@ -191,6 +191,7 @@ def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command
         try:
             summaries.append(json.loads((folder / "summary.json").read_text(encoding="utf-8")))
         except (OSError, ValueError) as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise StudyError(f"--dir {folder}: no readable summary.json ({exc})") from None
     verdicts = judge(study.preregistration, summaries)
     sources = [str(d / "summary.json") for d in dirs]

@@ -52,6 +52,7 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
         try:
             task.reward = load_reward(data.reward)
         except ValueError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise TaskError(f"data.reward: {exc}") from None
     if data.rewards:
         terms = []
@@ -59,12 +60,14 @@ def load_task(data, seed: int, eval_datasets: list[str] | None = None, with_trai
             try:
                 terms.append((term.function, load_reward(term.function), term.weight))
             except ValueError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise TaskError(f"data.rewards.{k}.function: {exc}") from None
         task.reward = WeightedReward(terms)
     if eval_reward is not None:
         try:
             task.check = load_reward(eval_reward)
         except ValueError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise TaskError(f"eval.reward: {exc}") from None
     return task
 

@@ -123,11 +123,13 @@ def _call(terms: list[tuple[str, str, Reward]], text: str, gold: str, timeout_s:
     except (RewardTimeout, RewardError):
         raise
     except _Overdue:
+        # from None: its cause is this module's own alarm (_Overdue), not the reward's
         raise RewardError(f"{field}: {_call_text(name, text, gold)} did not return within {timeout_s:g} s "
                           "(data.reward_timeout_s); fix the reward, or raise the bound") from None
     except Exception as exc:  # a catch-all, as it must be: the user's reward code may raise any type; its line names
         # the field, the function, the completion and what it raised
         message = " ".join(str(exc).split())[:200]
+        # from None: a one-line error for the user, which names what the reward raised (its type and message)
         raise RewardError(f"{field}: {_call_text(name, text, gold)} raised {type(exc).__name__}"
                           + (f": {message}" if message else "")) from None
     return values

@@ -24,9 +24,11 @@ def _examples(rows, data, where) -> list[Example]:
             question = data.prompt_template.format(question=_text(row[data.question_field], data.question_field))
             examples.append(Example(question, _gold(_text(row[data.answer_field], data.answer_field, numbers=True))))
         except KeyError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise TaskError(f"{where(number)}: no field {exc.args[0]!r} (data.question_field / data.answer_field)"
                             ) from None
         except ValueError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise TaskError(f"{where(number)}: {exc}") from None
     return examples
 

@@ -53,6 +53,7 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
                 try:  # a byte-order mark some editors write is no part of line 1
                     line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
                 except UnicodeDecodeError as exc:
+                    # from None: a one-line error for the user; the cause adds nothing to it
                     raise TaskError(f"{field}: {path} line {number} is not UTF-8 text ({exc.reason}: "
                                     f"{raw[exc.start]:#04x} at byte {exc.start + 1} of the line)") from None
                 if not line.strip():
@@ -60,8 +61,10 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
+                    # from None: a one-line error for the user; the cause adds nothing to it
                     raise TaskError(f"{field}: {path} line {number} is not valid JSON ({exc.msg})") from None
                 except RecursionError:
+                    # from None: a one-line error for the user; the cause adds nothing to it
                     raise TaskError(f"{field}: {path} line {number} is nested too deep to read") from None
                 if not isinstance(row, dict):
                     raise TaskError(f"{field}: {path} line {number} is not a JSON object")
@@ -71,6 +74,7 @@ def read_jsonl(path: str, field: str, needed: tuple[str, ...]) -> list[tuple[int
                                     f"(it has: {', '.join(row) or 'nothing'})")
                 rows.append((number, row))
     except OSError as exc:  # no permission, or a file that cannot be read as one (/proc/self/mem)
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise TaskError(f"{field}: cannot read {path} ({exc.strerror or type(exc).__name__})") from None
     if not rows:
         raise TaskError(f"{field}: {path} holds no rows")
@@ -92,6 +96,7 @@ def load_hf(path: str, subset: str | None, split: str, problem: Callable[[Except
         # splits and every file format's reader, which raise any type for a dataset that is offline, missing or
         # malformed (FileNotFoundError, ValueError, ConnectionError, pyarrow's and the hub's own); the user's line
         # names the setting at fault and quotes it
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise TaskError(problem(exc)) from None
     finally:
         datasets.logging.set_verbosity(verbosity)
@@ -124,6 +129,7 @@ def load_examples(name: str, path: str | None, field: str) -> list[Example]:
             examples.append(Example(question, gold(_text(row[a_field], a_field, numbers=True))))
         except ValueError as exc:
             where = f"{path} line {number}" if path is not None else f"{hub_id} row {number}"
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise TaskError(f"{field}: {where}: {exc}") from None
     return examples
 
@@ -136,6 +142,7 @@ def _text(value, name: str, numbers: bool = False) -> str:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ValueError(f"its {name!r} holds {value[exc.start]!r} at character {exc.start + 1}: a lone surrogate "
                              "(a JSON \\ud800-\\udfff escape without its pair), which no text or tokenizer holds"
                              ) from None
