@@ -23,8 +23,8 @@ import uuid
 
 from ..config import ConfigError, RunConfig, validate_config
 from ..core.env import set_env
-from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 from ..topology.layout import check_processes, describe_layout, describe_role, process_roles
+from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 
 log = logging.getLogger("ftis_engine.app.launch")
 
@@ -51,8 +51,8 @@ def launch_distributed(config: RunConfig, run_dir: pathlib.Path, resume: bool, n
         check_processes(config, world, evaluating=evaluate is not None, given=f"WORLD_SIZE={world}")
         return run_worker(config.model_dump(mode="json"), str(run_dir), resume, target, join)
     check_processes(config, nproc, evaluating=evaluate is not None, given=f"--nproc {nproc}")
-    from ..run.rundir import RunLock, check_run_dir
     from ..run.preflight import check_before_launch
+    from ..run.rundir import RunLock, check_run_dir
 
     if evaluate is not None:  # reads the checkpoint, writes nothing: no lock, no run directory checks
         check_before_launch(config, distributed=True)
@@ -147,8 +147,8 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     (exits.py): a config error prints one line (an error all ranks found alike: rank 0 alone) and exits 2.
     join: the open swarm's coordinator (a member on several ranks: its leader holds the exchange,
     openswarm/member.py)."""
-    from ..run.preflight import check_placement
     from ..report.progress import quiet_libraries
+    from ..run.preflight import check_placement
     from ..run.trainer import Start, build
     from ..run.wiring import connect
 

@@ -44,12 +44,12 @@ import time
 import torch
 
 from ..config import ConfigError
+from ..core.env import set_env
 from ..core.errors import first_line
 from ..data.context import engine_length
 from ..model.fsdp import full, is_sharded
 from ..model.models import source as model_source
 from ..model.saving import save_pretrained
-from ..core.env import set_env
 from . import Completion, EngineError, SamplingSettings, eos_token_ids, warn_if_biased
 from .engine_weights import GIB, checkpoint_names, engine_source, engine_weights, kv_cache_bytes, merged_state
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError, RunConfig
+from ..core.env import set_for_process
 from ..exchange import Exchange, Silent
 from ..exchange.async_ import DistributedAsync, Latency
 from ..exchange.links import advertised_host
@@ -35,7 +36,6 @@ from ..openswarm.member import OpenExchange, OpenSampler
 from ..openswarm.schedule import PeerBook, sampler_name
 from ..topology.layout import Role, endpoint_ranks, member_ranks, process_roles, weights_group_ranks
 from .preflight import member_device
-from ..core.env import set_for_process
 
 
 @dataclass
