@@ -485,6 +485,7 @@ def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves
     load a tokenizer (a download) in its step loop every step. Now a peer's tokenizer is loaded once while it stays
     (a change while live: not trained on), and again only for whoever holds the name after it left."""
     from ftis_engine.model import models
+    from ftis_engine.openswarm import member as openswarm_member  # where the exchange looks the names up
 
     loads = []
 
@@ -492,7 +493,7 @@ def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves
         loads.append(source)
         raise models.ModelSpecError(f"{source}: not here")
 
-    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(openswarm_member, "load_tokenizer", load_tokenizer)
     ex = exchange(peers=())
     ex.client = FakeClient({"tiny-s": 0})
     ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
@@ -562,6 +563,7 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     honest peer for a liar). A peer that left (finished, or crashed) keeps its tokenizer registered for what it left
     waiting, until a new holder of its name announces another: then what the old one left goes, counted."""
     from ftis_engine.model import models
+    from ftis_engine.openswarm import member as openswarm_member  # where the exchange looks the names up
     from ftis_engine.data.rollouts import HEADER_WORDS
 
     other = "ef" * 32
@@ -572,8 +574,8 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
             raise models.ModelSpecError(f"{source}: not here")
         return "its tokenizer"
 
-    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
+    monkeypatch.setattr(openswarm_member, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(openswarm_member, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange("swarm.max_lead=null", peers=())
     view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
             "bpe": {"step": 0, "tokenizer": other, "source": "builtin:tiny-s-bpe"}}
@@ -624,12 +626,12 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
     mailbox for the next step, which loads it and admits them (they were counted as refused: the two-tokenizer test
     failed beside a CPU hog)."""
 
-    from ftis_engine.model import models
+    from ftis_engine.openswarm import member as openswarm_member  # where the exchange looks the names up
     from ftis_engine.data.rollouts import HEADER_WORDS
 
     other = "ef" * 32
-    monkeypatch.setattr(models, "load_tokenizer", lambda source: "its tokenizer")
-    monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
+    monkeypatch.setattr(openswarm_member, "load_tokenizer", lambda source: "its tokenizer")
+    monkeypatch.setattr(openswarm_member, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange()  # max_lead 2, with a live peer of its own tokenizer: the step waits on the lead bound
     view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
             "peer": {"step": 2, "tokenizer": TOKENIZER, "source": ""}}
