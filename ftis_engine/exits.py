@@ -15,7 +15,8 @@ The first row that matches tells it:
                                                                                then its cause's traceback
     CheckpointWriteError, OSError ENOSPC / EDQUOT                    1         "... free space, then ..." (--resume
                                                                                when a checkpoint is there)
-    OSError ENAMETOOLONG / EACCES / EROFS / ENOTDIR / EPERM          2         the path and what to check
+    OSError ENAMETOOLONG / EACCES / EROFS / ENOTDIR / EPERM /        2         the path and what to check
+            EISDIR / EFBIG (safefile: a link, a file too large)
     the command line: an error caused by a KeyboardInterrupt       130         the command's hint
     anything else: the command line                                  -         raised as itself (its traceback)
     anything else: a rank                                            1         "rank N failed ...", its traceback
@@ -45,7 +46,7 @@ INTERRUPTED = 130  # the shell's code for Ctrl-C (and SIGTERM)
 
 LOST_PEER = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)"
 FULL = (errno.ENOSPC, errno.EDQUOT)
-REFUSED_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EPERM)
+REFUSED_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EPERM, errno.EISDIR, errno.EFBIG)
 
 
 class UsageFailure(Exception):
