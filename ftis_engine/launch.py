@@ -21,6 +21,7 @@ import sys
 import tempfile
 import uuid
 
+from . import safefile
 from .config import ConfigError, RunConfig, validate_config
 from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
 from .layout import check_processes, describe_layout, describe_role, process_roles
@@ -32,6 +33,7 @@ log = logging.getLogger("ftis_engine.launch")
 # restarts, which cannot tell exit codes apart, end at once with it instead of resuming and failing again
 # (swarm.max_restarts times); the launcher returns it (the worker printed its line).
 FINAL_EXIT_ENV = "FTIS_FINAL_EXIT_FILE"
+MAX_EXIT_FILE_BYTES = 64  # an exit code: a few digits
 
 
 def any_rank(collectives, flag: bool) -> bool:
@@ -108,7 +110,9 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=config.swarm.max_restarts,
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
-    final = pathlib.Path(tempfile.gettempdir()) / f"{launch.run_id}.final-exit"  # see FINAL_EXIT_ENV
+    # see FINAL_EXIT_ENV; in a folder of its own (mkdtemp: this user's alone), never a name in the shared /tmp
+    # where another user could plant a link for a rank to write through
+    final = pathlib.Path(tempfile.mkdtemp(prefix=f"{launch.run_id}.")) / "final-exit"
     os.environ[FINAL_EXIT_ENV] = str(final)  # the workers inherit it
     try:
         elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
@@ -136,6 +140,8 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
     finally:
         os.environ.pop(FINAL_EXIT_ENV, None)
         final.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            final.parent.rmdir()
     return 0
 
 
@@ -164,7 +170,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     def stop(told: Outcome) -> None:
         if told.final and final:
             with contextlib.suppress(OSError):
-                pathlib.Path(final).write_text(str(told.code))
+                safefile.write_text(pathlib.Path(final), str(told.code))  # whole, never through a link
         os._exit(told.code)  # no teardown: the process group may be waiting on a peer that is gone
 
     with ending(stop, rank=rank, joining=config_data["members"][0]["name"]):
@@ -185,8 +191,12 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
 
 
 def _final_code(path: str | pathlib.Path) -> int | None:
-    """The exit code a rank wrote to the final-exit file (FINAL_EXIT_ENV), or None: none written."""
+    """The exit code a rank wrote to the final-exit file (FINAL_EXIT_ENV), or None: none written, or a file that is
+    no exit code (read bounded, MAX_EXIT_FILE_BYTES: said in a warning naming it)."""
     try:
-        return int(pathlib.Path(path).read_text())
-    except (OSError, ValueError):
+        return int(safefile.read_bytes(pathlib.Path(path), MAX_EXIT_FILE_BYTES, "an exit-code file"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s: not an exit code (%s); ignored", path, getattr(exc, "strerror", None) or exc)
         return None

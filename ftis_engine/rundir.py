@@ -14,7 +14,7 @@ import time
 
 from .checkpoint import complete_checkpoints, latest_checkpoint, read_state
 from .config import ConfigError, RunConfig, config_differences, validate_config
-from .safefile import write_text
+from .safefile import LinkRefused, open_lock, write_text
 
 
 class RunDirError(ConfigError):
@@ -188,7 +188,9 @@ class RunLock:
                               "is not a directory)")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.run_dir / ".lock", self.run_dir)  # never through a link: its holder's line is written
+        except LinkRefused as exc:
+            raise RunDirError(f"{where}: {exc.filename}: {exc.strerror}") from None
         except OSError as exc:
             raise RunDirError(f"{where}: cannot write to {self.run_dir} ({exc.strerror or type(exc).__name__})"
                               ) from None

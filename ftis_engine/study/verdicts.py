@@ -29,7 +29,9 @@ import json
 import pathlib
 from typing import Any
 
-from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS, holm_adjusted, interval, margin_p, t_test_p
+from ..safefile import read_bytes
+from .aggregate import (ACCURACY_BOUNDS, DIFFERENCE_BOUNDS, MAX_SUMMARY_BYTES, holm_adjusted, interval, margin_p,
+                        t_test_p)
 from .config import COUNT_CLAIMS, EFFECT_CLAIMS, HypothesisTest, Preregistration, StudyError, load_study
 
 HOLDS, CONTRADICTED, NOT_DETECTED, NOT_SHOWN, NO_DATA = "holds", "contradicted", "not detected", "not shown", "no data"
@@ -189,7 +191,8 @@ def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command
     summaries = []
     for folder in dirs:
         try:
-            summaries.append(json.loads((folder / "summary.json").read_text(encoding="utf-8")))
+            raw = read_bytes(folder / "summary.json", MAX_SUMMARY_BYTES, "a study's summary.json")  # bounded
+            summaries.append(json.loads(raw))
         except (OSError, ValueError) as exc:
             raise StudyError(f"--dir {folder}: no readable summary.json ({exc})") from None
     verdicts = judge(study.preregistration, summaries)
