@@ -173,7 +173,8 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
                 safefile.write_text(pathlib.Path(final), str(told.code))  # whole, never through a link
         os._exit(told.code)  # no teardown: the process group may be waiting on a peer that is gone
 
-    with ending(stop, rank=rank, joining=config_data["members"][0]["name"]):
+    settled = (lambda: _final_code(final)) if final else None  # a peer's final code: a lost peer's end is the same
+    with ending(stop, rank=rank, joining=config_data["members"][0]["name"], settled=settled):
         config = validate_config(config_data)  # its process count was checked before it started (launch_distributed)
         check_placement(config)  # under torchrun nothing checked it before the processes started
         connection = connect(config, rank, world, local_rank, join, evaluating=evaluate is not None)
