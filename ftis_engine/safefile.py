@@ -262,6 +262,7 @@ def open_bounded(path: pathlib.Path, limit: int, what: str = "file") -> BinaryIO
     the message ("a wandb id file"). A link at its name is followed (the user may have placed one); what it reaches
     is checked alike. The caller closes it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    handle = None
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
@@ -271,10 +272,11 @@ def open_bounded(path: pathlib.Path, limit: int, what: str = "file") -> BinaryIO
         if info.st_size > limit:
             raise _too_large(path, limit, what, info.st_size)
         os.set_blocking(fd, True)
-        return open(fd, "rb", closefd=True)
-    except BaseException:
-        os.close(fd)
-        raise
+        handle = open(fd, "rb", closefd=True)
+    finally:
+        if handle is None:  # refused (or interrupted): the descriptor is not handed on
+            os.close(fd)
+    return handle
 
 
 def read_bytes(path: pathlib.Path, limit: int, what: str = "file") -> bytes:
