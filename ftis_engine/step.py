@@ -7,7 +7,8 @@
     receive     the peers' parcels: sync, this step's (everybody waits for everybody); async, what has arrived
                 and is due, waiting only for a peer beyond the lead bound (exchange/pacer.py)
     admit       validated, re-scored, not stale, at most the intake budget, exchange/admission.py
-    advantages  A_i = (r_i - mean r) / (std r + 1e-8) over each prompt's group
+    advantages  A_i = (r_i - mean r) / (std r + 1e-8) over each prompt's group (hacpo: capability-weighted,
+                capability.py)
     update      one F-TIS step on its own rollouts (on-policy) and its peers' (off-policy), update.py
     sync        the new weights to its generator (and every weight_sync_every steps to its samplers)
 """
@@ -25,6 +26,7 @@ from ftis_kernels import group_advantages
 from . import precision
 from .adversary import wire_copy
 from .batch import TrainItem, pack
+from .capability import hacpo_advantages
 from .checkpoint import diverging
 from .generation import sample
 from .layout import sampler_endpoints
@@ -175,11 +177,24 @@ def whole_groups(rollouts: list[Rollout], collaboration: str, group_size: int) -
 
 
 def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:
-    """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G)."""
+    """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G). hacpo: each
+    sender's capability ratio, from the member's tracker updated with these rollouts' rewards, weighs its cross
+    term and, in groups that hold several senders' rollouts (horizontal), its rewards in the baseline
+    (capability.py)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     groups = torch.tensor(group_ids(rollouts, swarm.config.collaboration), dtype=torch.long)  # none: still ids
-    advantages = group_advantages(rewards, groups, scale=swarm.config.algorithm.scale_rewards == "group")
-    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g))
+    scale = swarm.config.algorithm.scale_rewards == "group"
+    ratios: dict[int, float] = {}  # hacpo: each sender's c; the other methods have none
+    if swarm.config.algorithm.method != "hacpo":
+        advantages = group_advantages(rewards, groups, scale=scale)
+    else:
+        tracker = swarm.receivers[member.index].capability
+        tracker.update([r.member for r in rollouts], [r.reward for r in rollouts])
+        ratios = {source: tracker.ratio(source) for source in {r.member for r in rollouts}}
+        weighted = ratios if swarm.config.collaboration == "horizontal" else {}  # vertical: a group is one sender's
+        sources = torch.tensor([r.member for r in rollouts], dtype=torch.long)
+        advantages = hacpo_advantages(rewards, groups, sources, member.index, weighted, scale)
+    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g), capability=ratios.get(r.member, 1.0))
             for r, a, g in zip(rollouts, advantages, groups)]
 
 
