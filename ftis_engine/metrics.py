@@ -215,6 +215,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             folder = run_dir / "tensorboard" / tensorboard_subdir
+            os.close(safefile.open_folder(folder, run_dir))  # made here, never through a link planted in its place
             _after_event_files(folder)
             self._tb = SummaryWriter(log_dir=str(folder), purge_step=purge_step, filename_suffix=tensorboard_suffix)
 

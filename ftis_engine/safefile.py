@@ -241,7 +241,7 @@ def open_lock(path: pathlib.Path, root: pathlib.Path | None = None) -> int:
     except OSError as exc:
         if exc.errno in (errno.ELOOP, errno.ENXIO):
             raise _refused(path, "file") from None
-        raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # named by its path, not by its name alone
     finally:
         os.close(folder)
     if not stat.S_ISREG(os.fstat(fd).st_mode):

