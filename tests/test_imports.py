@@ -144,7 +144,8 @@ def test_the_config_reaches_nothing_of_the_runtime():
             todo.append(target)
     assert "ftis_engine.config.tasks" in reached and "ftis_engine.core.limits" in reached
     assert sorted(m for m in reached if _layer(m) not in ("config", "core")) == []
-    assert sorted(m for m in reached if _layer(m) == "core") == ["ftis_engine.core", "ftis_engine.core.limits"]
+    assert sorted(m for m in reached if _layer(m) == "core") == ["ftis_engine.core", "ftis_engine.core.limits",
+                                                                         "ftis_engine.core.safefile"]
 
 
 def _late_imports(path: pathlib.Path) -> list[int]:

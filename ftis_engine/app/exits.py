@@ -10,18 +10,25 @@ The first row that matches tells it:
     WriteFailure                                                     1         its message (what the run left)
     DivergenceError, EngineError                                     1  yes    its message
     a rank: JoinRefused                                              2  yes    "--join: the coordinator refused ..."
+    a rank: CoordinatorRefused (the member refused the coordinator)  2  yes    "--join: the coordinator at ..."
+    a rank: PeerLost, TimeoutError, torch.distributed.DistError,     its  yes  none (the peer said it)
+            after a peer ended the run with a final code (settled)  code
     a rank: PeerLost, TimeoutError, torch.distributed.DistError      1         "rank N lost contact with a peer ..."
     a rank: TransportError                                           1         "rank N failed in the exchange ...",
                                                                                then its cause's traceback
     CheckpointWriteError, OSError ENOSPC / EDQUOT                    1         "... free space, then ..." (--resume
                                                                                when a checkpoint is there)
-    OSError ENAMETOOLONG / EACCES / EROFS / ENOTDIR / EPERM          2         the path and what to check
+    OSError ENAMETOOLONG / EACCES / EROFS / ENOTDIR / EPERM /        2         the path and what to check
+            EISDIR / EFBIG (safefile: a link, a file too large)
     the command line: an error caused by a KeyboardInterrupt       130         the command's hint
     anything else: the command line                                  -         raised as itself (its traceback)
     anything else: a rank                                            1         "rank N failed ...", its traceback
 
 Final: no restart mends it (a resume replays the same steps to the same NaN, reads the same config): a rank writes
 its code where the launcher told it (launch.FINAL_EXIT_ENV), and the elastic agent's restarts end at once with it.
+The ranks it leaves behind lose contact with it: each finds its code there (`settled`) and ends with the same code
+and no line of its own, so a refusal the leader of a member on several ranks met (a coordinator's, a join's) is one
+line and one exit code however many ranks the member has.
 
 The command line's handler of Ctrl-C and SIGTERM while a command runs is Interrupts (cli.main installs it).
 
@@ -45,7 +52,7 @@ INTERRUPTED = 130  # the shell's code for Ctrl-C (and SIGTERM)
 
 LOST_PEER = "lost contact with a peer (dead, hung past swarm.timeout_s, or unreachable)"
 FULL = (errno.ENOSPC, errno.EDQUOT)
-REFUSED_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EPERM)
+REFUSED_PATH = (errno.ENAMETOOLONG, errno.EACCES, errno.EROFS, errno.ENOTDIR, errno.EPERM, errno.EISDIR, errno.EFBIG)
 
 
 class UsageFailure(Exception):
@@ -69,10 +76,11 @@ class Outcome(NamedTuple):
 
 
 def outcome(exc: BaseException, rank: int | None = None, joining: str | None = None,
-            hint: str = "interrupted") -> Outcome | None:
+            hint: str = "interrupted", settled: Callable[[], int | None] | None = None) -> Outcome | None:
     """How `exc` ends the command line (rank None) or the rank `rank` of a multi-process run: its exit code and
     line (the table in the module). joining: the member an open swarm's coordinator refused (a rank's JoinRefused);
-    hint: the command line's line for a Ctrl-C. None: the command line raises it as itself."""
+    hint: the command line's line for a Ctrl-C; settled: a rank's look at the code a peer ended the run with for
+    good (launch's final-exit file), None when none did. None: the command line raises it as itself."""
     if isinstance(exc, KeyboardInterrupt) and rank is None:
         return Outcome(INTERRUPTED, hint)
     if isinstance(exc, Interrupted):
@@ -83,10 +91,10 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
         return Outcome(CONFIG, str(exc), final=True)
     if isinstance(exc, WriteFailure):
         return Outcome(FAILED, str(exc))
-    from ..model.checkpoint import CheckpointWriteError
     from ..config import ConfigError
-    from ..generation import EngineError
     from ..data.tasks import TaskError
+    from ..generation import EngineError
+    from ..model.checkpoint import CheckpointWriteError
     from ..model.update import DivergenceError
 
     if isinstance(exc, (ConfigError, TaskError)):
@@ -99,7 +107,7 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
     if isinstance(exc, (DivergenceError, EngineError)):
         return Outcome(FAILED, str(exc), final=True)
     if rank is not None:
-        told = _rank_outcome(exc, rank, joining)
+        told = _rank_outcome(exc, rank, joining, settled)
         if told is not None:
             return told
     if isinstance(exc, OSError):  # what the machine refused while writing: what to do, in one line
@@ -118,18 +126,25 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
     return _anything_else(exc, rank)
 
 
-def _rank_outcome(exc: BaseException, rank: int, joining: str | None) -> Outcome | None:
-    """The rows only a rank of a multi-process run meets: a coordinator's refusal, a lost peer, the exchange."""
+def _rank_outcome(exc: BaseException, rank: int, joining: str | None,
+                  settled: Callable[[], int | None] | None = None) -> Outcome | None:
+    """The rows only a rank of a multi-process run meets: a coordinator's refusal or the member's of it, a lost
+    peer (after a peer's final failure: its code, silently), the exchange."""
     import torch.distributed as dist
 
     from ..core.errors import first_line
     from ..exchange import PeerLost, TransportError
-    from ..openswarm.client import JoinRefused
+    from ..openswarm.client import CoordinatorRefused, JoinRefused
 
     said = f"{type(exc).__name__}: {first_line(exc)}"
     if isinstance(exc, JoinRefused):
         return Outcome(CONFIG, f"--join: the coordinator refused {joining}: {exc}", final=True)
+    if isinstance(exc, CoordinatorRefused):  # as train --join on one process says it (cli._train_joined)
+        return Outcome(CONFIG, f"--join: {exc}", final=True)
     if isinstance(exc, (PeerLost, TimeoutError, dist.DistError)):
+        code = settled() if settled is not None else None
+        if code is not None:  # the peer it lost ended the run for good and said why: the same end, no second line
+            return Outcome(code, None, final=True)
         return Outcome(FAILED, f"rank {rank} {LOST_PEER}: {said}")
     if isinstance(exc, TransportError):  # the exchange's own failure, with its cause
         return Outcome(FAILED, f"rank {rank} failed in the exchange: {said}", traceback=exc.__cause__ or exc)
@@ -160,7 +175,7 @@ def caused_by_interrupt(exc: BaseException) -> bool:
 
 @contextlib.contextmanager
 def ending(stop: Callable[[Outcome], object], rank: int | None = None, joining: str | None = None,
-           hint: str = "interrupted"):
+           hint: str = "interrupted", settled: Callable[[], int | None] | None = None):
     """Run the block; an exception the table tells (outcome's arguments) prints its line (and traceback) on stderr
     and goes to `stop`, which ends the process with the outcome's code (sys.exit, os._exit) and never returns. What
     the table does not tell is raised as itself."""
@@ -168,7 +183,7 @@ def ending(stop: Callable[[Outcome], object], rank: int | None = None, joining: 
         yield
     except BaseException as exc:  # a catch-all by design: every exception meets the table here; what it does not
         # tell is raised as itself
-        told = outcome(exc, rank, joining, hint)
+        told = outcome(exc, rank, joining, hint, settled)
         if told is None:
             raise
         import traceback

@@ -22,6 +22,7 @@ import tempfile
 import uuid
 
 from ..config import ConfigError, RunConfig, validate_config
+from ..core import safefile
 from ..core.env import set_env
 from ..topology.layout import check_processes, describe_layout, describe_role, process_roles
 from .exits import CONFIG, FAILED, INTERRUPTED, Outcome, ending
@@ -33,6 +34,7 @@ log = logging.getLogger("ftis_engine.app.launch")
 # restarts, which cannot tell exit codes apart, end at once with it instead of resuming and failing again
 # (swarm.max_restarts times); the launcher returns it (the worker printed its line).
 FINAL_EXIT_ENV = "FTIS_FINAL_EXIT_FILE"
+MAX_EXIT_FILE_BYTES = 64  # an exit code: a few digits
 
 
 def any_rank(collectives, flag: bool) -> bool:
@@ -110,7 +112,9 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=config.swarm.max_restarts,
         monitor_interval=0.2, start_method="spawn", logs_specs=DefaultLogsSpecs(),
     )
-    final = pathlib.Path(tempfile.gettempdir()) / f"{launch.run_id}.final-exit"  # see FINAL_EXIT_ENV
+    # see FINAL_EXIT_ENV; in a folder of its own (mkdtemp: this user's alone), never a name in the shared /tmp
+    # where another user could plant a link for a rank to write through
+    final = pathlib.Path(tempfile.mkdtemp(prefix=f"{launch.run_id}.")) / "final-exit"
     try:
         with set_env(**{FINAL_EXIT_ENV: str(final)}):  # the workers inherit it; after the launch it is as it was
             elastic_launch(launch, run_worker)(config.model_dump(mode="json"), str(run_dir), resume, evaluate, join)
@@ -137,6 +141,8 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
         return FAILED
     finally:
         final.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            final.parent.rmdir()
     return 0
 
 
@@ -165,10 +171,11 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
     def stop(told: Outcome) -> None:
         if told.final and final:
             with contextlib.suppress(OSError):
-                pathlib.Path(final).write_text(str(told.code))
+                safefile.write_text(pathlib.Path(final), str(told.code))  # whole, never through a link
         os._exit(told.code)  # no teardown: the process group may be waiting on a peer that is gone
 
-    with ending(stop, rank=rank, joining=config_data["members"][0]["name"]):
+    settled = (lambda: _final_code(final)) if final else None  # a peer's final code: a lost peer's end is the same
+    with ending(stop, rank=rank, joining=config_data["members"][0]["name"], settled=settled):
         config = validate_config(config_data)  # its process count was checked before it started (launch_distributed)
         check_placement(config)  # under torchrun nothing checked it before the processes started
         connection = connect(config, rank, world, local_rank, join, evaluating=evaluate is not None)
@@ -186,8 +193,12 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
 
 
 def _final_code(path: str | pathlib.Path) -> int | None:
-    """The exit code a rank wrote to the final-exit file (FINAL_EXIT_ENV), or None: none written."""
+    """The exit code a rank wrote to the final-exit file (FINAL_EXIT_ENV), or None: none written, or a file that is
+    no exit code (read bounded, MAX_EXIT_FILE_BYTES: said in a warning naming it)."""
     try:
-        return int(pathlib.Path(path).read_text())
-    except (OSError, ValueError):
+        return int(safefile.read_bytes(pathlib.Path(path), MAX_EXIT_FILE_BYTES, "an exit-code file"))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s: not an exit code (%s); ignored", path, getattr(exc, "strerror", None) or exc)
         return None

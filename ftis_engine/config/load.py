@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from ..core import safefile
 from .schema import RunConfig
 from .types import ConfigError, unwrap
 
@@ -194,6 +195,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_yaml_map)
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config (a run's, a study's) is kilobytes
+
+
 def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = ConfigError) -> dict:
     """A config file's top-level mapping: UTF-8 (with or without a byte-order mark) or UTF-16 with its mark, as
     editors save them. Anything else raises `error` with one line naming --config and the file."""
@@ -203,7 +207,7 @@ def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = Confi
                 if path.exists() else "no such file")
         raise error(f"--config {path}: {what}")
     try:
-        data = path.read_bytes()
+        data = safefile.read_bytes(path, MAX_CONFIG_BYTES, "a config file")  # bounded: a config is kilobytes
     except OSError as exc:
         # from None: a one-line error for the user; the cause adds nothing to it
         raise error(f"--config {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None

@@ -11,8 +11,14 @@ refused too. `root` itself is followed: it is the path the user gave.
   in the same folder (created exclusively: never an existing file or a link), are flushed to disk, and replace the
   file's name in one rename: a reader sees the old file or the new one, never part of one; a link at the file's
   name is replaced by the file, its target untouched. The temp file is removed however the write fails.
-- open_append: a log the command appends to a line at a time (coordinator.jsonl, a study's launch records): opened
-  without following a link at its name, and only a regular file.
+- open_write: write_bytes's file for a writer that streams (torch.save), the same temp file and rename.
+- write_folder: a folder a library writes whole (save_pretrained): into a fresh temp folder (made by this process,
+  its mode 0o700), renamed to its name once written; a link (or a file) at that name is refused, never replaced.
+- open_append: a log the command appends to a line at a time (metrics.jsonl, coordinator.jsonl, a study's launch
+  records): opened without following a link at its name, and only a regular file.
+- open_lock: a lock file (a run's .lock), created where missing, opened as open_append opens a log, never truncated.
+- read_bytes / open_bounded: a file read whole (a run's own JSON, an id, an exit code) that a stranger could have
+  planted or grown: only a regular file, and at most `limit` bytes (TooLarge, naming the file, otherwise).
 """
 
 from __future__ import annotations
@@ -25,7 +31,8 @@ import os
 import pathlib
 import secrets
 import stat
-from typing import Any, TextIO
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, TextIO
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -86,9 +93,11 @@ def open_folder(folder: pathlib.Path, root: pathlib.Path | None = None) -> int:
     return fd
 
 
-def write_bytes(path: pathlib.Path, data: bytes, root: pathlib.Path | None = None) -> pathlib.Path:
-    """Write `data` as the file `path` (see the module: atomic, never through a link; its folders made under `root`,
-    default its own folder). Returns `path`."""
+@contextlib.contextmanager
+def open_write(path: pathlib.Path, root: pathlib.Path | None = None) -> Iterator[BinaryIO]:
+    """`path` opened to write bytes, as write_bytes writes them (atomic, never through a link; its folders made
+    under `root`, default its own folder): the bytes go to a fresh temp file that takes `path`'s name when the block
+    ends; however the block fails, the temp file is removed and `path` is as it was."""
     path = pathlib.Path(path)
     root = path.parent if root is None else pathlib.Path(root)
     name = _parts(path, root)[-1]
@@ -100,7 +109,7 @@ def write_bytes(path: pathlib.Path, data: bytes, root: pathlib.Path | None = Non
         replaced = False
         try:
             with open(fd, "wb", closefd=True) as out:
-                out.write(data)
+                yield out
                 out.flush()
                 os.fsync(out.fileno())
             os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
@@ -113,7 +122,14 @@ def write_bytes(path: pathlib.Path, data: bytes, root: pathlib.Path | None = Non
             os.fsync(folder)
     finally:
         os.close(folder)
-    return path
+
+
+def write_bytes(path: pathlib.Path, data: bytes, root: pathlib.Path | None = None) -> pathlib.Path:
+    """Write `data` as the file `path` (see the module: atomic, never through a link; its folders made under `root`,
+    default its own folder). Returns `path`."""
+    with open_write(path, root) as out:
+        out.write(data)
+    return pathlib.Path(path)
 
 
 def write_text(path: pathlib.Path, text: str, root: pathlib.Path | None = None) -> pathlib.Path:
@@ -157,3 +173,127 @@ def open_append(path: pathlib.Path, root: pathlib.Path | None = None) -> TextIO:
         raise _refused(path, "file")
     os.set_blocking(fd, True)
     return open(fd, "a", encoding="utf-8", closefd=True)
+
+
+def write_folder(path: pathlib.Path, write: Callable[[pathlib.Path], None],
+                 root: pathlib.Path | None = None) -> pathlib.Path:
+    """The folder `path` as `write(folder)` writes it whole (save_pretrained): into a fresh temp folder beside it,
+    made by this process (mode 0o700: no one else's file or link is inside it), then renamed to `path`. A link or a
+    file at `path` is refused (LinkRefused), before anything is written and again at the rename; a folder there is
+    replaced. However `write` fails, the temp folder is removed and `path` is as it was. The folders above it are
+    made under `root` (default its own folder), never through a link; `write` is given the temp folder by a path
+    through this process's descriptor of their last one (/proc/self/fd), so a folder above it swapped for a link
+    while the library writes is never followed. Returns `path`."""
+    import shutil
+
+    path = pathlib.Path(path)
+    root = path.parent if root is None else pathlib.Path(root)
+    name = _parts(path, root)[-1]
+    folder = open_folder(path.parent, root)
+    temp = f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+    try:
+        _refuse_non_folder(path, name, folder)
+        os.mkdir(temp, 0o700, dir_fd=folder)
+        placed = False
+        try:
+            via = pathlib.Path(f"/proc/self/fd/{folder}")
+            write((via if via.is_dir() else path.parent) / temp)
+            _refuse_non_folder(path, name, folder)
+            try:
+                os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError as exc:  # a folder of an earlier write there (not empty): moved aside, then removed
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                old = f".{name[:200]}.{secrets.token_hex(6)}.old"
+                os.replace(name, old, src_dir_fd=folder, dst_dir_fd=folder)
+                os.replace(temp, name, src_dir_fd=folder, dst_dir_fd=folder)
+                shutil.rmtree(old, dir_fd=folder, ignore_errors=True)
+            placed = True
+        finally:
+            if not placed:
+                shutil.rmtree(temp, dir_fd=folder, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.fsync(folder)
+    finally:
+        os.close(folder)
+    return path
+
+
+def _refuse_non_folder(path: pathlib.Path, name: str, folder: int) -> None:
+    """LinkRefused when something other than a real folder (a link, a file) is at `name` in `folder`."""
+    try:
+        mode = os.lstat(name, dir_fd=folder).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise _refused(path, "folder")
+
+
+def open_lock(path: pathlib.Path, root: pathlib.Path | None = None) -> int:
+    """A descriptor of the lock file `path` (read and write, for flock and its holder's line), created where
+    missing, never truncated on opening: never through a link at its name or in its folders (LinkRefused), and
+    only a regular file. The caller closes it."""
+    path = pathlib.Path(path)
+    root = path.parent if root is None else pathlib.Path(root)
+    name = _parts(path, root)[-1]
+    folder = open_folder(path.parent, root)
+    try:
+        fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
+                     dir_fd=folder)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            # from None: the refusal names the path; the OS's ELOOP adds nothing to it
+            raise _refused(path, "file") from None
+        # from None: the same error, named by its path instead of its name alone
+        raise OSError(exc.errno, exc.strerror, str(path)) from None  # named by its path, not by its name alone
+    finally:
+        os.close(folder)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise _refused(path, "file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+class TooLarge(OSError):
+    """A file read whole that holds more than the command reads of it (errno EFBIG, filename the path): not read.
+    One line to the user: exits.py tells it as a path to check, with exit code 2."""
+
+
+def open_bounded(path: pathlib.Path, limit: int, what: str = "file") -> BinaryIO:
+    """`path` opened to read bytes, checked before a byte is read: a regular file (a FIFO, a device, a folder is
+    refused: OSError naming it) of at most `limit` bytes (TooLarge naming it otherwise). `what` names the file in
+    the message ("a wandb id file"). A link at its name is followed (the user may have placed one); what it reaches
+    is checked alike. The caller closes it."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    handle = None
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, f"a folder where {what} is read: not read", str(path))
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EPERM, f"not a regular file where {what} is read: not read", str(path))
+        if info.st_size > limit:
+            raise _too_large(path, limit, what, info.st_size)
+        os.set_blocking(fd, True)
+        handle = open(fd, "rb", closefd=True)
+    finally:
+        if handle is None:  # refused (or interrupted): the descriptor is not handed on
+            os.close(fd)
+    return handle
+
+
+def read_bytes(path: pathlib.Path, limit: int, what: str = "file") -> bytes:
+    """The bytes of `path` (open_bounded's checks), never more than `limit` read: a file that grows past it while
+    it is read is TooLarge too."""
+    with open_bounded(path, limit, what) as handle:
+        data = handle.read(limit + 1)
+    if len(data) > limit:
+        raise _too_large(path, limit, what)
+    return data
+
+
+def _too_large(path: pathlib.Path, limit: int, what: str, size: int | None = None) -> TooLarge:
+    held = f"{size} bytes" if size is not None else "more"
+    return TooLarge(errno.EFBIG, f"{held}, over the {limit} bytes {what} may hold: not read (planted there, or "
+                                 "grown by another program? move it away)", str(path))

@@ -26,6 +26,7 @@ class TrainItem:
     advantage: float
     group: int
     old_logprobs: torch.Tensor | None = None  # [L]: the step's starting policy's log-probs (epochs x mini_batches > 1)
+    capability: float = 1.0  # hacpo: its sender's capability over the learner's (capability.py); 1 for the others
 
     @property
     def num_input_tokens(self) -> int:
@@ -61,6 +62,7 @@ class PackedBatch:
     gen_seq_eos_logprobs: torch.Tensor | None = None  # [S] with gen_seq_logprobs: its final EOS's (NaN: none)
     members: torch.Tensor | None = None  # [S] int64: the member that generated each sequence (pack sets it)
     stopped: torch.Tensor | None = None  # [S] bool: its generator stopped it at an EOS, its last token (pack sets it)
+    capability_ratio: torch.Tensor | None = None  # [S] float32: hacpo's c of each sequence's sender (pack sets it)
 
     @property
     def shares_prompts(self) -> bool:
@@ -151,6 +153,7 @@ def pack(items: list[TrainItem], shared_prompt: bool = False) -> PackedBatch:
         if foreign else None,
         members=torch.tensor([it.rollout.member for it in items], dtype=torch.long),
         stopped=torch.tensor([it.rollout.finish_reason == "stop" for it in items]),
+        capability_ratio=torch.tensor([it.capability for it in items], dtype=torch.float32),
     )
 
 

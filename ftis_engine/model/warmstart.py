@@ -18,6 +18,7 @@ import pickle
 import torch
 
 from ..config import ConfigError
+from ..core import safefile
 from ..data.tasks import prompt_ids
 from .precision import autocast, make_optimizer
 
@@ -46,11 +47,12 @@ def _locked(path: pathlib.Path):
     directory that cannot be made or written (FTIS_CACHE_DIR a file, a read-only place) is one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = safefile.open_lock(path)  # never through a link planted at its name
     except OSError as exc:
+        named = f"{exc.filename}: " if isinstance(exc, safefile.LinkRefused) else ""
         # from None: a one-line error for the user; the cause adds nothing to it
-        raise ConfigError(f"FTIS_CACHE_DIR: cannot keep warm starts in {path.parent} ({exc.strerror or exc}); point "
-                          "it at a writable directory") from None
+        raise ConfigError(f"FTIS_CACHE_DIR: cannot keep warm starts in {path.parent} ({named}{exc.strerror or exc}); "
+                          "point it at a writable directory") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -68,15 +70,13 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
                     master=None if master == torch.float32 else master)
     path = cache_dir() / f"{key}.pt"
     with _locked(path.with_suffix(".lock")):
-        state = _read(path, device)
+        state = _read(path, device, max_cache_bytes(model))
         if state is None:
             state = supervised_phase(model, tokenizer, task, settings, init_seed, device, dtype)
-            partial = path.with_suffix(f".tmp{os.getpid()}")
-            try:
-                torch.save(state, partial)
-                os.replace(partial, path)  # readers see a whole file or none
+            try:  # whole or none (readers see a whole file), never through a link
+                with safefile.open_write(path) as out:
+                    torch.save(state, out)
             except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as a RuntimeError
-                partial.unlink(missing_ok=True)
                 reason = getattr(exc, "strerror", None) or " ".join(str(exc).split())[:120]
                 # from None: a one-line error for the user; the cause adds nothing to it
                 raise ConfigError(f"FTIS_CACHE_DIR: cannot write {path} ({reason})") from None
@@ -89,13 +89,22 @@ def warm_start(model: torch.nn.Module, tokenizer, task, settings, model_spec: st
 _DAMAGED = (RuntimeError, EOFError, pickle.UnpicklingError, ValueError, OSError)
 
 
-def _read(path: pathlib.Path, device: torch.device) -> dict | None:
-    """A cached warm start, or None when there is none or it is broken (truncated, not a plain state dict, or one
-    that would run code when loaded): a broken one is said and rebuilt, never fatal to every later run."""
+def max_cache_bytes(model: torch.nn.Module) -> int:
+    """The most a cache entry of `model` may hold: twice its weights' bytes and 16 MiB (torch.save's archive adds
+    kilobytes); a file larger than that is no entry of this model's, and is not read."""
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return 2 * weights + (16 << 20)
+
+
+def _read(path: pathlib.Path, device: torch.device, limit: int) -> dict | None:
+    """A cached warm start, or None when there is none or it is broken (truncated, over `limit` bytes, not a plain
+    state dict, or one that would run code when loaded): a broken one is said and rebuilt, never fatal to every
+    later run."""
     if not path.is_file():
         return None
     try:
-        state = torch.load(path, map_location=device, weights_only=True)
+        with safefile.open_bounded(path, limit, "a warm-start cache entry") as handle:  # its size checked first
+            state = torch.load(handle, map_location=device, weights_only=True)
         if isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values()):
             return state
         problem = "not a state dict of tensors"

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core import safefile
 from ..data.rollouts import Rollout
 
 log = logging.getLogger("ftis_engine.report.metrics")
@@ -206,7 +207,7 @@ class MetricsLogger:
         self._trackers = list(trackers or [])
         self._marks = dict(marks or {})
         self.path = run_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = safefile.open_append(self.path, run_dir)  # never through a link planted at its name
         self._completions = None  # completions.jsonl, opened at the first sample (logging.completions)
         self._shared = shared
         self._tb = None
@@ -214,6 +215,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             folder = run_dir / "tensorboard" / tensorboard_subdir
+            os.close(safefile.open_folder(folder, run_dir))  # made here, never through a link planted in its place
             _after_event_files(folder)
             self._tb = SummaryWriter(log_dir=str(folder), purge_step=purge_step, filename_suffix=tensorboard_suffix)
 
@@ -249,7 +251,7 @@ class MetricsLogger:
 
     def _log_completion(self, record: dict) -> None:
         if self._completions is None:
-            self._completions = open(self.path.with_name("completions.jsonl"), "a", encoding="utf-8")
+            self._completions = safefile.open_append(self.path.with_name("completions.jsonl"))
         self._append(self._completions, record)
         if self._tb is not None:
             text = (f"**from {record['from']}** (v{record['policy_version']}), reward {record['reward']}, advantage "
@@ -400,13 +402,11 @@ def truncate_metrics(path: pathlib.Path, last_step: int) -> list[dict]:
     kept = [r for r in records if r["step"] <= last_step]
     if bad:
         aside = path.with_name(path.name + ".bad")
-        with open(aside, "a", encoding="utf-8") as out:
+        with safefile.open_append(aside) as out:
             out.writelines(f"{number}\t{line}\n" for number, line in bad)
         log.warning("%s: %d line(s) that are not records (first: line %d) moved to %s; the %d record(s) up to "
                     "step %d are kept", path, len(bad), bad[0][0], aside, len(kept), last_step)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    safefile.write_text(path, "".join(json.dumps(r) + "\n" for r in kept))  # whole, never through a link
     return [r for r in records if r["step"] > last_step]
 
 

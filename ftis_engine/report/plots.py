@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import pathlib
 
+from ..core.safefile import read_bytes, save_figure
 from .metrics import read_metrics
-from ..core.safefile import save_figure
 
 TRAIN_LABELS = {  # the train.png panels, key: (title, y label); the loss panel is named for the run's method
     "reward_mean": ("reward of its own rollouts", "mean reward"),
@@ -24,12 +24,16 @@ METHOD_NAMES = {"nois": "NoIS", "vis": "VIS", "tis": "TIS", "f-nois": "F-NoIS", 
                 "gepo": "GEPO"}  # algorithm.method as the paper writes it
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a run's config.yaml is kilobytes (config.load's bound; not imported: plot stays light)
+
+
 def run_method(run_dir: pathlib.Path) -> str | None:
     """The run's algorithm.method from its config.yaml (None when it has none or it cannot be read)."""
     import yaml
 
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+        raw = read_bytes(run_dir / "config.yaml", MAX_CONFIG_BYTES, "a run's config.yaml")  # bounded
+        config = yaml.safe_load(raw.decode("utf-8"))
         method = config["algorithm"]["method"]
     except (OSError, UnicodeDecodeError, yaml.YAMLError, KeyError, TypeError):
         return None

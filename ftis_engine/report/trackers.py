@@ -13,8 +13,12 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import pathlib
+import re
 import secrets
 from typing import Protocol
+
+from ..config import ConfigError
+from ..core import safefile
 
 TRACKERS = ("tensorboard", "wandb", "trackio")
 EXTRA_HINT = {"wandb": "pip install 'ftis-engine[wandb]' (or wandb)", "trackio": "pip install 'ftis-engine[trackio]' "
@@ -40,10 +44,10 @@ class WandbTracker:
         import wandb
 
         id_file = run_dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # wandb's id form
+        run_id = read_wandb_id(id_file) or secrets.token_hex(4)  # wandb's id form
         self.run = wandb.init(project=project, name=name, group=group, id=run_id, resume="allow", config=config,
                               dir=str(run_dir), reinit="create_new")
-        id_file.write_text(run_id)
+        safefile.write_text(id_file, run_id, run_dir)  # never through a link
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -52,6 +56,23 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+MAX_WANDB_ID_BYTES = 128  # an id is a few characters (ours: 8 hex digits)
+WANDB_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def read_wandb_id(id_file: pathlib.Path) -> str | None:
+    """The wandb run id kept in the run directory, or None when there is none: read bounded (MAX_WANDB_ID_BYTES) and
+    only an id's characters, else a ConfigError naming the file (it would name another run in wandb's records)."""
+    try:
+        raw = safefile.read_bytes(id_file, MAX_WANDB_ID_BYTES, "a wandb id file")
+    except FileNotFoundError:  # a new run (or a link to nothing): a new id
+        return None
+    run_id = raw.decode("utf-8", "replace").strip()
+    if not WANDB_ID.match(run_id):
+        raise ConfigError(f"{id_file}: not a wandb run id (letters, digits, - and _); move it away")
+    return run_id
 
 
 class TrackioTracker:

@@ -15,16 +15,16 @@ import os
 import pathlib
 import time
 
+from ..config import dump_config
 from ..core import safefile
 from ..exchange.adversary import measured_payloads
 from ..model.checkpoint import clear_staging, finalize_checkpoint, finalize_when_staged, stage_members
-from ..config import dump_config
-from .evaluate import evaluate_questions
-from ..report.trackers import open_trackers
 from ..report.metrics import MetricsLogger, eval_record, resume_records, return_freed_memory, truncate_metrics
 from ..report.plots import NothingToPlot, make_plots
 from ..report.progress import LEGEND, summary_line
-from .rundir import read_data_record, record_data
+from ..report.trackers import open_trackers
+from .evaluate import evaluate_questions
+from .rundir import RunDirError, read_data_record, record_data
 from .session import Swarm
 from .step import run_step
 
@@ -222,13 +222,36 @@ def warn_if_alone(swarm: Swarm, peer_sequences: dict[str, int], steps: int) -> N
 def write_final_shared(run_dir: pathlib.Path, final: list[dict]) -> None:
     """Async ranks finish at different times: each merges its members' final evals into final_eval.json and
     redraws the plots, under a lock (the last to finish leaves the complete picture)."""
-    with open(run_dir / ".final.lock", "w") as lock:
+    with open(safefile.open_lock(run_dir / ".final.lock", run_dir), "rb") as lock:  # never through a link
         fcntl.flock(lock, fcntl.LOCK_EX)
         path = run_dir / "final_eval.json"
         mine = {r["member"] for r in final}
-        kept = [r for r in (json.loads(path.read_text()) if path.is_file() else []) if r["member"] not in mine]
+        kept = [r for r in read_final_evals(path) if r["member"] not in mine]
         safefile.write_text(path, json.dumps(kept + final, indent=2), root=run_dir)
         end_plots(run_dir)
+
+
+MAX_FINAL_EVAL_BYTES = 16 << 20  # final_eval.json: a record per member and eval set, kilobytes
+
+
+def read_final_evals(path: pathlib.Path) -> list[dict]:
+    """The records another rank wrote to final_eval.json ([] when there is none), read bounded
+    (MAX_FINAL_EVAL_BYTES): one that is too large, not JSON or not a list of records with a member is a RunDirError
+    naming it (the file is left as it is)."""
+    if not path.exists() and not path.is_symlink():
+        return []
+    try:
+        records = json.loads(safefile.read_bytes(path, MAX_FINAL_EVAL_BYTES, "final_eval.json"))
+    except OSError as exc:
+        # from None: a one-line error for the user naming the file
+        raise RunDirError(f"{path}: {exc.strerror or type(exc).__name__}") from None
+    except ValueError as exc:  # json's errors, and bytes that are not UTF-8
+        # from None: a one-line error for the user naming the file
+        raise RunDirError(f"{path}: not JSON ({' '.join(str(exc).split())[:120]}); move it away") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and isinstance(r.get("member"), str)
+                                                for r in records):
+        raise RunDirError(f"{path}: not a list of eval records (each with its member); move it away")
+    return records
 
 
 def _log(swarm: Swarm, logger: MetricsLogger | None, step: int, records: list[dict],

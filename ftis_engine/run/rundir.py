@@ -14,7 +14,7 @@ import time
 
 from ..config import ConfigError, RunConfig, config_differences, load_config, validate_config
 from ..config.tasks import settings_read
-from ..core.safefile import write_text
+from ..core.safefile import LinkRefused, open_lock, write_text
 from ..model.checkpoint import complete_checkpoints, latest_checkpoint, read_state
 
 
@@ -186,7 +186,10 @@ class RunLock:
                               "is not a directory)")
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.run_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.run_dir / ".lock", self.run_dir)  # never through a link: its holder's line is written
+        except LinkRefused as exc:
+            # from None: a one-line error for the user naming the planted link
+            raise RunDirError(f"{where}: {exc.filename}: {exc.strerror}") from None
         except OSError as exc:
             # from None: a one-line error for the user; the cause adds nothing to it
             raise RunDirError(f"{where}: cannot write to {self.run_dir} ({exc.strerror or type(exc).__name__})"

@@ -7,7 +7,8 @@
     receive     the peers' parcels: sync, this step's (everybody waits for everybody); async, what has arrived
                 and is due, waiting only for a peer beyond the lead bound (exchange/pacer.py)
     admit       validated, re-scored, not stale, at most the intake budget, exchange/admission.py
-    advantages  A_i = (r_i - mean r) / (std r + 1e-8) over each prompt's group
+    advantages  A_i = (r_i - mean r) / (std r + 1e-8) over each prompt's group (hacpo: capability-weighted,
+                capability.py)
     update      one F-TIS step on its own rollouts (on-policy) and its peers' (off-policy), update.py
     sync        the new weights to its generator (and every weight_sync_every steps to its samplers)
 """
@@ -22,20 +23,21 @@ import time
 import torch
 from ftis_kernels import group_advantages
 
-from ..model import precision
-from ..exchange.adversary import wire_copy
-from ..model.batch import TrainItem, pack
-from ..model.checkpoint import diverging
-from . import sampling as sample
-from ..topology.layout import sampler_endpoints
-from ..member.members import Member
-from ..report.metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
 from ..data.rewards import WeightedValue
 from ..data.rollouts import Rollout, buffer_digest, encode
-from .samplers import flatten_weights
-from ..topology.schedule import learner_version, learning_rate
-from .session import Swarm
+from ..exchange.adversary import wire_copy
+from ..exchange.capability import hacpo_advantages
+from ..member.members import Member
+from ..model import precision
+from ..model.batch import TrainItem, pack
+from ..model.checkpoint import diverging
 from ..model.update import batch_loss, update_member
+from ..report.metrics import GpuMemory, Stopwatch, resident_mib, return_freed_memory, train_record
+from ..topology.layout import sampler_endpoints
+from ..topology.schedule import learner_version, learning_rate
+from . import sampling as sample
+from .samplers import flatten_weights
+from .session import Swarm
 
 log = logging.getLogger("ftis_engine")
 
@@ -175,11 +177,24 @@ def whole_groups(rollouts: list[Rollout], collaboration: str, group_size: int) -
 
 
 def training_items(swarm: Swarm, member: Member, rollouts: list[Rollout]) -> list[TrainItem]:
-    """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G)."""
+    """Advantages over each prompt's group (vertical: one member's G; horizontal: the swarm's G). hacpo: each
+    sender's capability ratio, from the member's tracker updated with these rollouts' rewards, weighs its cross
+    term and, in groups that hold several senders' rollouts (horizontal), its rewards in the baseline
+    (capability.py)."""
     rewards = torch.tensor([r.reward for r in rollouts], dtype=torch.float32)
     groups = torch.tensor(group_ids(rollouts, swarm.config.collaboration), dtype=torch.long)  # none: still ids
-    advantages = group_advantages(rewards, groups, scale=swarm.config.algorithm.scale_rewards == "group")
-    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g))
+    scale = swarm.config.algorithm.scale_rewards == "group"
+    ratios: dict[int, float] = {}  # hacpo: each sender's c; the other methods have none
+    if swarm.config.algorithm.method != "hacpo":
+        advantages = group_advantages(rewards, groups, scale=scale)
+    else:
+        tracker = swarm.receivers[member.index].capability
+        tracker.update([r.member for r in rollouts], [r.reward for r in rollouts])
+        ratios = {source: tracker.ratio(source) for source in {r.member for r in rollouts}}
+        weighted = ratios if swarm.config.collaboration == "horizontal" else {}  # vertical: a group is one sender's
+        sources = torch.tensor([r.member for r in rollouts], dtype=torch.long)
+        advantages = hacpo_advantages(rewards, groups, sources, member.index, weighted, scale)
+    return [TrainItem(r, swarm.prompt(member, r.prompt_index), float(a), int(g), capability=ratios.get(r.member, 1.0))
             for r, a, g in zip(rollouts, advantages, groups)]
 
 

@@ -41,6 +41,7 @@ ACCURACY_BOUNDS = (0.0, 1.0)
 DIFFERENCE_BOUNDS = (-1.0, 1.0)
 # The largest magnitude a number the aggregate computes with may have (record_problem): no count, second, mean or KL
 # of a run comes near it, and the sums over steps and seeds stay finite (1e308 overflowed the standard deviation).
+MAX_SUMMARY_BYTES = 256 << 20  # summary.json, read whole by verdicts and a rewrite: its seeds' numbers, MBs
 MAX_MAGNITUDE = 1e15
 # the train keys read_run computes with: each a number within MAX_MAGNITUDE where present
 NUMBERS = (*TRAIN_STATS, *PEER_STATS.values(), "sequences", "own_sequences")

@@ -13,6 +13,8 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, RunConfig, apply_value, config_differences, validate_config
+from ..config.load import MAX_CONFIG_BYTES
+from ..core.safefile import read_bytes
 from ..run.rundir import holds_run
 from .config import GroupSettings, StudyConfig, StudyError
 
@@ -271,7 +273,7 @@ def check_reuse(run: Run) -> None:
     if not saved.is_file() or not holds_run(run.run_dir):
         return
     try:
-        old = validate_config(yaml.safe_load(saved.read_text(encoding="utf-8")))
+        old = validate_config(yaml.safe_load(read_bytes(saved, MAX_CONFIG_BYTES, "a run's config.yaml").decode()))
     except (ConfigError, yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError):
         # from None: a one-line error for the user; the cause adds nothing to it
         raise StudyError(f"--output-dir: {saved} is not a run config; choose another --output-dir") from None
@@ -284,6 +286,7 @@ def check_reuse(run: Run) -> None:
 
 
 NOT_RECORDED = "not recorded"
+MAX_CODE_RECORD_BYTES = 16 << 20  # a run's code record: a line per launch
 
 
 def launched_under(run: Run) -> list[str]:
@@ -292,7 +295,7 @@ def launched_under(run: Run) -> list[str]:
     import json
 
     try:
-        lines = run.code_path.read_text(encoding="utf-8").splitlines()
+        lines = read_bytes(run.code_path, MAX_CODE_RECORD_BYTES, "a code record").decode().splitlines()
         commits = [str(json.loads(line)["commit"]) for line in lines if line.strip()]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return [NOT_RECORDED]
@@ -305,7 +308,7 @@ def launch_times(run: Run) -> list[str]:
     import json
 
     try:
-        lines = run.code_path.read_text(encoding="utf-8").splitlines()
+        lines = read_bytes(run.code_path, MAX_CODE_RECORD_BYTES, "a code record").decode().splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
     except (OSError, UnicodeDecodeError, ValueError):
         return []

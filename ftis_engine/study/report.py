@@ -17,9 +17,9 @@ import json
 import math
 import pathlib
 
-from ..core.safefile import write_json, write_text
+from ..core.safefile import read_bytes, write_json, write_text
 from ..data.tasks import load_task
-from .aggregate import ACCURACY_BOUNDS, ATTACK_SUFFIX, DIFFERENCE_BOUNDS, eval_questions
+from .aggregate import ACCURACY_BOUNDS, ATTACK_SUFFIX, DIFFERENCE_BOUNDS, MAX_SUMMARY_BYTES, eval_questions
 from .config import StudyConfig
 from .figures import curve_lines, distance_points, draw_figures, kl_measure  # noqa: F401 (importable from here)
 from .plan import Group, first_alone_groups, paired_alone, plan
@@ -280,7 +280,7 @@ def rewrite_report(study: StudyConfig, output_dir: pathlib.Path, figures: bool =
     """report.md (and, with `figures`, the figures) of a finished study written again from its summary.json with
     this code, nothing run and summary.json left as it is; eval set sizes a summary lacks are taken from the
     study's config (said in the report). Returns report.md's path."""
-    summary = json.loads((output_dir / "summary.json").read_text())
+    summary = json.loads(read_bytes(output_dir / "summary.json", MAX_SUMMARY_BYTES, "a study's summary.json"))
     if not summary.get("eval_questions"):
         summary["eval_questions"] = eval_questions_from_config(study, summary)
         summary["eval_questions_from"] = "config"

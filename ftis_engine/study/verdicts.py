@@ -29,8 +29,16 @@ import json
 import pathlib
 from typing import Any
 
-from ..core.safefile import write_text
-from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS, holm_adjusted, interval, margin_p, t_test_p
+from ..core.safefile import read_bytes, write_text
+from .aggregate import (
+    ACCURACY_BOUNDS,
+    DIFFERENCE_BOUNDS,
+    MAX_SUMMARY_BYTES,
+    holm_adjusted,
+    interval,
+    margin_p,
+    t_test_p,
+)
 from .config import COUNT_CLAIMS, EFFECT_CLAIMS, HypothesisTest, Preregistration, StudyError, load_study
 from .report import verdicts_markdown
 
@@ -189,7 +197,8 @@ def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command
     summaries = []
     for folder in dirs:
         try:
-            summaries.append(json.loads((folder / "summary.json").read_text(encoding="utf-8")))
+            raw = read_bytes(folder / "summary.json", MAX_SUMMARY_BYTES, "a study's summary.json")  # bounded
+            summaries.append(json.loads(raw))
         except (OSError, ValueError) as exc:
             # from None: a one-line error for the user; the cause adds nothing to it
             raise StudyError(f"--dir {folder}: no readable summary.json ({exc})") from None
