@@ -43,7 +43,7 @@ def main() -> None:
     if mode.startswith("slow:"):  # this rank's member generates `seconds` slower each step (a slow peer)
         import time
 
-        from ftis_engine.run.loop import sampling as sample
+        from ftis_engine.run import sampling as sample
 
         seconds, honest_generate = float(mode.split(":")[1]), sample.generate_rollouts
 

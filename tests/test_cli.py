@@ -137,7 +137,7 @@ def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path, capsys):
 
 def _main_exit(monkeypatch, capsys, raise_in_step, tmp_path) -> tuple[int, str]:
     """Run `train` in this process with run_step replaced by `raise_in_step`; (exit code, stderr)."""
-    from ftis_engine.run.loop import loop as run
+    from ftis_engine.run import loop as run
 
     monkeypatch.setattr(run, "run_step", raise_in_step)
     done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path, "--set", "eval.at_start=false",
@@ -174,7 +174,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_that_blocks
     checkpoint still blocks a plain rerun, and a Ctrl-C then names its newest checkpoint."""
 
     from ftis_engine.app import cli as cli_module
-    from ftis_engine.run.loop import loop as run
+    from ftis_engine.run import loop as run
 
     def fail(swarm, step):
         raise RuntimeError("a bug in step 1")
@@ -229,7 +229,7 @@ def test_ctrl_c_in_a_study_says_to_rerun_it_not_to_resume(monkeypatch, capsys, t
 
 
 def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):
-    from ftis_engine.run.loop import preflight
+    from ftis_engine.run import preflight
     from ftis_engine.config import ConfigError, load_config
 
     monkeypatch.setattr(preflight, "check_model_spec", lambda spec: pytest.fail("a model was looked up first"))
@@ -385,7 +385,7 @@ def test_a_second_ctrl_c_while_the_first_is_cleaned_up_is_ignored_and_its_line_s
     import signal
     import time
 
-    from ftis_engine.run.loop import session
+    from ftis_engine.run import session
 
     def interrupt(swarm, step):
         signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the step (the handler raises here; waited for, in case)

@@ -188,7 +188,7 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
 
     from .helpers import SHORT, TINY
 
-    leftovers = set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit"))
+    leftovers = set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.*"))
     args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
     for o in [*SHORT, "run_name=swarm", "eval.every=0", "members.0.lr=1e30"]:
         args += ["--set", o]
@@ -198,7 +198,7 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     assert result.returncode == 1, result.stderr
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
-    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher's is gone
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.*")) == leftovers  # the launcher's is gone
 
 
 def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and_how_to_go_on(tmp_path, monkeypatch,
@@ -223,7 +223,7 @@ def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and
     monkeypatch.setattr(api, "elastic_launch", elastic_launch)
     monkeypatch.delenv("FTIS_FINAL_EXIT_FILE", raising=False)
     assert _launch(short_config(), tmp_path / "run", False, 2) == FAILED
-    assert inherited[0].endswith(".final-exit")
+    assert inherited[0].endswith("/final-exit") and not pathlib.Path(inherited[0]).parent.exists()  # its folder went
     err = capsys.readouterr().err
     assert "rank 1 (tiny-m-lora) failed with signal 9" in err, err
     assert err.startswith("error: swarm stopped: ") and "continue with --resume" in err

@@ -61,7 +61,7 @@ def test_a_shard_that_does_not_push_gathers_every_parameter_and_keeps_nothing(mo
     """Every shard of a sharded member takes part in each parameter's gather (a collective); only its leader, which
     pushes, keeps the flat buffer: the others made a whole float32 copy of the model at every push and threw it
     away."""
-    from ftis_engine.run.loop import samplers
+    from ftis_engine.run import samplers
 
     learner, _ = member(0)
     gathered = []

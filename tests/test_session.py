@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from ftis_engine.run.loop import loop as run, restore, rundir, session
+from ftis_engine.run import loop as run, restore, rundir, session
 from ftis_engine.config import ConfigError, dump_config
 from ftis_engine.run.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
 from ftis_engine.run.session import AgreedError, Start, foreign_tokenizers, open_run
@@ -299,7 +299,7 @@ def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(
 
 
 def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_path, monkeypatch):
-    from ftis_engine.run.loop import session
+    from ftis_engine.run import session
 
     config, run_dir = trained
     copy = tmp_path / "copy"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ftis_engine.report import metrics
-from ftis_engine.run.loop import step as step_module
+from ftis_engine.run import step as step_module
 from ftis_engine.data.rollouts import Rollout
 from ftis_engine.run.session import Start, open_run
 from ftis_engine.run.step import group_ids, training_items
@@ -149,7 +149,7 @@ def test_each_generate_call_of_a_step_has_seeds_of_its_own(tmp_path, monkeypatch
     """A `long` adversary generates its step in two calls (the prompts it fills to the limit, and the rest): the
     second call is seeded past the first one's completions, not with the same seed, which gave its first prompts the
     first call's noise (the HF generator's stream, vLLM's per-request seeds, its default generator)."""
-    from ftis_engine.run.loop import sampling as sample
+    from ftis_engine.run import sampling as sample
 
     swarm, _ = open_run(short_config("members.0.adversary.kind=long", "members.0.adversary.rate=0.5"), Start(tmp_path / "run"))
     member = swarm.members[0]
