@@ -35,7 +35,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from ftis_engine.metrics import read_metrics  # noqa: E402
+from ftis_engine.report.metrics import read_metrics  # noqa: E402
 from tests.ports import free_port  # noqa: E402  (a port a test beside this one cannot take meanwhile)
 
 SETTINGS = ["sync", "0", "1", "2", "4", "null"]  # sync mode, then async mode by swarm.max_lead
@@ -58,7 +58,7 @@ def worker(slowdown: float, jitter: float, args: list[str]) -> None:
             return honest(swarm, member, dealt, version, seed)
 
         sample.generate_rollouts = slow_generate
-    from ftis_engine.cli import main as cli_main
+    from ftis_engine.app.cli import main as cli_main
 
     cli_main(args)
 

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from ftis_engine.exchange.sync import Collectives, DistributedSync  # noqa: E402
-from ftis_engine.rollouts import Rollout, encode, max_buffer_words, wire_bytes  # noqa: E402
+from ftis_engine.data.rollouts import Rollout, encode, max_buffer_words, wire_bytes  # noqa: E402
 from tests.ports import free_port  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"

@@ -34,9 +34,9 @@ def build(model: str, generator: str, dtype: str, args):
     """One member of `model` generating with `generator` in `dtype` (HF: the member's compute dtype, bf16 under
     autocast; vLLM: the engine's), through the engine's own builder, and its task."""
     from ftis_engine.config import load_config
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
-    from ftis_engine.tasks import load_task
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.data.tasks import load_task
 
     overrides = [f"members=[{{name: m, model: 'packaged:{model}', generator: {generator}, device: cpu}}]",
                  "collaboration=alone", f"rollout.max_new_tokens={args.max_new_tokens}",
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     import vllm
 
     from ftis_engine.generation import SamplingSettings
-    from ftis_engine.tasks import prompt_ids
+    from ftis_engine.data.tasks import prompt_ids
 
     result = {"machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
               "cpu": _cpu_name(), "torch": torch.__version__, "vllm": vllm.__version__,

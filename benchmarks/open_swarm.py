@@ -50,7 +50,7 @@ ROLLOUT = ("rollout.group_size=4", "rollout.prompts_per_step=2")
 
 def _records(run: pathlib.Path, name: str) -> list[dict]:
     """A member's train records, read while it runs (or after a kill -9): the line it is writing is left out."""
-    from ftis_engine.metrics import read_metrics
+    from ftis_engine.report.metrics import read_metrics
 
     return read_metrics(run / "members" / name / "metrics.jsonl", kinds="train")
 
@@ -67,7 +67,7 @@ def member(step_seconds: float, args: list[str]) -> None:
             return honest(*a, **kw)
 
         sample.generate_rollouts = slower
-    from ftis_engine.cli import main as cli_main
+    from ftis_engine.app.cli import main as cli_main
 
     cli_main(args)
 

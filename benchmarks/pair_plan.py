@@ -1,5 +1,5 @@
 """The GPU memory of issue 67's runs, worked out before a GPU is lent: what each member's training takes
-(ftis_engine.preflight.training_bytes, the start-up memory plan's own estimate, plus a process's overhead) and what
+(ftis_engine.run.preflight.training_bytes, the start-up memory plan's own estimate, plus a process's overhead) and what
 its vLLM engine needs when its KV cache is sized from the run (members.N.vllm.kv_cache_gib: keys and values of the
 member's completions of a step at the engine's full length, ftis_engine.generation.engine_weights.kv_cache_bytes),
 against an H100's 80 GB and an H200's 141 GB, for the configs benchmarks/run_pair_gpu.sh runs.
@@ -49,7 +49,7 @@ class MemberPlan:
 
 def completions_a_step(config, index: int) -> int:
     """The completions member `index` generates in a step (its deal), or its eval's greedy ones if more."""
-    from ftis_engine.schedule import deal
+    from ftis_engine.topology.schedule import deal
 
     rollout = config.rollout
     dealt = deal(list(range(rollout.prompts_per_step)), index, len(config.members), config.collaboration,
@@ -60,10 +60,10 @@ def completions_a_step(config, index: int) -> int:
 def kv_need(config, index: int) -> int:
     """Bytes of KV cache member `index`'s engine needs: kv_cache_bytes at the engine's length (data.max_prompt_tokens
     + the longest completion) for a step's completions."""
-    from ftis_engine.context import engine_length
+    from ftis_engine.data.context import engine_length
     from ftis_engine.generation.engine_weights import kv_cache_bytes
     from ftis_engine.generation.vllm import ENGINE_DTYPES
-    from ftis_engine.preflight import model_shape
+    from ftis_engine.run.preflight import model_shape
 
     member = config.members[index]
     shape = types.SimpleNamespace(**model_shape(member.model))
@@ -73,7 +73,7 @@ def kv_need(config, index: int) -> int:
 
 def member_plan(config, index: int) -> MemberPlan:
     from ftis_engine.generation.vllm import ENGINE_DTYPES
-    from ftis_engine.preflight import PROCESS_OVERHEAD_BYTES, model_shape, parameter_counts, training_bytes
+    from ftis_engine.run.preflight import PROCESS_OVERHEAD_BYTES, model_shape, parameter_counts, training_bytes
 
     member = config.members[index]
     shape = model_shape(member.model)

@@ -74,7 +74,7 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 
 def read_train_records(path: pathlib.Path) -> list[dict]:
     """The `kind: train` records of a metrics.jsonl, in file order."""
-    from ftis_engine.metrics import read_metrics
+    from ftis_engine.report.metrics import read_metrics
 
     return [r for r in read_metrics(path) if r.get("kind") == "train"]
 
@@ -167,10 +167,10 @@ def ours_settings(run_dir: pathlib.Path) -> dict[str, dict]:
     """What each member of an ftis-engine run ran with, from its resolved config.yaml, `auto` resolved by the
     engine's own rules for the member's device on this machine (run it where the run ran: attention's `auto` depends
     on the GPU's torch): {member: {SETTINGS}}; `compile` is the decoder layers' mode (train.layers)."""
-    from ftis_engine import layers, precision
+    from ftis_engine.model import layers, precision
     from ftis_engine.config import load_config
-    from ftis_engine.members import attention_implementation
-    from ftis_engine.preflight import member_device
+    from ftis_engine.member.members import attention_implementation
+    from ftis_engine.run.preflight import member_device
 
     config = load_config(run_dir / "config.yaml")
     out = {}
@@ -196,7 +196,7 @@ def ours_settings(run_dir: pathlib.Path) -> dict[str, dict]:
 
 def vocab_size(spec: str) -> int:
     """The rows of a model's embedding: a built-in's are its tokenizer's ids, any other model's its config's."""
-    from ftis_engine.models import is_builtin, load_tokenizer, source
+    from ftis_engine.model.models import is_builtin, load_tokenizer, source
 
     if is_builtin(spec):
         return len(load_tokenizer(spec))

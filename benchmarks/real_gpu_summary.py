@@ -21,7 +21,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def records(path: pathlib.Path, kind: str) -> list[dict]:
-    from ftis_engine.metrics import read_metrics
+    from ftis_engine.report.metrics import read_metrics
 
     return read_metrics(path, kinds=kind, strict=True)
 

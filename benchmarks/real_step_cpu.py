@@ -45,7 +45,7 @@ SIDES = {
 
 def run_side(side: str, steps: int, seed: int) -> dict:
     """One run of the pair with `side`'s settings: its train records and wall time."""
-    from ftis_engine.metrics import read_metrics
+    from ftis_engine.report.metrics import read_metrics
 
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "ftis_engine", "train", "--config", str(CONFIG), "--output-dir", out,

@@ -47,7 +47,7 @@ def run_once(steps: int | None, threads: int | None, load: int, seed: int | None
             if result.returncode != 0:
                 row["error"] = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
                 return row
-            from ftis_engine.metrics import read_metrics
+            from ftis_engine.report.metrics import read_metrics
 
             evals = read_metrics(pathlib.Path(out) / "tiny" / "metrics.jsonl", kinds="eval", strict=True)
             last = max(r["step"] for r in evals)

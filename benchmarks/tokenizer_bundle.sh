@@ -17,13 +17,13 @@ fi
 source_dir=$($FTIS models fetch "$name" | tail -1)
 target="$repo/.tok/models/$name"
 rm -rf "$repo/.tok" && mkdir -p "$target"
-# what `ftis_engine.models.builtin_tokenizer_dir` loads from, and the marker packaged.resolve looks for
+# what `ftis_engine.model.models.builtin_tokenizer_dir` loads from, and the marker packaged.resolve looks for
 cp "$source_dir"/{tokenizer.json,tokenizer_config.json,chat_template.jinja,ftis-package.json} "$target/"
 mkdir -p "$repo/.git/info" && (grep -qx '/.tok/' "$repo/.git/info/exclude" 2>/dev/null ||
   echo '/.tok/' >> "$repo/.git/info/exclude")
 # the files alone must serve: the tokenizer of builtin:shape-1.5b-qwen, loaded from them
 FTIS_CACHE_DIR="$repo/.tok" ${FTIS_PYTHON:-/work/venv/bin/python} -c "
-from ftis_engine.models import load_tokenizer
+from ftis_engine.model.models import load_tokenizer
 tokenizer = load_tokenizer('builtin:shape-1.5b-qwen')
 assert len(tokenizer) == 151_936, len(tokenizer)
 print('builtin:shape-1.5b-qwen loads its tokenizer from .tok:', len(tokenizer), 'ids')"

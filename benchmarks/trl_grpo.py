@@ -9,14 +9,14 @@ can take from ours' config: `like_ours`; the defaults are the 2026-11-27 run's):
   attention of `--attn` and handed to TRL as a model. `--model builtin:shape-1.5b-qwen` takes Qwen2.5's vocabulary
   (151,936 ids, the packaged Qwen2.5-Coder's tokenizer) where the default's shipped tokenizer has 101 ids;
 - attention (`--attn`): `sdpa` (the 2026-11-27 run: TRL's padded micro-batches with their padding mask) or
-  `varlen`, ours' own (`ftis_engine.attention`: torch's FlashAttention-2 varlen kernel, what ours'
+  `varlen`, ours' own (`ftis_engine.model.attention`: torch's FlashAttention-2 varlen kernel, what ours'
   `train.attn_implementation: varlen` runs): each padded micro-batch's tokens are packed into one row, one
   sequence a row of the batch, attended by ours' function and put back (`padded_varlen_attention`), as
   transformers' flash_attention_2 treats a padded batch; TRL's GRPO trainer packs nothing itself;
 - precision (`--precision`): `fp32-master` (the default, as ours trains: float32 weights and AdamW states, bf16
   compute under autocast, TRL's `bf16=True` on a float32 model), `bf16` (weights and states in bf16: the
   2026-11-27 run, benchmarks/results/pair_h200) or `fp32` (the CPU quick mode's);
-- decoder layers (`--layers`): compiled one at a time as ours compiles them (ftis_engine.layers.compile_layers) or
+- decoder layers (`--layers`): compiled one at a time as ours compiles them (ftis_engine.model.layers.compile_layers) or
   eager; `auto` as ours' `train.layers: auto`: compiled on a GPU, eager on a CPU. The 2026-11-27 run was eager;
 - prompts: the built-in task's training questions (tiny-last), prompted as the engine prompts them; the reward
   wraps the task's own reward;
@@ -202,7 +202,7 @@ def task_dataset(task, tokenizer):
     """The task's training questions as TRL prompts (the engine's own prompt text), with their gold answers."""
     from datasets import Dataset
 
-    from ftis_engine.tasks import prompt_text
+    from ftis_engine.data.tasks import prompt_text
 
     return Dataset.from_dict({"prompt": [prompt_text(tokenizer, task, ex.question) for ex in task.train],
                               "answer": [ex.answer for ex in task.train]})
@@ -213,7 +213,7 @@ def export_model(spec: str, seed: int, dtype: torch.dtype, directory: pathlib.Pa
     from the CPU's) and save it with its tokenizer where TRL and vLLM load from; returns the tokenizer. (Its
     attention is the trainer's to choose when it loads the files: trainer_model.)"""
     from ftis_engine.generation.engine_weights import save_for_engine
-    from ftis_engine.models import load_model, load_tokenizer
+    from ftis_engine.model.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(spec)
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")  # configs/gpu/alone-shape-1.5b.yaml's
@@ -227,14 +227,14 @@ def export_model(spec: str, seed: int, dtype: torch.dtype, directory: pathlib.Pa
 
 def padded_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention interface for TRL's padded micro-batches, through ours' varlen attention
-    (ftis_engine.attention.varlen_attention: torch's FlashAttention-2 varlen kernel on a packed row). query
+    (ftis_engine.model.attention.varlen_attention: torch's FlashAttention-2 varlen kernel on a packed row). query
     [B, H, T, D], key and value [B, H_kv, T, D], attention_mask [B, T] (1 = a token) or None; returns [B, T, H, D]
     and no weights. The tokens of each row are packed one row after the other, positions restarting at 0 for each
     (the sequence bounds ours reads), so each attends causally to the tokens before it in its own row, padding
     skipped: what sdpa computes under a causal and padding mask. Padding positions get zeros (the loss reads none
     of them). A query shorter than its key (decoding with a cache; TRL generates with vLLM) goes to ours' function
     as it is."""
-    from ftis_engine import attention
+    from ftis_engine.model import attention
 
     if query.shape[2] != key.shape[2]:
         return attention.varlen_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
@@ -261,7 +261,7 @@ def register_padded_varlen() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
-    from ftis_engine import attention
+    from ftis_engine.model import attention
 
     AttentionInterface.register(attention.NAME, padded_varlen_attention)
     AttentionMaskInterface.register(attention.NAME, flash_attention_mask)
@@ -273,7 +273,7 @@ def trainer_model(directory: pathlib.Path, master: torch.dtype, attn: str, layer
     `layer_mode` is `compile`."""
     from transformers import AutoModelForCausalLM
 
-    from ftis_engine import attention, layers
+    from ftis_engine.model import attention, layers
 
     if attn == attention.NAME:
         register_padded_varlen()
@@ -357,7 +357,7 @@ def like_ours(path: str, sets: list[str]) -> dict:
     and the engine's memory. What TRL cannot take from it: its micro-batches (16 completions), its engine's sleep
     level (2, colocated) and seeding (once), recorded in the JSON's settings."""
     from ftis_engine.config import ConfigError, load_config
-    from ftis_engine.members import member_init_seed
+    from ftis_engine.member.members import member_init_seed
 
     config = load_config(path, sets)
     member = config.members[0]
@@ -469,9 +469,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from trl import GRPOTrainer
 
-    from ftis_engine import layers
+    from ftis_engine.model import layers
     from ftis_engine.config import DataSettings
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()

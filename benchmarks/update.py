@@ -36,13 +36,13 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from ftis_engine import layers, precision  # noqa: E402
+from ftis_engine.model import layers, precision  # noqa: E402
 from ftis_engine.config import MemberSettings, TrainSettings  # noqa: E402
-from ftis_engine.errors import first_line  # noqa: E402
-from ftis_engine.members import Member, attention_implementation, enable_checkpointing  # noqa: E402
-from ftis_engine.batch import TrainItem, pack  # noqa: E402
-from ftis_engine.rollouts import Rollout  # noqa: E402
-from ftis_engine.update import batch_loss  # noqa: E402
+from ftis_engine.core.errors import first_line  # noqa: E402
+from ftis_engine.member.members import Member, attention_implementation, enable_checkpointing  # noqa: E402
+from ftis_engine.model.batch import TrainItem, pack  # noqa: E402
+from ftis_engine.data.rollouts import Rollout  # noqa: E402
+from ftis_engine.model.update import batch_loss  # noqa: E402
 from ftis_kernels import LossConfig  # noqa: E402
 from ftis_kernels.epilogue import ftis_objective  # noqa: E402
 

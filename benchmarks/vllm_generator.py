@@ -35,8 +35,8 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 def build(model: str, generator: str, max_new_tokens: int, utilization: float):
     from ftis_engine.config import load_config
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
 
     cfg = load_config(TINY, [f"members.0.model={model}", f"members.0.generator={generator}", "members.0.lora=null",
                              f"members.0.vllm.gpu_memory_utilization={utilization}", "train.device=cuda",

@@ -1,3 +1,3 @@
-from .entry import main
+from .app.entry import main
 
 main()

@@ -8,11 +8,11 @@ import sys
 import torch
 
 from ftis_engine.config import load_config
-from ftis_engine.members import build_member
-from ftis_engine.metrics import read_metrics
-from ftis_engine.preflight import check_members
-from ftis_engine.batch import TrainItem
-from ftis_engine.rollouts import Rollout
+from ftis_engine.member.members import build_member
+from ftis_engine.report.metrics import read_metrics
+from ftis_engine.run.preflight import check_members
+from ftis_engine.model.batch import TrainItem
+from ftis_engine.data.rollouts import Rollout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def command_here(capsys, *args):
     import signal
     import subprocess
 
-    from ftis_engine import cli
+    from ftis_engine.app import cli
 
     argv = [str(a) for a in args]
     capsys.readouterr()

@@ -14,7 +14,8 @@ project's development and CI machines run a kernel built without sch_netem: `tc`
 is unknown"), a shaper process in the router namespace takes every forwarded packet off a TUN device (policy
 routing), drops it with the links' loss and writes it back after the links' delay: real packets on real TCP
 connections (retransmissions, congestion control and all), the delay and loss applied in user space instead of in
-the kernel's qdisc. `NetLab.shaping` says which one ran.
+the kernel's qdisc. `NetLab.shaping` says which one ran; the shaper's record of the delay it gave each packet is
+`NetLab.shaped()`.
 
 Needs root (CAP_NET_ADMIN) and `ip`; `NetLab.unavailable()` gives the reason when not, for a test's skip.
 """
@@ -28,6 +29,7 @@ import random
 import re
 import select
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -248,6 +250,20 @@ class NetLab:
 
     # ------------------------------------------------------------------------------------------- processes
 
+    def shaped(self) -> dict[tuple[str, str], dict[int, int]]:
+        """The TUN shaper's record so far: for each (source, destination) host ("here": the test process), the packets
+        it forwarded, by the delay it held them for in ms (the two links' delays together)."""
+        assert self.shaper is not None, "no shaper: this lab shapes with netem"
+        self.shaper.send_signal(signal.SIGUSR1)
+        import json
+
+        names = {str(i): name for name, i in self.index.items()} | {str(HERE): "here"}
+        record: dict[tuple[str, str], dict[int, int]] = {}
+        for key, packets in json.loads(self.shaper.stdout.readline()).items():
+            source, destination, delay_ms = key.split()
+            record.setdefault((names[source], names[destination]), {})[int(delay_ms)] = packets
+        return record
+
     def popen(self, host: str, argv: list[str], **kw) -> subprocess.Popen:
         """Run argv on a host (in its namespace); killed at close."""
         p = subprocess.Popen(["ip", "netns", "exec", self.namespaces[host], *argv], **kw)
@@ -260,12 +276,16 @@ class NetLab:
 
 def shape(device: str, links: dict[str, list[float]]) -> None:
     """Forward every packet read from the TUN `device` back into it after the delay of the links it crosses
-    (source's and destination's, by the third octet of the address), or drop it with their loss."""
+    (source's and destination's, by the third octet of the address), or drop it with their loss. SIGUSR1 prints
+    what it forwarded so far, on one line of JSON: "<source> <destination> <delay in ms>" -> packets."""
     import fcntl
+    import json
 
     TUNSETIFF, IFF_TUN, IFF_NO_PI = 0x400454CA, 0x0001, 0x1000
     fd = os.open("/dev/net/tun", os.O_RDWR)
     fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", device.encode(), IFF_TUN | IFF_NO_PI))
+    held: dict[str, int] = {}
+    signal.signal(signal.SIGUSR1, lambda signum, frame: print(json.dumps(held), flush=True))
     print("ready", flush=True)
     delay = {int(k): v[0] / 1000 for k, v in links.items()}
     loss = {int(k): v[1] for k, v in links.items()}
@@ -282,8 +302,10 @@ def shape(device: str, links: dict[str, list[float]]) -> None:
                 kept = (1 - loss.get(src, 0.0)) * (1 - loss.get(dst, 0.0))
                 if rng.random() < kept:
                     sequence += 1
-                    heapq.heappush(due, (time.monotonic() + delay.get(src, 0.0) + delay.get(dst, 0.0), sequence,
-                                         packet))
+                    hold = delay.get(src, 0.0) + delay.get(dst, 0.0)
+                    heapq.heappush(due, (time.monotonic() + hold, sequence, packet))
+                    key = f"{src} {dst} {round(1000 * hold)}"  # recorded as given (NetLab.shaped)
+                    held[key] = held.get(key, 0) + 1
         now = time.monotonic()
         while due and due[0][0] <= now:
             os.write(fd, heapq.heappop(due)[2])

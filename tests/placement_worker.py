@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ftis_engine import layers
-from ftis_engine.members import build_member, shard_member
-from ftis_engine.preflight import check_members
-from ftis_engine.fsdp import Shard, full, full_state_dict
-from ftis_engine.update import accumulate_gradients, update_member
+from ftis_engine.model import layers
+from ftis_engine.member.members import build_member, shard_member
+from ftis_engine.run.preflight import check_members
+from ftis_engine.model.fsdp import Shard, full, full_state_dict
+from ftis_engine.model.update import accumulate_gradients, update_member
 from tests.helpers import random_items, short_config
 
 

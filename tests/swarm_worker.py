@@ -11,7 +11,7 @@ import sys
 import torch
 
 from ftis_engine.exchange import async_, sync
-from ftis_engine.rollouts import HEADER_WORDS
+from ftis_engine.data.rollouts import HEADER_WORDS
 
 
 def corrupt(buffer: torch.Tensor, mode: str) -> torch.Tensor:
@@ -31,7 +31,7 @@ def corrupt(buffer: torch.Tensor, mode: str) -> torch.Tensor:
     elif mode == "oversized":  # announces more than any honest buffer this step could hold
         buffer = torch.cat([buffer, torch.zeros(1_000_000, dtype=torch.int32)])
     elif mode == "extra":  # one more completion of the first prompt than was dealt (a re-encoded copy)
-        from ftis_engine.rollouts import decode, encode
+        from ftis_engine.data.rollouts import decode, encode
 
         rollouts = decode(buffer)
         buffer = encode(rollouts + rollouts[:1])
@@ -43,7 +43,7 @@ def main() -> None:
     if mode.startswith("slow:"):  # this rank's member generates `seconds` slower each step (a slow peer)
         import time
 
-        from ftis_engine.generation import sample
+        from ftis_engine.run import sampling as sample
 
         seconds, honest_generate = float(mode.split(":")[1]), sample.generate_rollouts
 
@@ -81,7 +81,7 @@ def main() -> None:
             return honest_send(self, {self.rank: corrupt(buffers[self.rank], how)}, step)
 
         transport.send = send
-    from ftis_engine.cli import main as cli_main
+    from ftis_engine.app.cli import main as cli_main
 
     cli_main(args)
 

@@ -14,9 +14,9 @@ from ftis_engine.config import ConfigError, load_config
 from ftis_engine.exchange import Parcel
 from ftis_engine.exchange.admission import Admission
 from ftis_engine.exchange.verify import RolloutChecker, validate
-from ftis_engine.rollouts import Rollout, RolloutError, decode, encode
-from ftis_engine.schedule import Schedule
-from ftis_engine.tasks import Example, Task
+from ftis_engine.data.rollouts import Rollout, RolloutError, decode, encode
+from ftis_engine.topology.schedule import Schedule
+from ftis_engine.data.tasks import Example, Task
 
 from .helpers import SHORT, TINY, short_config
 
@@ -122,7 +122,7 @@ def test_a_claimed_reward_that_the_receiver_does_not_reproduce_is_rejected():
 
 
 def test_a_re_score_that_times_out_leaves_out_its_group_not_the_batch():
-    from ftis_engine.rewards import RewardTimeout
+    from ftis_engine.data.rewards import RewardTimeout
 
     def reward(text, gold):  # math-verify runs out of time on one answer (the text of token ids 3 3 3)
         if text == "333":
@@ -141,13 +141,29 @@ def test_a_re_score_that_times_out_leaves_out_its_group_not_the_batch():
     assert task.score(DigitTokenizer(), [rollouts[1].completion_ids], [TASK.train[10]]) == [0.0]  # eval's: 0
 
 
+def test_a_re_score_that_fails_refuses_the_parcel_in_one_line_with_the_rewards_error_as_its_cause():
+    """The reward raising on a peer's text (its own bug, or text it cannot take) refuses the parcel with one line; what
+    it raised stays the refusal's cause, for whoever reads the traceback."""
+    from ftis_engine.data.tasks.base import RewardError
+
+    def reward(text, gold):
+        raise ZeroDivisionError("the reward's own bug")
+
+    task = Task(name="digits", train=TASK.train, evals={}, reward=reward)
+    checker = RolloutChecker(task, DigitTokenizer(), vocab_size=100, max_new_tokens=8)
+    with pytest.raises(RolloutError, match=r"^cannot score the completions: data.reward: .* raised ZeroDivisionError: "
+                                           r"the reward's own bug$") as caught:
+        _check(checker, _rollouts(1, {10: 1}))
+    assert isinstance(caught.value.__cause__, RewardError)
+
+
 def test_an_honest_sender_whose_scoring_timed_out_is_no_liar_and_both_sides_leave_that_group_out():
     """The sender's math-verify ran out of time under its load (a receiver's would not): it sends the completion
     unscored (NaN on the wire) instead of a 0 the receiver would contradict. The receiver keeps the parcel, leaves
     that prompt's group out, and counts it; the sender leaves the same group out of its own update."""
-    from ftis_engine.generation.sample import generate_rollouts
-    from ftis_engine.rewards import RewardTimeout
-    from ftis_engine.step import drop_unscored
+    from ftis_engine.run.sampling import generate_rollouts
+    from ftis_engine.data.rewards import RewardTimeout
+    from ftis_engine.run.step import drop_unscored
 
     def loaded(text, gold):  # the sender, under load: math-verify times out on the text "333"
         if text == "333":
@@ -426,9 +442,9 @@ def test_the_length_guards_own_lengths_go_into_the_checkpoint_and_a_resume_measu
     warns; a malformed one stops the resume with one line naming the file."""
     import json
 
-    from ftis_engine.run import train
-    from ftis_engine.rundir import RunDirError
-    from ftis_engine.session import Start, open_run
+    from ftis_engine.run.loop import train
+    from ftis_engine.run.rundir import RunDirError
+    from ftis_engine.run.session import Start, open_run
 
     size = ("rollout.max_new_tokens=6", "eval.every=0", "eval.at_start=false", "checkpoint.every=2",
             "defense.max_length_ratio=1.5")

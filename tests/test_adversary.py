@@ -1,4 +1,4 @@
-"""Members that lie on the wire (ftis_engine/adversary.py): what a forger sends, that it trains honestly itself,
+"""Members that lie on the wire (ftis_engine/exchange/adversary.py): what a forger sends, that it trains honestly itself,
 and what its forged generation log-probs do to an honest receiver's importance weights and KL filter."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import torch
 
 import math
 
-from ftis_engine.adversary import FORGED_HIGH, PAYLOAD, carries_payload, lie, plant, plant_payloads
+from ftis_engine.exchange.adversary import FORGED_HIGH, PAYLOAD, carries_payload, lie, plant, plant_payloads
 from ftis_engine.exchange.verify import implausible_claims
 from ftis_engine.config import ConfigError
-from ftis_engine.rollouts import Rollout, decode, encode
-from ftis_engine.run import train
-from ftis_engine.session import Start, open_run
+from ftis_engine.data.rollouts import Rollout, decode, encode
+from ftis_engine.run.loop import train
+from ftis_engine.run.session import Start, open_run
 
 from .helpers import run_records, short_config
 
@@ -122,7 +122,7 @@ def test_a_long_adversary_fills_its_completions_to_the_limit_with_honest_claims(
     ("in-context", ";82", None),  # no column to plant in
 ])
 def test_a_payload_is_planted_in_the_reasoning_and_recognised_there(kind, text, planted):
-    from ftis_engine.tasks.arith import scratchpad_reward
+    from ftis_engine.data.tasks.arith import scratchpad_reward
 
     assert plant(kind, text) == planted
     if planted is not None:
@@ -217,8 +217,8 @@ def test_an_injectors_planted_completions_reach_an_undefended_receiver_and_its_e
 def test_eval_reports_each_payloads_base_rate_in_an_honest_run_when_asked(tmp_path):
     """eval.payloads: the share of each member's greedy completions carrying each payload, with nobody lying
     (a stand-in generator writes them: one in four planted, one in four a first column one too high)."""
-    from ftis_engine.evaluate import evaluate_member
-    from ftis_engine.tasks import Example, load_task
+    from ftis_engine.run.evaluate import evaluate_member
+    from ftis_engine.data.tasks import Example, load_task
 
     from .helpers import member
 
@@ -276,7 +276,7 @@ def test_the_claims_monitors_tests_go_into_the_checkpoint_and_a_resume_goes_on_w
     one line naming the file."""
     import shutil
 
-    from ftis_engine.rundir import RunDirError
+    from ftis_engine.run.rundir import RunDirError
 
     size = ("rollout.max_new_tokens=16", "rollout.group_size=8", "rollout.prompts_per_step=8", "eval.at_start=false",
             "eval.every=0", "checkpoint.every=2", "defense.claims_monitor=true", "members.1.adversary.kind=forge-filter")

@@ -9,8 +9,8 @@ import pytest
 
 from ftis_engine.config import ConfigError, LatencySettings
 from ftis_engine.exchange.async_ import Latency
-from ftis_engine.run import train
-from ftis_engine.session import Start, open_run
+from ftis_engine.run.loop import train
+from ftis_engine.run.session import Start, open_run
 
 from .helpers import run_records, short_config
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine import attention
+from ftis_engine.model import attention
 from ftis_engine.config import ConfigError
-from ftis_engine.models import load_model
+from ftis_engine.model.models import load_model
 
 
 def reference_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
@@ -94,7 +94,7 @@ def test_a_padded_batch_generates_as_sdpa_does(kernel):
 
 
 def test_varlen_needs_a_cuda_gpu():
-    from ftis_engine.members import attention_implementation
+    from ftis_engine.member.members import attention_implementation
 
     with pytest.raises(ConfigError, match="^train.attn_implementation: varlen"):
         attention_implementation("varlen", torch.device("cpu"))
@@ -106,7 +106,7 @@ def test_auto_picks_torchs_varlen_kernel_on_a_gpu_where_torch_has_it_and_sdpa_on
     device's type only."""
     import importlib.util
 
-    from ftis_engine.members import attention_implementation
+    from ftis_engine.member.members import attention_implementation
 
     cuda = torch.device("cuda")
     real = importlib.util.find_spec

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.batch import micro_batches, pack, shard_items
-from ftis_engine.update import accumulate_gradients, batch_loss, packed_hidden
+from ftis_engine.model.batch import micro_batches, pack, shard_items
+from ftis_engine.model.update import accumulate_gradients, batch_loss, packed_hidden
 
 from .helpers import member, random_items
 

@@ -13,10 +13,10 @@ import subprocess
 import pytest
 import torch
 
-from ftis_engine import checkpoint
-from ftis_engine.checkpoint import (CheckpointWriteError, complete_checkpoints, finalize_when_staged, restore_member,
+from ftis_engine.model import checkpoint
+from ftis_engine.model.checkpoint import (CheckpointWriteError, complete_checkpoints, finalize_when_staged, restore_member,
                                     save_member, stage_members)
-from ftis_engine.update import DivergenceError
+from ftis_engine.model.update import DivergenceError
 
 from .helpers import as_rank_1_of_a_world, member
 
@@ -24,7 +24,7 @@ from .helpers import as_rank_1_of_a_world, member
 def _tiny_local_model(tmp_path, architecture: str):
     import transformers
 
-    from ftis_engine.models import load_tokenizer
+    from ftis_engine.model.models import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-s")
     common = dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -78,7 +78,7 @@ def test_a_full_member_led_by_rank_1_saves_its_weights_and_they_come_back(tmp_pa
 
 
 def test_a_save_that_writes_no_weights_file_is_an_error_not_a_silent_empty_folder(tmp_path, monkeypatch):
-    from ftis_engine.saving import save_pretrained
+    from ftis_engine.model.saving import save_pretrained
 
     m, _ = member(1, "members.1.lora=null")
     monkeypatch.setattr(type(m.model), "save_pretrained", lambda self, directory, **kwargs: None)
@@ -139,9 +139,10 @@ def test_a_write_that_fails_removes_the_staging_and_says_free_space_then_resume(
     monkeypatch.setattr(checkpoint.torch, "save", full)
     said = (r"checkpoint step-4 could not be written into .*checkpoints \(.*optimizer.pt: .*\); the newest complete "
             r"checkpoint, step-2, is intact: free space, then --resume")
-    with pytest.raises(CheckpointWriteError, match=said):
+    with pytest.raises(CheckpointWriteError, match=said) as caught:
         stage_members(tmp_path, 4, [m], save_optimizer=True)
     assert not checkpoint.staging_dir(tmp_path, 4).exists() and [s for s, _ in complete_checkpoints(tmp_path)] == [2]
+    assert caught.value.__cause__.__cause__ is failure  # the write's own error stays in the chain, under the file's
 
 
 def test_a_full_disk_at_the_first_checkpoint_says_there_is_none_to_resume_from(tmp_path, monkeypatch):
@@ -204,7 +205,7 @@ def test_a_step_is_complete_only_when_every_member_has_staged_it(tmp_path):
 def test_a_checkpoint_is_on_the_disk_before_it_is_complete_and_before_older_ones_are_pruned(tmp_path, monkeypatch):
     """Every file and directory of a step is fsynced before the rename that completes it, and the rename before the
     previous checkpoint is pruned (keep_last 1): a power loss never leaves truncated files as the only checkpoint."""
-    from ftis_engine import checkpoint
+    from ftis_engine.model import checkpoint
 
     a, _ = member(0)
     events = []
@@ -231,7 +232,7 @@ def test_a_checkpoint_is_on_the_disk_before_it_is_complete_and_before_older_ones
 def test_a_prune_cut_short_never_leaves_a_complete_looking_checkpoint_with_files_missing(tmp_path, monkeypatch):
     """A prune killed halfway through deleting step-1 (keep_last 1): step-1 no longer counts as complete (it was
     renamed away first), and the next clean-up removes what is left of it."""
-    from ftis_engine import checkpoint
+    from ftis_engine.model import checkpoint
 
     a, _ = member(0)
     for step in (1, 2):
@@ -299,9 +300,9 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_resume_works_
 def test_a_restored_optimizer_keeps_adams_step_count_on_the_cpu_and_its_moments_on_the_gpu(tmp_path):
     """As torch's own Adam keeps them: a step count restored onto the GPU would cost a device sync per tensor and
     step."""
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
-    from ftis_engine.update import update_member
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.model.update import update_member
     from ftis_kernels import LossConfig
 
     from .helpers import random_items, short_config

@@ -137,7 +137,7 @@ def test_plot_refuses_an_empty_log_and_resume_needs_a_run(tmp_path, capsys):
 
 def _main_exit(monkeypatch, capsys, raise_in_step, tmp_path) -> tuple[int, str]:
     """Run `train` in this process with run_step replaced by `raise_in_step`; (exit code, stderr)."""
-    from ftis_engine import run
+    from ftis_engine.run import loop as run
 
     monkeypatch.setattr(run, "run_step", raise_in_step)
     done = command_here(capsys, "train", "--config", TINY, "--output-dir", tmp_path, "--set", "eval.at_start=false",
@@ -146,7 +146,7 @@ def _main_exit(monkeypatch, capsys, raise_in_step, tmp_path) -> tuple[int, str]:
 
 
 def test_a_divergence_is_one_line_with_exit_code_1(monkeypatch, capsys, tmp_path):
-    from ftis_engine.update import DivergenceError
+    from ftis_engine.model.update import DivergenceError
 
     def diverge(swarm, step):
         raise DivergenceError(f"step {step}: members.0 (tiny-s) diverged: the loss is nan")
@@ -173,8 +173,8 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_that_blocks
     (plain, or with --resume and another config) starts over, the earlier log kept aside; a run that wrote a
     checkpoint still blocks a plain rerun, and a Ctrl-C then names its newest checkpoint."""
 
-    from ftis_engine import cli as cli_module
-    from ftis_engine import run
+    from ftis_engine.app import cli as cli_module
+    from ftis_engine.run import loop as run
 
     def fail(swarm, step):
         raise RuntimeError("a bug in step 1")
@@ -214,7 +214,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_nothing_that_blocks
 
 
 def test_ctrl_c_in_a_study_says_to_rerun_it_not_to_resume(monkeypatch, capsys, tmp_path):
-    from ftis_engine import cli as cli_module
+    from ftis_engine.app import cli as cli_module
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
@@ -229,7 +229,7 @@ def test_ctrl_c_in_a_study_says_to_rerun_it_not_to_resume(monkeypatch, capsys, t
 
 
 def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):
-    from ftis_engine import preflight
+    from ftis_engine.run import preflight
     from ftis_engine.config import ConfigError, load_config
 
     monkeypatch.setattr(preflight, "check_model_spec", lambda spec: pytest.fail("a model was looked up first"))
@@ -240,7 +240,7 @@ def test_a_missing_vllm_is_reported_before_any_model_is_fetched(monkeypatch):
 
 
 def test_the_step_line_has_the_loss_in_three_digits_and_the_time_left():
-    from ftis_engine.progress import summary_line
+    from ftis_engine.report.progress import summary_line
 
     record = {"kind": "train", "member": "a", "reward_mean": 0.5, "loss": -1.234e-7, "is_weight_mean": 0.91,
               "filtered_frac": 0.125}
@@ -285,7 +285,7 @@ def test_eval_of_a_checkpoint_from_inside_it_needs_no_training_data_and_refuses_
 
 def test_a_task_read_from_files_loads_its_eval_sets_without_its_training_set_for_an_eval(shared_data):
     from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     evals = f"data.eval_paths={{gsm8k-calc: {shared_data / 'gsm8k' / 'test.jsonl'}}}"
     config = load_config(TINY, ["data.task=gsm8k-calc", f"data.train_path={shared_data / 'gsm8k' / 'train.jsonl'}",
@@ -339,7 +339,7 @@ def test_a_resume_on_changed_data_is_refused_and_with_allow_data_change_warned_a
 
 # ----------------------------------------------------------------------------------------------- a second signal
 
-FINISHING = "import atexit, time; atexit.register(time.sleep, 1.5); from ftis_engine.entry import main; main()"
+FINISHING = "import atexit, time; atexit.register(time.sleep, 1.5); from ftis_engine.app.entry import main; main()"
 
 
 @pytest.mark.parametrize("command, signum, code", [
@@ -385,7 +385,7 @@ def test_a_second_ctrl_c_while_the_first_is_cleaned_up_is_ignored_and_its_line_s
     import signal
     import time
 
-    from ftis_engine import session
+    from ftis_engine.run import session
 
     def interrupt(swarm, step):
         signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the step (the handler raises here; waited for, in case)
@@ -422,9 +422,9 @@ def test_a_signal_long_after_the_first_ends_a_cleanup_that_hangs_at_once_in_one_
 
     from .helpers import with_default_sigint
 
-    hangs = ("import time, ftis_engine.session as s; s.Swarm.close = lambda self: time.sleep(3600); "
-             "import ftis_engine.run as r; r.run_step = lambda *a: time.sleep(3600); "
-             "from ftis_engine.entry import main; main()")
+    hangs = ("import time, ftis_engine.run.session as s; s.Swarm.close = lambda self: time.sleep(3600); "
+             "import ftis_engine.run.loop as r; r.run_step = lambda *a: time.sleep(3600); "
+             "from ftis_engine.app.entry import main; main()")
     err = tmp_path / "stderr"
     with open(err, "w") as stderr:
         process = subprocess.Popen(with_default_sigint([sys.executable, "-c", hangs, "train", "--config", str(TINY),

@@ -44,7 +44,7 @@ def test_dotted_overrides_reach_nested_fields_and_list_items():
 
 
 def test_attention_choices_reach_the_model_loader():
-    from ftis_engine.members import attention_implementation
+    from ftis_engine.member.members import attention_implementation
 
     cfg = load_config(TINY, ["train.attn_implementation=flex_attention"])
     assert attention_implementation(cfg.train.attn_implementation, torch.device("cuda")) == "flex_attention"
@@ -114,8 +114,8 @@ def test_a_config_saved_as_utf16_or_with_a_utf8_mark_loads_and_other_bytes_are_o
 
 
 def test_a_completion_longer_than_the_models_context_is_refused_before_anything_runs(tmp_path):
-    from ftis_engine.preflight import check_members
-    from ftis_engine.session import Start, open_run
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.run.session import Start, open_run
 
     with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 1024 new tokens exceed members.0.model's "
                                           r"context of 1024 tokens"):
@@ -228,7 +228,7 @@ def test_an_empty_text_override_is_the_empty_text_and_null_clears():
 def test_more_threads_than_cores_is_refused_where_the_run_runs_not_in_the_config():
     import os
 
-    from ftis_engine.preflight import check_threads
+    from ftis_engine.run.preflight import check_threads
 
     config = load_config(TINY, ["train.threads=100000"])  # a config made on a bigger machine stays valid
     assert config.train.threads == 100000

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ftis_engine.config import ConfigError
-from ftis_engine.context import FOREIGN_EXPANSION, check_context, engine_length, foreign_limit, usable_prompts
-from ftis_engine.models import model_context
+from ftis_engine.data.context import FOREIGN_EXPANSION, check_context, engine_length, foreign_limit, usable_prompts
+from ftis_engine.model.models import model_context
 
 from .helpers import short_config
 
@@ -16,8 +16,8 @@ def test_prompts_are_measured_with_every_members_tokenizer_the_longest_counting(
     """A prompt that fits data.max_prompt_tokens in member 1's BPE tokens but not in member 0's characters is left
     out (member 0 would exceed its context and its engine's max_model_len with it), whichever member comes first."""
     from ftis_engine.exchange.sync import LocalCollectives
-    from ftis_engine.models import load_tokenizer
-    from ftis_engine.tasks import load_task, prompt_ids
+    from ftis_engine.model.models import load_tokenizer
+    from ftis_engine.data.tasks import load_task, prompt_ids
 
     char, bpe = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-m-bpe")
     config = short_config("members.1.model=builtin:tiny-m-bpe")

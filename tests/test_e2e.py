@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ftis_engine.cli import main
+from ftis_engine.app.cli import main
 from ftis_kernels import STAT_KEYS
 
 from .helpers import SHORT, TINY, run_records
@@ -79,7 +79,7 @@ def test_short_tiny_run_logs_every_key_checkpoints_and_plots(tmp_path):
     assert train_steps(run_dir) == {m: [1, 2, 3, 4, 5, 6] for m in members}
 
     # eval of a checkpoint reproduces the logged accuracy of that step
-    from ftis_engine.cli import app  # noqa: F401  (the command is exercised through main)
+    from ftis_engine.app.cli import app  # noqa: F401  (the command is exercised through main)
 
     logged = {(r["member"], r["dataset"]): r["accuracy"] for r in run_records(run_dir, "eval") if r["step"] == 6}
     ckpt_dir = run_dir / "checkpoints" / "step-6"
@@ -185,10 +185,10 @@ def test_logging_completions_writes_samples_a_person_can_read_with_what_the_upda
 
 @pytest.mark.slow
 def test_weighted_rewards_are_summed_and_each_term_is_logged(tmp_path):
-    terms = "[{function: ftis_engine.rewards:tiny_answer_reward, weight: 2.0}, " \
-            "{function: ftis_engine.rewards:final_answer_reward, weight: 1.0}]"
+    terms = "[{function: ftis_engine.data.rewards:tiny_answer_reward, weight: 2.0}, " \
+            "{function: ftis_engine.data.rewards:final_answer_reward, weight: 1.0}]"
     assert run_cli(*train_args(tmp_path, "train.steps=1", "eval.every=0", "eval.at_start=false",
                                "checkpoint.every=0", f"data.rewards={terms}")) == 0
     for r in (x for x in run_records(tmp_path / "e2e") if x["kind"] == "train"):
-        tiny, final = r["reward/ftis_engine.rewards:tiny_answer_reward"], r["reward/ftis_engine.rewards:final_answer_reward"]
+        tiny, final = r["reward/ftis_engine.data.rewards:tiny_answer_reward"], r["reward/ftis_engine.data.rewards:final_answer_reward"]
         assert r["reward_mean"] == pytest.approx(2.0 * tiny + final)

@@ -1,4 +1,4 @@
-"""The O(N) formulas of ftis_kernels.epilogue that the loss does not cover: the group advantage."""
+"""The O(S) formula that the loss does not cover: the group advantage (ftis_kernels.advantages)."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from ftis_engine.evaluate import count_passes, evaluate_member
-from ftis_engine.tasks import load_task
+from ftis_engine.run.evaluate import count_passes, evaluate_member
+from ftis_engine.data.tasks import load_task
 
 
 class CharTokenizer:
@@ -74,7 +74,7 @@ WRONG = "<think>3+3 is 5</think><answer>5</answer>"  # well formatted, wrong
 
 
 def test_a_wrong_well_formatted_answer_is_no_pass_whatever_the_training_rewards_pay(tmp_path, user_rewards):
-    task = _task(tmp_path, "data.rewards=[{function: ftis_engine.rewards:binary_answer_reward, weight: 0.5}, "
+    task = _task(tmp_path, "data.rewards=[{function: ftis_engine.data.rewards:binary_answer_reward, weight: 0.5}, "
                            f"{{function: {user_rewards}:well_formatted, weight: 1.0}}]")
     member = fake_member({"What is 2+2?": RIGHT, "What is 3+3?": WRONG})
     examples = task.evals["held"]
@@ -84,7 +84,7 @@ def test_a_wrong_well_formatted_answer_is_no_pass_whatever_the_training_rewards_
 
 
 def test_a_right_answer_passes_though_the_training_weights_sum_below_one(tmp_path):
-    binary = "ftis_engine.rewards:binary_answer_reward"
+    binary = "ftis_engine.data.rewards:binary_answer_reward"
     task = _task(tmp_path, f"data.rewards=[{{function: {binary}, weight: 0.6}}, {{function: {binary}, weight: 0.3}}, "
                            f"{{function: {binary}, weight: 0.1}}]")
     member = fake_member({"What is 2+2?": RIGHT, "What is 3+3?": RIGHT.replace("4", "6")})
@@ -120,7 +120,7 @@ def test_every_task_keeps_its_own_answer_check_for_eval_under_a_custom_training_
              f"data.eval_paths={{gsm8k-calc: {shared_data / 'gsm8k' / 'test.jsonl'}}}"] if task_name == "gsm8k-calc" \
         else []
     config = load_config(TINY, [f"data.task={task_name}", *files,
-                                "data.reward=ftis_engine.rewards:tiny_answer_reward"])
+                                "data.reward=ftis_engine.data.rewards:tiny_answer_reward"])
     task = load_task(config.data, 0, with_train=False)
     assert task.check.__name__ == check and task.reward.__name__ == "tiny_answer_reward"
 
@@ -128,7 +128,7 @@ def test_every_task_keeps_its_own_answer_check_for_eval_under_a_custom_training_
 def test_a_run_evaluates_with_eval_reward_and_trains_with_data_reward(tmp_path):
     """open_run hands eval.reward to the task: the run's eval check is the one named there, its training reward
     data.reward's (a run built without it would keep the task's own check)."""
-    from ftis_engine.session import Start, open_run
+    from ftis_engine.run.session import Start, open_run
 
     from .helpers import short_config
 

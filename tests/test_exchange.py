@@ -16,7 +16,7 @@ from ftis_engine.exchange.async_ import Latency, Mailbox
 from ftis_engine.exchange.local import InProcess
 from ftis_engine.exchange.links import DATA, DONE, TAKEN, WEIGHTS, Outbox
 from ftis_engine.exchange.sync import Collectives, DistributedSync
-from ftis_engine.rollouts import Rollout, encode
+from ftis_engine.data.rollouts import Rollout, encode
 
 
 def _buffer(sequences: int) -> torch.Tensor:

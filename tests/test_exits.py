@@ -1,4 +1,4 @@
-"""The one table from exceptions to exit codes (ftis_engine/exits.py): what the command line and a rank of a
+"""The one table from exceptions to exit codes (ftis_engine/app/exits.py): what the command line and a rank of a
 multi-process run print and exit with, and the entry point's line for a Ctrl-C while it starts."""
 
 from __future__ import annotations
@@ -8,16 +8,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from ftis_engine.checkpoint import CheckpointWriteError
+from ftis_engine.model.checkpoint import CheckpointWriteError
 from ftis_engine.config import ConfigError
 from ftis_engine.exchange import PeerLost, TransportError
-from ftis_engine.exits import CONFIG, FAILED, INTERRUPTED, Interrupted, Outcome, UsageFailure, ending, outcome
+from ftis_engine.app.exits import CONFIG, FAILED, INTERRUPTED, Interrupted, Outcome, UsageFailure, ending, outcome
 from ftis_engine.generation import EngineError
-from ftis_engine.openswarm.client import JoinRefused
-from ftis_engine.session import AgreedError
-from ftis_engine.tasks import TaskError
-from ftis_engine.update import DivergenceError
+from ftis_engine.openswarm.client import CoordinatorRefused, JoinRefused
+from ftis_engine.run.session import AgreedError
+from ftis_engine.data.tasks import TaskError
+from ftis_engine.model.update import DivergenceError
 
 from .helpers import ROOT
 
@@ -95,6 +96,52 @@ def test_a_ranks_config_error_found_by_every_rank_is_said_by_rank_0_alone_and_a_
         CONFIG, "--join: the coordinator refused a: a live member is already named 'a'", True)
 
 
+def test_a_member_that_refuses_its_coordinator_ends_with_code_2_in_one_line_on_any_rank():
+    """CoordinatorRefused (a welcome no coordinator's config allows) is met by the leader of a member on several
+    ranks, which holds the swarm client: it says it as train --join on one process does (exit 2), and final (a
+    restart would be refused again)."""
+    refused = CoordinatorRefused("the coordinator at tcp://h:1 announced swarm.lease_s=1e-300: below 1 s; this "
+                                 "member does not join it")
+    assert outcome(refused, rank=0, joining="a") == Outcome(CONFIG, f"--join: {refused}", True)
+    assert outcome(refused, rank=2, joining="a") == Outcome(CONFIG, f"--join: {refused}", True)
+
+
+@pytest.mark.parametrize("lost", [PeerLost("broadcast: Connection closed by peer"), TimeoutError("no step"),
+                                  torch.distributed.DistError("gloo: connection reset")])
+def test_a_rank_that_loses_a_peer_which_ended_the_run_for_good_ends_with_its_code_and_says_nothing(lost):
+    """The leader's refusal wrote its final code (launch's final-exit file) before it exited; the member's other
+    ranks then lose contact with it: they end with the same code and no line, so the refusal is the one line."""
+    assert outcome(lost, rank=1, settled=lambda: CONFIG) == Outcome(CONFIG, None, True)
+    assert outcome(lost, rank=1, settled=lambda: None).code == FAILED  # no peer said why: a lost peer, said
+    assert outcome(lost, rank=1).line.startswith(f"rank 1 {LOST}")
+
+
+def test_every_rank_of_a_refused_member_ends_with_one_line_and_the_same_code(tmp_path, capsys):
+    """The two ranks of a member, as launch.run_worker ends them: the leader meets the refusal, writes its final
+    code and exits; the other rank loses contact with it and reads that code. One line between them, both exit 2."""
+    from ftis_engine.app.launch import _final_code
+    from ftis_engine.core.safefile import write_text
+
+    final = tmp_path / "final-exit"
+    codes = []
+
+    def stop(told):
+        if told.final:
+            write_text(final, str(told.code))
+        codes.append(told.code)
+        raise SystemExit(told.code)
+
+    for rank, exc in ((0, CoordinatorRefused("the coordinator at tcp://h:1 announced swarm.lease_s=0.001: below "
+                                             "1 s; this member does not join it")),
+                      (1, PeerLost("barrier: Connection closed by peer"))):
+        with pytest.raises(SystemExit):
+            with ending(stop, rank=rank, joining="a", settled=lambda: _final_code(final)):
+                raise exc
+    assert codes == [CONFIG, CONFIG]
+    assert capsys.readouterr().err == ("error: --join: the coordinator at tcp://h:1 announced swarm.lease_s=0.001: "
+                                       "below 1 s; this member does not join it\n")
+
+
 def test_a_ranks_ctrl_c_is_not_the_tables_its_launcher_stops_it_and_says_so():
     assert outcome(KeyboardInterrupt(), rank=0) is None
 
@@ -131,12 +178,12 @@ import os, signal, sys
 
 class CtrlC:  # the signal arrives as the command line's module is about to be imported
     def find_spec(self, name, path=None, target=None):
-        if name == "ftis_engine.cli":
+        if name == "ftis_engine.app.cli":
             os.kill(os.getpid(), signal.SIGINT)
         return None
 
 sys.meta_path.insert(0, CtrlC())
-from ftis_engine.entry import main
+from ftis_engine.app.entry import main
 main(["--help"])
 """
     from .helpers import with_default_sigint  # a CI script's background job starts with SIGINT ignored

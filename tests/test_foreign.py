@@ -12,14 +12,14 @@ import time
 import pytest
 import torch
 
-from ftis_engine.batch import TrainItem, pack
+from ftis_engine.model.batch import TrainItem, pack
 from ftis_engine.exchange import Parcel
 from ftis_engine.exchange.admission import Admission
 from ftis_engine.exchange.verify import RolloutChecker
-from ftis_engine.models import load_tokenizer
-from ftis_engine.rollouts import Rollout, encode
-from ftis_engine.schedule import Schedule
-from ftis_engine.tasks import load_task
+from ftis_engine.model.models import load_tokenizer
+from ftis_engine.data.rollouts import Rollout, encode
+from ftis_engine.topology.schedule import Schedule
+from ftis_engine.data.tasks import load_task
 
 from .helpers import run_records, short_config
 from .test_swarm import _args, _env

@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from ftis_engine.entry import drop_working_directory
-from ftis_engine.rewards import load_reward
+from ftis_engine.app.entry import drop_working_directory
+from ftis_engine.data.rewards import load_reward
 
 from .helpers import ROOT, SHORT
 
@@ -92,7 +92,7 @@ def test_no_script_or_folder_of_the_repository_is_named_like_a_library_it_runs_b
 
 def test_the_ops_package_imports_only_torch_triton_and_the_standard_library():
     found = set()
-    for path in (ROOT / "kernels" / "ftis_kernels").glob("*.py"):
+    for path in (ROOT / "kernels" / "ftis_kernels").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 found |= {alias.name.split(".")[0] for alias in node.names}
@@ -153,3 +153,17 @@ def test_the_embedded_default_trains_from_a_folder_holding_a_datasets_and_a_kern
     done = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "runs" / "tiny" / "metrics.jsonl").is_file()
+
+
+def test_pyproject_lists_every_package_so_a_wheel_holds_every_module():
+    """setuptools installs the packages pyproject names (kernels/ftis_kernels is mapped, so they are listed): a new
+    folder left out would install without its modules, and only a fresh machine would show it."""
+    import tomllib
+
+    from .helpers import ROOT
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "ftis_engine").rglob("__init__.py")}
+    found |= {".".join(init.parent.relative_to(ROOT / "kernels").parts)
+              for init in (ROOT / "kernels" / "ftis_kernels").rglob("__init__.py")}
+    assert found == listed

@@ -16,10 +16,10 @@ from ftis_engine.config import ConfigError, RunConfig, load_config
 from ftis_engine.exchange import Parcel
 from ftis_engine.exchange.admission import Admission
 from ftis_engine.exchange.verify import RolloutChecker
-from ftis_engine.models import load_tokenizer
-from ftis_engine.rollouts import HEADER_WORDS, Rollout, RolloutError, decode, encode
-from ftis_engine.schedule import Schedule
-from ftis_engine.tasks import load_task
+from ftis_engine.model.models import load_tokenizer
+from ftis_engine.data.rollouts import HEADER_WORDS, Rollout, RolloutError, decode, encode
+from ftis_engine.topology.schedule import Schedule
+from ftis_engine.data.tasks import load_task
 
 from .helpers import TINY, short_config
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.batch import TrainItem, pack, without_final_eos
+from ftis_engine.model.batch import TrainItem, pack, without_final_eos
 from ftis_engine.config import ConfigError, load_config
-from ftis_engine.models import load_model, load_tokenizer
-from ftis_engine.rollouts import Rollout, decode, encode, reencoded
-from ftis_engine.update import batch_loss, packed_hidden
+from ftis_engine.model.models import load_model, load_tokenizer
+from ftis_engine.data.rollouts import Rollout, decode, encode, reencoded
+from ftis_engine.model.update import batch_loss, packed_hidden
 from ftis_kernels import LossConfig
 
 from .helpers import SHORT, TINY, command_here, member, run_records
@@ -200,3 +200,36 @@ def test_hacpo_trains_on_a_peer_of_another_tokenizer_end_to_end(capsys, tmp_path
     for r in train:
         assert r["foreign_sequences"] > 0 and r["foreign_refused"] == 0, r
         assert r["loss"] == r["loss"] and r["sequences"] > r["own_sequences"] > 0, r
+
+
+def test_hacpo_keeps_each_members_capability_history_in_its_checkpoint_and_a_resume_goes_on_with_it(capsys,
+                                                                                                     tmp_path):
+    """Horizontal (the authors' setting: every prompt's group holds both members' shares): each member's tracker
+    holds a positive-reward share for itself and its peer at each step (capability.json in its checkpoint), and a
+    resume restores it and adds the next step's shares to the same windows."""
+    import json
+
+    _hacpo_run(capsys, tmp_path, "collaboration=horizontal", "checkpoint.every=1")
+    run = tmp_path / "tiny"
+
+    def windows(step):
+        out = {}
+        for name in ("tiny-s", "tiny-m-lora"):
+            state = json.loads((run / "checkpoints" / f"step-{step}" / "members" / name / "capability.json")
+                               .read_text())
+            out[name] = state["history"]
+        return out
+
+    before = windows(2)
+    for history in before.values():
+        assert sorted(history) == ["0", "1"] and all(len(w) == 2 and all(1e-8 <= v <= 1 for v in w)
+                                                     for w in history.values()), history
+    args = ["train", "--config", TINY, "--output-dir", tmp_path, "--resume"]
+    for override in [*SHORT, "algorithm.method=hacpo", "train.steps=3", "eval.every=0", "checkpoint.every=1",
+                     "collaboration=horizontal"]:
+        args += ["--set", override]
+    done = command_here(capsys, *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = windows(3)
+    for name, history in after.items():
+        assert all(w[:2] == before[name][k] and len(w) == 3 for k, w in history.items()), (name, history)

@@ -90,8 +90,87 @@ def test_an_import_for_type_checking_only_is_an_edge_of_the_graph(tmp_path):
 
 def test_no_import_cycle_in_ftis_engine():
     graph = _graph()
-    assert "ftis_engine.step" in graph and "ftis_engine.session" in graph["ftis_engine.step"]
+    assert "ftis_engine.run.step" in graph and "ftis_engine.run.session" in graph["ftis_engine.run.step"]
     # `from .tasks import arith` in models.py runs tasks/__init__.py, which imports every task module
-    assert {"ftis_engine.tasks", "ftis_engine.tasks.arith"} <= graph["ftis_engine.models"]
+    assert {"ftis_engine.data.tasks", "ftis_engine.data.tasks.arith"} <= graph["ftis_engine.model.models"]
     assert "ftis_engine.config.schema" not in graph["ftis_engine.config.checks"]  # issue 76: the two were a cycle
     assert _cycles(graph) == []
+
+
+# ftis_engine's packages from the top down (docs/architecture.md draws them): a module imports only modules of its
+# own package or of a package below it, imports inside functions and for type checking counted. The two files at
+# the root are the package's own (`__init__`: its version) and `python -m ftis_engine` (`__main__`: the console).
+LAYERS = ("app", "study", "run", "member", "openswarm", "exchange", "generation", "model", "report", "topology", "data",
+          "config", "core")
+ROOT_FILES = {"ftis_engine", "ftis_engine.__main__"}
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for module, imported in sorted(graph.items()):
+        here = _layer(module)
+        for target in sorted(imported):
+            there = _layer(target)
+            if here is not None and there is not None and LAYERS.index(there) < LAYERS.index(here):
+                out.append(f"{module} -> {target}")
+    return out
+
+
+def test_the_direction_checker_refuses_an_import_of_a_package_above():
+    graph = {"ftis_engine.core.errors": {"ftis_engine.run.step"}, "ftis_engine.run.step": {"ftis_engine.core.errors"}}
+    assert _upward(graph) == ["ftis_engine.core.errors -> ftis_engine.run.step"]
+
+
+def test_every_module_of_ftis_engine_lives_in_a_package_of_the_layers_and_imports_only_downward():
+    graph = _graph()
+    assert sorted(m for m in graph if _layer(m) is None and m not in ROOT_FILES) == []
+    assert sorted(m.split(".")[1] for m in graph if m.count(".") == 1 and m not in ROOT_FILES) == sorted(LAYERS)
+    assert _upward(graph) == []
+
+
+def test_the_config_reaches_nothing_of_the_runtime():
+    """config/ is a leaf: loading and checking a config reaches none of the engine's runtime, through any chain of
+    imports (the constants it shares with the runtime live in core/limits.py and config/tasks.py)."""
+    graph = _graph()
+    reached, todo = set(), ["ftis_engine.config"]
+    while todo:
+        for target in graph[todo.pop()] - reached:
+            reached.add(target)
+            todo.append(target)
+    assert "ftis_engine.config.tasks" in reached and "ftis_engine.core.limits" in reached
+    assert sorted(m for m in reached if _layer(m) not in ("config", "core")) == []
+    assert sorted(m for m in reached if _layer(m) == "core") == ["ftis_engine.core", "ftis_engine.core.limits",
+                                                                         "ftis_engine.core.safefile"]
+
+
+def _late_imports(path: pathlib.Path) -> list[int]:
+    """Lines of the imports of ftis_engine's own modules that stand inside a function without a comment saying why
+    (on the import's line)."""
+    source = path.read_text()
+    lines = source.splitlines()
+    late = []
+    for function in ast.walk(ast.parse(source)):
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(function):
+                own = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("ftis_engine"))
+                       or isinstance(node, ast.Import) and any(a.name.startswith("ftis_engine") for a in node.names))
+                if own and "#" not in lines[node.end_lineno - 1]:
+                    late.append(node.lineno)
+    return sorted(set(late))
+
+
+def test_an_import_of_the_engines_own_inside_a_function_is_the_command_lines_or_says_why(tmp_path):
+    """The layers make a cycle impossible, so an import inside a function is no cycle's way out: only app/ imports
+    late (the command line answers --help, a bad flag or a config error before it loads the runtime), and anywhere
+    else an import inside a function says why on its line."""
+    sample = tmp_path / "m.py"
+    sample.write_text("def f():\n    from . import a\n    from . import b  # why\n    import os\n")
+    assert _late_imports(sample) == [2]
+    found = {str(path.relative_to(ROOT)): _late_imports(path) for path in sorted(ROOT.rglob("*.py"))
+             if path.relative_to(ROOT).parts[0] != "app"}
+    assert {name: lines for name, lines in found.items() if lines} == {}

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 
 from ftis_engine.config import ConfigError
-from ftis_engine.launch import launch_distributed
+from ftis_engine.app.launch import launch_distributed
 
 from .helpers import short_config
 
@@ -42,7 +42,7 @@ def test_a_collectives_failure_is_a_lost_peer_and_the_same_error_elsewhere_a_fai
 
     from ftis_engine.exchange import PeerLost
     from ftis_engine.exchange.sync import Collectives
-    from ftis_engine.exits import outcome
+    from ftis_engine.app.exits import outcome
 
     def collective(*args, **kwargs):
         raise RuntimeError(message)
@@ -66,7 +66,7 @@ def test_a_collectives_failure_is_a_lost_peer_and_the_same_error_elsewhere_a_fai
 ])
 def test_a_half_set_torchrun_environment_is_one_line_naming_the_variable(env, message):
     from ftis_engine.config import ConfigError
-    from ftis_engine.launch import check_rank_environment
+    from ftis_engine.app.launch import check_rank_environment
 
     with pytest.raises(ConfigError, match=message):
         check_rank_environment(env)
@@ -78,7 +78,7 @@ def test_a_restart_on_any_rank_is_a_restart_on_every_rank():
     (resume, no fresh-run check), so open_run's collectives line up."""
     import types
 
-    from ftis_engine.launch import any_rank
+    from ftis_engine.app.launch import any_rank
 
     collectives = types.SimpleNamespace(all_gather_object=lambda flag: [False, flag, True])
     assert any_rank(collectives, False) is True
@@ -91,7 +91,7 @@ def _round(port: int, rank: int, world: int, timeout_s: float = 20.0) -> int:
 
     from torch.distributed import TCPStore
 
-    from ftis_engine.wiring import agree_round
+    from ftis_engine.run.wiring import agree_round
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=20))
@@ -134,7 +134,7 @@ def test_the_ranks_of_each_restart_round_agree_on_a_new_round_whatever_the_agent
 
     from torch.distributed import TCPStore
 
-    from ftis_engine.wiring import agree_round
+    from ftis_engine.run.wiring import agree_round
 
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's store
     assert _ranks(server.port, 3, [0, 1, 2]) == {0: 1, 1: 1, 2: 1}
@@ -161,7 +161,7 @@ def test_across_nodes_gloo_listens_on_the_interface_towards_the_master_where_the
     resolves elsewhere: gloo's own choice; no interface with that address: one line naming GLOO_SOCKET_IFNAME."""
     import socket
 
-    from ftis_engine.wiring import gloo_interface, interface_of
+    from ftis_engine.run.wiring import gloo_interface, interface_of
 
     two_nodes = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -188,7 +188,7 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
 
     from .helpers import SHORT, TINY
 
-    leftovers = set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit"))
+    leftovers = set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.*"))
     args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
     for o in [*SHORT, "run_name=swarm", "eval.every=0", "members.0.lr=1e30"]:
         args += ["--set", o]
@@ -198,7 +198,7 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
     assert result.returncode == 1, result.stderr
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
-    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.final-exit")) == leftovers  # the launcher's is gone
+    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.*")) == leftovers  # the launcher's is gone
 
 
 def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and_how_to_go_on(tmp_path, monkeypatch,
@@ -209,16 +209,21 @@ def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
     from torch.distributed.launcher import api
 
-    from ftis_engine.exits import FAILED
-    from ftis_engine.launch import _launch
+    from ftis_engine.app.exits import FAILED
+    from ftis_engine.app.launch import _launch
+
+    inherited = []  # what the workers the agent starts would find in the environment
 
     def elastic_launch(config, entrypoint):
         def run(*args):
+            inherited.append(os.environ.get("FTIS_FINAL_EXIT_FILE"))
             raise ChildFailedError("run_worker", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=-9, error_file="")})
         return run
 
     monkeypatch.setattr(api, "elastic_launch", elastic_launch)
+    monkeypatch.delenv("FTIS_FINAL_EXIT_FILE", raising=False)
     assert _launch(short_config(), tmp_path / "run", False, 2) == FAILED
+    assert inherited[0].endswith("/final-exit") and not pathlib.Path(inherited[0]).parent.exists()  # its folder went
     err = capsys.readouterr().err
     assert "rank 1 (tiny-m-lora) failed with signal 9" in err, err
     assert err.startswith("error: swarm stopped: ") and "continue with --resume" in err
@@ -229,7 +234,7 @@ def test_the_process_count_is_checked_against_the_layout_in_one_place():
     """layout.check_processes: every rule on how many processes a run starts in, one line naming the field or the
     flag: one process takes neither samplers nor a member on several ranks (an eval takes anything, in one
     process), an eval across processes runs the members' ranks only, and a world's size is the layout's."""
-    from ftis_engine.layout import check_processes
+    from ftis_engine.topology.layout import check_processes
 
     samplers, ranked = short_config("swarm.mode=async", "members.1.samplers=1"), short_config("members.0.ranks=2")
     with pytest.raises(ConfigError, match=r"^members\.1\.samplers: sampler ranks run in processes of their own: "

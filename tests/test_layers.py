@@ -14,11 +14,11 @@ import pytest
 import torch
 from ftis_kernels import LossConfig
 
-from ftis_engine import layers
-from ftis_engine.batch import pack
+from ftis_engine.model import layers
+from ftis_engine.model.batch import pack
 from ftis_engine.config import ConfigError
-from ftis_engine.models import load_model
-from ftis_engine.update import batch_loss
+from ftis_engine.model.models import load_model
+from ftis_engine.model.update import batch_loss
 
 from .helpers import TINY, member, random_items
 

@@ -3,7 +3,7 @@ exchange numbers."""
 
 from __future__ import annotations
 
-from ftis_engine.layout import (Seat, describe_layout, endpoint_ranks, endpoint_roles, member_ranks, process_roles,
+from ftis_engine.topology.layout import (Seat, describe_layout, endpoint_ranks, endpoint_roles, member_ranks, process_roles,
                                 sampler_endpoints, world_size)
 
 from .helpers import short_config

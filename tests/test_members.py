@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ftis_engine.config import ConfigError
-from ftis_engine.preflight import check_model
+from ftis_engine.run.preflight import check_model
 
 from .helpers import member
 
@@ -23,7 +23,7 @@ def test_a_model_whose_logits_are_not_the_lm_head_of_its_hidden_states_is_refuse
 @pytest.mark.parametrize("index", [0, 1], ids=["full", "lora"])
 def test_gradient_checkpointing_leaves_the_gradient_unchanged(index):
     """train.gradient_checkpointing recomputes activations in backward; the update's gradient must not move."""
-    from ftis_engine.update import accumulate_gradients
+    from ftis_engine.model.update import accumulate_gradients
     from ftis_kernels import LossConfig
 
     from .helpers import random_items
@@ -57,9 +57,9 @@ def test_a_model_whose_config_sets_dropout_trains_without_it_so_its_log_probs_ar
     Dropout is off: they agree exactly."""
     import transformers
 
-    from ftis_engine.batch import pack
-    from ftis_engine.models import load_tokenizer
-    from ftis_engine.update import batch_loss
+    from ftis_engine.model.batch import pack
+    from ftis_engine.model.models import load_tokenizer
+    from ftis_engine.model.update import batch_loss
     from ftis_kernels import LossConfig
 
     from .helpers import random_items
@@ -94,7 +94,7 @@ def test_a_builtin_is_drawn_on_its_device_only_where_that_draw_is_never_made_aga
                                                                                    drawn_on):
     """A GPU's draws differ from the CPU's and between GPU models: where the same weights must be drawn again (a
     resume, an eval, a sampler rank, perhaps elsewhere), they are drawn on the CPU."""
-    from ftis_engine import members
+    from ftis_engine.member import members
 
     seen = []
     real = members.load_model

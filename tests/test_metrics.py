@@ -9,10 +9,10 @@ import logging
 import pytest
 import torch
 
-from ftis_engine import metrics as metrics_module
-from ftis_engine.metrics import (MetricsError, MetricsLogger, Stopwatch, read_metrics, resident_mib, resume_records,
+from ftis_engine.report import metrics as metrics_module
+from ftis_engine.report.metrics import (MetricsError, MetricsLogger, Stopwatch, read_metrics, resident_mib, resume_records,
                                  train_record, truncate_metrics)
-from ftis_engine.rollouts import Rollout
+from ftis_engine.data.rollouts import Rollout
 
 
 def _rollout(tokens: int, reward: float, reason: str = "stop") -> Rollout:
@@ -74,11 +74,11 @@ def test_a_torn_last_line_is_left_out_silently_and_a_broken_middle_line_with_a_w
     path = tmp_path / "metrics.jsonl"
     good = json.dumps({"step": 1, "member": "a", "kind": "train"})
     path.write_text(good + "\n" + good[:10] + "\n")  # a crash in the middle of a write
-    with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
+    with caplog.at_level(logging.WARNING, logger="ftis_engine.report.metrics"):
         assert len(read_metrics(path)) == 1
     assert not caplog.messages
     path.write_text(good + "\n" + "[1, 2]\n" + good + "\n" + good + "\n")  # valid JSON, but no record
-    with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
+    with caplog.at_level(logging.WARNING, logger="ftis_engine.report.metrics"):
         assert len(read_metrics(path)) == 3  # the records after it still count
     assert "line(s) 2 are not records" in caplog.text
 
@@ -90,7 +90,7 @@ def test_a_half_written_last_line_is_left_out_in_both_modes_until_its_newline_co
     first, second = (json.dumps({"step": s, "member": "a", "kind": "train"}) for s in (1, 2))
     path.write_text(first + "\n" + second[:17])
     for strict in (False, True):
-        with caplog.at_level(logging.WARNING, logger="ftis_engine.metrics"):
+        with caplog.at_level(logging.WARNING, logger="ftis_engine.report.metrics"):
             assert [r["step"] for r in read_metrics(path, strict=strict)] == [1]
     assert not caplog.messages
     with open(path, "a") as f:
@@ -164,7 +164,7 @@ def test_gpu_memory_is_reported_only_for_a_cuda_member():
 
 
 def test_an_eval_record_carries_which_questions_were_solved_in_their_order():
-    from ftis_engine.metrics import decode_correct, encode_correct, eval_record
+    from ftis_engine.report.metrics import decode_correct, encode_correct, eval_record
 
     record = eval_record(10, "a", "arith", 0.5, 4, [True, False, False, True])
     assert record["correct"] == "1001" and decode_correct(record["correct"]) == [True, False, False, True]
@@ -181,7 +181,7 @@ def test_eval_gives_each_questions_correctness_also_when_a_member_is_sharded(tmp
     the gathered flags land where their questions are."""
     import types
 
-    from ftis_engine.evaluate import evaluate_questions
+    from ftis_engine.run.evaluate import evaluate_questions
 
     from .test_evaluate import RIGHT, WRONG, _task, fake_member
 
@@ -230,7 +230,7 @@ def test_two_async_ranks_writing_tensorboard_keep_both_ranks_steps_fresh_and_on_
     before ".9", so TensorBoard met the purge first and kept steps 3 and 4 twice; seen under pytest-xdist)."""
     from tensorboard.summary.writer import event_file_writer
 
-    from ftis_engine.metrics import MetricsLogger
+    from ftis_engine.report.metrics import MetricsLogger
 
     monkeypatch.setattr(event_file_writer._global_uid, "_value", writers_before)
 

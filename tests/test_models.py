@@ -9,8 +9,8 @@ import torch
 
 import huggingface_hub.constants as hub
 
-from ftis_engine import hub as probe
-from ftis_engine import models
+from ftis_engine.core import hub as probe
+from ftis_engine.model import models
 
 
 def test_an_unreachable_hub_switches_to_the_local_cache_once(monkeypatch, caplog):
@@ -67,7 +67,7 @@ def test_offline_mode_set_in_the_environment_after_huggingface_hub_read_it_count
 
 
 def test_the_bpe_builtins_tokenise_the_tasks_text_otherwise_and_every_text_round_trips():
-    from ftis_engine.models import bpe_corpus, load_model, load_tokenizer, vocabulary_hash
+    from ftis_engine.model.models import bpe_corpus, load_model, load_tokenizer, vocabulary_hash
 
     char, bpe = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-s-bpe")
     assert load_tokenizer("builtin:tiny-m-bpe").get_vocab() == bpe.get_vocab()
@@ -85,13 +85,13 @@ def test_the_bpe_builtins_tokenise_the_tasks_text_otherwise_and_every_text_round
 
 
 def test_the_shipped_bpe_asset_is_what_its_builder_makes():
-    from ftis_engine.models import build_bpe_tokenizer, load_tokenizer
+    from ftis_engine.model.models import build_bpe_tokenizer, load_tokenizer
 
     assert load_tokenizer("builtin:tiny-m-bpe").get_vocab() == build_bpe_tokenizer().get_vocab()
 
 
 def test_the_3b_shape_has_qwen2_5_3b_layers():
-    from ftis_engine.models import CONTEXT, TINY_MODELS
+    from ftis_engine.model.models import CONTEXT, TINY_MODELS
 
     shape = TINY_MODELS["shape-3b"]
     assert (shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]) == (2048, 36, 11008)
@@ -207,7 +207,7 @@ def test_a_qwen_vocabulary_shape_refuses_a_tokenizer_of_another_size():
 def test_a_qwen_vocabulary_shape_reads_the_packaged_qwen_tokenizer_and_names_its_fetch(tmp_path, monkeypatch):
     """Its tokenizer is the fetched packaged Qwen2.5-Coder's (a stand-in folder here: the real one is half a
     gigabyte to fetch); before the fetch, the error names the command."""
-    from ftis_engine import packaged
+    from ftis_engine.model import packaged
 
     monkeypatch.setenv("FTIS_CACHE_DIR", str(tmp_path))
     with pytest.raises(models.ModelSpecError, match="run `ftis-engine models fetch qwen2.5-coder-0.5b-instruct`"):
@@ -224,7 +224,7 @@ def test_a_qwen_vocabulary_shape_reads_the_packaged_qwen_tokenizer_and_names_its
 def test_the_fetched_qwen_tokenizer_has_the_vocabulary_and_special_ids_the_qwen_shapes_assume():
     """Runs where the packaged model is fetched into FTIS_CACHE_DIR (a test session's own cache never holds it: set
     FTIS_CACHE_DIR to a cache that does); checked by hand on 2026-11-28 against the fetched model."""
-    from ftis_engine import packaged
+    from ftis_engine.model import packaged
 
     if not (packaged.model_dir("qwen2.5-coder-0.5b-instruct") / packaged.MARKER).is_file():
         pytest.skip("qwen2.5-coder-0.5b-instruct is not fetched into FTIS_CACHE_DIR")

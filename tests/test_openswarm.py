@@ -391,7 +391,7 @@ def test_swarm_serve_into_a_file_or_onto_a_log_that_is_a_directory_is_one_line(t
 def test_a_second_coordinator_in_one_output_dir_is_refused_in_one_line(tmp_path, capsys):
     """Two coordinators appended to one coordinator.jsonl, and a restarted one restored the other swarm's member:
     swarm serve locks its --output-dir as a run locks its directory."""
-    from ftis_engine.rundir import RunLock
+    from ftis_engine.run.rundir import RunLock
 
     from .helpers import ROOT, command_here
 
@@ -493,10 +493,10 @@ def _shared_for(steps):
 def _member_hashes(steps):
     """(tokenizer hash, shared settings, training-set hash) that the shipped member configs join with."""
     from ftis_engine.config import load_config
-    from ftis_engine.preflight import check_members
-    from ftis_engine.models import vocabulary_hash
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.model.models import vocabulary_hash
     from ftis_engine.openswarm.member import dataset_hash
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import ROOT
 

@@ -484,7 +484,8 @@ def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves
     """A peer that announces a new tokenizer hash every step (a rejoin on its own connection may) made every member
     load a tokenizer (a download) in its step loop every step. Now a peer's tokenizer is loaded once while it stays
     (a change while live: not trained on), and again only for whoever holds the name after it left."""
-    from ftis_engine import models
+    from ftis_engine.model import models
+    from ftis_engine.openswarm import member as openswarm_member  # where the exchange looks the names up
 
     loads = []
 
@@ -492,7 +493,7 @@ def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves
         loads.append(source)
         raise models.ModelSpecError(f"{source}: not here")
 
-    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(openswarm_member, "load_tokenizer", load_tokenizer)
     ex = exchange(peers=())
     ex.client = FakeClient({"tiny-s": 0})
     ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
@@ -511,7 +512,7 @@ def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves
 def test_an_open_swarm_counts_the_sequences_it_refuses_from_peers_of_another_tokenizer():
     """accept_foreign false: a peer of another tokenizer is not trained on; its parcels are refused before
     admission and their sequences reported (foreign_refused), as one world reports them."""
-    from ftis_engine.rollouts import HEADER_WORDS
+    from ftis_engine.data.rollouts import HEADER_WORDS
 
     ex = exchange("members.0.accept_foreign=false")
     ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
@@ -524,7 +525,7 @@ def test_an_open_swarm_counts_the_sequences_it_refuses_from_peers_of_another_tok
 
 
 def test_a_clients_unsent_parcels_are_counted_in_sequences_as_one_world_counts_them():
-    from ftis_engine.rollouts import HEADER_WORDS
+    from ftis_engine.data.rollouts import HEADER_WORDS
 
     client = quiet_client(name="me")
     body = torch.tensor([2] + [0] * (2 * HEADER_WORDS + 5), dtype=torch.int32).numpy().tobytes()
@@ -561,8 +562,9 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     out and counted (foreign_refused) if not, never validated against this member's own tokenizer (which took an
     honest peer for a liar). A peer that left (finished, or crashed) keeps its tokenizer registered for what it left
     waiting, until a new holder of its name announces another: then what the old one left goes, counted."""
-    from ftis_engine import models
-    from ftis_engine.rollouts import HEADER_WORDS
+    from ftis_engine.model import models
+    from ftis_engine.openswarm import member as openswarm_member  # where the exchange looks the names up
+    from ftis_engine.data.rollouts import HEADER_WORDS
 
     other = "ef" * 32
 
@@ -572,8 +574,8 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
             raise models.ModelSpecError(f"{source}: not here")
         return "its tokenizer"
 
-    monkeypatch.setattr(models, "load_tokenizer", load_tokenizer)
-    monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
+    monkeypatch.setattr(openswarm_member, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(openswarm_member, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange("swarm.max_lead=null", peers=())
     view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
             "bpe": {"step": 0, "tokenizer": other, "source": "builtin:tiny-s-bpe"}}
@@ -624,12 +626,12 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
     mailbox for the next step, which loads it and admits them (they were counted as refused: the two-tokenizer test
     failed beside a CPU hog)."""
 
-    from ftis_engine import models
-    from ftis_engine.rollouts import HEADER_WORDS
+    from ftis_engine.openswarm import member as openswarm_member  # where the exchange looks the names up
+    from ftis_engine.data.rollouts import HEADER_WORDS
 
     other = "ef" * 32
-    monkeypatch.setattr(models, "load_tokenizer", lambda source: "its tokenizer")
-    monkeypatch.setattr(models, "vocabulary_hash", lambda tokenizer: other)
+    monkeypatch.setattr(openswarm_member, "load_tokenizer", lambda source: "its tokenizer")
+    monkeypatch.setattr(openswarm_member, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange()  # max_lead 2, with a live peer of its own tokenizer: the step waits on the lead bound
     view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
             "peer": {"step": 2, "tokenizer": TOKENIZER, "source": ""}}
@@ -655,7 +657,7 @@ ANSI = "\x1b[2J\x1b[H\x1b[31mFAKE\x07"  # clears the screen, homes the cursor, w
 
 
 def test_outside_text_is_shown_escaped_and_cut():
-    from ftis_engine.errors import shown
+    from ftis_engine.core.errors import shown
 
     assert shown(ANSI) == "\\x1b[2J\\x1b[H\\x1b[31mFAKE\\x07"
     assert shown("a\nb\u202ec\u200bd\ud800") == "a\\nb\\u202ec\\u200bd\\ud800"  # line breaks, bidi, zero width
@@ -723,7 +725,7 @@ def test_the_coordinator_echoes_a_strangers_name_escaped(tmp_path):
 def test_the_engines_log_lines_are_escaped():
     import logging
 
-    from ftis_engine.progress import ShownFormatter
+    from ftis_engine.report.progress import ShownFormatter
 
     formatter = ShownFormatter("%(levelname)s %(name)s: %(message)s")
     record = logging.LogRecord("ftis_engine.exchange", logging.WARNING, __file__, 1, "peer %s: %s", ("a", ANSI), None)

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from ftis_engine import packaged
-from ftis_engine.cli import main as cli_main
+from ftis_engine.model import packaged
+from ftis_engine.app.cli import main as cli_main
 
 
 @pytest.fixture
@@ -71,11 +71,13 @@ def test_a_local_gguf_that_is_not_the_pinned_one_is_refused_and_leaves_nothing(s
     assert [p.name for p in models.iterdir() if not p.name.endswith(".lock")] == []
 
 
-@pytest.mark.parametrize("blocked", [".smollm2-135m-instruct.lock", ".tmp-smollm2-135m-instruct-{pid}"])
+@pytest.mark.parametrize("blocked", [".smollm2-135m-instruct.lock"])
 def test_a_cache_that_cannot_be_written_is_named_as_ftis_cache_dir(stand_in, tmp_path, capsys, blocked):
     """models fetch with a cache it cannot write in: the line named --output-dir and the config's paths, neither of
     which models fetch has, and never FTIS_CACHE_DIR (a lock that is a directory gave a traceback). Root writes
-    through permissions, so the cache is blocked here by a directory (or a file) where fetch writes a file."""
+    through permissions, so the cache is blocked here by a directory where fetch writes a file. (A file at the work
+    folder's old name, .tmp-NAME-PID, blocked it too; the work folder is a fresh mkdtemp now, which nothing blocks:
+    test_planted_links.)"""
     import os
 
     gguf, converted = stand_in

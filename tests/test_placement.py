@@ -52,8 +52,8 @@ def test_the_parameter_count_behind_the_memory_plan_is_exact():
     import torch
 
     from ftis_engine.config import LoraSettings
-    from ftis_engine.models import load_model
-    from ftis_engine.preflight import model_shape, parameter_counts
+    from ftis_engine.model.models import load_model
+    from ftis_engine.run.preflight import model_shape, parameter_counts
 
     for spec in ("builtin:tiny-s", "builtin:tiny-m", "builtin:tiny-l"):
         model = load_model(spec, 101, torch.float32, 0, "sdpa")
@@ -73,7 +73,7 @@ def test_the_parameter_count_behind_the_memory_plan_is_exact():
 
 def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_lower():
     from ftis_engine.config import ConfigError
-    from ftis_engine.preflight import check_memory_plan
+    from ftis_engine.run.preflight import check_memory_plan
 
     # the paper's pair, full fine-tunes with 16k-token micro-batches and no recompute: the activations alone
     # (about 36 and 58 GiB) do not fit beside the weights and Adam states: no vLLM share could make room
@@ -97,7 +97,7 @@ def test_a_gpu_plan_whose_training_and_engines_do_not_fit_names_the_field_to_low
     check_memory_plan(short_config(*fits, "members.0.vllm.gpu_memory_utilization=0.3",
                                    "members.1.vllm.gpu_memory_utilization=0.3"), [0, 1], "cuda:0", 150_754_820_096)
     # a LoRA adapter or a second rank shrinks a member's share of the plan
-    from ftis_engine.preflight import model_shape, training_bytes
+    from ftis_engine.run.preflight import model_shape, training_bytes
 
     full, lora = (short_config(*fits, *extra) for extra in ([], ["members.1.lora.r=16"]))
     shape = model_shape("builtin:shape-3b")
@@ -115,7 +115,7 @@ def test_a_member_on_several_ranks_without_processes_is_refused(tmp_path, capsys
 
 
 def test_a_members_device_wins_over_train_device():
-    from ftis_engine.preflight import member_device
+    from ftis_engine.run.preflight import member_device
 
     config = short_config("train.device=cuda", "members.1.device=cpu")  # CUDA is not there: only member 0 fails
     assert member_device(config, 1, None).type == "cpu"
@@ -127,8 +127,8 @@ def test_train_device_and_a_members_device_are_parsed_by_one_rule_naming_their_f
     import torch
 
     from ftis_engine.config import ConfigError
-    from ftis_engine.preflight import resolve_device
-    from ftis_engine.preflight import check_device
+    from ftis_engine.run.preflight import resolve_device
+    from ftis_engine.run.preflight import check_device
 
     assert resolve_device("cpu", 1) == check_device("members.0.device", "cpu") == torch.device("cpu")
     assert resolve_device("auto", 0) == torch.device("cpu")  # no CUDA here
@@ -251,7 +251,7 @@ def test_the_readme_command_trains_both_members_and_both_gain(tmp_path):
 
 def test_the_shipped_one_gpu_pair_fits_an_80_gb_gpu_by_the_memory_plan():
     from ftis_engine.config import load_config
-    from ftis_engine.preflight import check_memory_plan
+    from ftis_engine.run.preflight import check_memory_plan
 
     config = load_config(pathlib.Path(TINY).parents[0] / "gpu" / "pair-shapes.yaml", [])
     assert [m.device for m in config.members] == ["cuda:0", "cuda:0"]
@@ -266,7 +266,7 @@ def test_a_model_whose_config_cannot_be_read_is_named_when_the_memory_plan_leave
     says so, naming the member, instead of skipping it silently."""
     import logging
 
-    from ftis_engine.preflight import check_memory_plan, model_shape
+    from ftis_engine.run.preflight import check_memory_plan, model_shape
 
     assert model_shape("nobody/no-such-model-anywhere") is None
     config = short_config("members.0.model=nobody/no-such-model-anywhere", "members.0.device=cuda:0",
@@ -283,7 +283,7 @@ def test_the_memory_plan_says_why_a_config_gives_nothing_to_plan_with_and_a_prog
     lacks; an AttributeError while reading a config is the code's own and propagates as itself."""
     import transformers
 
-    from ftis_engine.preflight import Unplanned, model_shape, plan_shape
+    from ftis_engine.run.preflight import Unplanned, model_shape, plan_shape
 
     transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                             intermediate_size=64).save_pretrained(str(tmp_path / "bert"))

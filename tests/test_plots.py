@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ftis_engine.plots import TRAIN_KEYS, make_plots, running_mean
+from ftis_engine.report.plots import TRAIN_KEYS, make_plots, running_mean
 
 
 def test_running_mean_averages_each_value_with_those_before_it():
@@ -73,7 +73,7 @@ def test_the_loss_panel_is_named_for_the_runs_method(tmp_path, monkeypatch):
     directory without a config says loss."""
     import matplotlib.figure
 
-    from ftis_engine.plots import run_method, train_labels
+    from ftis_engine.report.plots import run_method, train_labels
 
     titles = []
     save = matplotlib.figure.Figure.savefig
@@ -139,7 +139,7 @@ def test_plots_never_write_through_a_link_planted_where_a_figure_goes(tmp_path):
 
 def test_plots_as_a_link_is_refused_in_one_line_and_nothing_is_written_through_it(tmp_path, capsys):
     """plots/ itself a link: followed before (the figures landed in its target); now `plot` exits 2 naming it."""
-    from ftis_engine.safefile import LinkRefused
+    from ftis_engine.core.safefile import LinkRefused
 
     from .helpers import command_here
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.update import accumulate_gradients, update_member
+from ftis_engine.model.update import accumulate_gradients, update_member
 
 from .helpers import member, random_items
 
@@ -88,9 +88,9 @@ def test_own_rollouts_importance_ratio_is_one_when_generation_and_update_both_co
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     out = m.generator.generate(prompts, SamplingSettings(n=4, temperature=1.0, top_p=1.0, top_k=None,
                                                          max_new_tokens=6, seed=0))
-    from ftis_engine.batch import TrainItem, pack
-    from ftis_engine.rollouts import Rollout
-    from ftis_engine.update import batch_loss
+    from ftis_engine.model.batch import TrainItem, pack
+    from ftis_engine.data.rollouts import Rollout
+    from ftis_engine.model.update import batch_loss
 
     items = [TrainItem(Rollout(member=0, prompt_index=i, completion_ids=c.token_ids.int(),
                                gen_logprobs=c.logprobs.float(), reward=0.0, finish_reason="length",
@@ -106,7 +106,7 @@ def test_own_rollouts_importance_ratio_is_one_when_generation_and_update_both_co
 def test_the_memory_plan_counts_exactly_the_bytes_a_member_holds_in_each_precision():
     """state_bytes (the memory plan's weights, gradients and Adam states) against the tensors a member holds after
     one step, for float32 and bf16 masters, full and LoRA."""
-    from ftis_engine.preflight import model_shape, state_bytes
+    from ftis_engine.run.preflight import model_shape, state_bytes
 
     for index, master in ((0, "float32"), (1, "float32"), (0, "bfloat16")):
         extra = [f"members.{index}.optimizer=adamw"] if master == "bfloat16" else []
@@ -143,7 +143,7 @@ def test_bf16_masters_step_with_stochastic_rounding_and_move_as_float32_masters_
 
 def test_bf16_masters_need_bf16_compute_and_a_decoupled_optimizer():
     from ftis_engine.config import ConfigError
-    from ftis_engine.preflight import check_members
+    from ftis_engine.run.preflight import check_members
 
     with pytest.raises(ConfigError, match=r"^members.0.master_dtype: bfloat16 masters compute in bfloat16; set "
                                           r"members.0.dtype=bfloat16"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from ftis_engine.packaged import PackageError, fetch
+from ftis_engine.model.packaged import PackageError, fetch
 
 from .helpers import run_records
 
@@ -76,9 +76,9 @@ def _cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 def smol_member(smollm2, calc_config, tmp_path_factory):
     """A built SmolLM2 member (full fine-tune, float32 on CPU) with its task."""
     from ftis_engine.config import load_config
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
-    from ftis_engine.tasks import load_task
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.data.tasks import load_task
 
     path = _write(tmp_path_factory.mktemp("smol"), calc_config([{"name": "smol", "model": SMOLLM2, "lr": 1e-6}]))
     config = load_config(path, [])
@@ -99,10 +99,10 @@ def test_the_packaged_model_is_a_plain_hf_folder_with_its_provenance(smollm2):
 def test_the_fused_ops_log_probs_equal_log_softmax_of_the_real_models_logits(smol_member):
     """Float64 oracle: log_softmax of the model's own logits (lm_head on its final hidden states, in float64) at
     the completion rows, against the fused op on the same hidden states and head, on a few real prompts."""
-    from ftis_engine.batch import TrainItem, pack
-    from ftis_engine.rollouts import Rollout
-    from ftis_engine.tasks import prompt_ids
-    from ftis_engine.update import batch_loss, packed_hidden
+    from ftis_engine.model.batch import TrainItem, pack
+    from ftis_engine.data.rollouts import Rollout
+    from ftis_engine.data.tasks import prompt_ids
+    from ftis_engine.model.update import batch_loss, packed_hidden
 
     member, config, task = smol_member
     g = torch.Generator().manual_seed(0)
@@ -129,7 +129,7 @@ def test_the_fused_ops_log_probs_equal_log_softmax_of_the_real_models_logits(smo
 
 def test_generation_follows_the_chat_template_and_stops_at_its_eos(smol_member):
     from ftis_engine.generation import SamplingSettings
-    from ftis_engine.tasks import prompt_ids
+    from ftis_engine.data.tasks import prompt_ids
 
     member, config, task = smol_member
     ids = prompt_ids(member.tokenizer, task, task.train[0].question)
@@ -156,7 +156,7 @@ def test_a_full_and_a_lora_real_member_train_in_bounded_memory_and_their_checkpo
     torch, transformers and the data: before freed memory was handed back after each phase, two steps of this kind
     reached 6.9 GB."""
     from ftis_engine.config import load_config
-    from ftis_engine.preflight import model_shape, state_bytes
+    from ftis_engine.run.preflight import model_shape, state_bytes
 
     member = {"name": "smol", "model": SMOLLM2, "lr": 1e-4 if lora else 1e-5}
     if lora:
@@ -220,10 +220,10 @@ def test_the_shared_prompt_update_of_the_real_model_equals_its_packed_update(smo
     """Issue 77: SmolLM2's own tensors, 2 real prompts (its chat template: ~35 tokens) x 4 completions of real and
     random tokens, with advantages of both signs: the shared-prompt row's loss, log-probs and every gradient equal
     the packed row's in float32, from about half the tokens."""
-    from ftis_engine.batch import TrainItem, pack
-    from ftis_engine.rollouts import Rollout
-    from ftis_engine.tasks import prompt_ids
-    from ftis_engine.update import batch_loss
+    from ftis_engine.model.batch import TrainItem, pack
+    from ftis_engine.data.rollouts import Rollout
+    from ftis_engine.data.tasks import prompt_ids
+    from ftis_engine.model.update import batch_loss
 
     member, config, task = smol_member
     g = torch.Generator().manual_seed(1)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftis_engine import cli
+from ftis_engine.app import cli
 
 from .helpers import SHORT, TINY, command_here, run_records
 
@@ -268,7 +268,7 @@ def test_a_model_folder_that_holds_an_adapter_is_said_as_such_without_the_hub(co
 
 def _fill_at(monkeypatch, name: str) -> None:
     """Writing the file `name` meets a full disk as the OS does: its temporary file is created and written, and
-    flushing it to disk fails with ENOSPC (the run's files go through ftis_engine.safefile, which must remove it)."""
+    flushing it to disk fails with ENOSPC (the run's files go through ftis_engine.core.safefile, which must remove it)."""
     import os
 
     original = os.fsync

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.rollouts import Rollout, RolloutError, claimed_sequences, decode, encode, wire_bytes
+from ftis_engine.data.rollouts import Rollout, RolloutError, claimed_sequences, decode, encode, wire_bytes
 
 
 def _rollouts(n=3, seed=0):

@@ -142,7 +142,7 @@ def test_trl_runs_as_ours_alone_config_runs_its_member():
     """--like: the same model and init seed, task, steps, batch, length, temperature, learning rate, precision,
     attention, compiled layers and engine memory as ours' member 0."""
     from ftis_engine.config import load_config
-    from ftis_engine.members import member_init_seed
+    from ftis_engine.member.members import member_init_seed
 
     config = load_config(ROOT / "configs" / "gpu" / "alone-shape-1.5b.yaml")
     member = config.members[0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ftis_engine.members import trainable_parameters
-from ftis_engine.samplers import flatten_weights, load_weights, weights_words
+from ftis_engine.member.members import trainable_parameters
+from ftis_engine.run.samplers import flatten_weights, load_weights, weights_words
 
 from .helpers import member, short_config
 
@@ -29,8 +29,8 @@ def test_a_push_carries_exactly_the_trainable_weights_and_loads_bit_exact():
 
 
 def test_weights_go_by_broadcast_between_distinct_gpus_and_by_the_links_otherwise():
-    from ftis_engine.layout import weights_group_ranks
-    from ftis_engine.fsdp import weights_backend
+    from ftis_engine.topology.layout import weights_group_ranks
+    from ftis_engine.model.fsdp import weights_backend
 
     samplers = ["swarm.mode=async", "members.0.samplers=2", "members.1.samplers=1"]
     config = short_config(*samplers)
@@ -61,7 +61,7 @@ def test_a_shard_that_does_not_push_gathers_every_parameter_and_keeps_nothing(mo
     """Every shard of a sharded member takes part in each parameter's gather (a collective); only its leader, which
     pushes, keeps the flat buffer: the others made a whole float32 copy of the model at every push and threw it
     away."""
-    from ftis_engine import samplers
+    from ftis_engine.run import samplers
 
     learner, _ = member(0)
     gathered = []

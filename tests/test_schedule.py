@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ftis_engine.config import load_config
-from ftis_engine.rollouts import max_buffer_words
-from ftis_engine.schedule import Schedule, deal, mix_seed, prompts_for_step
+from ftis_engine.data.rollouts import max_buffer_words
+from ftis_engine.topology.schedule import Schedule, deal, mix_seed, prompts_for_step
 
 from .helpers import SHORT, TINY, short_config
 

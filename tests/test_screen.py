@@ -13,7 +13,7 @@ import torch
 from ftis_engine.config import DefenseSettings
 from ftis_engine.exchange.screen import (MONITOR_BOUND, RELEASE_TOKENS, PeerTest, Screen, looks_honest,
                                          lowest_window_mean, monitor_weights)
-from ftis_engine.rollouts import Rollout
+from ftis_engine.data.rollouts import Rollout
 
 
 def _rollout(member: int, prompt: int, claims: list[float], version: int = 0) -> Rollout:
@@ -182,7 +182,7 @@ def test_the_screen_names_peers_by_the_schedule_and_keeps_the_order_of_what_it_k
     from types import SimpleNamespace
 
     from ftis_engine.exchange.admission import Admission
-    from ftis_engine.update import rollout_logprobs
+    from ftis_engine.model.update import rollout_logprobs
 
     from .helpers import member, short_config
 

@@ -8,16 +8,16 @@ import shutil
 
 import pytest
 
-from ftis_engine import restore, run, rundir, session
+from ftis_engine.run import loop as run, restore, rundir, session
 from ftis_engine.config import ConfigError, dump_config
-from ftis_engine.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
-from ftis_engine.session import AgreedError, Start, foreign_tokenizers, open_run
+from ftis_engine.run.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
+from ftis_engine.run.session import AgreedError, Start, foreign_tokenizers, open_run
 
 from .helpers import short_config
 
 
 def test_each_member_knows_which_peers_tokenise_otherwise_and_a_differing_copy_stops():
-    from ftis_engine.models import load_tokenizer, vocabulary_hash
+    from ftis_engine.model.models import load_tokenizer, vocabulary_hash
 
     config = short_config("members.1.model=builtin:tiny-m-bpe")
     char, bpe = load_tokenizer("builtin:tiny-s"), load_tokenizer("builtin:tiny-m-bpe")
@@ -62,7 +62,7 @@ def test_a_restart_resumes_by_design_where_a_fresh_start_is_refused(trained):
     """What test_swarm's torchrun restart test proves on processes (slow tier), in process through the one start-up
     (trainer.build): a start that is not a resume refuses a run directory holding a run; an elastic restart
     (Start.restarted) skips that check and resumes from the newest checkpoint."""
-    from ftis_engine.trainer import build
+    from ftis_engine.run.trainer import build
 
     config, run_dir = trained
     with pytest.raises(AgreedError, match="already holds a run"):
@@ -156,11 +156,11 @@ def test_a_programming_error_while_restoring_is_raised_as_itself_not_as_an_unloa
             raise error
         return load
 
-    monkeypatch.setattr(f"ftis_engine.restore.{loader}", raising(FileNotFoundError(2, "No such file or directory", "optimizer.pt")))
+    monkeypatch.setattr(f"ftis_engine.run.restore.{loader}", raising(FileNotFoundError(2, "No such file or directory", "optimizer.pt")))
     with pytest.raises(RunDirError, match=rf"--resume: checkpoint {re.escape(str(ckpt))}: cannot load member "
                                           r"'tiny-s'.*\(FileNotFoundError: "):
         restore(m, ckpt)
-    monkeypatch.setattr(f"ftis_engine.restore.{loader}", raising(AttributeError("'Member' object has no attribute 'shard'")))
+    monkeypatch.setattr(f"ftis_engine.run.restore.{loader}", raising(AttributeError("'Member' object has no attribute 'shard'")))
     with pytest.raises(AttributeError, match="has no attribute 'shard'"):
         restore(m, ckpt)
 
@@ -196,7 +196,7 @@ def test_an_adapter_that_does_not_fit_the_member_is_refused_instead_of_resuming_
 
 
 def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(trained, tmp_path, monkeypatch):
-    from ftis_engine import checkpoint as checkpoints
+    from ftis_engine.model import checkpoint as checkpoints
 
     config, run_dir = trained
     copy = tmp_path / "copy"
@@ -209,7 +209,7 @@ def test_a_checkpoint_pruned_while_it_is_read_says_so_and_names_the_newest(train
         shutil.rmtree(checkpoint)
         return honest(checkpoint)
 
-    monkeypatch.setattr("ftis_engine.restore.read_state", read_while_pruned)
+    monkeypatch.setattr("ftis_engine.run.restore.read_state", read_while_pruned)
     with pytest.raises(RunDirError, match=re.escape("it was removed while being read") + ".*" +
                        re.escape(f"the newest complete one now is {newest}: retry with it")):
         open_run(config, Start(copy, checkpoint=older))
@@ -299,7 +299,7 @@ def test_eval_uses_the_runs_own_config_and_refuses_one_that_builds_other_models(
 
 
 def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_path, monkeypatch):
-    from ftis_engine import session
+    from ftis_engine.run import session
 
     config, run_dir = trained
     copy = tmp_path / "copy"

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.batch import TrainItem, input_tokens, micro_batches, pack
-from ftis_engine.rollouts import Rollout
-from ftis_engine.update import batch_loss, update_member
+from ftis_engine.model.batch import TrainItem, input_tokens, micro_batches, pack
+from ftis_engine.data.rollouts import Rollout
+from ftis_engine.model.update import batch_loss, update_member
 from ftis_kernels import LossConfig
 
 from .helpers import member
@@ -164,9 +164,9 @@ def test_shared_prompt_is_on_by_default_on_the_cpu_and_off_when_asked():
 
 
 def test_a_model_whose_attention_ignores_the_shared_prompt_mask_is_refused_at_start_naming_the_setting(monkeypatch):
-    from ftis_engine import update
+    from ftis_engine.model import update
     from ftis_engine.config import ConfigError
-    from ftis_engine.preflight import check_model
+    from ftis_engine.run.preflight import check_model
 
     m, _ = member(0)
     check_model(m)  # the real attention takes the mask: nothing to say

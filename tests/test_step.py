@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 
-from ftis_engine import metrics
-from ftis_engine import step as step_module
-from ftis_engine.rollouts import Rollout
-from ftis_engine.session import Start, open_run
-from ftis_engine.step import group_ids, training_items
+from ftis_engine.report import metrics
+from ftis_engine.run import step as step_module
+from ftis_engine.data.rollouts import Rollout
+from ftis_engine.run.session import Start, open_run
+from ftis_engine.run.step import group_ids, training_items
 
 from .helpers import short_config
 
@@ -112,7 +112,7 @@ def test_a_model_that_went_nan_before_its_update_stops_the_step_with_the_diverge
     """Member 0's weights turn NaN after it generated: the first forward of its step (the logged completions' loss,
     the old log-probs of several optimizer steps, the screen of its peers' rollouts) finds NaN hidden states and stops
     with the one-line DivergenceError the update gives (member, step, what to do), not the op's NonFiniteInputError."""
-    from ftis_engine.update import DivergenceError
+    from ftis_engine.model.update import DivergenceError
 
     swarm, _ = open_run(short_config(where), Start(tmp_path / "run"))
     real = step_module.sample.generate_rollouts
@@ -134,7 +134,7 @@ def test_a_model_that_went_nan_before_its_update_stops_the_step_with_the_diverge
 def test_a_model_that_went_nan_before_it_generated_stops_the_step_with_the_divergence_advice(tmp_path):
     """Member 0's weights are NaN when its step begins: generation's sampler used to end in multinomial's traceback
     ("probability tensor contains either inf, nan or element < 0"); it is the one-line DivergenceError now."""
-    from ftis_engine.update import DivergenceError
+    from ftis_engine.model.update import DivergenceError
 
     swarm, _ = open_run(short_config(), Start(tmp_path / "run"))
     with torch.no_grad():
@@ -149,7 +149,7 @@ def test_each_generate_call_of_a_step_has_seeds_of_its_own(tmp_path, monkeypatch
     """A `long` adversary generates its step in two calls (the prompts it fills to the limit, and the rest): the
     second call is seeded past the first one's completions, not with the same seed, which gave its first prompts the
     first call's noise (the HF generator's stream, vLLM's per-request seeds, its default generator)."""
-    from ftis_engine.generation import sample
+    from ftis_engine.run import sampling as sample
 
     swarm, _ = open_run(short_config("members.0.adversary.kind=long", "members.0.adversary.rate=0.5"), Start(tmp_path / "run"))
     member = swarm.members[0]

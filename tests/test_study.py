@@ -778,7 +778,7 @@ def test_a_report_is_written_again_from_its_summary_with_eval_sizes_from_the_con
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     before = (tmp_path / "summary.json").read_text()
     report = rewrite_report(spec, tmp_path, figures=False).read_text()
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     size = len(load_task(groups[0].config.data, 0).evals["tiny-add"])
     assert f"tiny-add {size} questions (sizes from the study's config" in report
@@ -1327,7 +1327,7 @@ def test_a_studys_figures_folder_as_a_link_is_refused_in_one_line(tmp_path, caps
 
 
 def test_a_studys_kept_records_are_never_written_through_a_link(tmp_path):
-    from ftis_engine.safefile import LinkRefused
+    from ftis_engine.core.safefile import LinkRefused
     from ftis_engine.study.runner import keep_records
 
     spec = study_module.StudyConfig.model_validate(MINIMAL)
@@ -1342,7 +1342,7 @@ def test_a_studys_kept_records_are_never_written_through_a_link(tmp_path):
 
 
 def test_a_runs_launch_record_is_never_appended_to_through_a_link(tmp_path):
-    from ftis_engine.safefile import LinkRefused
+    from ftis_engine.core.safefile import LinkRefused
     from ftis_engine.study.runner import record_launch
 
     spec = study_module.StudyConfig.model_validate(MINIMAL)

@@ -136,7 +136,7 @@ def test_under_torchrun_a_restart_resumes_and_a_fresh_start_refuses_an_existing_
 
 @pytest.mark.slow
 def test_under_torchrun_members_with_other_tokenizers_collaborate_unless_one_refuses(tmp_path):
-    from ftis_engine.models import build_tiny_tokenizer
+    from ftis_engine.model.models import build_tiny_tokenizer
 
     other = build_tiny_tokenizer()
     other.add_tokens(["<extra>"])  # another vocabulary: members exchange text, not ids
@@ -186,12 +186,11 @@ def test_kill_9_of_one_rank_ends_the_others_with_a_clear_message(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2"], env=_env(),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _kill_rank_after_first_checkpoint(tmp_path, proc)
-    killed = time.time()
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=300)  # (a hang's guard, not a measure)
     assert proc.returncode != 0
-    # liveness, not speed: the survivor gives up on its own within swarm.timeout_s (60 s), plus its current step
-    # and shutdown, instead of waiting forever
-    assert time.time() - killed < 60 + 120
+    # liveness, not speed: the survivor is stopped (by the launcher, or by its own lost peer within swarm.timeout_s)
+    # instead of waiting forever: the run ends, short of its 40 steps
+    assert max(step for steps in _steps(tmp_path).values() for step in steps) < 40
     # the survivor reports the lost peer, the launcher that the swarm stopped and how to continue
     assert "lost contact with a peer" in err or "rank 1 (tiny-m-lora) failed with signal 9" in err
     assert "swarm stopped" in err and "--resume" in err

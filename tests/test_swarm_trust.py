@@ -22,7 +22,7 @@ from ftis_engine.openswarm.coordinator import (  # noqa: E402
 )
 from ftis_engine.openswarm.joining import dataset_hash, training_set_hash  # noqa: E402
 from ftis_engine.openswarm.wire import pack  # noqa: E402
-from ftis_engine.tasks import TaskError, load_task  # noqa: E402
+from ftis_engine.data.tasks import TaskError, load_task  # noqa: E402
 
 from .helpers import ROOT, command_here  # noqa: E402
 from .test_openswarm import TOKENIZER, join, kinds  # noqa: E402

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ftis_engine.tasks import TaskError
-from ftis_engine.tasks.math import load_examples
+from ftis_engine.data.tasks import TaskError
+from ftis_engine.data.tasks.math import load_examples
 
 GOOD = '{"question": "1+1?", "answer": "it is #### 2"}\n'
 
@@ -38,7 +38,7 @@ def test_a_good_local_file_gives_its_examples_with_the_gold_answers(tmp_path):
 
 # ----------------------------------------------------------------------------------------------- arith (the study testbed)
 
-from ftis_engine.tasks import arith  # noqa: E402
+from ftis_engine.data.tasks import arith  # noqa: E402
 
 
 @pytest.mark.parametrize("completion, gold, reward", [
@@ -114,8 +114,8 @@ def test_gsm8k_calc_is_the_calculator_steps_of_gsm8ks_solutions_held_out_by_expr
     import re
 
     from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
-    from ftis_engine.tasks.math import _evaluate
+    from ftis_engine.data.tasks import load_task
+    from ftis_engine.data.tasks.math import _evaluate
 
     from .helpers import TINY
 
@@ -144,7 +144,7 @@ def test_gsm8k_calc_is_the_calculator_steps_of_gsm8ks_solutions_held_out_by_expr
     ("no number here", "3", 0.0), ("4 and then 5", "4", 0.0), ("<answer></answer> 7", "7", 1.0),
 ])
 def test_final_answer_reward_takes_the_last_answer_block_or_else_the_last_number(completion, gold, reward):
-    from ftis_engine.rewards import final_answer_reward
+    from ftis_engine.data.rewards import final_answer_reward
 
     assert final_answer_reward(completion, gold) == reward
 
@@ -197,7 +197,7 @@ def test_a_jsonl_task_takes_its_field_names_and_prompt_template_and_an_hf_one_it
     import json
 
     from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import TINY
 
@@ -221,19 +221,19 @@ def test_a_jsonl_task_takes_its_field_names_and_prompt_template_and_an_hf_one_it
 
 def test_weighted_rewards_sum_their_terms_and_a_failing_term_is_named():
     from ftis_engine.config import ConfigError, load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import TINY
 
-    config = load_config(TINY, ["data.rewards=[{function: ftis_engine.rewards:tiny_answer_reward, weight: 2.0}, "
-                                "{function: ftis_engine.rewards:final_answer_reward, weight: 0.5}]"])
+    config = load_config(TINY, ["data.rewards=[{function: ftis_engine.data.rewards:tiny_answer_reward, weight: 2.0}, "
+                                "{function: ftis_engine.data.rewards:final_answer_reward, weight: 0.5}]"])
     task = load_task(config.data, 0)
     assert task.reward("7", "7") == 2.5 and task.reward("x", "7") == 0.0
-    assert task.reward.components("7", "7") == {"ftis_engine.rewards:tiny_answer_reward": 1.0,
-                                               "ftis_engine.rewards:final_answer_reward": 1.0}
+    assert task.reward.components("7", "7") == {"ftis_engine.data.rewards:tiny_answer_reward": 1.0,
+                                               "ftis_engine.data.rewards:final_answer_reward": 1.0}
     with pytest.raises(ConfigError, match="give either data.reward or data.rewards"):
-        load_config(TINY, ["data.reward=ftis_engine.rewards:tiny_answer_reward",
-                           "data.rewards=[{function: ftis_engine.rewards:tiny_answer_reward}]"])
+        load_config(TINY, ["data.reward=ftis_engine.data.rewards:tiny_answer_reward",
+                           "data.rewards=[{function: ftis_engine.data.rewards:tiny_answer_reward}]"])
     with pytest.raises(ConfigError, match=r"data.prompt_template: must contain \{question\}"):
         load_config(TINY, ["data.prompt_template=no placeholder"])
 
@@ -296,7 +296,7 @@ def test_an_eval_path_for_a_set_the_run_does_not_evaluate_is_refused_naming_it(t
     import json
 
     from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import TINY
 
@@ -320,7 +320,7 @@ def test_math500_trains_only_on_a_training_file_never_on_its_own_eval_set(tmp_pa
     import json
 
     from ftis_engine.config import ConfigError, load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import TINY
 
@@ -392,7 +392,7 @@ def _two_config_dataset(root):
 
 def test_an_hf_dataset_with_several_configs_loads_the_one_data_subset_names(tmp_path, monkeypatch):
     from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import TINY
 
@@ -418,7 +418,7 @@ def test_a_hub_dataset_that_cannot_be_loaded_is_one_line_naming_the_field_and_it
     """GSM8K from the hub: whatever `datasets` raises (here a refused connection) is the field's one line."""
     import datasets
 
-    from ftis_engine.tasks.math import load_rows
+    from ftis_engine.data.tasks.math import load_rows
 
     def refused(*args, **kwargs):
         raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub (LocalEntryNotFoundError)\nmore")
@@ -472,7 +472,7 @@ def _parquet(folder, question) -> None:
 def test_a_binary_question_column_is_named_with_its_type_not_a_crash_of_the_message(tmp_path):
     """A parquet column of bytes: the code building the message crashed (json.dumps(bytes))."""
     from ftis_engine.config import load_config
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     from .helpers import TINY
 
@@ -502,3 +502,16 @@ def test_an_empty_or_broken_parquet_file_is_one_line_naming_it(tmp_path, capsys,
     errors = [line for line in done.stderr.splitlines() if not line.startswith("run directory: ")]
     assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith(f"error: data.path: {file} {said}"), \
         done.stderr
+
+
+def test_the_configs_table_of_tasks_names_every_built_in_task_and_no_other():
+    """config/tasks.py names the built-in tasks without loading them (the config is a leaf): its names agree with
+    the tasks data/tasks/ builds, and a name it does not know is one load_task refuses."""
+    from ftis_engine.config import tasks as table
+    from ftis_engine.data.tasks import math as math_tasks
+    from ftis_engine.data.tasks import tiny
+
+    assert table.TINY_TASKS == tuple(tiny.TINY_TASKS) and table.MATH_TASKS == tuple(math_tasks.MATH_TASKS)
+    assert table.settings_read("nope") is None
+    assert table.settings_read("gsm8k-calc") == {"train_path", "eval_paths"}
+    assert table.readers("path") == "hf"

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from ftis_engine.threads import Worker
+from ftis_engine.core.threads import Worker
 
 
 class Owned(RuntimeError):

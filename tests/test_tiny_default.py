@@ -11,7 +11,7 @@ import pathlib
 
 import pytest
 
-from ftis_engine.cli import main
+from ftis_engine.app.cli import main
 from ftis_engine.config import config_differences, load_config
 
 from .helpers import ROOT, TINY, run_records

@@ -61,7 +61,7 @@ def _records(tmp_path):
 
 
 def test_a_tracker_that_is_not_installed_is_named_with_its_install_hint(monkeypatch):
-    from ftis_engine import trackers
+    from ftis_engine.report import trackers
 
     real = importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "wandb" else real(name))
@@ -72,7 +72,7 @@ def test_a_tracker_that_is_not_installed_is_named_with_its_install_hint(monkeypa
 
 def test_report_to_names_known_trackers_once_and_may_change_on_resume():
     from ftis_engine.config import ConfigError, load_config
-    from ftis_engine.rundir import resumable
+    from ftis_engine.run.rundir import resumable
 
     with pytest.raises(ConfigError, match="logging.report_to"):
         load_config(TINY, ["logging.report_to=[wandb, wandb]"])
@@ -136,7 +136,7 @@ def test_wandb_and_trackio_offline_get_every_number_and_a_resume_continues_their
 def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written_in_one_process(tmp_path, capsys,
                                                                                                monkeypatch, tracker):
     """One process skipped the launcher's check: ModuleNotFoundError after config.yaml and an empty metrics.jsonl."""
-    from ftis_engine import trackers
+    from ftis_engine.report import trackers
 
     from .helpers import command_here
 
@@ -152,7 +152,7 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written_
 @pytest.mark.parametrize("failure", [RuntimeError("trackio: no such project"), KeyboardInterrupt()])
 def test_a_tracker_that_fails_to_open_closes_those_already_open(tmp_path, monkeypatch, failure):
     """wandb opened, then trackio fails (or a Ctrl-C comes): wandb is closed, and the failure is raised as itself."""
-    from ftis_engine import trackers
+    from ftis_engine.report import trackers
 
     closed = []
 

@@ -20,7 +20,7 @@ def test_save_for_engine_writes_a_model_that_loads_back_identical(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ftis_engine.generation.engine_weights import save_for_engine
-    from ftis_engine.models import load_model, load_tokenizer
+    from ftis_engine.model.models import load_model, load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-s")
     model = load_model("builtin:tiny-s", len(tokenizer), torch.float32, 0, "sdpa")
@@ -33,7 +33,7 @@ def test_save_for_engine_writes_a_model_that_loads_back_identical(tmp_path):
 
 def test_the_reward_is_the_tasks_and_counts_completion_tokens():
     from ftis_engine.config import DataSettings
-    from ftis_engine.tasks import load_task
+    from ftis_engine.data.tasks import load_task
 
     task = load_task(DataSettings(task="tiny-last"), 0)
     tally = {"tokens": 0, "completions": 0}
@@ -81,8 +81,8 @@ def test_the_precision_defaults_to_float32_masters_as_ours_trains():
 @pytest.mark.parametrize("precision, layer_mode", [("fp32-master", "compile"), ("bf16", "eager")])
 def test_trls_model_holds_the_masters_dtype_and_compiles_its_layers_as_ours(tmp_path, precision, layer_mode):
     """fp32-master: float32 weights (AdamW's states follow them), TRL's bf16=True then autocasts; bf16: the
-    2026-11-27 run's bf16 weights. compile: each decoder layer as ftis_engine.layers compiles ours."""
-    from ftis_engine import layers
+    2026-11-27 run's bf16 weights. compile: each decoder layer as ftis_engine.model.layers compiles ours."""
+    from ftis_engine.model import layers
 
     master = trl_grpo.PRECISIONS[precision][0]
     trl_grpo.export_model("builtin:tiny-s", 0, master, tmp_path / "m")
@@ -104,8 +104,8 @@ def test_trls_padded_batches_take_ours_varlen_attention_and_compute_what_sdpa_do
     """--attn varlen: each row's tokens packed one row after the other for ours' varlen attention (the float64 stand-in
     of torch's kernel here: tests/test_attention.py), put back in place; equal to sdpa under the causal and padding
     mask at every token, forward and gradients (TRL's loss reads tokens only)."""
-    from ftis_engine import attention
-    from ftis_engine.models import load_model
+    from ftis_engine.model import attention
+    from ftis_engine.model.models import load_model
 
     monkeypatch.setattr(attention, "_kernel", lambda: (reference_kernel, {"window_size": (-1, 0)}, True))
     calls = []
@@ -128,7 +128,7 @@ def test_trls_padded_batches_take_ours_varlen_attention_and_compute_what_sdpa_do
 def test_trls_model_loads_with_ours_varlen_for_padded_batches(tmp_path):
     from transformers import AttentionInterface
 
-    from ftis_engine import attention
+    from ftis_engine.model import attention
 
     trl_grpo.export_model("builtin:tiny-s", 0, torch.float32, tmp_path / "m")
     model = trl_grpo.trainer_model(tmp_path / "m", torch.float32, attention.NAME, "eager")
@@ -149,7 +149,7 @@ def test_the_json_says_what_ran_and_trl_trains_the_model_built_for_it(tmp_path, 
     here (TRL's own training is stood in for: compiling on a CPU takes minutes)."""
     import trl
 
-    from ftis_engine import layers
+    from ftis_engine.model import layers
 
     given = {}
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine.update import DivergenceError, update_member
+from ftis_engine.model.update import DivergenceError, update_member
 from ftis_kernels import LossConfig
 
 from .helpers import member, random_items
@@ -41,7 +41,7 @@ def test_a_non_finite_gradient_is_a_divergence_and_no_step_is_taken(monkeypatch)
 
 
 def test_a_step_that_makes_the_weights_non_finite_says_so_and_they_are_never_saved(tmp_path):
-    from ftis_engine.checkpoint import stage_members
+    from ftis_engine.model.checkpoint import stage_members
 
     m, _ = member(0)
     items = random_items(len(m.tokenizer), n_groups=2, per_group=2)
@@ -66,8 +66,8 @@ def test_own_ratio_mean_is_the_trainers_probability_over_the_generators_on_own_t
     version (a decoupled sampler's), however far off, are left out."""
     import dataclasses
 
-    from ftis_engine.batch import pack
-    from ftis_engine.update import batch_loss
+    from ftis_engine.model.batch import pack
+    from ftis_engine.model.update import batch_loss
 
     m, _ = member(0)
     cfg = LossConfig()
@@ -101,8 +101,8 @@ def test_the_second_optimizer_step_on_a_batch_is_trls_clipped_objective_against_
     -min(r A, clip(r, 1 - eps, 1 + eps) A), r = exp(logp - old_logp), averaged per sequence, then over sequences."""
     from ftis_kernels import LossConfig
 
-    from ftis_engine.batch import pack
-    from ftis_engine.update import batch_loss, optimizer_step, packed_hidden, with_old_logprobs
+    from ftis_engine.model.batch import pack
+    from ftis_engine.model.update import batch_loss, optimizer_step, packed_hidden, with_old_logprobs
 
     m, cfg = member(0, "members.0.lr=0.05")  # large steps: the second step's ratios leave [0.8, 1.2]
     loss_config = LossConfig(method="nois")
@@ -128,7 +128,7 @@ def test_the_second_optimizer_step_on_a_batch_is_trls_clipped_objective_against_
 
 
 def test_epochs_and_mini_batches_take_that_many_optimizer_steps_and_report_them_together():
-    from ftis_engine.update import update_member
+    from ftis_engine.model.update import update_member
 
     m, cfg = member(0, "members.0.lr=0.02")
     loss_config = cfg.algorithm.loss_config(cfg.rollout.temperature)
@@ -148,7 +148,7 @@ def test_epochs_and_mini_batches_take_that_many_optimizer_steps_and_report_them_
     ("cosine", [0.25, 0.5, 0.75, 1, 1, 0.904508, 0.654508, 0.345492, 0.095492]),
 ])
 def test_the_learning_rate_warms_up_then_follows_its_schedule(schedule, expected):
-    from ftis_engine.schedule import learning_rate
+    from ftis_engine.topology.schedule import learning_rate
 
     from .helpers import short_config
 
@@ -162,8 +162,8 @@ def test_the_kl_penalty_reference_is_the_initial_policy_and_moves_away_from_it_a
     """algorithm.beta > 0: a full member keeps a frozen copy of its initial weights, a LoRA member uses its base
     with the adapter disabled. Before any step the policy is its reference (ref_kl_mean 0); after steps it is not,
     and the loss carries the beta term."""
-    from ftis_engine.batch import pack
-    from ftis_engine.update import batch_loss, reference_logprobs, update_member
+    from ftis_engine.model.batch import pack
+    from ftis_engine.model.update import batch_loss, reference_logprobs, update_member
 
     m, cfg = member(index, "algorithm.beta=0.5", f"members.{index}.lr=0.02")
     assert (m.reference is not None) == (index == 0)
@@ -188,8 +188,8 @@ def test_a_full_members_reference_in_bf16_compute_starts_where_the_policy_is():
     """members.N.dtype=bfloat16 (the GPU's precision, autocast over float32 masters): before any step the frozen
     reference gives the policy's very log-probs, so the KL to it starts at exactly 0 (a copy cast whole to bf16 ran
     its residual stream in bf16: 1e-4 of KL and 0.05 of log-prob away), and its linear layers are held in bf16."""
-    from ftis_engine.batch import pack
-    from ftis_engine.update import batch_loss, reference_logprobs
+    from ftis_engine.model.batch import pack
+    from ftis_engine.model.update import batch_loss, reference_logprobs
 
     m, cfg = member(0, "algorithm.beta=0.5", "members.0.dtype=bfloat16")
     assert m.dtype == torch.bfloat16 and m.reference is not None
@@ -205,7 +205,7 @@ def test_a_full_members_reference_in_bf16_compute_starts_where_the_policy_is():
     assert linear and all(mod.weight.dtype == torch.bfloat16 for mod in linear)
     assert m.reference.get_input_embeddings().weight.dtype == torch.float32
     # the memory plan counts the reference as it is built
-    from ftis_engine.preflight import model_shape, training_bytes
+    from ftis_engine.run.preflight import model_shape, training_bytes
 
     held = sum(p.numel() * p.element_size() for p in m.reference.parameters())
     without = cfg.model_copy(update={"algorithm": cfg.algorithm.model_copy(update={"beta": 0.0})})
@@ -219,8 +219,8 @@ def test_an_entropy_bonus_raises_the_entropy_an_update_leaves_and_a_penalty_lowe
     batch, a step with a bonus leaves a higher mean entropy on that batch than one with a penalty."""
     import copy
 
-    from ftis_engine.batch import pack
-    from ftis_engine.update import batch_loss, update_member
+    from ftis_engine.model.batch import pack
+    from ftis_engine.model.update import batch_loss, update_member
 
     base, cfg = member(0, "members.0.lr=0.05")
     items = random_items(base.vocab_size, seed=9)

@@ -16,7 +16,7 @@ import torch
 from ftis_engine.config import ConfigError, load_config
 from ftis_engine.generation import engine_weights
 from ftis_engine.generation import vllm as vllm_gen
-from ftis_engine.preflight import check_generator_placement
+from ftis_engine.run.preflight import check_generator_placement
 
 from .helpers import TINY
 
@@ -261,7 +261,7 @@ def test_no_two_requests_of_a_members_steps_share_a_seed_where_seed_plus_i_times
     prompts x 8) drew, with seed + i * n, the noise of its previous step for most of its requests: consecutive steps'
     seeds are 7,919 apart (schedule.mix_seed). Hashed, the n seeds of every request of two steps of two members are
     all different, and each request's seeds stay in [0, 2^31)."""
-    from ftis_engine.schedule import mix_seed
+    from ftis_engine.topology.schedule import mix_seed
 
     prompts, n = 1024, 8
     step_seeds = [mix_seed(0, step, member) for step in (1, 2) for member in (0, 1)]
@@ -444,7 +444,7 @@ def test_paper_config_has_the_papers_hyperparameters(path):
 
 
 def test_every_paper_config_passes_dry_run(capsys):
-    from ftis_engine.cli import main
+    from ftis_engine.app.cli import main
 
     for path in PAPER:
         with pytest.raises(SystemExit) as done:
@@ -462,9 +462,9 @@ def _vllm_member(tmp_path, lora: bool = False):
     when `lora`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
-    from ftis_engine.models import load_tokenizer
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
+    from ftis_engine.model.models import load_tokenizer
 
     tokenizer = load_tokenizer("builtin:tiny-s")
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
@@ -610,7 +610,7 @@ needs_flash = pytest.mark.skipif(
 
 @needs_flash
 def test_flash_attention_and_sdpa_agree_on_packed_sequences():
-    from ftis_engine.models import load_model
+    from ftis_engine.model.models import load_model
 
     a, b = torch.randint(0, 100, (37,)), torch.randint(0, 100, (21,))
     ids = torch.cat([a, b])[None].cuda()
@@ -635,7 +635,8 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
                                                                        backend, local_rank):
     """What vLLM's LLM(...) is given (stand-in engine, no GPU): in a multi-process run the external launcher, with
     RANK the process's rank and LOCAL_RANK the member's own GPU (vLLM's external launcher places the engine on
-    cuda:LOCAL_RANK; the process's local rank would put the second of two members sharing cuda:0 on cuda:1)."""
+    cuda:LOCAL_RANK; the process's local rank would put the second of two members sharing cuda:0 on cuda:1). Those,
+    like the rest of what vLLM reads while it builds the engine, hold for that alone: the environment is as before."""
     import contextlib
     import os
 
@@ -645,7 +646,8 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
 
     class LLM:
         def __init__(self, **kwargs):
-            built.update(kwargs, RANK=os.environ.get("RANK"), LOCAL_RANK=os.environ.get("LOCAL_RANK"))
+            built.update(kwargs, RANK=os.environ.get("RANK"), LOCAL_RANK=os.environ.get("LOCAL_RANK"),
+                         multiprocessing=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING"))
 
     monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: world > 1)
@@ -655,12 +657,16 @@ def test_each_engine_is_built_on_its_members_gpu_for_every_placement(monkeypatch
     monkeypatch.setattr(vllm_gen, "_engine_takes", lambda name: name == "device_ids")  # vLLM 0.24's arguments
     monkeypatch.setenv("LOCAL_RANK", str(rank))  # what --nproc / torchrun set
     monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
     config = short_config("members.0.generator=vllm")
     gen = _bare_generator()
     gen.lora = False
     m = _tiny_member()
     gen._work = tmp_path
+    before = dict(os.environ)
     gen._start_engine(m.model, m.tokenizer, torch.device(device), config.members[0], config, 0, LLM)
+    assert dict(os.environ) == before
+    assert built["multiprocessing"] == (None if backend else "0")  # in-process: the engine's model is reachable
     assert built.get("distributed_executor_backend") == backend
     assert built["tensor_parallel_size"] == 1 and built["dtype"] == "bfloat16"
     if backend is not None:
@@ -969,7 +975,7 @@ def test_an_engine_sized_by_its_kv_cache_counts_its_weights_and_cache_not_a_shar
     gpu_memory_utilization (which vLLM then reads only as a start-up check): the 3B shape's bf16 engine with 3.8 GiB
     of cache is about 11.6 GiB, more than 0.1 of an 80 GB GPU; a plan too big names kv_cache_gib."""
     from ftis_engine.config import ConfigError
-    from ftis_engine.preflight import (ENGINE_OVERHEAD_BYTES, check_memory_plan, engine_bytes, model_shape,
+    from ftis_engine.run.preflight import (ENGINE_OVERHEAD_BYTES, check_memory_plan, engine_bytes, model_shape,
                                        parameter_counts)
 
     from .helpers import short_config

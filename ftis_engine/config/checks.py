@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..rollouts import wire_bytes
+from ..core.limits import wire_bytes
 
 # The most a step's rollouts may take (the swarm's, on the wire and in every member's update): past this a run
 # would fail late (out of memory after the step-0 eval, a run directory left behind) instead of at once.

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from ..core import safefile
 from .schema import RunConfig
 from .types import ConfigError, unwrap
 
@@ -148,6 +149,7 @@ def _index(node: list, part: str, where: str) -> int:
     try:
         index = int(part)
     except ValueError:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(f"--set {where}: {part!r} is not a list index") from None
     if not -len(node) <= index < len(node):
         raise ConfigError(f"--set {where}: index {index} is out of range (the list has {len(node)} items)")
@@ -193,6 +195,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _UniqueKeyLoader.construct_yaml_map)
 
 
+MAX_CONFIG_BYTES = 16 << 20  # a config (a run's, a study's) is kilobytes
+
+
 def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = ConfigError) -> dict:
     """A config file's top-level mapping: UTF-8 (with or without a byte-order mark) or UTF-16 with its mark, as
     editors save them. Anything else raises `error` with one line naming --config and the file."""
@@ -202,22 +207,27 @@ def read_yaml_mapping(path: str | pathlib.Path, error: type[ConfigError] = Confi
                 if path.exists() else "no such file")
         raise error(f"--config {path}: {what}")
     try:
-        data = path.read_bytes()
+        data = safefile.read_bytes(path, MAX_CONFIG_BYTES, "a config file")  # bounded: a config is kilobytes
     except OSError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise error(f"--config {path}: cannot read it ({exc.strerror or type(exc).__name__})") from None
     try:
         text = data.decode("utf-16") if data[:2] in (b"\xff\xfe", b"\xfe\xff") else data.decode("utf-8-sig")
     except UnicodeDecodeError:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise error(f"--config {path}: is not UTF-8 (or UTF-16) text; save it as UTF-8") from None
     try:
         raw = yaml.load(text, Loader=_UniqueKeyLoader)
     except DuplicateKeyError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise error(f"--config {path}: {exc.problem}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise error(f"--config {path}:{where} is not valid YAML") from None
     except RecursionError:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise error(f"--config {path}: nested too deep to read") from None
     if not isinstance(raw, dict):
         raise error(f"--config {path}: expected a mapping of sections at the top level")
@@ -236,6 +246,7 @@ def validate_config(raw: dict) -> RunConfig:
     try:
         config = RunConfig.model_validate(raw)
     except ValidationError as exc:
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise ConfigError(format_validation_error(exc)) from None
     return config
 

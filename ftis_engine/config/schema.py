@@ -13,7 +13,8 @@ from typing import Any, Literal
 from ftis_kernels import LossConfig
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from ..rewards import MAX_REWARD
+from ..core.limits import MAX_REWARD
+from .tasks import readers, settings_read
 from .checks import check_run
 from .types import Beta, Seed, number_type, safe_path_name
 
@@ -181,7 +182,7 @@ class MemberSettings(_Section):
                              "equals one rank's). --nproc is the sum of every member's ranks and samplers.")
     adversary: AdversarySettings | None = Field(
         None, description="Make this member an attacker for studies and tests: its learner ranks lie to its peers "
-                          "as set here (ftis_engine/adversary.py; docs/adversaries.md); null: honest.")
+                          "as set here (ftis_engine/exchange/adversary.py; docs/adversaries.md); null: honest.")
     device: str | None = Field(
         None, description="Place this member (a one-rank member) on this device, e.g. cuda:0, several members "
                           "sharing one GPU; default: one device per rank (train.device).")
@@ -251,7 +252,7 @@ class RolloutSettings(_Section):
 
 class RewardTerm(_Section):
     function: str = Field(..., min_length=1, description="A reward as 'module:function' (completion, gold) -> float, "
-                          "e.g. ftis_engine.rewards:binary_answer_reward.")
+                          "e.g. ftis_engine.data.rewards:binary_answer_reward.")
     weight: float = Field(1.0, allow_inf_nan=False, description=f"Its weight in the sum, within +-{MAX_REWARD:g} "
                           "(as every reward and the sum: group advantages do not depend on the rewards' scale).")
 
@@ -268,8 +269,6 @@ class RewardTerm(_Section):
 def _unread(task: Any, field: str) -> str | None:
     """Why a data field set away from its default has no effect for `task` (None: the task reads it, or is unknown:
     load_task reports that)."""
-    from ..tasks import readers, settings_read
-
     read = settings_read(task) if isinstance(task, str) else None
     if read is None or field in read:
         return None
@@ -334,6 +333,7 @@ class DataSettings(_Section):
             fields = [(name, spec, conversion) for _, name, spec, conversion in string.Formatter().parse(value)
                       if name is not None]
         except ValueError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ValueError(f"{exc}{brace}") from None
         for name, spec, conversion in fields:
             if name != "question" or spec or conversion:  # {question.x}, {0}, {question:{question}}, {question!r}
@@ -344,6 +344,7 @@ class DataSettings(_Section):
         try:
             value.format(question=_PROMPT_SAMPLE)
         except Exception as exc:  # whatever the parse above let through that a question's text cannot fill in
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise ValueError(f"cannot be filled in with a question ({type(exc).__name__}: "
                              f"{' '.join(str(exc).split())[:100]}){brace}") from None
         return value

@@ -18,7 +18,6 @@ each torch.distributed collective of the engine runs in `collective`, which name
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from typing import Protocol
 
 import torch
 
-from ..errors import first_line
+from ..core.dist import PeerLost, collective  # noqa: F401  (re-exported: the transports fail with them)
 
 Limit = Callable[[int, int], int]  # (sender rank, step) -> the most words an honest parcel holds (0: none)
 
@@ -74,29 +73,8 @@ class Arrivals:
     peers: Peers | None = None  # open swarm: its membership as of this receive (None: fixed by the config)
 
 
-class PeerLost(RuntimeError):
-    """A peer's connection closed before it said DONE, or a collective failed (killed, crashed, hung or
-    unreachable)."""
-
-
 class TransportError(RuntimeError):
     """The transport failed for a reason of its own (not a lost connection)."""
-
-
-@contextlib.contextmanager
-def collective(op: str):
-    """Run a torch.distributed collective of the engine's (`op` names it in the error): whatever the backend raises
-    there is PeerLost, from the backend's error. gloo and NCCL raise a peer's closed connection, a hung peer's
-    time-out (the group's, from swarm.timeout_s) and a monitored barrier's missing ranks as RuntimeError (torch's
-    DistError subclasses in part), told apart from a misuse (a wrong device, mismatched sizes) by their message
-    alone; here the call is known to be a collective, and the line quotes the backend's first line. This rank's own
-    out of memory is raised as itself."""
-    try:
-        yield
-    except (PeerLost, torch.OutOfMemoryError):  # already named (a collective inside another); this rank's memory
-        raise
-    except RuntimeError as exc:
-        raise PeerLost(f"{op}: {first_line(exc)}") from exc
 
 
 class Collectives(Protocol):

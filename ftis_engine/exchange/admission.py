@@ -59,9 +59,10 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..config import RunConfig
-from ..rollouts import Rollout, RolloutError, buffer_digest, decode
-from ..schedule import Schedule, learner_version, staleness
+from ..data.rollouts import Rollout, RolloutError, buffer_digest, decode
+from ..topology.schedule import Schedule, learner_version, staleness
 from . import Parcel, Peers
+from .capability import CapabilityTracker
 from .screen import LogProbs, Screen, Screened
 from .verify import RolloutChecker
 
@@ -81,7 +82,8 @@ class KeptState(typing.NamedTuple):
 
 # every kept state's file in a member's checkpoint; a new one is added here, or kept_states() raises KeyError
 KEPT_STATES = {"screen.json": ("claims-monitor state", "every peer's test starts afresh"),
-               "admission.json": ("length-guard state", "its own lengths start afresh")}
+               "admission.json": ("length-guard state", "its own lengths start afresh"),
+               "capability.json": ("hacpo capability history", "every sender's capability starts at 1")}
 
 
 @dataclass
@@ -171,6 +173,7 @@ class Admission:
                              "model: build it with its log-prob function (logprobs=...)")
         self.logprobs = logprobs
         self.shard = shard
+        self.capability = CapabilityTracker(receiver)  # hacpo: its senders' capabilities (the update reads them)
 
     @property
     def budget(self) -> int | None:
@@ -186,12 +189,15 @@ class Admission:
     def kept_states(self) -> dict[str, KeptState]:
         """The receiver's defenses that keep state across steps, by their file in the member's checkpoint (each
         target has state() and load_state(state, where)): the claims monitor's tests; the length guard's own
-        lengths. What each is, and what a resume without its file does, come from one table (KEPT_STATES)."""
+        lengths; hacpo's capability history. What each is, and what a resume without its file does, come from one
+        table (KEPT_STATES)."""
         defense, targets = self.config.defense, {}
         if defense.claims_monitor:
             targets["screen.json"] = self.screen
         if defense.max_length_ratio is not None:
             targets["admission.json"] = self
+        if self.config.algorithm.method == "hacpo":
+            targets["capability.json"] = self.capability
         return {file: KeptState(target, *KEPT_STATES[file]) for file, target in targets.items()}
 
     def state(self) -> dict:

@@ -23,9 +23,9 @@ import time
 import torch
 
 from ..config import LatencySettings, RunConfig
-from ..layout import endpoint_roles, learner_endpoints, sampler_endpoints
-from ..rollouts import claimed_sequences
-from ..schedule import learner_version
+from ..topology.layout import endpoint_roles, learner_endpoints, sampler_endpoints
+from ..data.rollouts import claimed_sequences
+from ..topology.schedule import learner_version
 from . import Arrivals, Limit, Parcel, TransportError, WeightSlot, collective, wire_bytes_sent
 from .links import Links
 from .messages import DATA, TAKEN, WEIGHTS

@@ -36,8 +36,8 @@ from typing import Protocol
 
 import torch
 
-from ..errors import first_line
-from ..threads import Worker
+from ..core.errors import first_line
+from ..core.threads import Worker
 from . import PeerLost, TransportError
 from .messages import (
     DATA,
@@ -86,11 +86,13 @@ def advertised_host() -> str:
 class Links:
     """This endpoint's links to every peer. `start(handler, max_words)` binds, gathers the addresses and starts the
     I/O thread; `post_*` never block. gather(address) -> every endpoint's address, in endpoint order (a collective
-    over the endpoints' gloo group: async_.DistributedAsync)."""
+    over the endpoints' gloo group: async_.DistributedAsync). clock: what the I/O thread reads, in seconds, to tell
+    a lost peer (a link not up within timeout_s, one closed for over LOST_GRACE_S); a test passes one it moves."""
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, outbox_capacity: int,
-                 gather: Callable[[str], list[str]]):
+                 gather: Callable[[str], list[str]], clock: Callable[[], float] = time.monotonic):
         self.rank = rank
+        self.clock = clock
         self.timeout_s = timeout_s
         self.gather = gather
         self.peers = [p for p in range(world_size) if p != rank]
@@ -255,7 +257,7 @@ class Links:
         up = self.up
         down_since: dict[int, float] = {}  # peer -> when its connection closed (it may come back)
         pending: dict[int, list] = {}  # peer -> a message ZeroMQ would not take yet
-        started = time.monotonic()
+        started = self.clock()
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         poller.register(self._wake_read, zmq.POLLIN)
@@ -295,7 +297,7 @@ class Links:
                         except zmq.Again:
                             break
                         self._receive(message)
-                now = time.monotonic()
+                now = self.clock()
                 for peer in self.peers:
                     if self._done_received[peer].is_set():
                         continue
@@ -336,7 +338,7 @@ class Links:
                 self._notify()
             elif event == zmq.EVENT_DISCONNECTED:
                 up[peer] = False
-                down_since.setdefault(peer, time.monotonic())
+                down_since.setdefault(peer, self.clock())
 
     def _reconnected(self, peer: int) -> None:
         """A connection that closed is back (a network blip, or the peer's socket refused a message of ours over

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..schedule import learner_version
+from ..topology.schedule import learner_version
 from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, wire_bytes_sent
 from .async_ import Latency, Mailbox
 from .sync import LocalCollectives

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Hashable
 
 from ..config import RunConfig
-from ..schedule import learner_version
+from ..topology.schedule import learner_version
 
 log = logging.getLogger("ftis_engine.exchange")
 

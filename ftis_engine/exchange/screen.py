@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rollouts import Rollout
+from ..data.rollouts import Rollout
 
 # a receiver's own per-token log-probs of peer rollouts' completions (one tensor each), from one no-grad forward of
 # its model: what the defenses below read (session builds it around update.rollout_logprobs)
@@ -144,6 +144,7 @@ class Screen:
                         and all(len(pair) == 2 for pair in test.recent)):
                     raise TypeError("a field of the wrong type or value")
             except TypeError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise ValueError(f"{where}: peer {name!r}'s test is malformed ({exc})") from None
             test.recent = [(float(t), int(n)) for t, n in test.recent]
             loaded[name] = test

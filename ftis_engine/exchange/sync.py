@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..schedule import learner_version
+from ..topology.schedule import learner_version
 from . import Arrivals, Limit, Parcel, WeightSlot, WithoutSamplers, collective, wire_bytes_sent
 
 

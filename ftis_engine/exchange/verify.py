@@ -10,9 +10,9 @@ import math
 
 import torch
 
-from ..context import FOREIGN_EXPANSION
-from ..rollouts import Rollout, RolloutError, reencoded
-from ..tasks import Task
+from ..data.context import FOREIGN_EXPANSION
+from ..data.rollouts import Rollout, RolloutError, reencoded
+from ..data.tasks import Task
 
 
 def validate(rollouts: list[Rollout], *, sender: int, vocab_size: int, max_new_tokens: int,
@@ -166,7 +166,7 @@ class RolloutChecker:
         # a catch-all, as it must be: a peer's (untrusted) ids and text through the user's reward code, which may raise
         # anything on them (ids the tokenizer cannot decode, a reward that fails on this text): the parcel is refused
         except Exception as exc:
-            raise RolloutError(f"cannot score the completions: {exc}") from None
+            raise RolloutError(f"cannot score the completions: {exc}") from exc
         unverified = set()
         for (i, rollout), reward in zip(claimed, local):
             if reward is None:

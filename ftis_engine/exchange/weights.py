@@ -17,7 +17,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from ..threads import Worker
+from ..core.threads import Worker
 from . import TransportError, collective
 
 END = -1

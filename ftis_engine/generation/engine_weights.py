@@ -8,8 +8,9 @@ import pathlib
 
 import torch
 
-from ..fsdp import full
-from ..saving import save_pretrained
+from ..model.fsdp import full
+from ..model.models import source as model_source
+from ..model.saving import save_pretrained
 
 GIB = 1 << 30
 LEAST_CPU_KV_CACHE = GIB // 4
@@ -47,8 +48,6 @@ def engine_source(model, tokenizer, settings, directory: pathlib.Path) -> str:
     the trainer's weights differ from them (a built-in model's random init, or a warm start: the engine would
     otherwise generate step 1's rollouts, and a LoRA member all of them, from weights the trainer does not hold),
     then the trainer's weights written to `directory`."""
-    from ..models import source as model_source
-
     if settings.model.startswith("builtin:") or settings.warm_start is not None:
         return save_for_engine(model, tokenizer, directory)
     return model_source(settings.model)  # a packaged model's folder, or the hub id / local path as given

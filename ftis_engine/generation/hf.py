@@ -16,7 +16,8 @@ from ftis_kernels import NonFiniteInputError
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, MinNewTokensLengthLogitsProcessor
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from ..precision import autocast
+from ..model.fsdp import full
+from ..model.precision import autocast
 from . import Completion, SamplingSettings, cut_at_eos, eos_token_ids, warn_if_biased
 
 
@@ -66,8 +67,6 @@ class HFGenerator:
         parameters gathered from the shards, one at a time (every shard of the member calls this)."""
         if not self.replica:
             return
-        from ..fsdp import full
-
         mine = dict(self.model.named_parameters())
         for name, param in model.named_parameters():
             if param.requires_grad:

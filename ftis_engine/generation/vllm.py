@@ -43,10 +43,13 @@ import time
 
 import torch
 
-from ..context import engine_length
-from ..errors import first_line
-from ..fsdp import full, is_sharded
-from ..saving import save_pretrained
+from ..config import ConfigError
+from ..core.env import set_env
+from ..core.errors import first_line
+from ..data.context import engine_length
+from ..model.fsdp import full, is_sharded
+from ..model.models import source as model_source
+from ..model.saving import save_pretrained
 from . import Completion, EngineError, SamplingSettings, eos_token_ids, warn_if_biased
 from .engine_weights import GIB, checkpoint_names, engine_source, engine_weights, kv_cache_bytes, merged_state
 
@@ -209,7 +212,6 @@ class VLLMGenerator:
         problem = check_available(device)
         if problem:
             raise RuntimeError(problem)
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # not a dozen INFO lines per sleep/wake; read at import
         from vllm import LLM
 
         platform = engine_platform()
@@ -247,15 +249,16 @@ class VLLMGenerator:
 
     def _start_engine(self, model, tokenizer, device, settings, config, seed, LLM) -> None:
         """Write a built-in model's weights where vLLM can load them, and start the engine (self.llm)."""
-        from ..models import source as model_source
-
         source = engine_source(model, tokenizer, settings, self._work / "base")
         # several ranks (--nproc/torchrun): join their world. A world of one is vLLM's own in-process group, left
         # initialised by an earlier engine of this process: a new engine runs on its own then too
         distributed = (torch.distributed.is_available() and torch.distributed.is_initialized()
                        and torch.distributed.get_world_size() > 1)
-        if not distributed:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the engine's model is reachable
+        # the environment vLLM reads while it builds the engine, set for that alone (env.set_env puts it back):
+        # not a dozen INFO lines per sleep/wake (its logging is set up from it then)
+        env = {"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        if not distributed:  # in-process: the engine's model is reachable
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         max_len = engine_length(config, settings)
         eager = settings.vllm.enforce_eager if settings.vllm.enforce_eager is not None else self.on_cpu
         kwargs = dict(
@@ -279,15 +282,13 @@ class VLLMGenerator:
             # puts the engine on cuda:LOCAL_RANK, which under --nproc is the process's local rank: for members that
             # share a GPU (members.N.device) that is another GPU, or none. The engine goes where its member is.
             kwargs["distributed_executor_backend"] = "external_launcher"
-            os.environ["RANK"] = str(torch.distributed.get_rank())
-            os.environ["LOCAL_RANK"] = str(device.index if device.index is not None else 0)
+            env["RANK"] = str(torch.distributed.get_rank())
+            env["LOCAL_RANK"] = str(device.index if device.index is not None else 0)
         elif device.type == "cuda" and (device.index or 0) != 0:
             # in-process, vLLM derives the engine's GPU from its device config, which carries no index (0.24:
             # UniProcExecutor._distributed_args), so the engine would run on cuda:0 beside a member on cuda:N;
             # device_ids maps its local rank 0 to the member's GPU (indices into CUDA_VISIBLE_DEVICES, as torch's)
             if not _engine_takes("device_ids"):
-                from ..config import ConfigError
-
                 raise ConfigError(f"members.{self.index}.device: this vLLM runs an in-process engine on cuda:0 only, "
                                   f"not on the member's {device}; run with CUDA_VISIBLE_DEVICES={device.index} "
                                   "(the member then on cuda:0), or one process per member (--nproc), or vLLM >= 0.24")
@@ -297,7 +298,7 @@ class VLLMGenerator:
         reload_log = logging.getLogger(_RELOAD_LOGGER)
         if not any(isinstance(f, _RestoredBuffers) for f in reload_log.filters):
             reload_log.addFilter(_RestoredBuffers())
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        with set_env(**env), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             self.llm = LLM(**kwargs)  # vLLM seeds the process-wide RNGs; keep the trainer's streams as they were
 
     # ------------------------------------------------------------------------------------------- lifecycle

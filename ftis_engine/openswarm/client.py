@@ -30,7 +30,8 @@ import time
 import uuid
 from collections.abc import Callable
 
-from ..errors import shown
+from ..core.errors import shown
+from ..data.rollouts import claimed_sequences
 from .rules import join_problem, lease_problem, view_problem
 from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 
@@ -196,8 +197,6 @@ class SwarmClient:
 
     def _count_dropped(self, body: bytes) -> None:
         """Count an unsent parcel's sequences; the member's thread and the I/O thread both drop parcels."""
-        from ..rollouts import claimed_sequences
-
         with self._lock:
             self.dropped += claimed_sequences(body)
 

@@ -42,8 +42,9 @@ import time
 from dataclasses import dataclass
 
 from ..config import value_differences
-from ..errors import shown
-from ..safefile import open_append
+from ..core.errors import shown
+from ..core.safefile import open_append, open_bounded
+from .joining import training_set_hash
 from .rules import (  # noqa: F401 (MAX_SOURCE, load_swarm_config, max_parcel_bytes, shared_settings: importable here)
     DIGEST,
     MAX_LIVE,
@@ -60,6 +61,7 @@ from .wire import MAX_HEADER, SAMPLER_MARK, WireError, ipv6, pack, unpack
 
 MAX_NOISY = 20  # refusals and malformed messages logged a minute; the rest are counted
 RECEIVE_HWM = 64  # messages read ahead per connection: memory bounded by this x the frame cap per connection
+MAX_LOG_LINE = 4 * MAX_HEADER  # a line of coordinator.jsonl: an event with a member list (one header) and its fields
 
 
 def _identity(value) -> bytes:
@@ -96,8 +98,6 @@ class Coordinator:
         sha256, the operator's word; None: computed from shared's data and seed (joining.training_set_hash, which
         raises TaskError when the set cannot be read here)."""
         if dataset is None:
-            from .joining import training_set_hash
-
             dataset = training_set_hash(shared.get("data", {}), shared.get("seed", 0))
         if not DIGEST.fullmatch(dataset):
             raise ValueError(f"dataset: {_shown(repr(dataset))} is not a sha256 hex digest (64 of 0-9a-f)")
@@ -170,11 +170,11 @@ class Coordinator:
         steps: dict[str, int] = {}
         live: list[str] = []
         dataset = None
-        with open(log_path, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                try:
+        with open_bounded(log_path, 1 << 62, "coordinator.jsonl") as log:  # a regular file, read a line at a time
+            for line in iter(lambda: log.readline(MAX_LOG_LINE), b""):  # each line bounded: a longer one is cut
+                try:  # into parts that are no record
                     record = json.loads(line)
-                except ValueError:  # a line the killed coordinator did not finish
+                except ValueError:  # a line the killed coordinator did not finish (or not UTF-8)
                     continue
                 if not isinstance(record, dict):
                     continue

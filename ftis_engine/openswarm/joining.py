@@ -9,9 +9,10 @@ import hashlib
 
 import torch
 
-from ..config import RunConfig
+from ..config import DataSettings, RunConfig
+from ..data.tasks import load_task
 from ..exchange import collective
-from ..layout import world_size
+from ..topology.layout import world_size
 
 KEY_BYTES = 32  # the key a learner shares with its samplers: 256 bits, as strong as HMAC-SHA256 gets
 
@@ -70,8 +71,6 @@ def training_set_hash(data, seed: int) -> str:
     rewards are not loaded (they change no example), and the eval sets are those data.eval_paths names (the task's
     default ones without it), as a member's training set does not depend on which it evaluates. Raises TaskError
     (naming the data field) when the set cannot be read here."""
-    from ..config import DataSettings
-    from ..tasks import load_task
 
     data = data if isinstance(data, DataSettings) else DataSettings.model_validate(data)
     data = data.model_copy(update={"reward": None, "rewards": []})

@@ -47,13 +47,14 @@ import time
 import torch
 
 from ..config import RunConfig
-from ..errors import shown
+from ..core.errors import shown
+from ..data.rollouts import claimed_sequences
 from ..exchange import Arrivals, Limit, Parcel, Peers, WeightSlot, WithoutSamplers, wire_bytes_sent
 from ..exchange.async_ import Mailbox
 from ..exchange.pacer import Pacer, poll, queue_capacity
 from ..exchange.sync import LocalCollectives
-from ..rollouts import claimed_sequences
-from ..schedule import learner_version
+from ..model.models import ModelSpecError, load_tokenizer, vocabulary_hash
+from ..topology.schedule import learner_version
 from .client import SwarmClient
 from .joining import KEY_BYTES, JoinError, check_joinable, dataset_hash, share_key, shareable
 from .rules import max_parcel_bytes, shared_settings
@@ -66,8 +67,6 @@ log = logging.getLogger("ftis_engine.exchange")
 def announced(config: RunConfig, swarm) -> tuple[str, str, str]:
     """What a member's process joins the coordinator with, from its opened run: its tokenizer's hash, its training
     set's hash and where its tokenizer loads from ("" for a local path, which is not shareable)."""
-    from ..models import vocabulary_hash
-
     spec = config.members[0].tokenizer or config.members[0].model
     return vocabulary_hash(swarm.members[0].tokenizer), dataset_hash(swarm.task), spec if shareable(spec) else ""
 
@@ -222,8 +221,6 @@ class OpenExchange:
         step."""
         if not self.config.members[0].accept_foreign:
             return
-        from ..models import ModelSpecError, load_tokenizer, vocabulary_hash
-
         for name, view in self._live().items():
             announced = view.get("tokenizer")
             self.book.number(name)  # numbered in order of first sight

@@ -10,8 +10,18 @@ from __future__ import annotations
 import pathlib
 import re
 
-from ..config import SAFE_NAME, RunConfig, value_differences
-from ..errors import shown
+from ..config import (
+    SAFE_NAME,
+    ConfigError,
+    RunConfig,
+    SwarmSettings,
+    apply_override,
+    read_yaml_mapping,
+    validate_config,
+    value_differences,
+)
+from ..core.errors import shown
+from ..core.limits import max_buffer_words
 from .wire import MAC, SAMPLER_INDEX, SAMPLER_MARK
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
@@ -72,8 +82,6 @@ def lease_problem(lease_s: float) -> str | None:
     when it is one. A lease of 1e-300 s had a member beat as fast as its loop turns."""
     from pydantic import ValidationError
 
-    from ..config import SwarmSettings
-
     try:
         SwarmSettings(lease_s=lease_s)
     except ValidationError as exc:
@@ -112,8 +120,6 @@ def parcel_problem(header: dict, body: bytes) -> str | None:
 def load_swarm_config(path: pathlib.Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """A coordinator's config: the swarm's shared settings (SHARED) and swarm.lease_s, in a run config's format
     without `members` (each member brings its own). Checked as a run config is; a ConfigError names the field."""
-    from ..config import ConfigError, apply_override, read_yaml_mapping, validate_config
-
     raw = read_yaml_mapping(path)
     for assignment in overrides:
         apply_override(raw, assignment)
@@ -128,7 +134,5 @@ def load_swarm_config(path: pathlib.Path, overrides: list[str] | tuple[str, ...]
 
 def max_parcel_bytes(config: RunConfig) -> int:
     """The largest parcel an honest member sends: one step's whole groups of rollout.prompts_per_step prompts."""
-    from ..rollouts import max_buffer_words
-
     sequences = config.rollout.prompts_per_step * config.rollout.group_size
     return 4 * max_buffer_words(sequences, config.rollout.max_new_tokens)

@@ -10,8 +10,8 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..rollouts import max_buffer_words
-from ..schedule import Schedule, learner_version, mix_seed, prompts_for_step
+from ..core.limits import max_buffer_words
+from ..topology.schedule import Schedule, learner_version, mix_seed, prompts_for_step
 from .wire import SAMPLER_INDEX, SAMPLER_MARK
 
 

@@ -62,6 +62,7 @@ def unpack(frames: list[bytes], max_body: int) -> tuple[str, dict, bytes]:
     try:
         kind = frames[1].decode("ascii")
     except UnicodeDecodeError:
+        # from None: a remote's bad bytes, refused in one line; the cause adds nothing to it
         raise WireError("kind is not ASCII") from None
     if kind not in SCHEMAS:
         raise WireError(f"unknown kind {kind[:20]!r}")
@@ -70,6 +71,7 @@ def unpack(frames: list[bytes], max_body: int) -> tuple[str, dict, bytes]:
     try:
         header = json.loads(frames[2])
     except (UnicodeDecodeError, ValueError, RecursionError):
+        # from None: a remote's bad bytes, refused in one line; the cause adds nothing to it
         raise WireError(f"{kind}: header is not JSON") from None
     check_header(kind, header)
     body = frames[3] if len(frames) == 4 else b""

@@ -12,7 +12,7 @@ import pathlib
 from collections.abc import Collection
 from typing import Any
 
-from ..metrics import MetricsError, read_lines
+from ..report.metrics import MetricsError, read_lines
 from .config import StudyConfig, StudyError
 from .plan import Group, first_alone_groups, paired_alone
 
@@ -41,6 +41,7 @@ ACCURACY_BOUNDS = (0.0, 1.0)
 DIFFERENCE_BOUNDS = (-1.0, 1.0)
 # The largest magnitude a number the aggregate computes with may have (record_problem): no count, second, mean or KL
 # of a run comes near it, and the sums over steps and seeds stay finite (1e308 overflowed the standard deviation).
+MAX_SUMMARY_BYTES = 256 << 20  # summary.json, read whole by verdicts and a rewrite: its seeds' numbers, MBs
 MAX_MAGNITUDE = 1e15
 # the train keys read_run computes with: each a number within MAX_MAGNITUDE where present
 NUMBERS = (*TRAIN_STATS, *PEER_STATS.values(), "sequences", "own_sequences")
@@ -285,6 +286,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
             try:
                 read[run.seed] = read_run(run.metrics_source)
             except MetricsError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"{exc} (group {group.name}, seed {run.seed}); restore the file, or delete it (and "
                                  "the run's directory) to run that seed again") from None
         per_run = {seed: (evals, train) for seed, (evals, train, _) in read.items()}

@@ -207,6 +207,7 @@ def load_study(path: pathlib.Path) -> StudyConfig:
         try:
             raw["preregistration"] = read_yaml_mapping(registered, StudyError)
         except StudyError as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise StudyError(f"preregistration: {str(exc).removeprefix('--config ')}") from None
         files.append(registered)
     try:
@@ -218,6 +219,7 @@ def load_study(path: pathlib.Path) -> StudyConfig:
             message = rest
         elif head.startswith("preregistration") and re.match(r"^[\w.]+: ", rest):  # a check of a section's fields
             message = f"{head}.{rest}"
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise StudyError(message) from None
     if study.preregistration is not None:
         study._registration_files = [path, *files]

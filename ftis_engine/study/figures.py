@@ -7,7 +7,7 @@ from __future__ import annotations
 import pathlib
 import textwrap
 
-from ..safefile import save_figure
+from ..core.safefile import save_figure
 from .aggregate import ACCURACY_BOUNDS, interval
 from .config import FigureSettings, StudyConfig
 from .tables import against, seed_list, set_distances

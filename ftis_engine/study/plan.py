@@ -13,6 +13,9 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, RunConfig, apply_value, config_differences, validate_config
+from ..config.load import MAX_CONFIG_BYTES
+from ..core.safefile import read_bytes
+from ..run.rundir import holds_run
 from .config import GroupSettings, StudyConfig, StudyError
 
 
@@ -111,10 +114,12 @@ def expand_groups(study: StudyConfig, quick: bool) -> list[tuple[int, str, Group
             try:
                 name = fill(group.name, combo)
             except (KeyError, IndexError, ValueError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"groups.{i}.name: {group.name!r} cannot be filled from the grid ({exc})") from None
             try:
                 baseline_name(group, combo)
             except (KeyError, IndexError, ValueError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"groups.{i}.baseline: {group.baseline!r} cannot be filled from the grid "
                                  f"({exc})") from None
             if keys and name == group.name:
@@ -203,6 +208,7 @@ def plan(study: StudyConfig, output_dir: pathlib.Path, quick: bool, only: list[s
                 raw.update(seed=seed, run_name=f"seed-{seed}", output_dir=str(output_dir / "runs" / name))
                 config = validate_config(raw)
             except ConfigError as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"{where}: {str(exc).removeprefix('--set ')}") from None
             runs.append(Run(group=name, seed=seed, config=config,
                             config_path=output_dir / "configs" / name / f"seed-{seed}.yaml",
@@ -263,14 +269,13 @@ def check_hypotheses(study: StudyConfig, members: dict[str, list[str]]) -> None:
 def check_reuse(run: Run) -> None:
     """A run directory already there must hold this very run: the same config in everything but where it lives.
     One that holds nothing to continue (no complete checkpoint, not finished) starts over whatever it says."""
-    from ..rundir import holds_run
-
     saved = run.run_dir / "config.yaml"
     if not saved.is_file() or not holds_run(run.run_dir):
         return
     try:
-        old = validate_config(yaml.safe_load(saved.read_text(encoding="utf-8")))
+        old = validate_config(yaml.safe_load(read_bytes(saved, MAX_CONFIG_BYTES, "a run's config.yaml").decode()))
     except (ConfigError, yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError):
+        # from None: a one-line error for the user; the cause adds nothing to it
         raise StudyError(f"--output-dir: {saved} is not a run config; choose another --output-dir") from None
     # where the study lives is no part of the run: a study directory moved or copied elsewhere is still itself
     changed = [c for c in config_differences(old, run.config) if c[0] != "output_dir"]
@@ -281,6 +286,7 @@ def check_reuse(run: Run) -> None:
 
 
 NOT_RECORDED = "not recorded"
+MAX_CODE_RECORD_BYTES = 16 << 20  # a run's code record: a line per launch
 
 
 def launched_under(run: Run) -> list[str]:
@@ -289,7 +295,7 @@ def launched_under(run: Run) -> list[str]:
     import json
 
     try:
-        lines = run.code_path.read_text(encoding="utf-8").splitlines()
+        lines = read_bytes(run.code_path, MAX_CODE_RECORD_BYTES, "a code record").decode().splitlines()
         commits = [str(json.loads(line)["commit"]) for line in lines if line.strip()]
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return [NOT_RECORDED]
@@ -302,7 +308,7 @@ def launch_times(run: Run) -> list[str]:
     import json
 
     try:
-        lines = run.code_path.read_text(encoding="utf-8").splitlines()
+        lines = read_bytes(run.code_path, MAX_CODE_RECORD_BYTES, "a code record").decode().splitlines()
         records = [json.loads(line) for line in lines if line.strip()]
     except (OSError, UnicodeDecodeError, ValueError):
         return []
@@ -313,8 +319,6 @@ def runs_under_other_code(runs: list[Run], commit: str, kept: bool = False) -> l
     """The runs a study reuses or resumes (a run directory that holds one; with `kept`, --aggregate-only, also a
     run kept only in records/) that were launched, in whole or in part, under another commit than `commit` or under
     one not recorded: [{group, seed, commits}]. check_reuse compares configs only; code is not in a config."""
-    from ..rundir import holds_run
-
     other = []
     for run in runs:
         if not holds_run(run.run_dir) and not (kept and run.metrics_source is not None):

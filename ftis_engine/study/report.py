@@ -17,8 +17,9 @@ import json
 import math
 import pathlib
 
-from ..safefile import write_json, write_text
-from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS
+from ..core.safefile import read_bytes, write_json, write_text
+from ..data.tasks import load_task
+from .aggregate import ACCURACY_BOUNDS, ATTACK_SUFFIX, DIFFERENCE_BOUNDS, MAX_SUMMARY_BYTES, eval_questions
 from .config import StudyConfig
 from .figures import curve_lines, distance_points, draw_figures, kl_measure  # noqa: F401 (importable from here)
 from .plan import Group, first_alone_groups, paired_alone, plan
@@ -256,8 +257,6 @@ def write_outputs(study: StudyConfig, groups: list[Group], summary: dict, output
 def eval_questions_from_config(study: StudyConfig, summary: dict) -> dict[str, int | list[int]]:
     """Eval set -> its number of questions as the study's config makes it (the task's eval sets, cut to
     eval.max_samples), for the groups of `summary`: a summary made before the eval records' sizes were kept."""
-    from ..tasks import load_task
-    from .aggregate import ATTACK_SUFFIX, eval_questions
 
     names = {g["group"] for g in summary["groups"]}
     planned = [g for g in plan(study, pathlib.Path("/nonexistent"), summary["quick"], summary.get("only"))
@@ -281,7 +280,7 @@ def rewrite_report(study: StudyConfig, output_dir: pathlib.Path, figures: bool =
     """report.md (and, with `figures`, the figures) of a finished study written again from its summary.json with
     this code, nothing run and summary.json left as it is; eval set sizes a summary lacks are taken from the
     study's config (said in the report). Returns report.md's path."""
-    summary = json.loads((output_dir / "summary.json").read_text())
+    summary = json.loads(read_bytes(output_dir / "summary.json", MAX_SUMMARY_BYTES, "a study's summary.json"))
     if not summary.get("eval_questions"):
         summary["eval_questions"] = eval_questions_from_config(study, summary)
         summary["eval_questions_from"] = "config"

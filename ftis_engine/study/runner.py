@@ -17,13 +17,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from datetime import datetime, timezone
 
-from ..checkpoint import latest_checkpoint
 from ..config import ConfigError, dump_config
-from ..members import check_warm_start
-from ..rundir import RunLock
-from ..preflight import check_before_launch
-from ..safefile import open_append, write_bytes, write_text
-from ..tasks import TaskError, load_task
+from ..core.safefile import open_append, open_bounded, read_bytes, write_bytes, write_text
+from ..data.tasks import TaskError, load_task
+from ..member.members import check_warm_start
+from ..model.checkpoint import latest_checkpoint
+from ..report.metrics import MAX_LOG_BYTES
+from ..run.preflight import check_before_launch
+from ..run.rundir import RunLock
 from .aggregate import aggregate
 from .config import StudyConfig, StudyError, registration_files
 from .plan import Group, Run, check_reuse, launch_times, plan, runs_under_other_code
@@ -108,6 +109,10 @@ def check_registered(paths: list[pathlib.Path], refuse: bool = True) -> list[dic
     return out
 
 
+MAX_KEPT_FILE_BYTES = 16 << 20  # a run's config.yaml and final_eval.json, kept beside its records: kilobytes
+MAX_LOG_TAIL_BYTES = 1 << 20  # the end of a run's log, where its last error line is
+
+
 def keep_records(runs: list[Run]) -> list[pathlib.Path]:
     """Each finished run's metrics.jsonl at its record_path in the study's directory (gzip-compressed without a time
     stamp, so the same records give the same bytes; or, records: folders, as it is with the run's config.yaml and
@@ -117,14 +122,16 @@ def keep_records(runs: list[Run]) -> list[pathlib.Path]:
     for run in runs:
         if not run.finished:
             continue
-        raw = (run.run_dir / "metrics.jsonl").read_bytes()
+        raw = read_bytes(run.run_dir / "metrics.jsonl", MAX_LOG_BYTES, "a run's metrics.jsonl")  # bounded
         files = {run.record_path: gzip.compress(raw, mtime=0) if run.records == "gzip" else raw}
         if run.records == "folders":
             for name in ("config.yaml", "final_eval.json"):
-                files[run.record_path.with_name(name)] = (run.run_dir / name).read_bytes()
+                files[run.record_path.with_name(name)] = read_bytes(run.run_dir / name, MAX_KEPT_FILE_BYTES,
+                                                                    f"a run's {name}")
         # the metrics last: a record_path that exists marks the run done (Run.kept)
         for path, data in sorted(files.items(), key=lambda item: item[0] == run.record_path):
-            if path.is_file() and not path.is_symlink() and path.read_bytes() == data:
+            if (path.is_file() and not path.is_symlink() and path.stat().st_size == len(data)
+                    and path.read_bytes() == data):  # read only when it is as large as what would replace it
                 continue
             written.append(write_bytes(path, data, study_dir(run)))
     return written
@@ -230,6 +237,7 @@ def check_runs(study: StudyConfig, groups: list[Group], todo: list[Run]) -> None
                 for i, member in enumerate(config.members):
                     check_warm_start(i, member, task)
             except (ConfigError, TaskError) as exc:
+                # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"groups ({group.name}): {exc}") from None
             checked[key] = list(task.evals)
         evals[group.name] = checked[key]
@@ -337,7 +345,9 @@ def _run(study: StudyConfig, groups: list[Group], runs: list[Run], todo: list[Ru
 def last_error(log_path: pathlib.Path) -> str | None:
     """The one-line error a failed run printed last ("error: ..."), without its prefix; None when it printed none."""
     try:
-        lines = log_path.read_text(errors="replace").splitlines()
+        with open_bounded(log_path, 1 << 62, "a run's log") as log:  # a regular file; its end alone is read
+            log.seek(max(0, os.fstat(log.fileno()).st_size - MAX_LOG_TAIL_BYTES))
+            lines = log.read(MAX_LOG_TAIL_BYTES).decode("utf-8", errors="replace").splitlines()
     except OSError:
         return None
     errors = [line.removeprefix("error: ") for line in lines if line.startswith("error: ")]

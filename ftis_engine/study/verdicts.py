@@ -29,8 +29,18 @@ import json
 import pathlib
 from typing import Any
 
-from .aggregate import ACCURACY_BOUNDS, DIFFERENCE_BOUNDS, holm_adjusted, interval, margin_p, t_test_p
+from ..core.safefile import read_bytes, write_text
+from .aggregate import (
+    ACCURACY_BOUNDS,
+    DIFFERENCE_BOUNDS,
+    MAX_SUMMARY_BYTES,
+    holm_adjusted,
+    interval,
+    margin_p,
+    t_test_p,
+)
 from .config import COUNT_CLAIMS, EFFECT_CLAIMS, HypothesisTest, Preregistration, StudyError, load_study
+from .report import verdicts_markdown
 
 HOLDS, CONTRADICTED, NOT_DETECTED, NOT_SHOWN, NO_DATA = "holds", "contradicted", "not detected", "not shown", "no data"
 ONE_FAMILY = "all"
@@ -181,21 +191,19 @@ def judge(preregistration: Preregistration, summaries: list[dict]) -> dict[str, 
 
 def write_verdicts(study_config: pathlib.Path, dirs: list[pathlib.Path], command: str = "") -> pathlib.Path:
     """verdicts.md in dirs[0], the study's hypotheses judged on the summary.json of every dir. Returns its path."""
-    from .report import verdicts_markdown
-
     study = load_study(study_config)
     if study.preregistration is None:
         raise StudyError(f"--config {study_config}: the study carries no preregistration")
     summaries = []
     for folder in dirs:
         try:
-            summaries.append(json.loads((folder / "summary.json").read_text(encoding="utf-8")))
+            raw = read_bytes(folder / "summary.json", MAX_SUMMARY_BYTES, "a study's summary.json")  # bounded
+            summaries.append(json.loads(raw))
         except (OSError, ValueError) as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
             raise StudyError(f"--dir {folder}: no readable summary.json ({exc})") from None
     verdicts = judge(study.preregistration, summaries)
     sources = [str(d / "summary.json") for d in dirs]
-    from ..safefile import write_text
-
     return write_text(dirs[0] / "verdicts.md", verdicts_markdown(study.study, verdicts, command=command,
                                                                  sources=sources))
 

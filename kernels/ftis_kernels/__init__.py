@@ -4,7 +4,7 @@
     out = fused_linear_ftis_loss(hidden, lm_head.weight, targets, gen_logprobs, advantages, cu_seqlens)
     out.loss.backward()
 
-See the README (The fused loss op) for the contract and docs/algorithm.md for the formulas (kernels/ftis_kernels/epilogue.py).
+See the README (The fused loss op) for the contract and docs/algorithm.md for the formulas (kernels/ftis_kernels/objective/).
 """
 
 from .api import (
@@ -18,7 +18,7 @@ from .api import (
     token_logprobs,
 )
 from .config import KL_ESTIMATORS, KL_REDUCTIONS, METHODS, NORMALIZATIONS, STAT_KEYS, LossConfig, LossInputs, LossOutput, NonFiniteInputError, combine_stats, rejection_scale
-from .epilogue import group_advantages
+from .advantages import group_advantages
 
 __version__ = "0.1.0"
 
