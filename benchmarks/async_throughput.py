@@ -48,7 +48,7 @@ def worker(slowdown: float, jitter: float, args: list[str]) -> None:
     `jitter` s in the generation of a random half of its steps."""
     rank = int(os.environ["RANK"])
     if slowdown > 0 or jitter > 0:
-        from ftis_engine.generation import sample
+        from ftis_engine.run import sampling as sample
 
         honest = sample.generate_rollouts
 

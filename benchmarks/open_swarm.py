@@ -58,7 +58,7 @@ def _records(run: pathlib.Path, name: str) -> list[dict]:
 def member(step_seconds: float, args: list[str]) -> None:
     """One member job whose generation takes `step_seconds` longer (a sleep: no CPU; a step of a real model)."""
     if step_seconds > 0:
-        from ftis_engine.generation import sample
+        from ftis_engine.run import sampling as sample
 
         honest = sample.generate_rollouts
 
