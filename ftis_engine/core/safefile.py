@@ -93,16 +93,26 @@ def open_folder(folder: pathlib.Path, root: pathlib.Path | None = None) -> int:
     return fd
 
 
+def _place(path: str | pathlib.Path, root: str | pathlib.Path | None) -> tuple[pathlib.Path, str, int]:
+    """`path`, its file name and its folder opened without following a link (made under `root`, default the folder
+    itself): where every writer here starts. The caller closes the folder's descriptor."""
+    path = pathlib.Path(path)
+    root = path.parent if root is None else pathlib.Path(root)
+    return path, _parts(path, root)[-1], open_folder(path.parent, root)
+
+
+def _temp_name(name: str) -> str:
+    """A fresh hidden name beside `name` for what is written before it takes `name`."""
+    return f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+
+
 @contextlib.contextmanager
 def open_write(path: pathlib.Path, root: pathlib.Path | None = None) -> Iterator[BinaryIO]:
     """`path` opened to write bytes, as write_bytes writes them (atomic, never through a link; its folders made
     under `root`, default its own folder): the bytes go to a fresh temp file that takes `path`'s name when the block
     ends; however the block fails, the temp file is removed and `path` is as it was."""
-    path = pathlib.Path(path)
-    root = path.parent if root is None else pathlib.Path(root)
-    name = _parts(path, root)[-1]
-    folder = open_folder(path.parent, root)
-    temp = f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+    path, name, folder = _place(path, root)
+    temp = _temp_name(name)
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666,
                      dir_fd=folder)
@@ -154,10 +164,7 @@ def save_figure(figure, path: pathlib.Path, root: pathlib.Path | None = None, **
 def open_append(path: pathlib.Path, root: pathlib.Path | None = None) -> TextIO:
     """`path` opened to append text (UTF-8), created where missing: never through a link at its name or in its
     folders (LinkRefused), and only a regular file (a FIFO would block the command)."""
-    path = pathlib.Path(path)
-    root = path.parent if root is None else pathlib.Path(root)
-    name = _parts(path, root)[-1]
-    folder = open_folder(path.parent, root)
+    path, name, folder = _place(path, root)
     try:
         fd = os.open(name, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
                      0o666, dir_fd=folder)
@@ -186,11 +193,8 @@ def write_folder(path: pathlib.Path, write: Callable[[pathlib.Path], None],
     while the library writes is never followed. Returns `path`."""
     import shutil
 
-    path = pathlib.Path(path)
-    root = path.parent if root is None else pathlib.Path(root)
-    name = _parts(path, root)[-1]
-    folder = open_folder(path.parent, root)
-    temp = f".{name[:200]}.{secrets.token_hex(6)}.tmp"
+    path, name, folder = _place(path, root)
+    temp = _temp_name(name)
     try:
         _refuse_non_folder(path, name, folder)
         os.mkdir(temp, 0o700, dir_fd=folder)
@@ -233,10 +237,7 @@ def open_lock(path: pathlib.Path, root: pathlib.Path | None = None) -> int:
     """A descriptor of the lock file `path` (read and write, for flock and its holder's line), created where
     missing, never truncated on opening: never through a link at its name or in its folders (LinkRefused), and
     only a regular file. The caller closes it."""
-    path = pathlib.Path(path)
-    root = path.parent if root is None else pathlib.Path(root)
-    name = _parts(path, root)[-1]
-    folder = open_folder(path.parent, root)
+    path, name, folder = _place(path, root)
     try:
         fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644,
                      dir_fd=folder)
