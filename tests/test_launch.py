@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 
 import pytest
 
@@ -188,17 +187,18 @@ def test_a_divergence_is_not_restarted_it_ends_the_swarm_once_with_its_one_line(
 
     from .helpers import SHORT, TINY
 
-    leftovers = set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.*"))
+    own_tmp = tmp_path / "tmp"  # the launcher's temp folder goes here: other tests running beside make theirs in /tmp
+    own_tmp.mkdir()
     args = ["train", "--config", str(TINY), "--output-dir", str(tmp_path)]
     for o in [*SHORT, "run_name=swarm", "eval.every=0", "members.0.lr=1e30"]:
         args += ["--set", o]
     result = subprocess.run([sys.executable, "-m", "ftis_engine", *args, "--nproc", "2", "--max-restarts", "2"],
-                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1"}, capture_output=True,
-                            text=True, timeout=300)
+                            env={**os.environ, "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "TMPDIR": str(own_tmp)},
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 1, result.stderr
     diverged = [line for line in result.stderr.splitlines() if "diverged" in line]
     assert len(diverged) == 1 and diverged[0].startswith("error: step 2: members.0 (tiny-s) diverged:"), result.stderr
-    assert set(pathlib.Path(tempfile.gettempdir()).glob("ftis-*.*")) == leftovers  # the launcher's is gone
+    assert not [p for p in own_tmp.iterdir() if p.name.startswith("ftis-")]  # the launcher's exit-code folder is gone
 
 
 def test_a_rank_killed_with_signal_9_ends_the_launch_with_one_line_naming_it_and_how_to_go_on(tmp_path, monkeypatch,
