@@ -5,11 +5,14 @@ A bad config, override or path exits with code 2 and one line naming the field, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import NoReturn
 
 import typer
 
@@ -37,6 +40,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
     """Collaborative GRPO across heterogeneous LLMs with F-TIS."""
 
 
+EVAL_INTERRUPTED = "interrupted; the evaluation wrote nothing"
 INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on (train says it itself)
     "study": "interrupted; rerun the same command to continue (finished runs are kept, interrupted ones resume "
              "from their newest checkpoint)",
@@ -95,43 +99,65 @@ def train(
     if nproc > 1 or under_torchrun():
         if max_restarts is not None:
             cfg.swarm.max_restarts = max_restarts
-        code = launch_distributed(cfg, run_dir, resume, nproc)
-        if code == INTERRUPTED:
-            raise Interrupted(interrupted_hint(run_dir))
-        raise typer.Exit(code)
+        _launch(cfg, run_dir, resume, nproc, lambda: interrupted_hint(run_dir))
     from ..report.progress import Progress
-    from ..run.rundir import RunLock
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start
 
+    # the run checks the backend, the directory and a resumed config before any model is loaded
+    _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
+              f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
+
+
+def _launch(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, hint: Callable[[], str],
+            **kwargs) -> NoReturn:
+    """A command's processes started here (--nproc) or this one rank of torchrun's (launch.launch_distributed);
+    ends the command with their exit code (a Ctrl-C: one line, hint())."""
+    code = launch_distributed(cfg, run_dir, resume, nproc, **kwargs)
+    if code == INTERRUPTED:
+        raise Interrupted(hint())
+    raise typer.Exit(code)
+
+
+def _run_here(cfg: RunConfig, start, banner: str, connection=None, emit=None) -> None:
+    """The one start-up of a command run in this process (train, train --join, eval; a torchrun rank's is
+    launch.run_worker): its run directory locked (one run at a time in it; eval reads a checkpoint and locks
+    nothing), the run opened, run and closed (trainer.run), a Ctrl-C and a full disk each told in one line with what
+    the run left and how to go on."""
+    from ..run.rundir import RunLock
+    from ..run.trainer import print_record, run
+
+    run_dir, evaluating = start.run_dir, start.checkpoint is not None
     try:
-        with RunLock(run_dir):  # one run at a time in a run directory
-            typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
-            # build checks the backend, the directory and a resumed config before any model is loaded
-            build(cfg, Start(run_dir, resume=resume, progress=Progress())).run()
+        with contextlib.nullcontext() if evaluating else RunLock(run_dir):
+            if banner:
+                typer.echo(banner)
+            run(cfg, start, connection, emit or print_record)
     except KeyboardInterrupt:
+        if connection is not None:  # an open swarm's member says it leaves
+            connection.exchange.finish()
         # from None: a one-line error for the user; the cause adds nothing to it
-        raise Interrupted(interrupted_hint(run_dir)) from None
+        raise Interrupted(EVAL_INTERRUPTED if evaluating else interrupted_hint(run_dir)) from None
     except OSError as exc:  # a full disk: what the run left (RunLock removed its temporary files) and how to go on
-        if exc.errno not in FULL:
+        if exc.errno not in FULL or evaluating:
             raise
         from ..model.checkpoint import after_failed_write
 
         # from None: a one-line error for the user; the cause adds nothing to it
         raise WriteFailure(f"{exc.strerror} writing {exc.filename or run_dir}; {after_failed_write(run_dir)}") from None
-    typer.echo(f"run directory: {run_dir}", err=True)
+    if not evaluating:
+        typer.echo(f"run directory: {run_dir}", err=True)
 
 
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int,
                   max_restarts: int | None) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from ..openswarm.client import JoinRefused
-    from ..topology.layout import world_size
     from ..openswarm.joining import JoinError, check_joinable
     from ..openswarm.wire import address_problem, host_problem
     from ..report.progress import Progress
-    from ..run.rundir import RunLock
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start
     from ..run.wiring import connect_local
+    from ..topology.layout import world_size
 
     problem = address_problem(address, bind=False) or host_problem(address)
     if problem:
@@ -146,28 +172,17 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         raise UsageFailure(str(exc)) from None
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
-        code = launch_distributed(cfg, run_dir, resume, processes, join=address)
-        if code == INTERRUPTED:
-            raise Interrupted(interrupted_hint(run_dir))
-        raise typer.Exit(code)
-    connection = connect_local(cfg, join=address)
+        _launch(cfg, run_dir, resume, processes, lambda: interrupted_hint(run_dir), join=address)
     try:
-        with RunLock(run_dir):
-            typer.echo(f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)")
-            trainer = build(cfg, Start(run_dir, resume=resume, progress=Progress()), connection)
-            try:
-                trainer.run()
-            except JoinRefused as exc:
-                # from None: a one-line error for the user; the cause adds nothing to it
-                raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
-            except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
-                # from None: a one-line error for the user; the cause adds nothing to it
-                raise UsageFailure(f"--join: {exc}") from None
-    except KeyboardInterrupt:
-        connection.exchange.finish()
+        _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
+                  f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)",
+                  connect_local(cfg, join=address))
+    except JoinRefused as exc:
         # from None: a one-line error for the user; the cause adds nothing to it
-        raise Interrupted(interrupted_hint(run_dir)) from None
-    typer.echo(f"run directory: {run_dir}", err=True)
+        raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
+    except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
+        # from None: a one-line error for the user; the cause adds nothing to it
+        raise UsageFailure(f"--join: {exc}") from None
 
 
 def interrupted_hint(run_dir: pathlib.Path) -> str:
@@ -193,7 +208,7 @@ def evaluate(
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from ..model.checkpoint import latest_checkpoint
     from ..run.rundir import eval_config
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start
 
     checkpoint = checkpoint.resolve()  # `--checkpoint .` from inside it: its run directory is two levels up
     if not (checkpoint / "state.json").is_file():
@@ -209,11 +224,8 @@ def evaluate(
     if cfg.eval.datasets == []:
         raise UsageFailure("eval.datasets: empty, so there is nothing to evaluate; name a dataset or drop the field")
     if nproc > 1 or under_torchrun():
-        code = launch_distributed(cfg, run_dir, False, nproc, evaluate=checkpoint)
-        if code == INTERRUPTED:
-            raise Interrupted("interrupted; the evaluation wrote nothing")
-        raise typer.Exit(code)
-    build(cfg, Start(checkpoint, checkpoint=checkpoint)).run(emit=lambda record: typer.echo(json.dumps(record)))
+        _launch(cfg, run_dir, False, nproc, lambda: EVAL_INTERRUPTED, evaluate=checkpoint)
+    _run_here(cfg, Start(checkpoint, checkpoint=checkpoint), "", emit=lambda record: typer.echo(json.dumps(record)))
 
 
 @app.command()
