@@ -20,15 +20,6 @@ from ftis_engine.core.safefile import LinkRefused
 from .helpers import member
 
 
-@pytest.fixture
-def outside(tmp_path):
-    """A folder outside the run directory: what a planted link points into."""
-    folder = tmp_path / "outside"
-    folder.mkdir()
-    (folder / "precious").write_text("kept")
-    return folder
-
-
 def untouched(outside) -> bool:
     return {p.name for p in outside.iterdir()} == {"precious"} and (outside / "precious").read_text() == "kept"
 
