@@ -158,24 +158,33 @@ def test_the_config_reaches_nothing_of_the_runtime():
 # torch modules it has loaded
 _CONFIG_ONLY = """
 import sys
+from ftis_engine.app.cli import main
 from ftis_engine.config import load_config
 from ftis_kernels import METHODS, LossConfig
 load_config(sys.argv[1])
 assert LossConfig(method=METHODS[0]).method == "nois"
+try:
+    main(["train", "--config", sys.argv[1], "--set", "members.0.lr=abc"])
+except SystemExit as exc:
+    assert exc.code == 2, exc.code
 print(sorted(m for m in sys.modules if m.partition(".")[0] == "torch"))
+import transformers.utils.logging
+print(transformers.utils.logging.is_progress_bar_enabled())
 """
 
 
 @pytest.mark.integration
 def test_loading_a_config_and_the_loss_options_imports_no_torch():
-    """Reading and checking a run config loads no torch (issue 79), whose import alone takes over a second: config/
+    """Reading and checking a run config loads no torch (issue 79), whose import alone takes over a second, nor does
+    the command line telling a bad one (exit 2): config/
     takes LossConfig and its option tuples from ftis_kernels.options, which imports no torch, and ftis_kernels loads
     its names on first use."""
     tiny = ROOT.parent / "configs" / "tiny.yaml"
     done = subprocess.run([sys.executable, "-c", _CONFIG_ONLY, str(tiny)], capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    assert done.stdout.split() == ["[]", "False"]  # and the command line's quieting turned transformers' bars off
+    assert "members.0.lr" in done.stderr  # the bad config's one line, told before torch loads
 
 
 def test_every_public_name_of_ftis_kernels_is_its_defining_modules_object_and_dir_lists_it():
