@@ -336,6 +336,33 @@ def test_a_run_that_fails_before_its_first_step_closes_its_generators_once(tmp_p
     assert closed == [True]
 
 
+def test_a_learner_closes_its_generators_before_the_run_is_marked_finished(tmp_path, monkeypatch):
+    """final_eval.json is what a study takes for a finished run: it is written after the generators closed, so a
+    close that fails (a vLLM engine that does not go) leaves a run that is not marked finished."""
+    from ftis_engine.run import records
+    from ftis_engine.run.trainer import Start as TrainerStart, run as run_trainer
+
+    events = []
+    monkeypatch.setattr(session.Swarm, "close", lambda self: events.append("close"))
+    finish = records.SharedRecords.finish
+    monkeypatch.setattr(records.SharedRecords, "finish",
+                        lambda self, final: (events.append("finish"), finish(self, final)))
+    run_dir = tmp_path / "run"
+    run_trainer(short_config("train.steps=1", "eval.at_start=false", "eval.max_samples=2", "checkpoint.every=0"),
+                TrainerStart(run_dir))
+    assert events == ["close", "finish"] and (run_dir / "final_eval.json").is_file()
+
+    def failing(self):
+        raise RuntimeError("the engine did not go")
+
+    monkeypatch.setattr(session.Swarm, "close", failing)
+    again = tmp_path / "again"
+    with pytest.raises(RuntimeError, match="the engine did not go"):
+        run_trainer(short_config("train.steps=1", "eval.at_start=false", "eval.max_samples=2", "checkpoint.every=0"),
+                    TrainerStart(again))
+    assert (again / "metrics.jsonl").is_file() and not (again / "final_eval.json").exists()
+
+
 @pytest.mark.parametrize("role", ["learner", "sampler", "evaluator"])
 def test_the_trainer_of_each_role_runs_its_work_and_closes_the_generators_once_however_it_ends(role, monkeypatch,
                                                                                                tmp_path):
@@ -356,7 +383,7 @@ def test_the_trainer_of_each_role_runs_its_work_and_closes_the_generators_once_h
             close=lambda: closed.append(True))
         return swarm, 3
 
-    def doing(*args):
+    def doing(*args, **kwargs):
         ran.append(args[1])
         if fail:
             raise RuntimeError("a bug")
@@ -377,7 +404,7 @@ def test_the_trainer_of_each_role_runs_its_work_and_closes_the_generators_once_h
             records = trainer_module.run(None, None, emit=emitted.append)
             assert records == ([] if role == "sampler" else [{"member": "a"}])
             assert emitted == ([{"member": "a"}] if role == "evaluator" else [])  # eval: rank 0 prints them
-        assert closed == [True]
+        assert closed == [True]  # eval: after its records were emitted (emitted is checked before the close too)
     assert ran == [3, 3]  # each started after the step it opened at
 
 

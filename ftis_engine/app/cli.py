@@ -12,7 +12,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
@@ -21,6 +21,10 @@ from ..core.errors import error_line
 from .exits import FULL, INTERRUPTED, Interrupted, Interrupts, UsageFailure, WriteFailure, ending
 from .launch import launch_distributed, under_torchrun
 from ..report.progress import quiet_libraries
+
+if TYPE_CHECKING:
+    from ..run.session import Start
+    from ..run.wiring import Connection
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Collaborative GRPO across heterogeneous LLMs with F-TIS.")
@@ -109,20 +113,22 @@ def train(
 
 
 def _launch(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, hint: Callable[[], str],
-            **kwargs) -> NoReturn:
+            evaluate: pathlib.Path | None = None, join: str | None = None) -> NoReturn:
     """A command's processes started here (--nproc) or this one rank of torchrun's (launch.launch_distributed);
     ends the command with their exit code (a Ctrl-C: one line, hint())."""
-    code = launch_distributed(cfg, run_dir, resume, nproc, **kwargs)
+    code = launch_distributed(cfg, run_dir, resume, nproc, evaluate=evaluate, join=join)
     if code == INTERRUPTED:
         raise Interrupted(hint())
     raise typer.Exit(code)
 
 
-def _run_here(cfg: RunConfig, start, banner: str, connection=None, emit=None) -> None:
+def _run_here(cfg: RunConfig, start: Start, banner: str, connection: Connection | None = None,
+              emit: Callable[[dict], None] | None = None,
+              guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
     """The one start-up of a command run in this process (train, train --join, eval; a torchrun rank's is
     launch.run_worker): its run directory locked (one run at a time in it; eval reads a checkpoint and locks
     nothing), the run opened, run and closed (trainer.run), a Ctrl-C and a full disk each told in one line with what
-    the run left and how to go on."""
+    the run left and how to go on. guard: around the run alone (--join tells its coordinator's refusals)."""
     from ..run.rundir import RunLock
     from ..run.trainer import print_record, run
 
@@ -131,7 +137,8 @@ def _run_here(cfg: RunConfig, start, banner: str, connection=None, emit=None) ->
         with contextlib.nullcontext() if evaluating else RunLock(run_dir):
             if banner:
                 typer.echo(banner)
-            run(cfg, start, connection, emit or print_record)
+            with guard():
+                run(cfg, start, connection, emit or print_record)
     except KeyboardInterrupt:
         if connection is not None:  # an open swarm's member says it leaves
             connection.exchange.finish()
@@ -173,16 +180,21 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
         _launch(cfg, run_dir, resume, processes, lambda: interrupted_hint(run_dir), join=address)
-    try:
-        _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
-                  f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)",
-                  connect_local(cfg, join=address))
-    except JoinRefused as exc:
-        # from None: a one-line error for the user; the cause adds nothing to it
-        raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
-    except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
-        # from None: a one-line error for the user; the cause adds nothing to it
-        raise UsageFailure(f"--join: {exc}") from None
+
+    @contextlib.contextmanager
+    def refusals():  # around the run alone: where the member dials and joins its coordinator
+        try:
+            yield
+        except JoinRefused as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
+            raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
+        except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
+            # from None: a one-line error for the user; the cause adds nothing to it
+            raise UsageFailure(f"--join: {exc}") from None
+
+    _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
+              f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)",
+              connect_local(cfg, join=address), guard=refusals)
 
 
 def interrupted_hint(run_dir: pathlib.Path) -> str:

@@ -60,9 +60,9 @@ from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..data.rollouts import Rollout, RolloutError, buffer_digest, decode
+from ..model.fsdp import Shard
 from ..topology.schedule import Schedule, learner_version, staleness
 from . import Parcel, Peers
-from ..model.fsdp import Shard
 from .capability import CapabilityTracker
 from .screen import LogProbs, Screen, Screened
 from .verify import RolloutChecker
@@ -151,7 +151,7 @@ class Admission:
     """One local member's receiver: admits parcels (the checks above) and takes each step's intake."""
 
     def __init__(self, config: RunConfig, schedule: Schedule, checker: RolloutChecker, receiver: int,
-                 start_step: int = 0, logprobs: LogProbs | None = None, shard=None):
+                 start_step: int = 0, logprobs: LogProbs | None = None, shard: Shard | None = None):
         """logprobs: the receiver's own per-token log-probs of peer rollouts' completions (one no-grad forward of
         its model: session builds it), which the model-reading defenses read; None where no model is at hand (a
         receiver built for a test), refused while such a defense is on (it would screen nothing, silently). shard: a

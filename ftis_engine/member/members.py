@@ -158,6 +158,8 @@ def shard_member(member: Member, shard: Shard, config: RunConfig) -> None:
     one tensor at a time)."""
     if member.optimizer is not None:
         raise ValueError(f"members.{member.index}: build it with build_member(..., sharded=True) to shard it")
+    if not shard.sharded:  # FSDP2 over one part would be saved and updated as a whole member's
+        raise ValueError(f"members.{member.index}: a shard of one part (Shard.whole()) is the whole member")
     settings = config.members[member.index]
     broadcast_weights(member.model, shard)  # every shard starts from the leader's bits (a GPU warm start may differ)
     if settings.generator == "hf":

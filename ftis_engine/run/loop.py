@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from .evaluate import evaluate_all
 from .records import Records, records_for
@@ -20,12 +21,15 @@ from .step import run_step
 log = logging.getLogger("ftis_engine")
 
 
-def train(swarm: Swarm, start_step: int = 0) -> list[dict]:
+def train(swarm: Swarm, start_step: int = 0, close: Callable[[], None] = lambda: None) -> list[dict]:
     """Run the steps after `start_step` (0: a fresh run; else the restored checkpoint's step); returns the final
     eval records. Rank 0 writes config.yaml, metrics.jsonl, TensorBoard events, plots and final_eval.json (each
-    rank its own records when they never synchronise). The generators are the Trainer's to close."""
+    rank its own records when they never synchronise). close: the Trainer's (the generators), run once the steps
+    are done and before the run is marked finished: a close that fails leaves no final_eval.json, which a study takes
+    for a finished run."""
     with records_for(swarm) as records:  # its logger closed (flushed) before the end's figures read the log
         final = _steps(swarm, start_step, records)
+    close()
     records.finish(final)
     return final
 

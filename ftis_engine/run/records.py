@@ -168,7 +168,7 @@ class OwnRecords(Records):
         finalize_when_staged(self.swarm.run_dir, step, state, self.swarm.config.checkpoint.keep_last)
 
     def finish(self, final: list[dict]) -> None:
-        if self.writes:
+        if self.reports:  # every rank that reports merges its members' records in
             write_final_shared(self.swarm.run_dir, final)
 
 

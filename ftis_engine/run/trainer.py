@@ -27,7 +27,7 @@ from .samplers import run_sampler
 from .session import Start, Swarm, open_run
 from .wiring import Connection
 
-__all__ = ["Evaluator", "Learner", "Sampler", "Start", "Trainer", "build", "run"]
+__all__ = ["Evaluator", "Learner", "Sampler", "Start", "Trainer", "run"]
 
 
 def print_record(record: dict) -> None:
@@ -63,7 +63,7 @@ class Learner(Trainer):
     """Trains its members (every member here, or one rank's share of one), run.loop.train."""
 
     def run(self, emit: Callable[[dict], None] = print_record) -> list[dict]:
-        return train(self.swarm, self.start_step)
+        return train(self.swarm, self.start_step, close=self.close)  # closed before final_eval.json is written
 
 
 class Sampler(Trainer):
@@ -90,7 +90,7 @@ class Evaluator(Trainer):
 def build(config: RunConfig, start: Start, connection: Connection | None = None) -> Trainer:
     """Open the run in this process (session.open_run: checks, the start's collectives, members built and
     restored, schedule, receivers; an open swarm's transport given what it announces) and the Trainer of its role,
-    chosen once."""
+    chosen once. Use it in a `with` (as run() does): its generators close when the block ends."""
     swarm, start_step = open_run(config, start, connection)
     role = swarm.role
     kind = Evaluator if role.evaluating else Sampler if role.sampler is not None else Learner

@@ -55,7 +55,7 @@ def __getattr__(name: str) -> object:
         globals()[name] = value  # looked up once: later reads are plain attribute reads
         return value
     # a submodule read as an attribute (ftis_kernels.api), as when this file imported them all
-    if not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
+    if name.isidentifier() and not name.startswith("_") and _find_spec(f"{__name__}.{name}") is not None:
         return _import_module(f".{name}", __name__)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
