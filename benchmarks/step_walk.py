@@ -80,7 +80,7 @@ def walk_of_one_step(run_dir: pathlib.Path) -> list[str]:
     """The rooms (modules) of the calls that take the Swarm during step 1, in order."""
     sys.path.insert(0, str(ROOT))
     import ftis_engine
-    from ftis_engine.run.loop import session
+    from ftis_engine.run import session
     from ftis_engine.run.step import run_step
     from tests.helpers import short_config
 

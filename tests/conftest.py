@@ -30,6 +30,16 @@ SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
 
 
 @pytest.fixture
+def outside(tmp_path):
+    """A folder outside the directory written (a run directory, a cache): what a planted link points into, holding
+    one file whose content a write through the link would change (tests of core/safefile.py's writers)."""
+    folder = tmp_path / "outside"
+    folder.mkdir()
+    (folder / "precious").write_text("kept")
+    return folder
+
+
+@pytest.fixture
 def shared_data() -> pathlib.Path:
     """../shared/data beside the checkout; tests that need it skip when it is absent."""
     data = SHARED / "data"

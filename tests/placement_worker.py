@@ -35,7 +35,7 @@ def one_case(index: int, method: str, out: dict, layer_mode: str = "eager", dtyp
     group = dist.new_group(list(range(world)), backend="gloo")
     shard = Shard(rank, world, list(range(world)), group, group)
     member = build_member(index, cfg.model_copy(update={"train": cfg.train.model_copy(update={"layers": layer_mode})}),
-                          tokenizer, torch.device("cpu"), shard=shard)
+                          tokenizer, torch.device("cpu"), sharded=True)
     items = random_items(member.vocab_size, n_groups=5, per_group=3, seed=7)  # uneven groups over the ranks
     budget = cfg.train.micro_batch_tokens
     twin = None

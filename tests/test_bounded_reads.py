@@ -22,7 +22,7 @@ def sparse(path, size: int) -> None:
 
 def test_the_final_evals_other_ranks_wrote_are_read_bounded_and_checked(tmp_path):
     from ftis_engine.run.rundir import RunDirError
-    from ftis_engine.run.loop import MAX_FINAL_EVAL_BYTES, read_final_evals, write_final_shared
+    from ftis_engine.run.records import MAX_FINAL_EVAL_BYTES, read_final_evals, write_final_shared
 
     path = tmp_path / "final_eval.json"
     assert read_final_evals(path) == []

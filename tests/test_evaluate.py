@@ -6,6 +6,7 @@ import types
 
 import pytest
 
+from ftis_engine.model.fsdp import Shard
 from ftis_engine.run.evaluate import count_passes, evaluate_member
 from ftis_engine.data.tasks import load_task
 
@@ -30,7 +31,8 @@ def fake_member(answers: dict[str, str]):
         texts = tokenizer.batch_decode(prompts)
         return [[ord(c) for c in next(a for q, a in answers.items() if t.rstrip().endswith(q))] for t in texts]
 
-    return types.SimpleNamespace(tokenizer=tokenizer, generator=types.SimpleNamespace(greedy=greedy))
+    return types.SimpleNamespace(tokenizer=tokenizer, generator=types.SimpleNamespace(greedy=greedy),
+                                 shard=Shard.whole())
 
 
 USER_REWARDS = '''

@@ -1,11 +1,17 @@
 """The package's shape: no module of ftis_engine imports, directly or through others, a module that imports it
 back (imports inside functions count too: they are cycles that merely run later; and so do imports for type
-checking only: to a reader, and to a type checker, the two modules still depend on each other)."""
+checking only: to a reader, and to a type checker, the two modules still depend on each other). Its packages import
+downward only, config/ reaches nothing of the runtime, and loading a config loads no torch."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
+import subprocess
+import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ftis_engine"
 
@@ -146,6 +152,61 @@ def test_the_config_reaches_nothing_of_the_runtime():
     assert sorted(m for m in reached if _layer(m) not in ("config", "core")) == []
     assert sorted(m for m in reached if _layer(m) == "core") == ["ftis_engine.core", "ftis_engine.core.limits",
                                                                          "ftis_engine.core.safefile"]
+
+
+# a fresh interpreter reads and checks a real config, and the loss's options as a user imports them, then names the
+# torch modules it has loaded
+_CONFIG_ONLY = """
+import sys
+from ftis_engine.app.cli import main
+from ftis_engine.config import load_config
+from ftis_kernels import METHODS, LossConfig
+load_config(sys.argv[1])
+assert LossConfig(method=METHODS[0]).method == "nois"
+try:
+    main(["train", "--config", sys.argv[1], "--set", "members.0.lr=abc"])
+except SystemExit as exc:
+    assert exc.code == 2, exc.code
+print(sorted(m for m in sys.modules if m.partition(".")[0] == "torch"))
+import transformers.utils.logging
+print(transformers.utils.logging.is_progress_bar_enabled())
+"""
+
+
+@pytest.mark.integration
+def test_loading_a_config_and_the_loss_options_imports_no_torch():
+    """Reading and checking a run config loads no torch (issue 79), whose import alone takes over a second, nor does
+    the command line telling a bad one (exit 2): config/
+    takes LossConfig and its option tuples from ftis_kernels.options, which imports no torch, and ftis_kernels loads
+    its names on first use."""
+    tiny = ROOT.parent / "configs" / "tiny.yaml"
+    done = subprocess.run([sys.executable, "-c", _CONFIG_ONLY, str(tiny)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "False"]  # and the command line's quieting turned transformers' bars off
+    assert "members.0.lr" in done.stderr  # the bad config's one line, told before torch loads
+
+
+def test_every_public_name_of_ftis_kernels_is_its_defining_modules_object_and_dir_lists_it():
+    import ftis_kernels
+    from ftis_kernels import config, options
+
+    defined_in = {
+        "api": ("BACKENDS", "FTISLoss", "FusedLinearFTISLoss", "ftis_loss", "fused_linear_ftis_loss",
+                "fused_linear_token_logprobs", "resolve_backend", "token_logprobs"),
+        "options": ("KL_ESTIMATORS", "KL_REDUCTIONS", "METHODS", "NORMALIZATIONS", "STAT_KEYS", "LossConfig"),
+        "config": ("LossInputs", "LossOutput", "NonFiniteInputError", "combine_stats", "rejection_scale"),
+        "advantages": ("group_advantages",),
+    }
+    assert sorted(n for names in defined_in.values() for n in names) == sorted(ftis_kernels.__all__)
+    for module, names in defined_in.items():
+        home = importlib.import_module(f"ftis_kernels.{module}")
+        assert [n for n in names if getattr(ftis_kernels, n) is not getattr(home, n)] == []
+    assert set(ftis_kernels.__all__) <= set(dir(ftis_kernels))
+    # ftis_kernels.config re-exports the options: the same objects, so `is` and isinstance hold across the two
+    assert [n for n in dir(options) if (n.isupper() or n == "LossConfig")
+            and getattr(config, n, None) is not getattr(options, n)] == []
+    assert not hasattr(ftis_kernels, "no_such_name")
 
 
 def _late_imports(path: pathlib.Path) -> list[int]:

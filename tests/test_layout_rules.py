@@ -263,3 +263,23 @@ def test_the_from_none_reader_takes_a_comment_on_the_raise_or_the_line_before_an
               "except IndexError:  # from None: too far up\n    x = 1\n    raise ValueError('x') from None\n"
               "except ZeroDivisionError as e:\n    raise ValueError('x') from e\n")
     assert _raises_from_none_without_why(source) == [9, 13]
+
+
+# issue 79's lifecycle: the role is chosen once (trainer.build picks the Trainer, records.records_for the records'
+# strategy), so the step loop reads no role flag; a one-rank member is fsdp.Shard.whole(), so no code asks whether a
+# member has a shard (Admission's constructor alone turns a test's missing shard into the whole one)
+ROLE_FLAG = re.compile(r"\brole\.(writes_run|writes_records|reports|independent|sampler|evaluating|seat|joined)\b")
+SHARD_IS_NONE = re.compile(r"\bshard is (not )?None\b")
+SHARD_IS_NONE_ALLOWED = {"exchange/admission.py": 1}
+
+
+def test_the_step_loop_reads_no_role_flag():
+    source = (ENGINE / "run" / "loop.py").read_text()
+    assert not ROLE_FLAG.findall(source)
+    assert ROLE_FLAG.search("if swarm.role.writes_run:") and not ROLE_FLAG.search("records.writes")  # the reader
+
+
+def test_no_module_asks_whether_a_member_has_a_shard():
+    found = {str(p.relative_to(ENGINE)): len(SHARD_IS_NONE.findall(p.read_text())) for p in _engine_modules()}
+    assert {k: v for k, v in found.items() if v} == SHARD_IS_NONE_ALLOWED
+    assert SHARD_IS_NONE.search("if shard is not None:") and not SHARD_IS_NONE.search("shard.sharded")

@@ -277,14 +277,28 @@ def test_a_step_past_two_to_the_31_is_refused_by_the_wire():
 # ------------------------------------------------------------------------------------------------- the lead bound
 
 
-def test_a_live_peer_that_never_publishes_costs_one_timeout_not_one_every_step():
+def test_a_live_peer_that_never_publishes_costs_one_timeout_not_one_every_step(monkeypatch):
+    """The lead bound's waits are counted, not timed: a wait that runs out reports its whole time-out at once."""
+    from ftis_engine.openswarm import member as member_module
+
+    waits = []
+
+    def counted(check=None):
+        def wait(ready, timeout_s, what):
+            if ready():
+                return 0.0, True
+            waits.append(timeout_s)
+            return timeout_s, False
+        return wait
+
+    monkeypatch.setattr(member_module, "poll", counted)
     ex = exchange("swarm.max_lead=0", "swarm.timeout_s=1", peers=("slow",))
     first = ex.receive(0, 5)
-    assert first.lead_wait_seconds >= 1.0 and ex._given_up == {"slow"}  # waited the time-out once, warned
-    assert ex.receive(0, 6).lead_wait_seconds < 1.0  # then goes on without it (no time-out: a margin of 1 s)
+    assert waits == [1.0] and first.lead_wait_seconds == 1.0 and ex._given_up == {"slow"}  # waited once, warned
+    assert ex.receive(0, 6).lead_wait_seconds == 0.0 and waits == [1.0]  # then goes on without it
     ex.client.view["slow"] = 7  # it catches up: the bound holds for it again
-    assert ex.receive(0, 7).lead_wait_seconds < 1.0 and ex._given_up == set()
-    assert ex.receive(0, 8).lead_wait_seconds >= 1.0
+    assert ex.receive(0, 7).lead_wait_seconds == 0.0 and ex._given_up == set() and waits == [1.0]
+    assert ex.receive(0, 8).lead_wait_seconds == 1.0 and waits == [1.0, 1.0]
 
 
 # ------------------------------------------------------------------------------------------------- parked parcels

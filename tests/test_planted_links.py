@@ -20,15 +20,6 @@ from ftis_engine.core.safefile import LinkRefused
 from .helpers import member
 
 
-@pytest.fixture
-def outside(tmp_path):
-    """A folder outside the run directory: what a planted link points into."""
-    folder = tmp_path / "outside"
-    folder.mkdir()
-    (folder / "precious").write_text("kept")
-    return folder
-
-
 def untouched(outside) -> bool:
     return {p.name for p in outside.iterdir()} == {"precious"} and (outside / "precious").read_text() == "kept"
 
@@ -149,7 +140,7 @@ def test_a_link_at_the_runs_lock_is_refused_naming_it_and_nothing_is_written_thr
 
 
 def test_a_link_at_the_final_lock_of_async_ranks_is_refused(tmp_path, outside):
-    from ftis_engine.run.loop import write_final_shared
+    from ftis_engine.run.records import write_final_shared
 
     (tmp_path / ".final.lock").symlink_to(outside / "precious")
     with pytest.raises(LinkRefused) as told:

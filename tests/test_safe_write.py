@@ -19,15 +19,6 @@ def listing(folder) -> set[str]:
     return {p.name for p in folder.iterdir()}
 
 
-@pytest.fixture
-def outside(tmp_path):
-    """A folder outside the directory written: what a planted link points into."""
-    folder = tmp_path / "outside"
-    folder.mkdir()
-    (folder / "precious").write_text("kept")
-    return folder
-
-
 def test_a_link_at_the_files_name_is_replaced_by_the_file_and_its_target_is_untouched(tmp_path, outside):
     run = tmp_path / "run"
     run.mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import types
 
 import pytest
 
@@ -12,6 +13,7 @@ from ftis_engine.run import loop as run, restore, rundir, session
 from ftis_engine.config import ConfigError, dump_config
 from ftis_engine.run.rundir import RunDirError, RunLock, check_fresh_run, check_resume_config, eval_config
 from ftis_engine.run.session import AgreedError, Start, foreign_tokenizers, open_run
+from ftis_engine.topology.layout import Role, Seat
 
 from .helpers import short_config
 
@@ -314,19 +316,96 @@ def test_a_run_that_fails_to_open_closes_the_generators_it_built(trained, tmp_pa
 
 
 def test_a_run_that_fails_before_its_first_step_closes_its_generators_once(tmp_path, monkeypatch):
-    """run.train closes the members' generators however it ends, its start included: an exchange that fails to
-    start (an open swarm's coordinator that never answers) left them open (a vLLM engine holds a GPU)."""
+    """The Trainer closes the members' generators however the run ends, its start included: an exchange that fails
+    to start (an open swarm's coordinator that never answers) left them open (a vLLM engine holds a GPU)."""
+    from ftis_engine.run.trainer import Learner, build
+
     closed = []
     monkeypatch.setattr(session.Swarm, "close", lambda self: closed.append(True))
-    swarm, start = open_run(short_config(), Start(tmp_path / "run"))
+    trainer = build(short_config(), Start(tmp_path / "run"))
+    assert type(trainer) is Learner and closed == []
 
     def unanswered(*args, **kwargs):
         raise TimeoutError("no coordinator answered within 5 s")
 
-    monkeypatch.setattr(swarm.exchange, "start", unanswered)
-    with pytest.raises(TimeoutError, match="no coordinator answered"):
-        run.train(swarm, start)
+    monkeypatch.setattr(trainer.swarm.exchange, "start", unanswered)
+    with pytest.raises(TimeoutError, match="no coordinator answered"), trainer:
+        trainer.run()
     assert closed == [True]
+    trainer.close()  # closing again closes nothing twice
+    assert closed == [True]
+
+
+def test_a_learner_closes_its_generators_before_the_run_is_marked_finished(tmp_path, monkeypatch):
+    """final_eval.json is what a study takes for a finished run: it is written after the generators closed, so a
+    close that fails (a vLLM engine that does not go) leaves a run that is not marked finished."""
+    from ftis_engine.run import records
+    from ftis_engine.run.trainer import Start as TrainerStart, run as run_trainer
+
+    events = []
+    monkeypatch.setattr(session.Swarm, "close", lambda self: events.append("close"))
+    finish = records.SharedRecords.finish
+    monkeypatch.setattr(records.SharedRecords, "finish",
+                        lambda self, final: (events.append("finish"), finish(self, final)))
+    run_dir = tmp_path / "run"
+    run_trainer(short_config("train.steps=1", "eval.at_start=false", "eval.max_samples=2", "checkpoint.every=0"),
+                TrainerStart(run_dir))
+    assert events == ["close", "finish"] and (run_dir / "final_eval.json").is_file()
+
+    def failing(self):
+        raise RuntimeError("the engine did not go")
+
+    monkeypatch.setattr(session.Swarm, "close", failing)
+    again = tmp_path / "again"
+    with pytest.raises(RuntimeError, match="the engine did not go"):
+        run_trainer(short_config("train.steps=1", "eval.at_start=false", "eval.max_samples=2", "checkpoint.every=0"),
+                    TrainerStart(again))
+    assert (again / "metrics.jsonl").is_file() and not (again / "final_eval.json").exists()
+
+
+@pytest.mark.parametrize("role", ["learner", "sampler", "evaluator"])
+def test_the_trainer_of_each_role_runs_its_work_and_closes_the_generators_once_however_it_ends(role, monkeypatch,
+                                                                                               tmp_path):
+    """build chooses the Trainer from the role once (Learner, Sampler, Evaluator); trainer.run is the one start-up
+    every entry point calls, and the generators close once whether the work returns or raises."""
+    import dataclasses
+
+    from ftis_engine.run import trainer as trainer_module
+
+    closed, ran = [], []
+    work = {"learner": "train", "sampler": "run_sampler", "evaluator": "evaluate_all"}[role]
+
+    def fake_open_run(config, start, connection=None):
+        swarm = types.SimpleNamespace(role=dataclasses.replace(
+            Role(), evaluating=role == "evaluator",
+            seat=Seat(0, 0, 0, 1) if role == "sampler" else None),
+            exchange=types.SimpleNamespace(collectives=types.SimpleNamespace(gather_records=lambda r: r)),
+            close=lambda: closed.append(True))
+        return swarm, 3
+
+    def doing(*args, **kwargs):
+        ran.append(args[1])
+        if fail:
+            raise RuntimeError("a bug")
+        return [{"member": "a"}]
+
+    monkeypatch.setattr(trainer_module, "open_run", fake_open_run)
+    monkeypatch.setattr(trainer_module, work, doing)
+    kinds = {"learner": trainer_module.Learner, "sampler": trainer_module.Sampler,
+             "evaluator": trainer_module.Evaluator}
+    assert type(trainer_module.build(None, None)) is kinds[role]
+    for fail in (False, True):
+        closed.clear()
+        emitted = []
+        if fail:
+            with pytest.raises(RuntimeError, match="a bug"):
+                trainer_module.run(None, None, emit=emitted.append)
+        else:
+            records = trainer_module.run(None, None, emit=emitted.append)
+            assert records == ([] if role == "sampler" else [{"member": "a"}])
+            assert emitted == ([{"member": "a"}] if role == "evaluator" else [])  # eval: rank 0 prints them
+        assert closed == [True]  # eval: after its records were emitted (emitted is checked before the close too)
+    assert ran == [3, 3]  # each started after the step it opened at
 
 
 def test_a_run_that_fails_to_open_after_its_members_are_built_closes_their_generators(trained, tmp_path,

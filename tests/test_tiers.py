@@ -57,6 +57,8 @@ INTEGRATION = {
     "test_links.py::test_a_stopped_peer_process_is_lost_by_heartbeat_though_its_kernel_still_accepts_connections",
     # the fused op's memory in a clean process
     "test_memory.py::test_fused_linear_torch_backend_peak_rss_is_far_below_one_n_by_v_float32",
+    # a config loads no torch, in a fresh interpreter
+    "test_imports.py::test_loading_a_config_and_the_loss_options_imports_no_torch",
     # the README's command leaves no cache
     "test_readme.py::test_the_test_sessions_cache_is_removed_when_it_ends_and_a_users_cache_is_kept[xdist]",
 }

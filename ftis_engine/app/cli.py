@@ -5,19 +5,28 @@ A bad config, override or path exits with code 2 and one line naming the field, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
+from ..config import OVERRIDE_HELP as SET_HELP
 from ..config import RunConfig, dump_config, load_config
 from ..core.errors import error_line
 from .exits import FULL, INTERRUPTED, Interrupted, Interrupts, UsageFailure, WriteFailure, ending
 from .launch import launch_distributed, under_torchrun
 from ..report.progress import quiet_libraries
+from .swarm import swarm_app
+
+if TYPE_CHECKING:
+    from ..run.session import Start
+    from ..run.wiring import Connection
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None,
                   help="Collaborative GRPO across heterogeneous LLMs with F-TIS.")
@@ -37,15 +46,11 @@ def _options(version: bool = typer.Option(False, "--version", callback=_version,
     """Collaborative GRPO across heterogeneous LLMs with F-TIS."""
 
 
+EVAL_INTERRUPTED = "interrupted; the evaluation wrote nothing"
 INTERRUPTED_HINTS = {  # what a Ctrl-C leaves, per command, and how to go on (train says it itself)
     "study": "interrupted; rerun the same command to continue (finished runs are kept, interrupted ones resume "
              "from their newest checkpoint)",
 }
-
-
-SET_HELP = ("Override a field: dotted.path=value, list indices allowed (members.1.lr=1e-4). A text field takes the "
-            "value exactly as typed ('#' and ':' included; null clears an optional one); any other field a YAML "
-            "value: 1e-4, [q_proj, v_proj], {gsm8k: data/test.jsonl}, null. Repeatable.")
 
 
 def _load(config: pathlib.Path, overrides: list[str], output_dir: pathlib.Path | None) -> RunConfig:
@@ -95,43 +100,68 @@ def train(
     if nproc > 1 or under_torchrun():
         if max_restarts is not None:
             cfg.swarm.max_restarts = max_restarts
-        code = launch_distributed(cfg, run_dir, resume, nproc)
-        if code == INTERRUPTED:
-            raise Interrupted(interrupted_hint(run_dir))
-        raise typer.Exit(code)
+        _launch(cfg, run_dir, resume, nproc, lambda: interrupted_hint(run_dir))
     from ..report.progress import Progress
-    from ..run.rundir import RunLock
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start
 
+    # the run checks the backend, the directory and a resumed config before any model is loaded
+    _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
+              f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
+
+
+def _launch(cfg: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, hint: Callable[[], str],
+            evaluate: pathlib.Path | None = None, join: str | None = None) -> NoReturn:
+    """A command's processes started here (--nproc) or this one rank of torchrun's (launch.launch_distributed);
+    ends the command with their exit code (a Ctrl-C: one line, hint())."""
+    code = launch_distributed(cfg, run_dir, resume, nproc, evaluate=evaluate, join=join)
+    if code == INTERRUPTED:
+        raise Interrupted(hint())
+    raise typer.Exit(code)
+
+
+def _run_here(cfg: RunConfig, start: Start, banner: str, connection: Connection | None = None,
+              emit: Callable[[dict], None] | None = None,
+              guard: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    """The one start-up of a command run in this process (train, train --join, eval; a torchrun rank's is
+    launch.run_worker): its run directory locked (one run at a time in it; eval reads a checkpoint and locks
+    nothing), the run opened, run and closed (trainer.run), a Ctrl-C and a full disk each told in one line with what
+    the run left and how to go on. guard: around the run alone (--join tells its coordinator's refusals)."""
+    from ..run.rundir import RunLock
+    from ..run.trainer import print_record, run
+
+    run_dir, evaluating = start.run_dir, start.checkpoint is not None
     try:
-        with RunLock(run_dir):  # one run at a time in a run directory
-            typer.echo(f"run directory: {run_dir} (loading {len(cfg.members)} member(s)...)")
-            # build checks the backend, the directory and a resumed config before any model is loaded
-            build(cfg, Start(run_dir, resume=resume, progress=Progress())).run()
+        with contextlib.nullcontext() if evaluating else RunLock(run_dir):
+            if banner:
+                typer.echo(banner)
+            with guard():
+                run(cfg, start, connection, emit or print_record)
     except KeyboardInterrupt:
+        if connection is not None:  # an open swarm's member says it leaves
+            connection.exchange.finish()
         # from None: a one-line error for the user; the cause adds nothing to it
-        raise Interrupted(interrupted_hint(run_dir)) from None
+        raise Interrupted(EVAL_INTERRUPTED if evaluating else interrupted_hint(run_dir)) from None
     except OSError as exc:  # a full disk: what the run left (RunLock removed its temporary files) and how to go on
-        if exc.errno not in FULL:
+        if exc.errno not in FULL or evaluating:
             raise
         from ..model.checkpoint import after_failed_write
 
         # from None: a one-line error for the user; the cause adds nothing to it
         raise WriteFailure(f"{exc.strerror} writing {exc.filename or run_dir}; {after_failed_write(run_dir)}") from None
-    typer.echo(f"run directory: {run_dir}", err=True)
+    if not evaluating:
+        typer.echo(f"run directory: {run_dir}", err=True)
 
 
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int,
                   max_restarts: int | None) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from ..openswarm.client import JoinRefused
-    from ..topology.layout import world_size
     from ..openswarm.joining import JoinError, check_joinable
     from ..openswarm.wire import address_problem, host_problem
     from ..report.progress import Progress
-    from ..run.rundir import RunLock
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start
     from ..run.wiring import connect_local
+    from ..topology.layout import world_size
 
     problem = address_problem(address, bind=False) or host_problem(address)
     if problem:
@@ -146,28 +176,22 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         raise UsageFailure(str(exc)) from None
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
-        code = launch_distributed(cfg, run_dir, resume, processes, join=address)
-        if code == INTERRUPTED:
-            raise Interrupted(interrupted_hint(run_dir))
-        raise typer.Exit(code)
-    connection = connect_local(cfg, join=address)
-    try:
-        with RunLock(run_dir):
-            typer.echo(f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)")
-            trainer = build(cfg, Start(run_dir, resume=resume, progress=Progress()), connection)
-            try:
-                trainer.run()
-            except JoinRefused as exc:
-                # from None: a one-line error for the user; the cause adds nothing to it
-                raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
-            except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
-                # from None: a one-line error for the user; the cause adds nothing to it
-                raise UsageFailure(f"--join: {exc}") from None
-    except KeyboardInterrupt:
-        connection.exchange.finish()
-        # from None: a one-line error for the user; the cause adds nothing to it
-        raise Interrupted(interrupted_hint(run_dir)) from None
-    typer.echo(f"run directory: {run_dir}", err=True)
+        _launch(cfg, run_dir, resume, processes, lambda: interrupted_hint(run_dir), join=address)
+
+    @contextlib.contextmanager
+    def refusals():  # around the run alone: where the member dials and joins its coordinator
+        try:
+            yield
+        except JoinRefused as exc:
+            # from None: a one-line error for the user; the cause adds nothing to it
+            raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
+        except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
+            # from None: a one-line error for the user; the cause adds nothing to it
+            raise UsageFailure(f"--join: {exc}") from None
+
+    _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
+              f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)",
+              connect_local(cfg, join=address), guard=refusals)
 
 
 def interrupted_hint(run_dir: pathlib.Path) -> str:
@@ -193,7 +217,7 @@ def evaluate(
     """Greedy pass@1 of every member in a checkpoint on the task's eval sets (JSON lines on stdout)."""
     from ..model.checkpoint import latest_checkpoint
     from ..run.rundir import eval_config
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start
 
     checkpoint = checkpoint.resolve()  # `--checkpoint .` from inside it: its run directory is two levels up
     if not (checkpoint / "state.json").is_file():
@@ -209,11 +233,8 @@ def evaluate(
     if cfg.eval.datasets == []:
         raise UsageFailure("eval.datasets: empty, so there is nothing to evaluate; name a dataset or drop the field")
     if nproc > 1 or under_torchrun():
-        code = launch_distributed(cfg, run_dir, False, nproc, evaluate=checkpoint)
-        if code == INTERRUPTED:
-            raise Interrupted("interrupted; the evaluation wrote nothing")
-        raise typer.Exit(code)
-    build(cfg, Start(checkpoint, checkpoint=checkpoint)).run(emit=lambda record: typer.echo(json.dumps(record)))
+        _launch(cfg, run_dir, False, nproc, lambda: EVAL_INTERRUPTED, evaluate=checkpoint)
+    _run_here(cfg, Start(checkpoint, checkpoint=checkpoint), "", emit=lambda record: typer.echo(json.dumps(record)))
 
 
 @app.command()
@@ -327,58 +348,7 @@ def models_list() -> None:
         typer.echo(f"{name}: {state}\n  {package.about}")
 
 
-swarm_app = typer.Typer(no_args_is_help=True, help="The open swarm: members as independent jobs around a "
-                                                   "coordinator (ftis-engine train --join).")
-app.add_typer(swarm_app, name="swarm")
-
-
-@swarm_app.command("serve")
-def swarm_serve(
-    config: pathlib.Path = typer.Option(..., "--config", help="YAML swarm config: the shared settings (seed, "
-                                        "rollout, data, train.steps, swarm bounds and swarm.lease_s), no members."),
-    bind: str = typer.Option(..., "--bind", help="Where members dial in, e.g. tcp://0.0.0.0:5555."),
-    set_: list[str] = typer.Option([], "--set", metavar="KEY=VALUE", help=SET_HELP),
-    output_dir: pathlib.Path = typer.Option(pathlib.Path("runs/swarm"), "--output-dir",
-                                            help="Where coordinator.jsonl (joins, leaves, leases) is written."),
-) -> None:
-    """Run the open swarm's coordinator in the foreground (Ctrl-C ends it): it checks each joining member's shared
-    settings and dataset, keeps the live set by leases and relays every member's parcels to the others."""
-    from ..openswarm.coordinator import Coordinator, SwarmLogError, load_swarm_config, max_parcel_bytes, shared_settings
-    from ..openswarm.wire import address_problem, host_problem
-    from ..run.rundir import RunLock
-
-    cfg = load_swarm_config(config, set_)
-    problem = address_problem(bind, bind=True) or host_problem(bind)
-    if problem:
-        raise UsageFailure(f"--bind: {bind!r} {problem}")
-    log = output_dir / "coordinator.jsonl"
-    # one coordinator at a time in a directory, as one run in a run directory; one that fails before it is bound
-    # (another swarm's log there, an address it cannot bind) leaves nothing behind
-    with RunLock(output_dir, kind="coordinator"):
-        if log.exists() and not log.is_file():
-            raise UsageFailure(f"--output-dir {output_dir}: its coordinator.jsonl is not a file (a coordinator's log "
-                               "is); move it away")
-        try:
-            coordinator = Coordinator(shared_settings(cfg), cfg.swarm.lease_s, max_parcel_bytes(cfg), log_path=log,
-                                      echo=lambda line: typer.echo(line, err=True))
-        except SwarmLogError as exc:
-            # from None: a one-line error for the user; the cause adds nothing to it
-            raise UsageFailure(f"--output-dir {output_dir}: {exc}") from None
-        stop = threading.Event()
-        bound: list[str] = []
-        import zmq
-
-        try:
-            coordinator.serve(bind, stop, bound)
-        except zmq.ZMQError as exc:
-            if bound:
-                raise
-            # from None: a one-line error for the user; the cause adds nothing to it
-            raise UsageFailure(f"--bind {bind}: {exc}") from None
-        except KeyboardInterrupt:  # Ctrl-C (or SIGTERM) is how a coordinator ends: the summary line follows
-            pass
-    typer.echo(f"coordinator stopped: {coordinator.relayed} parcels relayed, {coordinator.undeliverable} "
-               f"undeliverable, {coordinator.refused} refused; log: {log}", err=True)
+app.add_typer(swarm_app, name="swarm")  # swarm serve: app/swarm.py
 
 
 # typer raises click's UsageError (its own vendored click in recent versions): reach it through a public class.

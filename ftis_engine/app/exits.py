@@ -92,18 +92,16 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
     if isinstance(exc, WriteFailure):
         return Outcome(FAILED, str(exc))
     from ..config import ConfigError
+
+    if isinstance(exc, ConfigError):  # told before the imports below, which load torch: a bad config's line is quick
+        return _config_outcome(exc, rank)
     from ..data.tasks import TaskError
     from ..generation import EngineError
     from ..model.checkpoint import CheckpointWriteError
     from ..model.update import DivergenceError
 
-    if isinstance(exc, (ConfigError, TaskError)):
-        if rank is not None and rank > 0:
-            from ..run.session import AgreedError
-
-            if isinstance(exc, AgreedError):  # every rank found it alike: rank 0 says it
-                return Outcome(CONFIG, None, final=True)
-        return Outcome(CONFIG, str(exc), final=True)
+    if isinstance(exc, TaskError):
+        return _config_outcome(exc, rank)
     if isinstance(exc, (DivergenceError, EngineError)):
         return Outcome(FAILED, str(exc), final=True)
     if rank is not None:
@@ -124,6 +122,16 @@ def outcome(exc: BaseException, rank: int | None = None, joining: str | None = N
     if rank is None and caused_by_interrupt(exc):  # a library's error wrapping a Ctrl-C ("Could not import ...")
         return Outcome(INTERRUPTED, hint)
     return _anything_else(exc, rank)
+
+
+def _config_outcome(exc: BaseException, rank: int | None) -> Outcome:
+    """A config's or a task's error: exit 2 and its line, said once (an error every rank found alike: by rank 0)."""
+    if rank is not None and rank > 0:
+        from ..run.session import AgreedError
+
+        if isinstance(exc, AgreedError):  # every rank found it alike: rank 0 says it
+            return Outcome(CONFIG, None, final=True)
+    return Outcome(CONFIG, str(exc), final=True)
 
 
 def _rank_outcome(exc: BaseException, rank: int, joining: str | None,

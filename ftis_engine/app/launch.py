@@ -148,14 +148,14 @@ def _launch(config: RunConfig, run_dir: pathlib.Path, resume: bool, nproc: int, 
 
 def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | None = None,
                join: str | None = None) -> int:
-    """One rank: join the process group, open the run (session.open_run), train; or, with `evaluate` (a
-    checkpoint), evaluate it and let rank 0 print every rank's records. Its failures end it by the one table
-    (exits.py): a config error prints one line (an error all ranks found alike: rank 0 alone) and exits 2.
+    """One rank: join the process group, open the run and run it (trainer.run, as a command in one process); or,
+    with `evaluate` (a checkpoint), evaluate it and let rank 0 print every rank's records. Its failures end it by the
+    one table (exits.py): a config error prints one line (an error all ranks found alike: rank 0 alone) and exits 2.
     join: the open swarm's coordinator (a member on several ranks: its leader holds the exchange,
     openswarm/member.py)."""
     from ..report.progress import quiet_libraries
     from ..run.preflight import check_placement
-    from ..run.trainer import Start, build
+    from ..run.trainer import Start, run
     from ..run.wiring import connect
 
     quiet_libraries()
@@ -187,7 +187,7 @@ def run_worker(config_data: dict, run_dir: str, resume: bool, evaluate: str | No
             # same view: each node's agent counts its own restarts (one whose workers restarted because another
             # node's failed counts 0), and ranks that disagree would run open_run's collectives apart
             start = Start(pathlib.Path(run_dir), resume=resume, restarted=any_rank(collectives, restarted))
-        build(config, start, connection).run()
+        run(config, start, connection)  # the one start-up (trainer.run): opened, run, its generators closed
     collectives.close()
     return 0
 

@@ -8,7 +8,7 @@ load.py (YAML, `--set`, pydantic's messages made one line, config differences), 
 """
 
 from .checks import MAX_STEP_ROLLOUT_BYTES
-from .load import (NULLS, DuplicateKeyError, _UniqueKeyLoader, apply_override, apply_value, config_differences,
+from .load import (NULLS, OVERRIDE_HELP, DuplicateKeyError, _UniqueKeyLoader, apply_override, apply_value, config_differences,
                    dump_config, format_validation_error, load_config, read_yaml_mapping, validate_config,
                    value_differences)
 from .schema import (MIN_LEASE_S, AdversarySettings, AlgorithmSettings, CheckpointSettings, DataSettings,
@@ -18,7 +18,7 @@ from .schema import (MIN_LEASE_S, AdversarySettings, AlgorithmSettings, Checkpoi
 from .types import SAFE_NAME, Beta, ConfigError, Seed, safe_path_name
 
 __all__ = [
-    "MAX_STEP_ROLLOUT_BYTES", "MIN_LEASE_S", "NULLS", "SAFE_NAME", "AdversarySettings", "AlgorithmSettings", "Beta",
+    "MAX_STEP_ROLLOUT_BYTES", "MIN_LEASE_S", "NULLS", "OVERRIDE_HELP", "SAFE_NAME", "AdversarySettings", "AlgorithmSettings", "Beta",
     "CheckpointSettings", "ConfigError", "DataSettings", "DefenseSettings", "DuplicateKeyError", "EvalSettings",
     "LatencySettings", "LoggingSettings", "LoraSettings", "MemberSettings", "RewardTerm", "RolloutSettings",
     "RunConfig", "Seed", "SwarmSettings", "TrainSettings", "VllmSettings", "WarmStartSettings", "_UniqueKeyLoader",

@@ -116,6 +116,11 @@ def _parse_value(text: str, annotation: Any = None) -> Any:
     except (yaml.YAMLError, RecursionError):
         return text
 
+# what --set takes (apply_override), as every command's help says it
+OVERRIDE_HELP = ("Override a field: dotted.path=value, list indices allowed (members.1.lr=1e-4). A text field takes the "
+                 "value exactly as typed ('#' and ':' included; null clears an optional one); any other field a YAML "
+                 "value: 1e-4, [q_proj, v_proj], {gsm8k: data/test.jsonl}, null. Repeatable.")
+
 
 def apply_override(raw: dict, assignment: str) -> None:
     """Apply one `dotted.path=value` override to the raw (unvalidated) config dict; list indices allowed. A field

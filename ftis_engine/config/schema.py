@@ -10,7 +10,7 @@ import re
 import typing
 from typing import Any, Literal
 
-from ftis_kernels import LossConfig
+from ftis_kernels.options import LossConfig
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ..core.limits import MAX_REWARD

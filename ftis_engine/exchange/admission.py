@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 
 from ..config import RunConfig
 from ..data.rollouts import Rollout, RolloutError, buffer_digest, decode
+from ..model.fsdp import Shard
 from ..topology.schedule import Schedule, learner_version, staleness
 from . import Parcel, Peers
 from .capability import CapabilityTracker
@@ -150,7 +151,7 @@ class Admission:
     """One local member's receiver: admits parcels (the checks above) and takes each step's intake."""
 
     def __init__(self, config: RunConfig, schedule: Schedule, checker: RolloutChecker, receiver: int,
-                 start_step: int = 0, logprobs: LogProbs | None = None, shard=None):
+                 start_step: int = 0, logprobs: LogProbs | None = None, shard: Shard | None = None):
         """logprobs: the receiver's own per-token log-probs of peer rollouts' completions (one no-grad forward of
         its model: session builds it), which the model-reading defenses read; None where no model is at hand (a
         receiver built for a test), refused while such a defense is on (it would screen nothing, silently). shard: a
@@ -172,7 +173,7 @@ class Admission:
             raise ValueError("Admission: defense.likelihood_floor and defense.claims_monitor read the receiver's "
                              "model: build it with its log-prob function (logprobs=...)")
         self.logprobs = logprobs
-        self.shard = shard
+        self.shard = shard if shard is not None else Shard.whole()  # a one-rank member's: the whole of it
         self.capability = CapabilityTracker(receiver)  # hacpo: its senders' capabilities (the update reads them)
 
     @property
@@ -249,8 +250,7 @@ class Admission:
             out.screen_seconds = time.perf_counter() - started
         own = own_sequences if own_sequences is not None else self.schedule.step_sequences(self.receiver)
         self._take(step, now, out, own)
-        if self.shard is not None:  # the leader admits and takes: every shard trains on its intake
-            out.rollouts = self.shard.from_leader(out.rollouts)
+        out.rollouts = self.shard.from_leader(out.rollouts)  # the leader admits and takes: every shard trains on it
         return out
 
     def screen_rollouts(self, rollouts: list[Rollout]) -> tuple[list[Rollout], Screened]:
@@ -258,17 +258,14 @@ class Admission:
         defense.claims_monitor; exchange/screen.py), in their order, and what was left out: one no-grad forward of
         the receiver's model over its peers' completions (its own samplers' are its own, never screened). A
         sharded member's shards all run the forward on the leader's rollouts; the leader's verdicts hold."""
-        if self.shard is not None:
-            rollouts = self.shard.from_leader(rollouts)
+        rollouts = self.shard.from_leader(rollouts)
         others = [r for r in rollouts if r.member != self.receiver]
         if not others:
             return rollouts, Screened()
         logprobs = self.logprobs(others)
         names = [self.schedule.member_name(r.member) for r in others]  # an open swarm's peers are numbered locally
-        leads = self.shard is None or self.shard.leader
-        drop, screened = self.screen.verdicts(others, logprobs, names) if leads else (None, None)
-        if self.shard is not None:
-            drop, screened = self.shard.from_leader((drop, screened))
+        drop, screened = self.screen.verdicts(others, logprobs, names) if self.shard.leader else (None, None)
+        drop, screened = self.shard.from_leader((drop, screened))
         left = {id(others[k]) for k in drop}
         return [r for r in rollouts if id(r) not in left], screened
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +18,7 @@ from ..generation import Generator
 from ..generation.hf import HFGenerator
 from ..generation.vllm import VLLMGenerator
 from ..model import attention, layers, precision
-from ..model.fsdp import broadcast_weights, replica, shard_model
+from ..model.fsdp import Shard, broadcast_weights, replica, shard_model
 from ..model.models import ModelSpecError, load_model, load_tokenizer
 from ..model.warmstart import warm_start
 from ..topology.schedule import mix_seed
@@ -34,7 +34,7 @@ class Member:
     generator: Generator
     device: torch.device
     dtype: torch.dtype  # the compute dtype (members.N.dtype); trainable parameters are float32 whatever it is
-    shard: object | None = None  # fsdp.Shard: this rank's part of a member on several ranks (None: one rank)
+    shard: Shard = field(default_factory=Shard.whole)  # this rank's part of it (a one-rank member: Shard.whole())
     policy: torch.nn.Module | None = None  # fsdp.ShardedPolicy: the FSDP2 root the update runs through
     reference: torch.nn.Module | None = None  # algorithm.beta > 0, full member: a frozen copy of its initial weights
     shared_prompt: bool = False  # the update packs a group's prompt once (train.shared_prompt, where the attention can)
@@ -46,7 +46,7 @@ class Member:
     @property
     def leads(self) -> bool:
         """This rank reports the member (and writes its checkpoint): a one-rank member, or a sharded one's leader."""
-        return self.shard is None or self.shard.leader
+        return self.shard.leader
 
     @property
     def causal_lm(self):
@@ -151,13 +151,15 @@ def make_optimizer(settings: MemberSettings, params: list[torch.nn.Parameter]) -
                                     settings.weight_decay, precision.master_dtype(settings.master_dtype))
 
 
-def shard_member(member: Member, shard, config: RunConfig) -> None:
-    """Spread a member built for this shard (build_member(..., shard=shard)) and restored over its ranks: FSDP2
+def shard_member(member: Member, shard: Shard, config: RunConfig) -> None:
+    """Spread a member built for its shards (build_member(..., sharded=True)) and restored over its ranks: FSDP2
     over its model, then its optimizer over the shards (built once, here), and for the HF generator a plain
     replica of the leader's weights to sample from (vLLM engines hold their own weights and take them gathered,
     one tensor at a time)."""
     if member.optimizer is not None:
-        raise ValueError(f"members.{member.index}: build it with build_member(..., shard=shard) to shard it")
+        raise ValueError(f"members.{member.index}: build it with build_member(..., sharded=True) to shard it")
+    if not shard.sharded:  # FSDP2 over one part would be saved and updated as a whole member's
+        raise ValueError(f"members.{member.index}: a shard of one part (Shard.whole()) is the whole member")
     settings = config.members[member.index]
     broadcast_weights(member.model, shard)  # every shard starts from the leader's bits (a GPU warm start may differ)
     if settings.generator == "hf":
@@ -248,12 +250,12 @@ def draws_on_device(config: RunConfig, index: int) -> bool:
 
 
 def build_member(index: int, config: RunConfig, tokenizer, device: torch.device, task=None,
-                 trains: bool = True, shard=None) -> Member:
+                 trains: bool = True, sharded: bool = False) -> Member:
     """Load the model in float32 (random init for built-ins), warm-start it on the task's demonstrations if asked,
     wrap it in LoRA if asked (the frozen base then in the compute dtype, the adapter float32), build its optimizer
     (over float32 master weights) and generator. trains=False (eval, a sampler rank): no KL reference copy.
-    shard: this rank's part of a member on several ranks (fsdp.Shard): its optimizer is built over the shards, by
-    shard_member once the weights are restored."""
+    sharded: a member on several ranks: its optimizer is built over the shards, by shard_member once the weights are
+    restored."""
     settings = config.members[index]
     dtype = resolve_dtype(settings, device)
     master = precision.master_dtype(settings.master_dtype)
@@ -300,7 +302,7 @@ def build_member(index: int, config: RunConfig, tokenizer, device: torch.device,
         if settings.lora is not None:
             model.enable_input_require_grads()
     layers.compile_layers(model, layer_mode)
-    optimizer = make_optimizer(settings, trainable_parameters(model)) if shard is None else None
+    optimizer = None if sharded else make_optimizer(settings, trainable_parameters(model))
     if settings.generator == "vllm":
         generator = VLLMGenerator(model, tokenizer, device, settings, config, seed)
     else:

@@ -128,13 +128,12 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: di
             if root == directory:  # the caller's own folder: made as given
                 directory.mkdir(parents=True, exist_ok=True)
             os.close(safefile.open_folder(directory, root))
-    weights = full_state_dict(member.model, keep=leader) if shard is not None else None
-    if shard is not None:
-        shard.barrier()  # the leader made the directory
+    weights = full_state_dict(member.model, keep=leader) if shard.sharded else None
+    shard.barrier()  # the leader made the directory
     if leader:
 
         def write_model(folder: pathlib.Path) -> None:  # weights and tokenizer, renamed to model/ together
-            given = {"state_dict": weights} if shard is not None else {}
+            given = {"state_dict": weights} if shard.sharded else {}
             save_pretrained(member.model, folder, safe_serialization=True, **given)
             member.tokenizer.save_pretrained(str(folder))
 
@@ -145,12 +144,11 @@ def save_member(member, directory: pathlib.Path, save_optimizer: bool, extra: di
             with _writing(directory / file):
                 safefile.write_text(directory / file, text, root)
     if save_optimizer:
-        path = directory / ("optimizer.pt" if shard is None else f"optimizer.shard-{shard.index}.pt")
-        state = member.optimizer.state_dict() if shard is None else local_optimizer_state(member.optimizer)
+        path = directory / (f"optimizer.shard-{shard.index}.pt" if shard.sharded else "optimizer.pt")
+        state = local_optimizer_state(member.optimizer) if shard.sharded else member.optimizer.state_dict()
         with _writing(path), safefile.open_write(path, root) as out:
             torch.save(state, out)
-    if shard is not None:
-        shard.barrier()  # every shard has written its part
+    shard.barrier()  # every shard has written its part
     if leader:  # rng.pt is written last and atomically: its presence marks the member staged (finalize_when_staged)
         state = rng_state()
         with _writing(directory / "rng.pt"), safefile.open_write(directory / "rng.pt", root) as out:

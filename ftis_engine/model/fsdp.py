@@ -82,19 +82,32 @@ def make_groups(config: RunConfig, backend: str, timeout: datetime.timedelta, op
 
 @dataclass
 class Shard:
-    """This rank's part of a member on several ranks."""
+    """This rank's part of a member: of a member on several ranks, or the whole of a one-rank member (Shard.whole():
+    one part, no group, every collective its own value back), so every caller runs the same code for both."""
 
     index: int  # 0: the leader
     size: int
     ranks: list[int]  # the member's process ranks, leader first
-    group: object  # FSDP's group (NCCL between GPUs, gloo on CPU)
-    objects: object  # gloo group of the same ranks, for Python objects
+    group: object  # FSDP's group (NCCL between GPUs, gloo on CPU); None: whole
+    objects: object  # gloo group of the same ranks, for Python objects; None: whole
+
+    @classmethod
+    def whole(cls) -> Shard:
+        """A one-rank member's: itself the leader of one part."""
+        return cls(0, 1, [], None, None)
+
+    @property
+    def sharded(self) -> bool:
+        """Spread over several ranks by FSDP2 (its weights and optimizer state are parts)."""
+        return self.size > 1
 
     @property
     def leader(self) -> bool:
         return self.index == 0
 
     def all_gather(self, value) -> list:
+        if not self.sharded:
+            return [value]
         gathered: list = [None] * self.size
         with collective("the shards' all_gather_object"):
             dist.all_gather_object(gathered, value, group=self.objects)
@@ -102,24 +115,32 @@ class Shard:
 
     def from_leader(self, value):
         """The leader's value on every shard."""
+        if not self.sharded:
+            return value
         box = [value]
         with collective("the shards' broadcast from their leader"):
             dist.broadcast_object_list(box, src=self.ranks[0], group=self.objects)
         return box[0]
 
     def max(self, value: int) -> int:
+        if not self.sharded:
+            return value
         tensor = torch.tensor([value], dtype=torch.int64)
         with collective("the shards' all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.objects)
         return int(tensor.item())
 
     def all_true(self, value: bool) -> bool:
+        if not self.sharded:
+            return bool(value)
         tensor = torch.tensor([int(value)], dtype=torch.int64)
         with collective("the shards' all_reduce"):
             dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.objects)
         return bool(tensor.item())
 
     def barrier(self) -> None:
+        if not self.sharded:
+            return
         with collective("the shards' barrier"):
             dist.barrier(group=self.objects)
 

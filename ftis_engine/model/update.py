@@ -24,7 +24,7 @@ from ftis_kernels import (
 )
 
 from .batch import PackedBatch, TrainItem, micro_batches, mini_batches, pack, shard_items, without_final_eos
-from .fsdp import full, local
+from .fsdp import Shard, full, local
 
 
 def body_inputs(member, batch: PackedBatch) -> dict:
@@ -111,13 +111,12 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
     authors' view of each micro-batch (batch.without_final_eos)."""
     whole = dict(num_sequences=len(items), num_tokens=sum(it.rollout.num_tokens for it in items))
     shard = member.shard
-    mine = items if shard is None else shard_items(items, shard.index, shard.size)
+    mine = shard_items(items, shard.index, shard.size) if shard.sharded else items
     batches = micro_batches(mine, token_budget, keep_groups=cfg.base_method == "gepo",
                             shared_prompt=member.shared_prompt)
     # a sharded member's ranks run as many micro-batches each (FSDP2 gathers every layer for each): a rank with
     # fewer runs the rest on a stand-in whose loss counts zero. FSDP2 averages the ranks' gradients: x K sums them
-    rounds = len(batches) if shard is None else shard.max(len(batches))
-    factor = 1.0 if shard is None else float(shard.size)
+    rounds, factor = shard.max(len(batches)), float(shard.size)
     loss, outputs, failed = 0.0, [], None
     own_sum, own_count = 0.0, 0  # the member's own tokens of its newest policy version: exp(l - g)
     newest = max((it.rollout.policy_version for it in items if it.rollout.member == member.index), default=None)
@@ -131,7 +130,7 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         try:
             out = batch_loss(member, batch, cfg, backend, **whole, mini_batch_index=mini_batch_index)
         except NonFiniteInputError as exc:
-            if shard is None:
+            if not shard.sharded:
                 raise
             failed = exc  # the other shards are in this round's collectives: finish the rounds, then agree
             stand_in(member)
@@ -143,9 +142,9 @@ def accumulate_gradients(member, items: list[TrainItem], cfg: LossConfig, token_
         own_sum, own_count = own_sum + float(ratios.sum()), own_count + ratios.numel()
         if on_micro_batch is not None:
             on_micro_batch(batch.num_tokens)
-    if shard is not None and not shard.all_true(failed is None):
+    if not shard.all_true(failed is None):
         raise NonFiniteInputError(str(failed) if failed is not None else "on another rank of this member")
-    if shard is not None:  # the whole member's loss and stats: every shard's sums and counts
+    if shard.sharded:  # the whole member's loss and stats: every shard's sums and counts
         mine_stats = [LossOutput(loss=torch.zeros(()), logprobs=torch.zeros(0),
                                  stat_sums={k: v.detach().cpu() for k, v in out.stat_sums.items()},
                                  stat_counts={k: v.detach().cpu() for k, v in out.stat_counts.items()})
@@ -293,9 +292,9 @@ def optimizer_step(member, items: list[TrainItem], cfg: LossConfig, token_budget
     return stats
 
 
-def weights_finite(params: list[torch.Tensor], shard=None) -> bool:
+def weights_finite(params: list[torch.Tensor], shard: Shard) -> bool:
     """Every weight is finite (a sharded member: on every shard, agreed)."""
     finite = bool(torch.stack([local(p.detach()).isfinite().all() for p in params]).all()) if params else True
-    return finite if shard is None else shard.all_true(finite)
+    return shard.all_true(finite)
 
 

@@ -4,6 +4,7 @@ third-party libraries kept quiet."""
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 
 from rich.console import Console
@@ -93,6 +94,10 @@ def quiet_libraries() -> None:
         root.setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*TRANSFORMERS_VERBOSITY.*")
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    from transformers.utils import logging as hf_logging
+    # transformers takes its bars' switch from huggingface_hub's as it is imported (which imports no torch: a bad
+    # config is told before torch loads); one imported already has its own switch
+    from huggingface_hub.utils import disable_progress_bars
 
-    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+    if "transformers.utils.logging" in sys.modules:
+        sys.modules["transformers.utils.logging"].disable_progress_bar()

@@ -1,9 +1,11 @@
-"""Greedy pass@1 of a member on the task's held-out sets."""
+"""Greedy pass@1 of a member on the task's held-out sets, and of every member a process holds (evaluate_all)."""
 
 from __future__ import annotations
 
-from ..exchange.adversary import carries_payload
 from ..data.tasks import Example, Task, prompt_ids
+from ..exchange.adversary import carries_payload, measured_payloads
+from ..report.metrics import eval_record, return_freed_memory
+from .session import Swarm
 
 
 def evaluate_member(member, task: Task, examples: list[Example], max_new_tokens: int, on_batch=None,
@@ -24,12 +26,10 @@ def evaluate_questions(member, task: Task, examples: list[Example], max_new_toke
     analysis over questions (a bootstrap over the eval set) needs beside the seeds."""
     if not examples:
         return float("nan"), ((float("nan"), {k: float("nan") for k in payloads}) if payloads else None), []
-    shard = getattr(member, "shard", None)
-    mine = list(range(len(examples))) if shard is None else list(shard.share(len(examples)))
+    shard = member.shard
+    mine = list(shard.share(len(examples)))
     solved, carries = judge(member, task, [examples[k] for k in mine], max_new_tokens, on_batch, payloads)
-    parts = [(mine, solved, _carried(carries, payloads))]
-    if shard is not None:
-        parts = shard.all_gather(parts[0])
+    parts = shard.all_gather((mine, solved, _carried(carries, payloads)))
     correct = [False] * len(examples)
     for indices, flags, _ in parts:
         for k, flag in zip(indices, flags, strict=True):
@@ -66,3 +66,27 @@ def count_passes(member, task: Task, examples: list[Example], max_new_tokens: in
     payloads, then how many carry each."""
     solved, carries = judge(member, task, examples, max_new_tokens, on_batch, payloads)
     return (sum(solved), *_carried(carries, payloads))
+
+
+def evaluate_all(swarm: Swarm, step: int) -> list[dict]:
+    """Greedy pass@1 of every local member on every eval set."""
+    cfg = swarm.config.eval
+    max_new = cfg.max_new_tokens or swarm.config.rollout.max_new_tokens
+    records = []
+    payloads = measured_payloads(swarm.config)
+    for member in swarm.members:  # a member on several ranks: every shard evaluates a share, the leader reports
+        with member.generator.awake():
+            for name, examples in swarm.task.evals.items():
+                examples = examples[: cfg.max_samples] if cfg.max_samples else examples
+                share = len(member.shard.share(len(examples)))
+                bar = swarm.progress.start(f"{member.name}: eval {name}", share)
+                accuracy, attacked, correct = evaluate_questions(member, swarm.task, examples, max_new,
+                                                                 on_batch=lambda k: swarm.progress.advance(bar, k),
+                                                                 payloads=payloads)
+                swarm.progress.finish(bar)
+                record = eval_record(step, member.name, name, accuracy, len(examples), correct)
+                if attacked is not None:  # the share of its greedy completions carrying an attacker's payload
+                    record["attack_success"], record["attack_success_by"] = attacked
+                records.append(record)
+                return_freed_memory()  # the greedy passes' KV caches
+    return records if swarm.role.reports else []

@@ -73,15 +73,8 @@ def load_weights(model, words: torch.Tensor) -> None:
 
 
 def run_sampler(swarm: Swarm, start_version: int) -> None:
-    """A sampler rank's life: rounds of generation until its learner has finished, then leave. Its generator is
-    closed however it ends, its start included."""
-    try:
-        _rounds(swarm, start_version)
-    finally:
-        swarm.close()
-
-
-def _rounds(swarm: Swarm, start_version: int) -> None:
+    """A sampler rank's life: rounds of generation until its learner has finished, then leave (trainer.Sampler: its
+    generator is the Trainer's to close)."""
     # config and launch allow samplers only in async mode across processes (async_.DistributedAsync) or in an open
     # swarm's member (openswarm.member.OpenSampler)
     exchange: SamplerExchange = swarm.exchange

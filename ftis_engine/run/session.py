@@ -177,7 +177,7 @@ def open_run(config: RunConfig, start: Start, connection: Connection | None = No
     try:  # a member, checkpoint or receiver state that fails (or a Ctrl-C) closes the generators built: a vLLM
         # engine holds a GPU
         for i in local:  # each member finished (checked, restored, sharded) before the next is built
-            member = build_member(i, config, tokenizers[i], devices[i], task, trains=trains, shard=shard)
+            member = build_member(i, config, tokenizers[i], devices[i], task, trains=trains, sharded=shard.sharded)
             members.append(member)
             finish_member(member, config, longest_prompt, source, what, shard, evaluating=evaluating)
         schedule = make_schedule(config, train_indices, connection.open_peers)
@@ -274,8 +274,8 @@ def finish_member(member: Member, config: RunConfig, longest_prompt: int, source
     check_context(config, member.index, model_context(member.causal_lm.config), longest_prompt)
     optimizer = not evaluating and config.checkpoint.save_optimizer
     if source is not None:  # a sharded member restores its weights whole, then shards them
-        restore_into(member, source, what, load_optimizer=optimizer and shard is None, load_rng=not evaluating)
-    if shard is not None:
+        restore_into(member, source, what, load_optimizer=optimizer and not shard.sharded, load_rng=not evaluating)
+    if shard.sharded:
         shard_member(member, shard, config)
         if source is not None and optimizer:
             restore_shard(member, source, what)

@@ -107,10 +107,10 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
     for member in swarm.members:
         shard = member.shard
         mine = dealt[member.index]
-        if shard is not None:  # each shard its share of the prompts, with a seed of its own
+        if shard.sharded:  # each shard its share of the prompts, with a seed of its own
             prompts = sorted(mine)
             mine = {prompts[k]: mine[prompts[k]] for k in shard.share(len(prompts))}
-        seed = swarm.schedule.sampling_seed(step, member.index, shard.index if shard is not None else 0)
+        seed = swarm.schedule.sampling_seed(step, member.index, shard.index)
         watch, pushed = watches[member.index], member.generator.push_seconds
         with watch("gen_seconds"), member.generator.awake(), diverging(swarm.run_dir, member, step):
             own[member.index] = sample.generate_rollouts(swarm, member, mine, learner_version(step), seed)
@@ -119,8 +119,7 @@ def generate_all(swarm: Swarm, step: int, dealt: dict[int, dict[int, int]], memo
         pushed = member.generator.push_seconds - pushed
         watch.seconds["gen_seconds"] -= pushed
         watch.seconds["sync_seconds"] += pushed
-        if shard is not None:  # the member's rollouts, on every shard, in shard order
-            own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]
+        own[member.index] = [r for part in shard.all_gather(own[member.index]) for r in part]  # in shard order
     return own, watches
 
 

@@ -18,7 +18,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,7 +47,7 @@ class Connection:
 
     exchange: Exchange
     role: Role
-    shard: object | None = None  # fsdp.Shard
+    shard: Shard = field(default_factory=Shard.whole)  # this rank's part of its member (one rank: whole)
     open_peers: object | None = None
     local_rank: int | None = None  # the device index among this node's ranks (None: one process)
     opened: Callable[[object], None] | None = None
@@ -220,7 +220,7 @@ def connect(config: RunConfig, rank: int, world: int, local_rank: int, join: str
                                     endpoint=seat.endpoint, group=groups.links, broadcast=broadcast)
     else:
         exchange = DistributedSync(collectives, endpoint=seat.endpoint, group=groups.endpoints, endpoints=endpoints)
-    shard = None
+    shard = Shard.whole()
     if seat.sampler is None and seat.member in groups.members:
         fsdp, objects = groups.members[seat.member]
         shard = Shard(seat.shard, config.members[seat.member].ranks, member_ranks(config, seat.member), fsdp, objects)

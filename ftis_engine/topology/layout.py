@@ -160,6 +160,12 @@ class Role:
         return self.joined or (self.seat is not None and self.asynchronous and not self.evaluating)
 
     @property
+    def writes_records(self) -> bool:
+        """Writes records to the run directory: rank 0 (every rank's, in a synchronous world), and every process
+        that never synchronises and reports (its own)."""
+        return self.writes_run or (self.independent and self.reports)
+
+    @property
     def sampler(self) -> int | None:
         """A sampler rank: its index among its member's samplers; None: a learner."""
         return None if self.seat is None else self.seat.sampler
