@@ -237,7 +237,7 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
 
         for name in names:
             start(name, members)
-        cpu0, sampled, rss = None, [], []
+        cpu0, rss = None, []
         bytes0 = None
         begun = time.time()
         deadline = time.monotonic() + args.timeout
