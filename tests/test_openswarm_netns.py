@@ -125,6 +125,27 @@ else:
 """
 
 
+def test_a_join_sent_before_a_slow_connection_is_up_goes_out_once_it_is(tmp_path):
+    """ZMQ_IMMEDIATE drops what is sent before the connection is up, and over a link of 100 ms the first join always
+    is: the client tries it again every turn until it leaves, instead of after two beats (every member waited 2 s
+    to be welcomed; with beats of 30 s, as here, a minute). One join left and was answered: the client counts one."""
+    from ftis_engine.openswarm.client import SwarmClient
+
+    from .test_openswarm import _member_hashes, until
+
+    with NetLab({"coord": Link(delay_ms=100)}) as lab:
+        coordinator = serve(lab, tmp_path, 4, 0, lease_s=5)
+        until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
+              "the coordinator", timeout=120)
+        member = SwarmClient(f"tcp://{lab.address('coord')}:{PORT}", "a", *_member_hashes(4), 1 << 22,
+                             lambda *args: None, beat_s=30.0)
+        try:
+            member.start(timeout=30)  # a join repeated only after two beats would time out here
+            assert set(member.members()) == {"a"} and member.joins == 1
+        finally:
+            member.close()
+
+
 def test_the_lab_gives_each_link_its_delay_and_loss():
     """The lab's oracle: every packet between a host with a 100 ms link and one with a 0 ms link (TCP connects, both
     ways) is held 100 ms, and one between two 0 ms links is held 0 ms, by the shaper's own record of what it did,

@@ -169,7 +169,9 @@ class SwarmClient:
         socket.setsockopt(zmq.IPV6, ipv6(self.address))
         try:
             socket.connect(self.address)
-            self._send(socket, self._join())
+            # a join goes out once the connection is up (IMMEDIATE drops what is sent before: tried every turn until
+            # one leaves), then again every 2 beats while unanswered (the coordinator may not be up)
+            join_out = self._send(socket, self._join())
             last_beat = last_join = time.monotonic()
             while not self._stop.is_set():
                 if socket.poll(20, zmq.POLLIN):
@@ -184,8 +186,8 @@ class SwarmClient:
                 now = time.monotonic()
                 if self._leaving.is_set():
                     continue
-                if not self._joined.is_set() and now - last_join > 2 * self._beat_s:
-                    self._send(socket, self._join())  # no answer yet: the coordinator may not be up
+                if not self._joined.is_set() and (not join_out or now - last_join > 2 * self._beat_s):
+                    join_out = self._send(socket, self._join(count=join_out))  # no answer yet
                     last_join = now
                 if self._joined.is_set() and now - last_beat > self._beat_s:
                     self._send(socket, pack("beat", {"name": self.name, "step": self.step}))
@@ -214,8 +216,9 @@ class SwarmClient:
             self._receive(socket, frames)
         return RECEIVE_HWM
 
-    def _join(self) -> list[bytes]:
-        self.joins += 1
+    def _join(self, count: bool = True) -> list[bytes]:
+        """A join message; counted in `joins` unless it repeats one that never left (count false)."""
+        self.joins += count
         return pack("join", {**self._join_header, "step": self.step})
 
     def _send(self, socket, frames: list[bytes]) -> bool:
