@@ -69,6 +69,15 @@ class SwarmSettings(Section):
                     "of a step, then the freshest policy versions); the rest wait for the next step while within "
                     "max_staleness, or are dropped and counted in surplus_dropped. Default: what a sync step gives "
                     "(the other members' share of a step, plus one round of every sampler).")
+    peers_per_step: int | None = Field(
+        None, ge=1, le=1024,
+        description="Open swarm: each member sends its step's parcel straight to this many live peers, drawn afresh "
+                    "each step (seeded by the run seed, its name and the step), and to the peers that drew it, over "
+                    "CurveZMQ links that admit only live members' keys; it takes their parcels. The coordinator then "
+                    "keeps only membership (who is live, where each listens, its key) and relays nothing: a member's "
+                    "traffic stays about 2 x this many parcels a step however large the swarm. A member listens at "
+                    "`train --join ... --listen ADDRESS` (without it, behind a NAT, it only dials). null: the "
+                    "coordinator relays every parcel to every live member (all to all).")
     max_delay_s: float | None = Field(
         None, gt=0.0, allow_inf_nan=False,
         description="async: a peer rollout made longer ago than this (seconds, by the sender's clock) is dropped.")

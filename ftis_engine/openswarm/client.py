@@ -38,7 +38,9 @@ from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 log = logging.getLogger("ftis_engine.exchange")
 
 RECEIVE_HWM = 64  # messages read ahead from the coordinator: memory bounded by this x the frame cap
-VIEW_FIELDS = {"step": int, "tokenizer": str, "source": str}  # a member list's entry (coordinator._view)
+# a member list's entry (coordinator._view): its newest step, tokenizer, where that loads from, where it listens for
+# its peers and its links' key ("" and "" unless swarm.peers_per_step)
+VIEW_FIELDS = {"step": int, "tokenizer": str, "source": str, "address": str, "key": str}
 
 
 class JoinRefused(RuntimeError):
@@ -53,15 +55,16 @@ class CoordinatorRefused(ConnectionError):
 class SwarmClient:
     def __init__(self, address: str, name: str, tokenizer: str, shared: dict, dataset: str, max_body: int,
                  on_parcel: Callable[[str, int, int, bytes, str], None], step: int = 0, beat_s: float = 1.0,
-                 source: str = "", key: bytes | None = None):
+                 source: str = "", key: bytes | None = None, listen: tuple[str, str] = ("", "")):
         """on_parcel(name, step, version, body, mac) takes a peer's parcel (mac: "" when it carries none) in the
-        I/O thread. key: a sampler's, shared with its learner: its parcels carry their mac (wire.parcel_mac)."""
+        I/O thread. key: a sampler's, shared with its learner: its parcels carry their mac (wire.parcel_mac).
+        listen: (address, CurveZMQ public key) where this member's peers reach it (direct exchange: PeerLinks)."""
         self.address = address
         self.name = name
         self.step = step  # the newest step this member has published (sent in joins and beats)
         # source: where peers of another tokenizer can load this member's (builtin:, packaged: or a hub id; "": none)
         self._join_header = {"name": name, "tokenizer": tokenizer, "source": source, "shared": shared,
-                             "dataset": dataset}
+                             "dataset": dataset, "address": listen[0], "key": listen[1]}
         steps = shared.get("train", {}).get("steps") if isinstance(shared.get("train"), dict) else None
         self._steps = steps if isinstance(steps, int) else None  # no member's step in a member list is past it
         self._max_body = max_body
@@ -280,7 +283,8 @@ class SwarmClient:
         kept)."""
         if all(isinstance(v, dict) and set(v) == set(VIEW_FIELDS) and all(
                 isinstance(v[f], t) and not isinstance(v[f], bool) for f, t in VIEW_FIELDS.items())
-               and _named_as_admitted(name, v["tokenizer"], v["source"]) for name, v in members.items()) and \
+               and _named_as_admitted(name, v["tokenizer"], v["source"], v["address"], v["key"])
+               for name, v in members.items()) and \
                 view_problem(members, self._steps) is None:
             with self._lock:
                 self._departed.update(name for name, seen in self._members.items()
@@ -290,7 +294,10 @@ class SwarmClient:
             self.malformed += 1
 
 
-def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "") -> bool:
-    """Whether a name (and a member list entry's tokenizer digest and source) is one the coordinator admits at a
-    join (rules.join_problem): a member's or a sampler's name, a sha256, a source of plain characters."""
-    return join_problem({"name": name, "tokenizer": tokenizer, "source": source, "dataset": "0" * 64}) is None
+def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "", address: str = "", key: str = ""
+                       ) -> bool:
+    """Whether a name (and a member list entry's tokenizer digest, source, address and key) is one the coordinator
+    admits at a join (rules.join_problem): a member's or a sampler's name, a sha256, a source of plain characters,
+    a listening address with its key or none."""
+    return join_problem({"name": name, "tokenizer": tokenizer, "source": source, "dataset": "0" * 64,
+                         "address": address, "key": key}) is None
