@@ -74,9 +74,9 @@ PROFILES = {
 DATA = ROOT.parent / "shared" / "data" / "gsm8k"
 
 
-def swarm_overrides(profile: dict, steps: int, lease_s: float) -> list[str]:
+def swarm_overrides(profile: dict, steps: int, lease_s: float, peers_per_step: int | None = None) -> list[str]:
     """The shared settings every member and the coordinator run with (the profile's step)."""
-    return [f"members.0.model={profile['model']}", f"data.task={profile['task']}",
+    return [*([f"swarm.peers_per_step={peers_per_step}"] if peers_per_step else []), f"members.0.model={profile['model']}", f"data.task={profile['task']}",
             f"data.train_path={DATA / 'train.jsonl'}", f"data.eval_paths.gsm8k-calc={DATA / 'test.jsonl'}", f"train.steps={steps}",
             f"rollout.group_size={profile['group']}", f"rollout.prompts_per_step={profile['prompts']}",
             f"rollout.max_new_tokens={profile['max_tokens']}", "swarm.mode=async", "swarm.max_lead=2",
@@ -95,8 +95,8 @@ def load_swarm_config(name: str, overrides: list[str]):
 
 
 def replay_member(name: str, address: str, overrides: list[str], profile: dict, seed: int, gen_s: float,
-                  update_s: float, wait_for: int, out: pathlib.Path, newcomer: str = "", newcomer_by: int = 0
-                  ) -> None:
+                  update_s: float, wait_for: int, out: pathlib.Path, newcomer: str = "", newcomer_by: int = 0,
+                  listen: str | None = None) -> None:
     """One member that replays (see the module): joins, waits until `wait_for` members are live (0: not at all),
     then steps until train.steps, one JSON line a step in `out`. newcomer: a name it waits to see live before its
     step `newcomer_by` (at most swarm.timeout_s), so that a newcomer that starts slowly still meets the swarm."""
@@ -117,7 +117,7 @@ def replay_member(name: str, address: str, overrides: list[str], profile: dict, 
     task = load_task(config.data, config.seed)
     tokenizer = load_tokenizer(config.members[0].model)
     vocab = len(tokenizer)
-    exchange = OpenExchange(address, config)
+    exchange = OpenExchange(address, config, listen=listen)
     exchange.tokenizer, exchange.dataset, exchange.source = (vocabulary_hash(tokenizer), dataset_hash(task),
                                                              config.members[0].model)
     schedule = OpenSchedule(config, tuple(range(len(task.train))), exchange.book)
@@ -202,7 +202,7 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
     from tests.netlab import Link, NetLab
 
     profile = PROFILES[args.profile]
-    overrides = swarm_overrides(profile, args.steps, args.lease_s)
+    overrides = swarm_overrides(profile, args.steps, args.lease_s, args.peers_per_step)
     rng = random.Random(args.seed * 1000 + members)
     names = [f"m{i:02d}" for i in range(members)]
     newcomer = f"m{members:02d}"
@@ -226,7 +226,10 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
         procs = {}
 
         def start(name: str, wait_for: int) -> None:
+            listens = args.peers_per_step and int(name[1:]) >= args.behind_nat
             argv = [sys.executable, __file__, "--member", name, "--address", address, "--profile", args.profile,
+                    *(["--peers-per-step", str(args.peers_per_step)] if args.peers_per_step else []),
+                    *(["--listen", f"tcp://{lab.address(name)}:{PORT + 1}"] if listens else []),
                     *(["--newcomer", newcomer, "--newcomer-by", str(args.join_at + 2)]
                       if args.join_at and name != newcomer else []),
                     "--steps", str(args.steps), "--lease-s", str(args.lease_s), "--seed", str(args.seed),
@@ -369,7 +372,8 @@ def report(results: list[dict], settings: dict) -> str:
             f"{r['surplus_dropped']} / {r['outbox_dropped']} | {r['rejected_batches']} + {r['refused']} | "
             f"{fmt(r['crash_noticed_s'], '{:.1f}')} | {fmt(j.get('process_to_welcome_s'), '{:.1f}')} / "
             f"{fmt(j.get('to_first_parcel_at_a_peer_s'), '{:.1f}')} |")
-    head = (f"# The open swarm at scale (benchmarks/swarm_scale.py)\n\nProfile {settings['profile']} "
+    head = (f"# The open swarm at scale (benchmarks/swarm_scale.py)\n\nExchange {settings['exchange']}; profile "
+            f"{settings['profile']} "
             f"({settings['profile_source']}); {settings['steps']} steps of {settings['gen_seconds']} s generation + "
             f"{settings['update_seconds']} s update (sleeps: replaying members, no model); member links "
             f"{settings['delay']}, loss {settings['loss']} each way ({settings['shaping']}); lease "
@@ -411,6 +415,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--lease-s", type=float, default=10.0)
     parser.add_argument("--kill-at", type=int, default=5, help="kill the last member at this step (0: no kill)")
     parser.add_argument("--join-at", type=int, default=8, help="a newcomer joins at this step (0: none)")
+    parser.add_argument("--peers-per-step", type=int, default=None,
+                        help="members exchange parcels directly with this many drawn peers a step (swarm.peers_per_step;"
+                        " the coordinator keeps membership only); default: through the coordinator's relay")
+    parser.add_argument("--behind-nat", type=int, default=0,
+                        help="with --peers-per-step: the first this many members only dial (no listen address)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--quick", action="store_true", help="4 members, 8 steps of 2.2 s, no shaping, a kill at "
@@ -423,13 +432,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--newcomer", default="", help=argparse.SUPPRESS)
     parser.add_argument("--newcomer-by", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--listen", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.member:
         profile = PROFILES[args.profile]
         seed = args.seed * 100003 + int(args.member[1:])
-        replay_member(args.member, args.address, swarm_overrides(profile, args.steps, args.lease_s), profile, seed,
+        replay_member(args.member, args.address,
+                      swarm_overrides(profile, args.steps, args.lease_s, args.peers_per_step), profile, seed,
                       args.gen_seconds, args.update_seconds, args.wait_for, pathlib.Path(args.out), args.newcomer,
-                      args.newcomer_by)
+                      args.newcomer_by, args.listen)
         return []
     if args.quick:  # one small size, unshaped, with the kill and the newcomer; a built-in tokenizer
         args.profile = "quick"
@@ -450,7 +461,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"{r['coordinator_cpu_share']:.2f}, member wait {r['wait_s_per_step']:.2f} s/step", flush=True)
     from tests.netlab import netem_available
 
-    settings = {"profile": args.profile, "profile_source": PROFILES[args.profile]["source"], "steps": args.steps,
+    settings = {"exchange": f"direct, {args.peers_per_step} drawn peers a step ({args.behind_nat} behind a NAT)"
+                if args.peers_per_step else "through the coordinator's relay", "profile": args.profile, "profile_source": PROFILES[args.profile]["source"], "steps": args.steps,
                 "gen_seconds": args.gen_seconds, "update_seconds": args.update_seconds, "lease_s": args.lease_s,
                 "delay": f"{args.min_delay_ms:g}-{args.max_delay_ms:g} ms one way" if args.shape else "unshaped",
                 "loss": args.loss if args.shape else 0.0,

@@ -56,6 +56,7 @@ from ..exchange.sync import LocalCollectives
 from ..model.models import ModelSpecError, load_tokenizer, vocabulary_hash
 from ..topology.schedule import learner_version
 from .client import SwarmClient
+from .direct import PeerLinks
 from .joining import KEY_BYTES, JoinError, check_joinable, dataset_hash, share_key, shareable
 from .rules import max_parcel_bytes, shared_settings
 from .schedule import PeerBook, sampler_name, split_sampler
@@ -78,8 +79,10 @@ class OpenExchange:
     world_size = 1
     broadcast = None
 
-    def __init__(self, address: str, config: RunConfig, collectives=None, broadcast=None):
+    def __init__(self, address: str, config: RunConfig, collectives=None, broadcast=None, listen: str | None = None):
         self.address = address
+        self.listen = listen  # swarm.peers_per_step: where its peers dial it (None: behind a NAT, it only dials)
+        self.links: PeerLinks | None = None
         self.broadcast = broadcast  # a member with samplers: its weights to them (exchange.weights.WeightBroadcast)
         self.config = config
         self.name = config.members[0].name
@@ -123,13 +126,25 @@ class OpenExchange:
         self.mailbox.step = max(self.mailbox.step, start_step)
         if self.broadcast is not None:  # a member with samplers: theirs is the only other key that signs as them
             self.key = share_key(self.broadcast, secrets.token_bytes(KEY_BYTES))
+        links = ("", "")
+        if self.config.swarm.peers_per_step:  # parcels go member to member; the coordinator keeps membership
+            self.links = PeerLinks(self.name, self.listen, self.config.swarm.peers_per_step, self.config.seed,
+                                   max_parcel_bytes(self.config), self._deliver, self._live)
+            links = (self.links.start(), self.links.public)
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
-                                  max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source)
+                                  max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source,
+                                  listen=links)
         self.client.start(timeout=self.timeout_s)
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[0].to(torch.int32).contiguous()
         self.client.check()
+        if self.links is not None:  # to the peers it draws and those that drew it (about 2K), not through the relay
+            self.links.check()
+            self.client.step = max(self.client.step, step)  # its beats carry it: the peers' lead bound
+            self.links.publish(step, learner_version(step), buffer.numpy().tobytes())
+            return {0: wire_bytes_sent(buffer, min(2 * self.config.swarm.peers_per_step,
+                                                   len(self._live_numbers()) - 1))}
         self.client.publish(step, learner_version(step), buffer.numpy().tobytes())
         return {0: wire_bytes_sent(buffer, len(self._live_numbers()) - 1)}
 
@@ -194,6 +209,8 @@ class OpenExchange:
             self.broadcast.close()  # its samplers' receiving threads end, and the samplers leave
         if self.client is not None:
             self.client.close(leave=True)
+        if self.links is not None:
+            self.links.close()
 
     # ------------------------------------------------------------------------------------------- the client's thread
 
