@@ -3,6 +3,7 @@ peers they draw and to those that drew them, over CurveZMQ links that admit only
 
 from __future__ import annotations
 
+import subprocess
 import threading
 
 import pytest
@@ -108,3 +109,100 @@ def test_a_stranger_cannot_connect_and_a_member_cannot_send_under_another_member
     finally:
         context.destroy(0)
         swarm.close()
+
+
+DIRECT = ["--set", "swarm.peers_per_step=2"]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--listen", "tcp://127.0.0.1:6000"], "error: --listen: only with --join"),
+    (["--join", "tcp://127.0.0.1:5555", "--listen", "tcp://127.0.0.1:6000"],
+     "error: --listen: this swarm's parcels go through its coordinator (swarm.peers_per_step is null)"),
+    (["--join", "tcp://127.0.0.1:5555", "--listen", "tcp://*:6000", *DIRECT],
+     "error: --listen: 'tcp://*:6000' has '*' for its host"),
+    (["--join", "tcp://127.0.0.1:5555", "--listen", "ipc:///tmp/x", *DIRECT],
+     "error: --listen: 'ipc:///tmp/x' is not an address like tcp://HOST:PORT"),
+    (["--join", "tcp://127.0.0.1:5555", "--listen", "tcp://" + "h" * 60 + ":6000", *DIRECT],
+     "error: --listen: 'tcp://hhh"),
+    (["--join", "tcp://127.0.0.1:5555", *DIRECT, "--set", "members.0.ranks=2"],
+     "error: members.0.ranks: a member on several ranks exchanges through the coordinator's relay only"),
+])
+def test_a_listen_address_or_setting_that_cannot_be_is_one_line_and_leaves_nothing(tmp_path, capsys, argv, said):
+    from .helpers import ROOT, command_here
+
+    done = command_here(capsys, "train", "--config", ROOT / "configs/swarm/tiny-s.yaml", *argv, "--output-dir",
+                        tmp_path / "runs")
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith(said), done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_links_that_cannot_listen_at_an_address_say_so_in_one_line():
+    """An address in use (another socket holds the port): ListenError naming it, not a thread's traceback."""
+    import socket
+
+    from ftis_engine.openswarm.direct import ListenError
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    links = PeerLinks("a", f"tcp://127.0.0.1:{port}", 2, 0, 1 << 20, lambda *a: None, dict)
+    try:
+        with pytest.raises(ListenError, match=f"'tcp://127.0.0.1:{port}': cannot listen there"):
+            links.start()
+    finally:
+        links.close()
+        holder.close()
+
+
+@pytest.mark.integration
+def test_two_members_one_behind_a_nat_train_on_each_others_rollouts_sent_directly_and_nothing_is_relayed(tmp_path):
+    """Two member jobs with swarm.peers_per_step=1: tiny-s listens, tiny-m-lora only dials (no --listen, as behind a
+    NAT). Each trains on the other's parcels (admitted: dealt by name and step, re-scored, none rejected), and the
+    coordinator, which keeps membership only, relays nothing."""
+    from ftis_engine.config import load_config
+    from ftis_engine.data.tasks import load_task
+    from ftis_engine.model.models import vocabulary_hash
+    from ftis_engine.openswarm.client import SwarmClient
+    from ftis_engine.openswarm.coordinator import Coordinator
+    from ftis_engine.openswarm.member import dataset_hash
+    from ftis_engine.openswarm.rules import shared_settings
+    from ftis_engine.run.preflight import check_members
+
+    from .helpers import ROOT
+    from .ports import free_port
+    from .test_openswarm import Running, _member_args, _train_records
+
+    steps, direct = 6, "swarm.peers_per_step=1"
+    config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", "rollout.group_size=4",
+                                                              "rollout.prompts_per_step=2", direct])
+    shared = shared_settings(config)
+    coordinator = Coordinator(shared, lease_s=600.0, max_body=1 << 22)
+    running = Running(coordinator=coordinator)
+    # a member alone has nobody to wait for: a metronome (it sends nothing, listens nowhere) holds both at step 2
+    metronome = SwarmClient(running.address, "metronome", vocabulary_hash(check_members(config)[0]), shared,
+                            dataset_hash(load_task(config.data, config.seed)), 1 << 22, lambda *args: None)
+    metronome.start(timeout=30)
+    procs = []
+    try:
+        for name, listen in (("tiny-s", ["--listen", f"tcp://127.0.0.1:{free_port()}"]), ("tiny-m-lora", [])):
+            log = open(tmp_path / f"{name}.log", "w")
+            procs.append(subprocess.Popen([*_member_args(tmp_path, name, running.address, steps, direct), *listen],
+                                          stdout=log, stderr=subprocess.STDOUT))
+        until(lambda: {"tiny-s", "tiny-m-lora"} <= set(metronome.members()), "both to join", timeout=300)
+        assert metronome.members()["tiny-s"]["address"] and not metronome.members()["tiny-m-lora"]["address"]
+        metronome.step = steps
+        assert all(p.wait(600) == 0 for p in procs), (tmp_path / "tiny-s.log").read_text()[-2000:]
+        for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
+            records = _train_records(tmp_path, me)
+            assert [r["step"] for r in records] == list(range(1, steps + 1))
+            assert all(r["rejected_batches"] == 0 for r in records)
+            used = [k for r in records for k in r["received_sha256"]]
+            assert used and all(k.startswith(f"{peer}@") for k in used), used
+        assert coordinator.relayed == 0
+    finally:
+        metronome.close()
+        for p in procs:
+            p.kill()
+        running.close()

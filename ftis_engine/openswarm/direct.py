@@ -40,6 +40,10 @@ log = logging.getLogger("ftis_engine.exchange")
 HWM = 64  # messages queued per link either way: memory bounded by this x the frame cap per link
 
 
+class ListenError(ConnectionError):
+    """Its peer links cannot listen at the address given (in use, not this machine's): one line, the address named."""
+
+
 def draw_peers(seed: int, name: str, step: int, candidates: list[str], k: int) -> list[str]:
     """The K peers `name` sends its step's parcel to: a uniform draw without replacement from the live members that
     listen (sorted, so that every member computes the same draw from the same view), seeded by (seed, name, step)."""
@@ -97,6 +101,10 @@ class PeerLinks:
         self._thread.start()
         if not self._bound.wait(timeout):
             raise TimeoutError(f"{self.name}: its peer links did not start within {timeout:g} s")
+        import zmq
+
+        if isinstance(self.error, zmq.ZMQError) and not self.address:
+            raise ListenError(f"{self.listen!r}: cannot listen there ({self.error})")
         self.check()
         return self.address
 
