@@ -267,15 +267,7 @@ class SwarmClient:
             self.malformed += 1
 
     def _deliver(self, header: dict, body: bytes) -> None:
-        """Hand a parcel to on_parcel; whatever it raises is this message's fault, counted, never the thread's."""
-        try:
-            self._on_parcel(header["name"], header["step"], header["version"], body, header.get("mac", ""))
-        except Exception as exc:
-            self.parcel_errors += 1
-            if self.parcel_errors <= 3:
-                log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s%s", self.name,
-                            header["name"], header["step"], type(exc).__name__, shown(exc),
-                            " (further ones are counted, not logged)" if self.parcel_errors == 3 else "")
+        self.parcel_errors = hand_over(self._on_parcel, self.name, header, body, self.parcel_errors)
 
     def _set_members(self, members: dict) -> None:
         """Take the coordinator's member list if every name is one a join may take and every entry is {step,
@@ -292,6 +284,22 @@ class SwarmClient:
                 self._members = members
         else:
             self.malformed += 1
+
+
+def hand_over(on_parcel: Callable[[str, int, int, bytes, str], None], receiver: str, header: dict, body: bytes,
+              errors: int) -> int:
+    """Hand a peer's parcel (its header checked against the wire's schema) to on_parcel in an I/O thread: whatever
+    on_parcel raises is this message's fault, counted and logged (the first three), never the thread's. Returns the
+    count of such errors, `errors` plus this one's."""
+    try:
+        on_parcel(header["name"], header["step"], header["version"], body, header.get("mac", ""))
+    except Exception as exc:  # a peer's bytes through the receiver's checks: any error is that parcel's
+        errors += 1
+        if errors <= 3:
+            log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s%s", receiver,
+                        header["name"], header["step"], type(exc).__name__, shown(exc),
+                        " (further ones are counted, not logged)" if errors == 3 else "")
+    return errors
 
 
 def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "", address: str = "", key: str = ""

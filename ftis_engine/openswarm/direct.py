@@ -22,20 +22,18 @@ of every other transport.
 
 from __future__ import annotations
 
-import logging
 import queue
 import random
 import threading
 import zlib
 from collections.abc import Callable
 
-from ..core.errors import shown
+from ..core.threads import Worker
 from ..data.rollouts import claimed_sequences
 from ..topology.schedule import mix_seed
+from .client import hand_over
 from .rules import parcel_problem
 from .wire import MAX_HEADER, SAMPLER_MARK, WireError, pack, unpack
-
-log = logging.getLogger("ftis_engine.exchange")
 
 HWM = 64  # messages queued per link either way: memory bounded by this x the frame cap per link
 
@@ -81,12 +79,12 @@ class PeerLinks:
         self._outbox: queue.Queue = queue.Queue(maxsize=HWM)
         self._bound = threading.Event()
         self._stop = threading.Event()
-        self.error: BaseException | None = None
+        self._worker = Worker(self._run, f"peer-links-{name}", on_error=lambda exc: self._bound.set())
         self.sent = 0  # parcels sent (one per receiver)
         self.received = 0  # peers' parcels taken
         self.refused = 0  # messages refused: not a parcel, a name other than its key's, a size that is not one
+        self.parcel_errors = 0  # parcels on_parcel raised on (dropped: one bad message is not fatal)
         self.dropped = 0  # sequences of parcels not sent (a full link, or no connection yet)
-        self._thread = threading.Thread(target=self._run, name=f"peer-links-{name}", daemon=True)
 
     # ------------------------------------------------------------------------------------------- the member's side
 
@@ -98,19 +96,18 @@ class PeerLinks:
             self._auth = ThreadAuthenticator(self._context)
             self._auth.start()
             self._auth.configure_curve_callback("*", credentials_provider=_Admitted(self._keys, self.public))
-        self._thread.start()
+        self._worker.start()
         if not self._bound.wait(timeout):
             raise TimeoutError(f"{self.name}: its peer links did not start within {timeout:g} s")
         import zmq
 
-        if isinstance(self.error, zmq.ZMQError) and not self.address:
-            raise ListenError(f"{self.listen!r}: cannot listen there ({self.error})")
+        if isinstance(self._worker.error, zmq.ZMQError) and not self.address:
+            raise ListenError(f"{self.listen!r}: cannot listen there ({self._worker.error})")
         self.check()
         return self.address
 
     def check(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"the peer links failed: {self.error!r}") from self.error
+        self._worker.check(lambda exc: RuntimeError(f"the peer links failed: {exc!r}"))
 
     def publish(self, step: int, version: int, body: bytes) -> bool:
         """Queue this member's parcel of `step` for its drawn peers and those that drew it; False (its sequences
@@ -125,8 +122,7 @@ class PeerLinks:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5.0)
+        self._worker.join(5.0)
         if self._auth is not None:
             self._auth.stop()
         self._context.term()
@@ -189,9 +185,6 @@ class PeerLinks:
                     if sent_step.get(peer, 0) < step and peer in view:
                         self._send(router, [routing, *frames], peer, step, sent_step)
                 askers.clear()
-        except BaseException as exc:  # surfaces through check()
-            self.error = exc
-            self._bound.set()
         finally:
             for socket, _, _ in dealers.values():
                 socket.close(0)
@@ -272,10 +265,5 @@ class PeerLinks:
             self.refused += 1
             return False
         self.received += 1
-        try:
-            self.on_parcel(peer, header["step"], header["version"], body, header.get("mac", ""))
-        except Exception as exc:  # a peer's bytes through the receiver's checks: its fault, not the thread's
-            self.refused += 1
-            log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s", self.name, peer,
-                        header["step"], type(exc).__name__, shown(exc))
+        self.parcel_errors = hand_over(self.on_parcel, self.name, header, body, self.parcel_errors)
         return True
