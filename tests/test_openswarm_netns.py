@@ -342,8 +342,9 @@ def test_one_world_async_ranks_on_two_hosts_reach_each_other_over_zeromq_on_thei
 def test_across_hosts_a_member_behind_a_nat_exchanges_directly_with_one_that_listens(tmp_path):
     """swarm.peers_per_step=1 across hosts: tiny-s listens on its host; tiny-m-lora's host is behind a NAT (the lab
     drops every connection dialled to it: a TCP connect to it times out, where a host without a listener would refuse
-    at once). The member behind the NAT only dials, and both train on each other's directly sent parcels, none
-    rejected, over links of 50 ms each way."""
+    at once). The member behind the NAT only dials: what it takes of tiny-s comes back over the connection it dialled
+    (none can be dialled to it), what tiny-s takes of it goes out over that same connection; both train on each
+    other's parcels, none rejected, over links of 50 ms each way."""
     import socket
 
     from ftis_engine.config import load_config

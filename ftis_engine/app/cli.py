@@ -180,6 +180,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
                                "null): drop --listen")
         problem = address_problem(listen, bind=False) if listen.startswith("tcp://") else \
             "is not an address like tcp://HOST:PORT"
+        if problem is None and listen.startswith("tcp://["):
+            problem = "has an IPv6 host, which direct exchange does not take yet"
         if problem is None and len(listen) > MAX_ADDRESS:
             problem = f"is longer than the {MAX_ADDRESS} characters a member list holds for it"
         if problem:

@@ -272,12 +272,16 @@ class Coordinator:
                 self._drop(name, now, "expired")
         if problem is None:
             problem = self._room_for(identity, name)
+        key = header.get("key", "")
+        if problem is None and key and any(other != name and entry.key == key for other, entry in self.live.items()):
+            problem = "key: another live member announced this link key (each member makes its own)"
         if problem is not None:
             self.refused += 1
             self._record(now, "refuse", name, reason=problem)
             return [(identity, pack("refuse", {"reason": problem}))]
-        rejoined = name in self.live and current.identity != b""
-        address, key = header.get("address", ""), header.get("key", "")
+        rejoined = name in self.live and current.identity != b"" and \
+            (current.address, current.key) == (header.get("address", ""), key)  # else logged: a restart restores it
+        address = header.get("address", "")
         self.live[name] = Live(identity, header["tokenizer"], header["step"], now,
                                current.joined_at if current else now, header["source"], address=address, key=key)
         if not rejoined:

@@ -35,7 +35,8 @@ from .client import hand_over
 from .rules import parcel_problem
 from .wire import MAX_HEADER, SAMPLER_MARK, WireError, pack, unpack
 
-HWM = 64  # messages queued per link either way: memory bounded by this x the frame cap per link
+HWM = 64  # messages read ahead on its listening socket, per connection (only live members' keys connect)
+DIAL_HWM = 4  # parcels queued towards one dialled peer: a peer that does not take them holds no more
 
 
 class ListenError(ConnectionError):
@@ -125,12 +126,14 @@ class PeerLinks:
         self._worker.join(5.0)
         if self._auth is not None:
             self._auth.stop()
-        self._context.term()
+        if not self._worker.is_alive():  # its sockets are closed: term returns (else it would wait on them)
+            self._context.term()
 
     # ------------------------------------------------------------------------------------------- the I/O thread
 
     def _keys(self) -> dict[str, str]:
-        """key -> name of the live members that announced one (a sampler sends to the coordinator only)."""
+        """key -> name of the live members that announced one (a sampler sends to the coordinator only): who may
+        connect (the coordinator admits one live name a key)."""
         return {v["key"]: name for name, v in self.view().items()
                 if isinstance(v, dict) and v.get("key") and SAMPLER_MARK not in name}
 
@@ -150,8 +153,9 @@ class PeerLinks:
 
         router, dealers = None, {}  # peer name -> (socket, address, key)
         latest: tuple[int, list[bytes]] | None = None
-        sent_step: dict[str, int] = {}  # peer name -> the newest step of this member's it was sent
-        askers: dict[str, bytes] = {}  # peers that dialled it since its last parcel: name -> routing id
+        sent_step: dict[tuple[str, str], int] = {}  # (peer, its key) -> the newest step of this member's it was
+        # sent (a peer back under a new key, a restart, is sent the current one again)
+        askers: dict[tuple[str, str], bytes] = {}  # peers that dialled it since its last parcel: -> routing id
         poller = zmq.Poller()
         try:
             if self.listen:
@@ -180,10 +184,11 @@ class PeerLinks:
                              and isinstance(v, dict) and v.get("address") and v.get("key")]
                 for peer in draw_peers(self.seed, self.name, step, listening, self.k):
                     socket = self._dealer(dealers, poller, peer, view[peer])
-                    self._send(socket, frames, peer, step, sent_step)
-                for peer, routing in askers.items():  # those that drew it, over their own connections
-                    if sent_step.get(peer, 0) < step and peer in view:
-                        self._send(router, [routing, *frames], peer, step, sent_step)
+                    if socket is not None:
+                        self._send(socket, frames, (peer, view[peer]["key"]), step, sent_step)
+                for (peer, key), routing in askers.items():  # those that drew it, over their own connections
+                    if sent_step.get((peer, key), 0) < step:
+                        self._send(router, [routing, *frames], (peer, key), step, sent_step)
                 askers.clear()
         finally:
             for socket, _, _ in dealers.values():
@@ -192,18 +197,28 @@ class PeerLinks:
                 router.close(0)
 
     def _dealer(self, dealers: dict, poller, peer: str, entry: dict):
-        """The connection to `peer` at its announced address and key (a new one when either changed)."""
+        """The connection to `peer` at its announced address and key (a new one when either changed); None (counted
+        in refused) where libzmq takes neither: what a peer announced never ends this thread."""
         import zmq
 
-        current = dealers.get(peer)
+        current = dealers.pop(peer, None)
         if current is not None and current[1:] == (entry["address"], entry["key"]):
+            dealers[peer] = current
             return current[0]
         if current is not None:
             poller.unregister(current[0])
             current[0].close(0)
-        socket = self._socket(zmq.DEALER)
-        socket.curve_serverkey = entry["key"].encode()
-        socket.connect(entry["address"])
+        socket = None
+        try:
+            socket = self._socket(zmq.DEALER)
+            socket.setsockopt(zmq.SNDHWM, DIAL_HWM)
+            socket.curve_serverkey = entry["key"].encode()
+            socket.connect(entry["address"])
+        except zmq.ZMQError:
+            if socket is not None:
+                socket.close(0)
+            self.refused += 1
+            return None
         poller.register(socket, zmq.POLLIN)
         dealers[peer] = (socket, entry["address"], entry["key"])
         return socket
@@ -215,7 +230,7 @@ class PeerLinks:
             poller.unregister(socket)
             socket.close(0)
 
-    def _send(self, socket, frames: list[bytes], peer: str, step: int, sent_step: dict) -> None:
+    def _send(self, socket, frames: list[bytes], peer: tuple[str, str], step: int, sent_step: dict) -> None:
         import zmq
 
         try:
@@ -235,13 +250,13 @@ class PeerLinks:
             routing, *frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        key = frames[0].get("User-Id") if frames else ""
-        peer = self._keys().get(key)
-        if peer is None or not self._take(peer, [bytes(f) for f in frames]):
+        key = frames[0].get("User-Id") if frames else ""  # the key the connection authenticated with (ZAP)
+        taken = self._take(None, [bytes(f) for f in frames], key)
+        if taken is None:
             return
-        askers[peer] = bytes(routing)
-        if latest is not None and sent_step.get(peer, 0) < latest[0]:
-            self._send(router, [bytes(routing), *latest[1]], peer, latest[0], sent_step)
+        askers[(taken, key)] = bytes(routing)
+        if latest is not None and sent_step.get((taken, key), 0) < latest[0]:
+            self._send(router, [bytes(routing), *latest[1]], (taken, key), latest[0], sent_step)
 
     def _from_dialled(self, socket, peer: str) -> None:
         """A parcel back from a peer this member dialled (CURVE: the connection's server holds the peer's key)."""
@@ -253,17 +268,22 @@ class PeerLinks:
             return
         self._take(peer, frames)
 
-    def _take(self, peer: str, frames: list[bytes]) -> bool:
-        """Hand a peer's parcel to on_parcel; False (counted in refused) for anything else. What on_parcel raises is
-        that message's fault, logged and counted, never the thread's."""
+    def _take(self, peer: str | None, frames: list[bytes], key: str = "") -> str | None:
+        """Hand a peer's parcel to on_parcel and return its sender; None (counted in refused) for anything else.
+        peer: the peer this member dialled (the connection's server key is its); None for a dialler, whose parcel
+        must name the live member that announced the key it connected with. What on_parcel raises is that
+        message's fault, logged and counted, never the thread's."""
         try:
             kind, header, body = unpack(frames, self.max_body)
         except WireError:
             self.refused += 1
-            return False
-        if kind != "parcel" or header["name"] != peer or parcel_problem(header, body) is not None:
+            return None
+        name = header.get("name") if kind == "parcel" else None
+        entry = self.view().get(name) if isinstance(name, str) else None
+        own = name == peer if peer is not None else isinstance(entry, dict) and entry.get("key") == key != ""
+        if not own or parcel_problem(header, body) is not None:
             self.refused += 1
-            return False
+            return None
         self.received += 1
         self.parcel_errors = hand_over(self.on_parcel, self.name, header, body, self.parcel_errors)
-        return True
+        return name

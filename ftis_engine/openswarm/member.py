@@ -134,7 +134,13 @@ class OpenExchange:
         self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
                                   max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source,
                                   listen=links)
-        self.client.start(timeout=self.timeout_s)
+        joined = False
+        try:
+            self.client.start(timeout=self.timeout_s)
+            joined = True
+        finally:
+            if not joined and self.links is not None:  # refused, or no coordinator: its links close with it
+                self.links.close()
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[0].to(torch.int32).contiguous()

@@ -79,11 +79,29 @@ def join_problem(header: dict) -> str | None:
                     or address_problem(address, bind=False) is not None):
         return (f"address: {_shown(repr(address))} is not where a member listens (tcp://HOST:PORT, at most "
                 f"{MAX_ADDRESS} characters)")
-    if key and not CURVE_KEY.fullmatch(key):
-        return f"key: {_shown(repr(key))} is not a CurveZMQ public key (40 characters of Z85)"
+    if address.startswith("tcp://["):
+        return f"address: {_shown(repr(address))}: an IPv6 host is not supported for direct exchange"
+    if key and not curve_key(key):
+        return f"key: {_shown(repr(key))} is not a CurveZMQ public key (40 characters of Z85 of 32 bytes)"
     if address and not key:
         return "key: a member that listens announces the public key its links admit with"
     return None
+
+
+def curve_key(key: str) -> bool:
+    """Whether `key` is a CurveZMQ public key libzmq takes: Z85 of 32 bytes, written as Z85 writes it (40 characters
+    of its alphabet can still decode past 2^32 a chunk, which libzmq refuses: a socket given one raises)."""
+    import struct
+
+    from zmq.utils import z85
+
+    if not CURVE_KEY.fullmatch(key):
+        return False
+    try:
+        raw = z85.decode(key.encode("ascii"))
+    except (ValueError, struct.error):
+        return False
+    return len(raw) == 32 and z85.encode(raw) == key.encode("ascii")
 
 
 def lease_problem(lease_s: float) -> str | None:
