@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -163,6 +164,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from ..openswarm.client import JoinRefused
     from ..openswarm.direct import ListenError
+    from ..openswarm.dht import dht_problem
+    from ..openswarm.member import DHT_SCHEME
     from ..openswarm.rules import MAX_ADDRESS
     from ..openswarm.joining import JoinError, check_joinable
     from ..openswarm.wire import address_problem, host_problem
@@ -171,7 +174,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     from ..run.wiring import connect_local
     from ..topology.layout import world_size
 
-    problem = address_problem(address, bind=False) or host_problem(address)
+    on_dht = address.startswith(DHT_SCHEME)
+    problem = dht_problem(address, cfg) if on_dht else address_problem(address, bind=False) or host_problem(address)
     if problem:
         raise UsageFailure(f"--join: {address!r} {problem}")
     if listen is not None:
@@ -184,6 +188,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
             problem = "has an IPv6 host, which direct exchange does not take yet"
         if problem is None and len(listen) > MAX_ADDRESS:
             problem = f"is longer than the {MAX_ADDRESS} characters a member list holds for it"
+        if problem is None and on_dht and not re.fullmatch(r"tcp://\d+\.\d+\.\d+\.\d+:\d+", listen):
+            problem = "is not at an IPv4 address, where a member on a DHT listens for it too"
         if problem:
             raise UsageFailure(f"--listen: {listen!r} {problem}")
     if max_restarts is not None:  # the config's swarm.max_restarts is refused alike (check_joinable)
@@ -206,7 +212,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
             yield
         except JoinRefused as exc:
             # from None: a one-line error for the user; the cause adds nothing to it
-            raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
+            raise UsageFailure(f"--join: the {'swarm' if on_dht else 'coordinator'} refused {cfg.members[0].name}: "
+                               f"{exc}") from None
         except ListenError as exc:  # its peer links cannot bind there
             # from None: a one-line error for the user; the cause adds nothing to it
             raise UsageFailure(f"--listen: {exc}") from None

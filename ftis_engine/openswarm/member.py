@@ -64,6 +64,18 @@ from .wire import mac_matches
 
 log = logging.getLogger("ftis_engine.exchange")
 
+DHT_SCHEME = "dht:"  # --join dht:[MULTIADDR,...]: membership on hivemind's DHT (openswarm/dht.py)
+
+
+def dht_bootstrap(join: str) -> list[str]:
+    """The bootstrap multiaddrs of `--join dht:A,B` ([] for `dht:`: the first member starts the DHT)."""
+    return [part for part in join[len(DHT_SCHEME):].split(",") if part]
+
+
+def links_host(listen: str | None) -> str:
+    """The IPv4 address a member's DHT listens on: its --listen host (where its peers reach it), else every one."""
+    return listen[len("tcp://"):].rpartition(":")[0] if listen else "0.0.0.0"
+
 
 def announced(config: RunConfig, swarm) -> tuple[str, str, str]:
     """What a member's process joins the coordinator with, from its opened run: its tokenizer's hash, its training
@@ -131,16 +143,28 @@ class OpenExchange:
             self.links = PeerLinks(self.name, self.listen, self.config.swarm.peers_per_step, self.config.seed,
                                    max_parcel_bytes(self.config), self._deliver, self._live)
             links = (self.links.start(), self.links.public)
-        self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
-                                  max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source,
-                                  listen=links)
+        if self.address.startswith(DHT_SCHEME):  # membership on hivemind's DHT: no coordinator at all
+            from .dht import DhtMembership
+
+            self.client = DhtMembership(dht_bootstrap(self.address), links_host(self.listen), self.name,
+                                        self.tokenizer, shared_settings(self.config), self.dataset,
+                                        self.config.swarm.lease_s, self.source, links, self.config.train.steps,
+                                        client_mode=not self.listen)
+            self.client.step = start_step
+        else:
+            self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config),
+                                      self.dataset, max_parcel_bytes(self.config), self._deliver, step=start_step,
+                                      source=self.source, listen=links)
         joined = False
         try:
             self.client.start(timeout=self.timeout_s)
             joined = True
         finally:
-            if not joined and self.links is not None:  # refused, or no coordinator: its links close with it
+            if not joined and self.links is not None:  # refused, or nobody to join: its links close with it
                 self.links.close()
+        if self.address.startswith(DHT_SCHEME):
+            log.warning("%s: in the swarm's DHT; another member joins through it with --join dht:%s", self.name,
+                        ",".join(self.client.maddrs()))
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[0].to(torch.int32).contiguous()
