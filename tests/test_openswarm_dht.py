@@ -62,7 +62,7 @@ def test_a_name_another_member_holds_is_refused_and_a_bootstrap_that_never_answe
 @pytest.mark.integration
 def test_two_member_jobs_on_a_dht_train_on_each_others_rollouts_with_no_coordinator(tmp_path):
     """No coordinator: a DHT member in this process (a metronome: it sends nothing, holds both at step 2 until both
-    are in) bootstraps two member jobs (--join dht:its address), tiny-s listening and tiny-m-lora behind a NAT (no
+    wait there) bootstraps two member jobs (--join dht:its address), tiny-s listening and tiny-m-lora behind a NAT (no
     --listen: a DHT client that only dials); both train on each other's directly sent parcels, none rejected."""
     import subprocess
 
@@ -91,7 +91,10 @@ def test_two_member_jobs_on_a_dht_train_on_each_others_rollouts_with_no_coordina
             log = open(tmp_path / f"{name}.log", "w")
             procs.append(subprocess.Popen([*_member_args(tmp_path, name, join, steps, direct), *listen],
                                           stdout=log, stderr=subprocess.STDOUT))
-        until(lambda: {"tiny-s", "tiny-m-lora"} <= set(metronome.members()), "both to join", timeout=300)
+        # both held at their step 2 (max_lead 2 behind the metronome's 0): each has read the DHT's view while it
+        # waited, so each sees the other when the metronome lets them go
+        until(lambda: all(metronome.members().get(n, {}).get("step", 0) >= 2 for n in ("tiny-s", "tiny-m-lora")),
+              "both to join and wait at step 2", timeout=300)
         metronome.step = steps
         assert all(p.wait(600) == 0 for p in procs), (tmp_path / "tiny-m-lora.log").read_text()[-3000:]
         for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):

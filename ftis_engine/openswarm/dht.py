@@ -61,6 +61,9 @@ class DhtMembership:
         this member's DHT listens on (where the others reach it); client_mode: it only dials (behind a NAT: no
         other member can bootstrap through it)."""
         self.client_mode = client_mode
+        # the longest a DHT call may take (a hung peer blocks one for seconds): past it the call is a TimeoutError,
+        # the thread's end, which check() raises in the member's next step
+        self._bound = max(10.0, lease_s)
         self.bootstrap, self.host, self.name, self.lease_s, self.steps = bootstrap, host, name, lease_s, steps
         self.key = swarm_key(shared, dataset)
         self._record = {"tokenizer": tokenizer, "source": source, "address": listen[0], "key": listen[1]}
@@ -132,7 +135,7 @@ class DhtMembership:
             if leave:
                 try:
                     self._store(left=True)
-                except (OSError, EOFError, RuntimeError):  # its DHT process is gone: the lease ends the record
+                except (OSError, EOFError, RuntimeError, TimeoutError):  # its DHT is gone: the lease ends it
                     pass
             self.dht.shutdown()
 
@@ -142,11 +145,12 @@ class DhtMembership:
         from hivemind.utils.timed_storage import get_dht_time
 
         value = {**self._record, "step": self.step, "stamp": time.time(), "left": left}
-        self.dht.store(self.key, subkey=self._subkey, value=value, expiration_time=get_dht_time() + self.lease_s)
+        self.dht.store(self.key, subkey=self._subkey, value=value, expiration_time=get_dht_time() + self.lease_s,
+                       return_future=True).result(timeout=self._bound)
 
     def _read(self) -> dict[str, dict]:
         """The live records of the swarm's key, by name; the malformed and the doubly held left out (counted)."""
-        got = self.dht.get(self.key, latest=True)
+        got = self.dht.get(self.key, latest=True, return_future=True).result(timeout=self._bound)
         if got is None or not isinstance(got.value, dict):
             return {}
         by_name: dict[str, list[dict]] = {}
