@@ -59,7 +59,6 @@ def test_a_name_another_member_holds_is_refused_and_a_bootstrap_that_never_answe
         member("b", [dead])
 
 
-@pytest.mark.integration
 def test_two_member_jobs_on_a_dht_train_on_each_others_rollouts_with_no_coordinator(tmp_path):
     """No coordinator: a DHT member in this process (a metronome: it sends nothing, holds both at step 2 until both
     wait there) bootstraps two member jobs (--join dht:its address), tiny-s listening and tiny-m-lora behind a NAT (no

@@ -164,7 +164,7 @@ def test_links_that_cannot_listen_at_an_address_say_so_in_one_line():
         holder.close()
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_two_members_one_behind_a_nat_train_on_each_others_rollouts_sent_directly_and_nothing_is_relayed(tmp_path):
     """Two member jobs with swarm.peers_per_step=1: tiny-s listens, tiny-m-lora only dials (no --listen, as behind a
     NAT). Each trains on the other's parcels (admitted: dealt by name and step, re-scored, none rejected), and the

@@ -56,6 +56,7 @@ from ..exchange.sync import LocalCollectives
 from ..model.models import ModelSpecError, load_tokenizer, vocabulary_hash
 from ..topology.schedule import learner_version
 from .client import SwarmClient
+from .dht import DhtMembership
 from .direct import PeerLinks
 from .joining import KEY_BYTES, JoinError, check_joinable, dataset_hash, share_key, shareable
 from .rules import max_parcel_bytes, shared_settings
@@ -144,8 +145,6 @@ class OpenExchange:
                                    max_parcel_bytes(self.config), self._deliver, self._live)
             links = (self.links.start(), self.links.public)
         if self.address.startswith(DHT_SCHEME):  # membership on hivemind's DHT: no coordinator at all
-            from .dht import DhtMembership
-
             self.client = DhtMembership(dht_bootstrap(self.address), links_host(self.listen), self.name,
                                         self.tokenizer, shared_settings(self.config), self.dataset,
                                         self.config.swarm.lease_s, self.source, links, self.config.train.steps,
