@@ -76,8 +76,10 @@ DATA = ROOT.parent / "shared" / "data" / "gsm8k"
 
 def swarm_overrides(profile: dict, steps: int, lease_s: float, peers_per_step: int | None = None) -> list[str]:
     """The shared settings every member and the coordinator run with (the profile's step)."""
-    return [*([f"swarm.peers_per_step={peers_per_step}"] if peers_per_step else []), f"members.0.model={profile['model']}", f"data.task={profile['task']}",
-            f"data.train_path={DATA / 'train.jsonl'}", f"data.eval_paths.gsm8k-calc={DATA / 'test.jsonl'}", f"train.steps={steps}",
+    return [*([f"swarm.peers_per_step={peers_per_step}"] if peers_per_step else []),
+            f"members.0.model={profile['model']}", f"data.task={profile['task']}",
+            f"data.train_path={DATA / 'train.jsonl'}", f"data.eval_paths.gsm8k-calc={DATA / 'test.jsonl'}",
+            f"train.steps={steps}",
             f"rollout.group_size={profile['group']}", f"rollout.prompts_per_step={profile['prompts']}",
             f"rollout.max_new_tokens={profile['max_tokens']}", "swarm.mode=async", "swarm.max_lead=2",
             "swarm.max_staleness=4", f"swarm.lease_s={lease_s}", "swarm.timeout_s=300", "eval.every=0",
@@ -167,7 +169,8 @@ def replay_member(name: str, address: str, overrides: list[str], profile: dict, 
                 "received_bytes": sum(4 * p.buffer.numel() for p in arrivals.parcels),
                 "wait_seconds": arrivals.wait_seconds, "lead_wait_seconds": arrivals.lead_wait_seconds,
                 "live": len(exchange.client.members()), "outbox_dropped": arrivals.outbox_dropped,
-                "refused": exchange.refused, "senders": sorted({exchange.book.name(p.sender) for p in arrivals.parcels}),
+                "refused": exchange.refused,
+                "senders": sorted({exchange.book.name(p.sender) for p in arrivals.parcels}),
                 **{k: metrics[k] for k in ("staleness_mean", "staleness_max", "staleness_seconds_mean",
                                            "stale_dropped", "surplus_dropped", "duplicate_dropped",
                                            "rejected_batches", "peer_sequences")}}) + "\n")
@@ -214,8 +217,8 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
     events: dict = {"delays_ms": {n: round(d, 1) for n, d in delays.items()} if args.shape else {}}
     with NetLab(hosts) as lab:
         address = f"tcp://{lab.address('coord')}:{PORT}"
-        serve = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config", str(ROOT / "configs/swarm/swarm.yaml"),
-                 "--bind", address, "--output-dir", str(work / "coord")]
+        serve = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config",
+                 str(ROOT / "configs/swarm/swarm.yaml"), "--bind", address, "--output-dir", str(work / "coord")]
         for override in overrides:
             if not override.startswith("members."):
                 serve += ["--set", override]
@@ -334,10 +337,11 @@ def summarise(members, args, work, procs, names, newcomer, killed, events, begun
         "lead_wait_s_per_step": mean([r["lead_wait_seconds"] for r in steps]),
         "step_s": mean([r["ended"] - r["begun"] for r in steps]),
         "staleness_mean": mean([r["staleness_mean"] for r in steps if r["staleness_mean"] is not None]),
-        "stale_dropped": sum(r["stale_dropped"] for r in steps), "surplus_dropped": sum(r["surplus_dropped"] for r in steps),
-        "outbox_dropped": sum(r["outbox_dropped"] for r in steps), "rejected_batches": sum(r["rejected_batches"] for r in steps),
+        **{key: sum(r[key] for r in steps) for key in ("stale_dropped", "surplus_dropped", "outbox_dropped",
+                                                        "rejected_batches")},
         "refused": sum(max((r["refused"] for r in records[n] if r["kind"] == "step"), default=0) for n in names),
-        "crash_noticed_s": notice, "crash_silent_s": silent, "joiner": joined, "killed": events.get("killed"), "delays_ms": events["delays_ms"],
+        "crash_noticed_s": notice, "crash_silent_s": silent, "joiner": joined, "killed": events.get("killed"),
+        "delays_ms": events["delays_ms"],
         "wall_s": time.time() - begun,
     }
     return result
@@ -416,8 +420,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--kill-at", type=int, default=5, help="kill the last member at this step (0: no kill)")
     parser.add_argument("--join-at", type=int, default=8, help="a newcomer joins at this step (0: none)")
     parser.add_argument("--peers-per-step", type=int, default=None,
-                        help="members exchange parcels directly with this many drawn peers a step (swarm.peers_per_step;"
-                        " the coordinator keeps membership only); default: through the coordinator's relay")
+                        help="members exchange parcels directly with this many drawn peers a step "
+                        "(swarm.peers_per_step; the coordinator keeps membership only); default: through its relay")
     parser.add_argument("--behind-nat", type=int, default=0,
                         help="with --peers-per-step: the first this many members only dial (no listen address)")
     parser.add_argument("--seed", type=int, default=0)
@@ -462,7 +466,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from tests.netlab import netem_available
 
     settings = {"exchange": f"direct, {args.peers_per_step} drawn peers a step ({args.behind_nat} behind a NAT)"
-                if args.peers_per_step else "through the coordinator's relay", "profile": args.profile, "profile_source": PROFILES[args.profile]["source"], "steps": args.steps,
+                if args.peers_per_step else "through the coordinator's relay", "profile": args.profile,
+                "profile_source": PROFILES[args.profile]["source"], "steps": args.steps,
                 "gen_seconds": args.gen_seconds, "update_seconds": args.update_seconds, "lease_s": args.lease_s,
                 "delay": f"{args.min_delay_ms:g}-{args.max_delay_ms:g} ms one way" if args.shape else "unshaped",
                 "loss": args.loss if args.shape else 0.0,
