@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import ftis_kernels  # noqa: E402
-from ftis_kernels import LossConfig  # noqa: E402
+from ftis_kernels import LossConfig, LossInputs  # noqa: E402
 from ftis_kernels.epilogue import ftis_objective  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -109,7 +109,8 @@ def naive_torch(x):
     token = logp.gather(1, x["targets"][:, None]).squeeze(1)
     entropy = -(logp.exp() * logp).sum(-1).detach()
     counted = torch.ones_like(x["targets"], dtype=torch.bool)
-    loss, _, _ = ftis_objective(token, entropy, x["gen"], x["adv"], x["cu"], counted, CONFIG)
+    inputs = LossInputs(x["targets"], x["gen"], x["adv"], x["cu"])
+    loss, _, _ = ftis_objective(token, entropy, counted, inputs, CONFIG)
     return loss
 
 

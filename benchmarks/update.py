@@ -43,7 +43,7 @@ from ftis_engine.member.members import Member, attention_implementation, enable_
 from ftis_engine.model.batch import TrainItem, pack  # noqa: E402
 from ftis_engine.data.rollouts import Rollout  # noqa: E402
 from ftis_engine.model.update import batch_loss  # noqa: E402
-from ftis_kernels import LossConfig  # noqa: E402
+from ftis_kernels import LossConfig, LossInputs  # noqa: E402
 from ftis_kernels.epilogue import ftis_objective  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -108,8 +108,9 @@ def logits_path_loss(member: Member, packed) -> torch.Tensor:
     logp = torch.log_softmax(logits, -1)
     token = logp.gather(1, packed.targets[:, None].to(device)).squeeze(1)
     counted = torch.ones_like(token, dtype=torch.bool)
-    loss, _, _ = ftis_objective(token, torch.zeros_like(token), packed.gen_logprobs.to(device),
-                             packed.advantages.to(device), packed.cu_seqlens.to(device), counted, CONFIG)
+    inputs = LossInputs(packed.targets.to(device), packed.gen_logprobs.to(device), packed.advantages.to(device),
+                        packed.cu_seqlens.to(device))
+    loss, _, _ = ftis_objective(token, torch.zeros_like(token), counted, inputs, CONFIG)
     return loss
 
 

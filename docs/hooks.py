@@ -6,6 +6,7 @@ the site."""
 from __future__ import annotations
 
 import pathlib
+import re
 import typing
 
 from mkdocs.structure.files import File
@@ -38,7 +39,7 @@ def with_reference(markdown: str) -> str:
 
 def _type(annotation) -> str:
     text = str(_plain(annotation)).replace("typing.", "").replace("<class '", "").replace("'>", "")
-    return text.replace("ftis_engine.config.schema.", "").replace("|", "\\|")
+    return re.sub(r"ftis_engine\.config\.\w+\.", "", text).replace("|", "\\|")
 
 
 def _plain(annotation):

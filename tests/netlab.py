@@ -15,7 +15,8 @@ is unknown"), a shaper process in the router namespace takes every forwarded pac
 routing), drops it with the links' loss and writes it back after the links' delay: real packets on real TCP
 connections (retransmissions, congestion control and all), the delay and loss applied in user space instead of in
 the kernel's qdisc. `NetLab.shaping` says which one ran; the shaper's record of the delay it gave each packet is
-`NetLab.shaped()`.
+`NetLab.shaped()`. A host behind a NAT (`Link(dial_out_only=True)`) takes the TUN shaper, which drops every
+connection dialled to it (a TCP SYN without ACK): what it dials works both ways.
 
 Needs root (CAP_NET_ADMIN) and `ip`; `NetLab.unavailable()` gives the reason when not, for a test's skip.
 """
@@ -49,6 +50,9 @@ LOCK_WAIT_S = 900.0
 class Link:
     delay_ms: float = 0.0
     loss: float = 0.0  # the fraction of packets dropped, each direction
+    # behind a NAT: a connection it dials works both ways, one dialled to it never opens (the shaper drops every TCP
+    # SYN without ACK addressed to it: the TUN shaper only, which the lab then uses)
+    dial_out_only: bool = False
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -171,7 +175,8 @@ class NetLab:
             raise RuntimeError(f"another network lab (a live process) holds {SUBNET}.0.0/16: {taken[0]}; "
                                "one lab at a time on a machine")
         if self.shaping == "auto":
-            self.shaping = "netem" if netem_available() else "tun"
+            nat = any(link.dial_out_only for link in self.hosts.values())
+            self.shaping = "netem" if netem_available() and not nat else "tun"
         r = self.router
         _ip("netns", "add", r)
         _ip("-n", r, "link", "set", "lo", "up")
@@ -207,7 +212,8 @@ class NetLab:
 
     def _start_shaper(self) -> None:
         r = self.router
-        links = {str(i): [self.hosts[name].delay_ms, self.hosts[name].loss] for name, i in self.index.items()}
+        links = {str(i): [self.hosts[name].delay_ms, self.hosts[name].loss, self.hosts[name].dial_out_only]
+                 for name, i in self.index.items()}
         import json
 
         self.shaper = subprocess.Popen(["ip", "netns", "exec", r, sys.executable, __file__, "shape", "fstun",
@@ -250,9 +256,10 @@ class NetLab:
 
     # ------------------------------------------------------------------------------------------- processes
 
-    def shaped(self) -> dict[tuple[str, str], dict[int, int]]:
+    def shaped(self) -> dict[tuple[str, str], dict[int | str, int]]:
         """The TUN shaper's record so far: for each (source, destination) host ("here": the test process), the packets
-        it forwarded, by the delay it held them for in ms (the two links' delays together)."""
+        it forwarded, by the delay it held them for in ms (the two links' delays together), and under "syn-dropped"
+        the connections dialled to a host behind a NAT (Link.dial_out_only) that it dropped."""
         assert self.shaper is not None, "no shaper: this lab shapes with netem"
         self.shaper.send_signal(signal.SIGUSR1)
         import json
@@ -261,7 +268,8 @@ class NetLab:
         record: dict[tuple[str, str], dict[int, int]] = {}
         for key, packets in json.loads(self.shaper.stdout.readline()).items():
             source, destination, delay_ms = key.split()
-            record.setdefault((names[source], names[destination]), {})[int(delay_ms)] = packets
+            held = int(delay_ms) if delay_ms.isdigit() else delay_ms
+            record.setdefault((names[source], names[destination]), {})[held] = packets
         return record
 
     def popen(self, host: str, argv: list[str], **kw) -> subprocess.Popen:
@@ -289,6 +297,7 @@ def shape(device: str, links: dict[str, list[float]]) -> None:
     print("ready", flush=True)
     delay = {int(k): v[0] / 1000 for k, v in links.items()}
     loss = {int(k): v[1] for k, v in links.items()}
+    natted = {int(k) for k, v in links.items() if len(v) > 2 and v[2]}
     rng = random.Random(0)
     due: list[tuple[float, int, bytes]] = []
     sequence = 0
@@ -299,6 +308,11 @@ def shape(device: str, links: dict[str, list[float]]) -> None:
             packet = os.read(fd, 65536)
             if len(packet) >= 20 and packet[0] >> 4 == 4:
                 src, dst = packet[14], packet[18]  # 10.213.<host>.x
+                tcp = 4 * (packet[0] & 0x0F)  # the TCP header's offset (the IP header's length)
+                if dst in natted and packet[9] == 6 and len(packet) > tcp + 13 and packet[tcp + 13] & 0x12 == 0x02:
+                    key = f"{src} {dst} syn-dropped"  # a connection dialled to a host behind a NAT: never opens
+                    held[key] = held.get(key, 0) + 1
+                    continue
                 kept = (1 - loss.get(src, 0.0)) * (1 - loss.get(dst, 0.0))
                 if rng.random() < kept:
                     sequence += 1

@@ -194,6 +194,29 @@ def test_open_swarm_benchmark_quick_a_killed_member_redoes_its_steps_since_its_c
     assert all(m["dropped_sequences"] == m["stale_dropped"] + m["surplus_dropped"] for m in churn["members"].values())
 
 
+@pytest.mark.slow
+def test_swarm_scale_quick_replaying_members_pass_every_check_and_the_churn_is_measured(tmp_path):
+    """Four replaying members (benchmarks/swarm_scale.py) through the real coordinator, transport and receiver: what
+    they send passes every check of the receivers (nothing refused or rejected), each takes its peers' parcels, the
+    killed member's expiry is seen about a lease after the kill, and the newcomer is welcomed and heard by a peer."""
+    from benchmarks import swarm_scale
+    from tests.netlab import NetLab
+
+    reason = NetLab.unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces: {reason}")
+    [r] = swarm_scale.main(["--quick", "--output", str(tmp_path / "swarm_scale")])
+    assert r["members"] == 4 and r["rejected_batches"] == 0 and r["refused"] == 0
+    assert r["parcels_in_per_step"] > 0 and r["payload_in_bytes_per_step"] > 0
+    # the kill was noticed, by the lease: the coordinator expired the member after a lease (2 s) of silence
+    assert r["crash_noticed_s"] is not None and r["crash_silent_s"] >= 2.0
+    # the newcomer was welcomed, and a peer took its parcel (the others held for it: no race with its start-up)
+    assert r["joiner"]["to_welcome_s"] is not None and r["joiner"]["to_first_parcel_at_a_peer_s"] is not None
+    # the coordinator relays every parcel: what leaves it is at least what the members took in
+    assert r["coordinator_tx_bytes_per_step"] >= r["payload_in_bytes_per_step"]
+    assert "| 4 |" in (tmp_path / "swarm_scale.md").read_text()
+
+
 def test_the_open_swarm_table_gives_each_members_dropped_peer_sequences_their_own_column():
     from benchmarks import open_swarm
 

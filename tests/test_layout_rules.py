@@ -15,14 +15,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "ftis_engine"
 
 MODULE_LINES = 450
-# the modules over MODULE_LINES and the most each may have; target: none but the config schema, at most 650 (its
-# descriptions make the configuration reference). A module split below the bound leaves this list.
-OVER_THE_BOUND = {
-    "config/schema.py": 650,  # the issue's own allowance, not a ratchet
-}
+# the modules over MODULE_LINES and the most each may have; issue 79's target: none (config/schema.py, 648 lines,
+# left it when its member, data and swarm sections became modules of their own). A new entry needs a reason.
+OVER_THE_BOUND: dict[str, int] = {}
 INTERRUPTED_DEFINITIONS = 1  # exits.py: the target
 # a file counts when the word appears in it anywhere, comments and docstrings too (the issue's "today 8" counted so);
-# 3 since the lead bound went to exchange/pacer.py: config/schema.py, exchange/pacer.py, openswarm/rules.py. Target 4
+# 3 since the lead bound went to exchange/pacer.py: config/swarm.py, exchange/pacer.py, openswarm/rules.py. Target 4
 MAX_LEAD_FILES = 3
 # files whose code names it (an attribute, a name, a keyword or argument, a string that is not a docstring such as
 # the swarm rules' "swarm.max_lead"): the same three

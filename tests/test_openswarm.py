@@ -32,6 +32,7 @@ SHARED = {"seed": 0, "data": {"task": "tiny-add"}, "train": {"steps": 5}}
 # SHARED's training set's sha256: the coordinator computes the swarm's from its own settings (issue 78)
 DATA = training_set_hash(SHARED["data"], SHARED["seed"])
 TOKENIZER = "cd" * 32  # a tokenizer's, as vocabulary_hash gives it
+NO_LINKS = {"address": "", "key": ""}  # a member list entry's links, for a member that listens nowhere
 
 
 def join(name, shared=SHARED, dataset=DATA, step=0):
@@ -86,8 +87,8 @@ def test_joins_are_checked_and_every_member_hears_of_every_change(tmp_path):
     assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]
     out = coordinator.handle(b"B", join("b"), now=1)
     assert kinds(out)[0] == (b"B", "welcome") and sorted(kinds(out)[1:]) == [(b"A", "members"), (b"B", "members")]
-    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
-                                                   "b": {"step": 0, "tokenizer": TOKENIZER, "source": ""}}
+    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
+                                                   "b": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}
     # refusals: one line naming what differs; the swarm is unchanged
     other = {**SHARED, "data": {"task": "arith"}}
     for identity, message, said in [
@@ -801,7 +802,7 @@ def test_a_coordinator_restarted_on_its_log_holds_its_members_places_for_a_lease
     assert kinds(new.handle(b"A2", join("a", step=3), now=101)) == [(b"A2", "refuse")]  # not a's connection
     out = new.handle(b"A", join("a", step=3), now=101)  # a rejoins: welcome
     assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]  # b's place is in its view; b gets nothing
-    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": TOKENIZER, "source": ""}
+    assert json.loads(out[0][1][2])["members"]["b"] == {"step": 2, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}
     parcel = pack("parcel", {"name": "a", "step": 4, "version": 3, "words": 1}, b"\x01" * 4)
     assert new.handle(b"A", parcel, now=102) == []  # relayed to nobody: b has not rejoined
     new.handle(b"A", pack("beat", {"name": "a", "step": 4}), now=104)

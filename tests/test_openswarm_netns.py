@@ -4,7 +4,8 @@ shaper of real packets on a TUN device). Needs root; skipped with the reason whe
 
 Cases: a member killed with kill -9 mid-run while the others keep stepping, then resumed and rejoined; a member
 joining mid-run over a link with 200 ms delay and 5% loss, trained on by both old members; the coordinator killed
-with kill -9 and restarted while members train (they wait, rejoin, go on; nothing trained twice)."""
+with kill -9 and restarted while members train (they wait, rejoin, go on; nothing trained twice); direct exchange
+(swarm.peers_per_step) with a member behind a NAT."""
 
 from __future__ import annotations
 
@@ -123,6 +124,27 @@ else:
     for i in range(int(mode)):
         s.sendto(b"x", (address, 7001)); time.sleep(0.001)
 """
+
+
+def test_a_join_sent_before_a_slow_connection_is_up_goes_out_once_it_is(tmp_path):
+    """ZMQ_IMMEDIATE drops what is sent before the connection is up, and over a link of 100 ms the first join always
+    is: the client tries it again every turn until it leaves, instead of after two beats (every member waited 2 s
+    to be welcomed; with beats of 30 s, as here, a minute). One join left and was answered: the client counts one."""
+    from ftis_engine.openswarm.client import SwarmClient
+
+    from .test_openswarm import _member_hashes, until
+
+    with NetLab({"coord": Link(delay_ms=100)}) as lab:
+        coordinator = serve(lab, tmp_path, 4, 0, lease_s=5)
+        until(lambda: (tmp_path / "coord.0" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
+              "the coordinator", timeout=120)
+        member = SwarmClient(f"tcp://{lab.address('coord')}:{PORT}", "a", *_member_hashes(4), 1 << 22,
+                             lambda *args: None, beat_s=30.0)
+        try:
+            member.start(timeout=30)  # a join repeated only after two beats would time out here
+            assert set(member.members()) == {"a"} and member.joins == 1
+        finally:
+            member.close()
 
 
 def test_the_lab_gives_each_link_its_delay_and_loss():
@@ -315,3 +337,63 @@ def test_one_world_async_ranks_on_two_hosts_reach_each_other_over_zeromq_on_thei
         mine = [r for r in records if r["member"] == name]
         assert [r["step"] for r in mine] == list(range(1, 7)), name
         assert sum(r["peer_sequences"] for r in mine) > 0 and all(r["rejected_batches"] == 0 for r in mine), name
+
+
+def test_across_hosts_a_member_behind_a_nat_exchanges_directly_with_one_that_listens(tmp_path):
+    """swarm.peers_per_step=1 across hosts: tiny-s listens on its host; tiny-m-lora's host is behind a NAT (the lab
+    drops every connection dialled to it: a TCP connect to it times out, where a host without a listener would refuse
+    at once). The member behind the NAT only dials: what it takes of tiny-s comes back over the connection it dialled
+    (none can be dialled to it), what tiny-s takes of it goes out over that same connection; both train on each
+    other's parcels, none rejected, over links of 50 ms each way."""
+    import socket
+
+    from ftis_engine.config import load_config
+    from ftis_engine.data.tasks import load_task
+    from ftis_engine.model.models import vocabulary_hash
+    from ftis_engine.openswarm.client import SwarmClient
+    from ftis_engine.openswarm.member import dataset_hash
+    from ftis_engine.openswarm.rules import shared_settings
+    from ftis_engine.run.preflight import check_members
+
+    from .helpers import ROOT
+    from .test_openswarm import _member_args, _train_records, until
+
+    if not os.path.exists("/dev/net/tun"):
+        pytest.skip("no /dev/net/tun: the TUN shaper, which plays the NAT, cannot run here")
+    steps, direct = 6, "swarm.peers_per_step=1"
+    hosts = {"coord": Link(), "tiny-s": Link(delay_ms=50), "tiny-m-lora": Link(delay_ms=50, dial_out_only=True)}
+    with NetLab(hosts) as lab:
+        address = f"tcp://{lab.address('coord')}:{PORT}"
+        serve_args = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config",
+                      str(ROOT / "configs/swarm/swarm.yaml"), "--bind", address, "--output-dir", str(tmp_path / "c")]
+        for override in (f"train.steps={steps}", *OVERRIDES, "swarm.lease_s=5", direct):
+            serve_args += ["--set", override]
+        coordinator = lab.popen("coord", serve_args, stderr=open(tmp_path / "coord.log", "w"))
+        until(lambda: (tmp_path / "c" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
+              "the coordinator", timeout=120)
+        config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", *OVERRIDES, direct])
+        metronome = SwarmClient(address, "metronome", vocabulary_hash(check_members(config)[0]),
+                                shared_settings(config), dataset_hash(load_task(config.data, config.seed)), 1 << 22,
+                                lambda *args: None)
+        metronome.start(timeout=60)
+        procs = []
+        try:
+            for name in ("tiny-s", "tiny-m-lora"):
+                listen = ["--listen", f"tcp://{lab.address(name)}:{PORT + 1}"] if name == "tiny-s" else []
+                procs.append(lab.popen(name, [*_member_args(tmp_path, name, address, steps, direct), *listen],
+                                       stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT))
+            until(lambda: {"tiny-s", "tiny-m-lora"} <= set(metronome.members()), "both to join", timeout=300)
+            with pytest.raises((TimeoutError, socket.timeout)):  # behind the NAT: nothing dialled to it opens
+                socket.create_connection((lab.address("tiny-m-lora"), PORT + 1), timeout=2)
+            metronome.step = steps
+            assert all(p.wait(600) == 0 for p in procs), (tmp_path / "tiny-m-lora.log").read_text()[-2000:]
+            for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
+                records = _train_records(tmp_path, me)
+                assert [r["step"] for r in records] == list(range(1, steps + 1))
+                assert all(r["rejected_batches"] == 0 for r in records)
+                used = [k for r in records for k in r["received_sha256"]]
+                assert used and all(k.startswith(f"{peer}@") for k in used), used
+            assert lab.shaped()[("here", "tiny-m-lora")].get("syn-dropped", 0) >= 1
+        finally:
+            metronome.close()
+

@@ -23,7 +23,7 @@ from ftis_engine.openswarm.schedule import OpenSchedule, PeerBook, split_sampler
 from ftis_engine.openswarm.wire import MAGIC, MAX_HEADER, MAX_INT, mac_matches, pack, parcel_mac, unpack  # noqa: E402
 
 from .helpers import ROOT  # noqa: E402
-from .test_openswarm import DATA, SHARED, TOKENIZER, Running, join, kinds, until  # noqa: E402
+from .test_openswarm import DATA, NO_LINKS, SHARED, TOKENIZER, Running, join, kinds, until  # noqa: E402
 
 KEY = bytes(range(32))
 
@@ -56,7 +56,8 @@ class FakeClient:
         return gone
 
     def members(self) -> dict[str, dict]:
-        return {name: {"step": step, "tokenizer": TOKENIZER, "source": ""} for name, step in self.view.items()}
+        return {name: {"step": step, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}
+                for name, step in self.view.items()}
 
     def check(self) -> None:
         pass
@@ -366,16 +367,16 @@ def test_a_flood_of_bad_messages_is_logged_a_few_lines_a_minute_without_the_live
 
 
 @pytest.mark.parametrize("entry", [
-    {"step": 1, "tokenizer": 5, "source": ""},
-    {"step": "1", "tokenizer": TOKENIZER, "source": ""},
-    {"step": True, "tokenizer": TOKENIZER, "source": ""},
-    {"step": 1, "tokenizer": [TOKENIZER], "source": ""},
+    {"step": 1, "tokenizer": 5, "source": "", **NO_LINKS},
+    {"step": "1", "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
+    {"step": True, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
+    {"step": 1, "tokenizer": [TOKENIZER], "source": "", **NO_LINKS},
     {"step": 1, "tokenizer": TOKENIZER},
     {"step": 1, "tokenizer": TOKENIZER, "source": None},
 ])
 def test_a_member_list_whose_entries_break_their_types_is_counted_and_the_last_good_one_kept(entry):
     client = quiet_client()
-    good = {"me": {"step": 0, "tokenizer": TOKENIZER, "source": ""}}
+    good = {"me": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}
     client._receive(None, pack("members", {"members": good}))
     client._receive(None, pack("members", {"members": {**good, "liar": entry}}))
     assert client.malformed == 1 and client.members() == good
@@ -482,7 +483,8 @@ def test_a_peer_that_restarted_between_two_steps_is_counted_from_its_new_steps()
 
 def test_the_client_reports_a_name_that_left_or_came_back_at_an_older_step():
     client = quiet_client()
-    view = {"step": 4, "tokenizer": TOKENIZER, "source": ""}  # SHARED's run has 5 steps: none past it (issue 78)
+    # SHARED's run has 5 steps: none past it (issue 78)
+    view = {"step": 4, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}
     client._set_members({"me": view, "a": view, "b": view, "c": view})
     assert client.departed() == set()
     client._set_members({"me": view, "a": {**view, "step": 2}, "b": {**view, "step": 5}})  # c left, a restarted
@@ -510,7 +512,7 @@ def test_a_peer_that_keeps_changing_its_tokenizer_costs_one_load_until_it_leaves
     monkeypatch.setattr(openswarm_member, "load_tokenizer", load_tokenizer)
     ex = exchange(peers=())
     ex.client = FakeClient({"tiny-s": 0})
-    ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+    ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
                                  "liar": {"step": 0, "tokenizer": f"{len(loads) + seen[0]:064x}",
                                           "source": "org/model"}}
     seen = [0]
@@ -529,7 +531,7 @@ def test_an_open_swarm_counts_the_sequences_it_refuses_from_peers_of_another_tok
     from ftis_engine.data.rollouts import HEADER_WORDS
 
     ex = exchange("members.0.accept_foreign=false")
-    ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
+    ex.client.members = lambda: {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
                                  "other": {"step": 0, "tokenizer": "ef" * 32, "source": "org/model"}}
     body = torch.tensor([3] + [0] * (3 * HEADER_WORDS + 12), dtype=torch.int32).numpy().tobytes()
     ex._deliver("other", 1, 0, body)
@@ -591,8 +593,8 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
     monkeypatch.setattr(openswarm_member, "load_tokenizer", load_tokenizer)
     monkeypatch.setattr(openswarm_member, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange("swarm.max_lead=null", peers=())
-    view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
-            "bpe": {"step": 0, "tokenizer": other, "source": "builtin:tiny-s-bpe"}}
+    view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
+            "bpe": {"step": 0, "tokenizer": other, "source": "builtin:tiny-s-bpe", **NO_LINKS}}
     ex.client.members = lambda: dict(view)
     body = torch.tensor([3] + [0] * (3 * HEADER_WORDS + 12), dtype=torch.int32).numpy().tobytes()
     ex._deliver("bpe", 1, 0, body)  # before any step of this member loaded its tokenizer
@@ -607,7 +609,8 @@ def test_a_new_foreign_peers_parcels_wait_for_its_tokenizer_and_are_admitted_onl
         assert (len(got.parcels), got.foreign_refused, got.peers.foreign) == (1, 0, {1: "its tokenizer"})
         buffer = torch.frombuffer(bytearray(body), dtype=torch.int32)
         ex.mailbox.put(Parcel(1, 4, 3, buffer, due_step=5, tokenizer=other))  # one more, delayed in transit
-        view["bpe"] = {"step": 0, "tokenizer": "aa" * 32, "source": ""}  # a new holder, of a third tokenizer
+        # a new holder, of a third tokenizer
+        view["bpe"] = {"step": 0, "tokenizer": "aa" * 32, "source": "", **NO_LINKS}
         got = ex.receive(0, 5)  # the old holder's parcel is no longer admissible
         assert (got.parcels, got.foreign_refused, got.peers.foreign) == ([], 3, {})
 
@@ -647,14 +650,14 @@ def test_a_peer_that_joins_while_a_step_waits_has_its_parcels_kept_for_the_next_
     monkeypatch.setattr(openswarm_member, "load_tokenizer", lambda source: "its tokenizer")
     monkeypatch.setattr(openswarm_member, "vocabulary_hash", lambda tokenizer: other)
     ex = exchange()  # max_lead 2, with a live peer of its own tokenizer: the step waits on the lead bound
-    view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": ""},
-            "peer": {"step": 2, "tokenizer": TOKENIZER, "source": ""}}
+    view = {"tiny-s": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
+            "peer": {"step": 2, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}
     ex.client.members = lambda: dict(view)
     body = torch.tensor([3] + [0] * (3 * HEADER_WORDS + 12), dtype=torch.int32).numpy().tobytes()
 
     def wait_lead(need):  # meanwhile, the new peer joins and its first parcel arrives (in the first step's wait)
         if "bpe" not in view:
-            view["bpe"] = {"step": 1, "tokenizer": other, "source": "builtin:tiny-s-bpe"}
+            view["bpe"] = {"step": 1, "tokenizer": other, "source": "builtin:tiny-s-bpe", **NO_LINKS}
             ex._deliver("bpe", 1, 0, body)
         return 0.0
 
@@ -714,11 +717,11 @@ def test_a_member_list_or_parcel_under_a_name_no_join_can_take_is_counted_and_dr
     a join (a member's or a sampler's name, a sha256, a plain source), so none can carry an escape."""
     got = []
     client = quiet_client(on_parcel=lambda *p: got.append(p))
-    good = {"me": {"step": 0, "tokenizer": TOKENIZER, "source": ""}}
+    good = {"me": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}
     client._receive(None, pack("members", {"members": good}))
-    for members in ({**good, ANSI: {"step": 0, "tokenizer": TOKENIZER, "source": ""}},
+    for members in ({**good, ANSI: {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}},
                     {**good, "peer": {"step": 0, "tokenizer": TOKENIZER, "source": "builtin:" + ANSI}},
-                    {**good, "peer": {"step": 0, "tokenizer": "not a digest", "source": ""}}):
+                    {**good, "peer": {"step": 0, "tokenizer": "not a digest", "source": "", **NO_LINKS}}):
         client._receive(None, pack("members", {"members": members}))
     client._receive(None, parcel(name=ANSI))
     assert client.malformed == 4 and client.members() == good and got == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import re
 import signal
 import sys
 import threading
@@ -77,6 +78,10 @@ def train(
     join: str | None = typer.Option(None, "--join", metavar="ADDRESS",
                                     help="Train this config's one member in the open swarm whose coordinator is at "
                                          "ADDRESS (tcp://HOST:PORT; ftis-engine swarm serve)."),
+    listen: str | None = typer.Option(None, "--listen", metavar="ADDRESS",
+                                      help="With --join, in a swarm of direct exchange (swarm.peers_per_step): "
+                                           "tcp://HOST:PORT where this member's peers dial it (HOST an address they "
+                                           "reach). Without it the member only dials (behind a NAT)."),
     allow_data_change: bool = typer.Option(
         False, "--allow-data-change", metavar="", help="A resume: go on although a data file changed since the run "
         "recorded it (refused without; warned, and every record from the resumed step carries data_changed_at)."),
@@ -94,8 +99,10 @@ def train(
 
         check_run_dir(run_dir, cfg, resume)  # a changed config is said first: it names the field that moved
         check_resume_data(run_dir, cfg, allow_data_change)
+    if listen is not None and join is None:
+        raise UsageFailure("--listen: only with --join (where a member of an open swarm takes its peers' parcels)")
     if join is not None:
-        _train_joined(cfg, run_dir, join, resume, nproc, max_restarts)
+        _train_joined(cfg, run_dir, join, resume, nproc, max_restarts, listen)
         return
     if nproc > 1 or under_torchrun():
         if max_restarts is not None:
@@ -153,9 +160,13 @@ def _run_here(cfg: RunConfig, start: Start, banner: str, connection: Connection 
 
 
 def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: bool, nproc: int,
-                  max_restarts: int | None) -> None:
+                  max_restarts: int | None, listen: str | None = None) -> None:
     """train --join: one member in an open swarm (openswarm/member.py)."""
     from ..openswarm.client import JoinRefused
+    from ..openswarm.direct import ListenError
+    from ..openswarm.dht import dht_problem
+    from ..openswarm.member import DHT_SCHEME
+    from ..openswarm.rules import MAX_ADDRESS
     from ..openswarm.joining import JoinError, check_joinable
     from ..openswarm.wire import address_problem, host_problem
     from ..report.progress import Progress
@@ -163,9 +174,24 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
     from ..run.wiring import connect_local
     from ..topology.layout import world_size
 
-    problem = address_problem(address, bind=False) or host_problem(address)
+    on_dht = address.startswith(DHT_SCHEME)
+    problem = dht_problem(address, cfg) if on_dht else address_problem(address, bind=False) or host_problem(address)
     if problem:
         raise UsageFailure(f"--join: {address!r} {problem}")
+    if listen is not None:
+        if not cfg.swarm.peers_per_step:
+            raise UsageFailure("--listen: this swarm's parcels go through its coordinator (swarm.peers_per_step is "
+                               "null): drop --listen")
+        problem = address_problem(listen, bind=False) if listen.startswith("tcp://") else \
+            "is not an address like tcp://HOST:PORT"
+        if problem is None and listen.startswith("tcp://["):
+            problem = "has an IPv6 host, which direct exchange does not take yet"
+        if problem is None and len(listen) > MAX_ADDRESS:
+            problem = f"is longer than the {MAX_ADDRESS} characters a member list holds for it"
+        if problem is None and on_dht and not re.fullmatch(r"tcp://\d+\.\d+\.\d+\.\d+:\d+", listen):
+            problem = "is not at an IPv4 address, where a member on a DHT listens for it too"
+        if problem:
+            raise UsageFailure(f"--listen: {listen!r} {problem}")
     if max_restarts is not None:  # the config's swarm.max_restarts is refused alike (check_joinable)
         raise UsageFailure("--max-restarts: a member of an open swarm comes back with --resume --join, not by an "
                            "elastic restart (its name is held until its lease runs out); drop --max-restarts")
@@ -175,6 +201,8 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
         # from None: a one-line error for the user; the cause adds nothing to it
         raise UsageFailure(str(exc)) from None
     processes = world_size(cfg)  # this config's one member: its ranks and samplers
+    if (processes > 1 or under_torchrun()) and listen is not None:
+        raise UsageFailure("--listen: a member on several processes exchanges through its coordinator only")
     if processes > 1 or under_torchrun():  # a member on several ranks, or with samplers: its own process group
         _launch(cfg, run_dir, resume, processes, lambda: interrupted_hint(run_dir), join=address)
 
@@ -184,14 +212,18 @@ def _train_joined(cfg: RunConfig, run_dir: pathlib.Path, address: str, resume: b
             yield
         except JoinRefused as exc:
             # from None: a one-line error for the user; the cause adds nothing to it
-            raise UsageFailure(f"--join: the coordinator refused {cfg.members[0].name}: {exc}") from None
+            raise UsageFailure(f"--join: the {'swarm' if on_dht else 'coordinator'} refused {cfg.members[0].name}: "
+                               f"{exc}") from None
+        except ListenError as exc:  # its peer links cannot bind there
+            # from None: a one-line error for the user; the cause adds nothing to it
+            raise UsageFailure(f"--listen: {exc}") from None
         except (TimeoutError, ConnectionError) as exc:  # no coordinator answered, or none can be dialled there
             # from None: a one-line error for the user; the cause adds nothing to it
             raise UsageFailure(f"--join: {exc}") from None
 
     _run_here(cfg, Start(run_dir, resume=resume, progress=Progress()),
               f"run directory: {run_dir} (joining {address} as {cfg.members[0].name}...)",
-              connect_local(cfg, join=address), guard=refusals)
+              connect_local(cfg, join=address, listen=listen), guard=refusals)
 
 
 def interrupted_hint(run_dir: pathlib.Path) -> str:

@@ -8,7 +8,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class ConfigError(ValueError):
@@ -61,3 +61,18 @@ def number_type(annotation: Any) -> bool:
 
     inner, _ = unwrap(annotation)
     return bool(inner) and all(number(kind) for kind in inner)
+
+
+class Section(BaseModel):
+    """A section of the run configuration: unknown keys refused, assignments checked, no YAML boolean taken for a
+    number."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info) -> Any:
+        if isinstance(value, bool) and number_type(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()} (YAML reads yes, no, on, off, "
+                             "true and false as booleans)")
+        return value

@@ -38,7 +38,9 @@ from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 log = logging.getLogger("ftis_engine.exchange")
 
 RECEIVE_HWM = 64  # messages read ahead from the coordinator: memory bounded by this x the frame cap
-VIEW_FIELDS = {"step": int, "tokenizer": str, "source": str}  # a member list's entry (coordinator._view)
+# a member list's entry (coordinator._view): its newest step, tokenizer, where that loads from, where it listens for
+# its peers and its links' key ("" and "" unless swarm.peers_per_step)
+VIEW_FIELDS = {"step": int, "tokenizer": str, "source": str, "address": str, "key": str}
 
 
 class JoinRefused(RuntimeError):
@@ -53,15 +55,16 @@ class CoordinatorRefused(ConnectionError):
 class SwarmClient:
     def __init__(self, address: str, name: str, tokenizer: str, shared: dict, dataset: str, max_body: int,
                  on_parcel: Callable[[str, int, int, bytes, str], None], step: int = 0, beat_s: float = 1.0,
-                 source: str = "", key: bytes | None = None):
+                 source: str = "", key: bytes | None = None, listen: tuple[str, str] = ("", "")):
         """on_parcel(name, step, version, body, mac) takes a peer's parcel (mac: "" when it carries none) in the
-        I/O thread. key: a sampler's, shared with its learner: its parcels carry their mac (wire.parcel_mac)."""
+        I/O thread. key: a sampler's, shared with its learner: its parcels carry their mac (wire.parcel_mac).
+        listen: (address, CurveZMQ public key) where this member's peers reach it (direct exchange: PeerLinks)."""
         self.address = address
         self.name = name
         self.step = step  # the newest step this member has published (sent in joins and beats)
         # source: where peers of another tokenizer can load this member's (builtin:, packaged: or a hub id; "": none)
         self._join_header = {"name": name, "tokenizer": tokenizer, "source": source, "shared": shared,
-                             "dataset": dataset}
+                             "dataset": dataset, "address": listen[0], "key": listen[1]}
         steps = shared.get("train", {}).get("steps") if isinstance(shared.get("train"), dict) else None
         self._steps = steps if isinstance(steps, int) else None  # no member's step in a member list is past it
         self._max_body = max_body
@@ -169,7 +172,9 @@ class SwarmClient:
         socket.setsockopt(zmq.IPV6, ipv6(self.address))
         try:
             socket.connect(self.address)
-            self._send(socket, self._join())
+            # a join goes out once the connection is up (IMMEDIATE drops what is sent before: tried every turn until
+            # one leaves), then again every 2 beats while unanswered (the coordinator may not be up)
+            join_out = self._send(socket, self._join())
             last_beat = last_join = time.monotonic()
             while not self._stop.is_set():
                 if socket.poll(20, zmq.POLLIN):
@@ -184,8 +189,8 @@ class SwarmClient:
                 now = time.monotonic()
                 if self._leaving.is_set():
                     continue
-                if not self._joined.is_set() and now - last_join > 2 * self._beat_s:
-                    self._send(socket, self._join())  # no answer yet: the coordinator may not be up
+                if not self._joined.is_set() and (not join_out or now - last_join > 2 * self._beat_s):
+                    join_out = self._send(socket, self._join(count=join_out))  # no answer yet
                     last_join = now
                 if self._joined.is_set() and now - last_beat > self._beat_s:
                     self._send(socket, pack("beat", {"name": self.name, "step": self.step}))
@@ -214,8 +219,9 @@ class SwarmClient:
             self._receive(socket, frames)
         return RECEIVE_HWM
 
-    def _join(self) -> list[bytes]:
-        self.joins += 1
+    def _join(self, count: bool = True) -> list[bytes]:
+        """A join message; counted in `joins` unless it repeats one that never left (count false)."""
+        self.joins += count
         return pack("join", {**self._join_header, "step": self.step})
 
     def _send(self, socket, frames: list[bytes]) -> bool:
@@ -261,15 +267,7 @@ class SwarmClient:
             self.malformed += 1
 
     def _deliver(self, header: dict, body: bytes) -> None:
-        """Hand a parcel to on_parcel; whatever it raises is this message's fault, counted, never the thread's."""
-        try:
-            self._on_parcel(header["name"], header["step"], header["version"], body, header.get("mac", ""))
-        except Exception as exc:
-            self.parcel_errors += 1
-            if self.parcel_errors <= 3:
-                log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s%s", self.name,
-                            header["name"], header["step"], type(exc).__name__, shown(exc),
-                            " (further ones are counted, not logged)" if self.parcel_errors == 3 else "")
+        self.parcel_errors = hand_over(self._on_parcel, self.name, header, body, self.parcel_errors)
 
     def _set_members(self, members: dict) -> None:
         """Take the coordinator's member list if every name is one a join may take and every entry is {step,
@@ -277,7 +275,8 @@ class SwarmClient:
         kept)."""
         if all(isinstance(v, dict) and set(v) == set(VIEW_FIELDS) and all(
                 isinstance(v[f], t) and not isinstance(v[f], bool) for f, t in VIEW_FIELDS.items())
-               and _named_as_admitted(name, v["tokenizer"], v["source"]) for name, v in members.items()) and \
+               and _named_as_admitted(name, v["tokenizer"], v["source"], v["address"], v["key"])
+               for name, v in members.items()) and \
                 view_problem(members, self._steps) is None:
             with self._lock:
                 self._departed.update(name for name, seen in self._members.items()
@@ -287,7 +286,26 @@ class SwarmClient:
             self.malformed += 1
 
 
-def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "") -> bool:
-    """Whether a name (and a member list entry's tokenizer digest and source) is one the coordinator admits at a
-    join (rules.join_problem): a member's or a sampler's name, a sha256, a source of plain characters."""
-    return join_problem({"name": name, "tokenizer": tokenizer, "source": source, "dataset": "0" * 64}) is None
+def hand_over(on_parcel: Callable[[str, int, int, bytes, str], None], receiver: str, header: dict, body: bytes,
+              errors: int) -> int:
+    """Hand a peer's parcel (its header checked against the wire's schema) to on_parcel in an I/O thread: whatever
+    on_parcel raises is this message's fault, counted and logged (the first three), never the thread's. Returns the
+    count of such errors, `errors` plus this one's."""
+    try:
+        on_parcel(header["name"], header["step"], header["version"], body, header.get("mac", ""))
+    except Exception as exc:  # a peer's bytes through the receiver's checks: any error is that parcel's
+        errors += 1
+        if errors <= 3:
+            log.warning("%s: a parcel of %r (step %d) could not be taken and was dropped: %s: %s%s", receiver,
+                        header["name"], header["step"], type(exc).__name__, shown(exc),
+                        " (further ones are counted, not logged)" if errors == 3 else "")
+    return errors
+
+
+def _named_as_admitted(name: str, tokenizer: str = "0" * 64, source: str = "", address: str = "", key: str = ""
+                       ) -> bool:
+    """Whether a name (and a member list entry's tokenizer digest, source, address and key) is one the coordinator
+    admits at a join (rules.join_problem): a member's or a sampler's name, a sha256, a source of plain characters,
+    a listening address with its key or none."""
+    return join_problem({"name": name, "tokenizer": tokenizer, "source": source, "dataset": "0" * 64,
+                         "address": address, "key": key}) is None

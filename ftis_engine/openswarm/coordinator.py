@@ -82,6 +82,8 @@ class Live:
     source: str = ""  # where its tokenizer loads from (builtin:, packaged: or a hub id), for peers of another one
     claim: bytes = b""  # restored: the connection that held it (logged at its join), the only one that may rejoin
     # as it for its lease (b"": a log written before identities were logged, any connection may)
+    address: str = ""  # where it listens for its peers (swarm.peers_per_step), "" for none: it only dials
+    key: str = ""  # its links' CurveZMQ public key: its peers admit this key, under this name only
 
 
 Outgoing = list[tuple[bytes, list[bytes]]]  # (routing identity, frames)
@@ -102,6 +104,7 @@ class Coordinator:
         if not DIGEST.fullmatch(dataset):
             raise ValueError(f"dataset: {_shown(repr(dataset))} is not a sha256 hex digest (64 of 0-9a-f)")
         self.shared = shared
+        self.direct = bool(shared.get("swarm", {}).get("peers_per_step"))  # membership only: no relay
         self.lease_s = lease_s
         self.max_body = max_body  # the largest parcel body an honest member can send (bytes)
         self.live: dict[str, Live] = {}
@@ -133,8 +136,8 @@ class Coordinator:
         self._restored = sorted(restored)
         if restored:  # a restarted coordinator: its members hold their places for a lease while they rejoin
             now = time.monotonic() if now is None else now
-            for name, (tokenizer, step, source, claim) in restored.items():
-                self.live[name] = Live(b"", tokenizer, step, now, now, source, claim)
+            for name, (tokenizer, step, source, claim, address, key) in restored.items():
+                self.live[name] = Live(b"", tokenizer, step, now, now, source, claim, address, key)
 
     def open_log(self, now: float) -> None:
         """Start this coordinator's part of the log: a `start` record with the swarm's shared settings and lease
@@ -151,10 +154,11 @@ class Coordinator:
             self._record(now, "restored", None, members=self._restored, dataset=self.dataset)
 
     @staticmethod
-    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes]], str | None, dict | None,
-                                                  bool]:
+    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes, str, str]], str | None,
+                                                  dict | None, bool]:
         """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source, the connection identity it joined from)), the training set's hash
+        newest step logged, tokenizer source, the connection identity it joined from, its listening address and link
+        key)), the training set's hash
         its newest `start` record holds (a coordinator's own; a join's, a stranger's word, never counts), the shared
         settings that record holds and whether the log holds any record; ({}, None, None, False) for a new log. A
         member that is gone holds its place for one lease at most. Read a line at a time: the log grows with the run. Every coordinator
@@ -166,6 +170,7 @@ class Coordinator:
         logged = False
         tokenizers: dict[str, str] = {}
         sources: dict[str, str] = {}
+        links: dict[str, tuple[str, str]] = {}  # name -> (address, key) of its join
         identities: dict[str, bytes] = {}
         steps: dict[str, int] = {}
         live: list[str] = []
@@ -187,16 +192,17 @@ class Coordinator:
                 if isinstance(record.get("tokenizer"), str) and isinstance(name, str):
                     tokenizers[name] = record["tokenizer"]
                     sources[name] = str(record.get("source", ""))
+                    links[name] = (str(record.get("address", "")), str(record.get("key", "")))
                     identities[name] = _identity(record.get("identity"))
                 if isinstance(record.get("step"), int) and isinstance(name, str):
                     steps[name] = record["step"]
                 if isinstance(record.get("live"), list):
                     live = record["live"]
         # what a join would be refused for is not restored either (a log written before these caps)
-        members = {name: (tokenizers[name], steps.get(name, 0), sources[name], identities[name]) for name in live
-                   if isinstance(name, str) and name in tokenizers and join_problem(
-                       {"name": name, "tokenizer": tokenizers[name], "source": sources[name], "dataset": "0" * 64})
-                   is None}
+        members = {name: (tokenizers[name], steps.get(name, 0), sources[name], identities[name], *links[name])
+                   for name in live if isinstance(name, str) and name in tokenizers and join_problem(
+                       {"name": name, "tokenizer": tokenizers[name], "source": sources[name], "dataset": "0" * 64,
+                        "address": links[name][0], "key": links[name][1]}) is None}
         return dict(list(members.items())[:MAX_LIVE]), dataset, recorded, logged
 
     # ---------------------------------------------------------------------------------------------- decisions
@@ -231,8 +237,9 @@ class Coordinator:
             del self.live[name]
             self._record(now, "leave", name, step=entry.step)
             return self._members()
-        # a parcel: to every other live member
-        problem = parcel_problem(header, body)
+        # a parcel: to every other live member (with swarm.peers_per_step the members send theirs to each other)
+        problem = "the swarm's members exchange parcels directly (swarm.peers_per_step): nothing is relayed" \
+            if self.direct else parcel_problem(header, body)
         if problem is not None:
             self.refused += 1
             self._record(now, "malformed", name, reason=problem)
@@ -265,17 +272,22 @@ class Coordinator:
                 self._drop(name, now, "expired")
         if problem is None:
             problem = self._room_for(identity, name)
+        key = header.get("key", "")
+        if problem is None and key and any(other != name and entry.key == key for other, entry in self.live.items()):
+            problem = "key: another live member announced this link key (each member makes its own)"
         if problem is not None:
             self.refused += 1
             self._record(now, "refuse", name, reason=problem)
             return [(identity, pack("refuse", {"reason": problem}))]
-        rejoined = name in self.live and current.identity != b""
+        rejoined = name in self.live and current.identity != b"" and \
+            (current.address, current.key) == (header.get("address", ""), key)  # else logged: a restart restores it
+        address = header.get("address", "")
         self.live[name] = Live(identity, header["tokenizer"], header["step"], now,
-                               current.joined_at if current else now, header["source"])
+                               current.joined_at if current else now, header["source"], address=address, key=key)
         if not rejoined:
             self._record(now, "join" if current is None or current.identity != b"" else "rejoin", name,
                          step=header["step"], tokenizer=header["tokenizer"], source=header["source"],
-                         dataset=header["dataset"], identity=identity.hex())
+                         address=address, key=key, dataset=header["dataset"], identity=identity.hex())
         welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
         return [welcome, *self._members()]
 
@@ -311,8 +323,8 @@ class Coordinator:
         self._record(now, event, name, step=entry.step, silent_s=round(now - entry.last_seen, 3))
 
     def _view(self) -> dict:
-        return {name: {"step": e.step, "tokenizer": e.tokenizer, "source": e.source}
-                for name, e in sorted(self.live.items())}
+        return {name: {"step": e.step, "tokenizer": e.tokenizer, "source": e.source, "address": e.address,
+                       "key": e.key} for name, e in sorted(self.live.items())}
 
     def _members(self) -> Outgoing:
         message = pack("members", {"members": self._view()})

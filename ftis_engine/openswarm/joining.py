@@ -40,6 +40,12 @@ def check_joinable(config: RunConfig, nproc: int) -> None:
                         "elastic restart (its name is held until its lease runs out); set it to 0")
     if config.collaboration != "vertical":
         raise JoinError(f"collaboration: an open swarm is vertical, not {config.collaboration!r}")
+    if config.swarm.peers_per_step and member.samplers:
+        raise JoinError("members.0.samplers: a member's samplers send their rounds through the coordinator, which "
+                        "relays nothing under swarm.peers_per_step (not yet supported together); set 0")
+    if config.swarm.peers_per_step and member.ranks > 1:
+        raise JoinError("members.0.ranks: a member on several ranks exchanges through the coordinator's relay only "
+                        "(swarm.peers_per_step is not yet supported with it); set 1")
 
 
 def shareable(spec: str) -> bool:

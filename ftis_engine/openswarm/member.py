@@ -56,12 +56,26 @@ from ..exchange.sync import LocalCollectives
 from ..model.models import ModelSpecError, load_tokenizer, vocabulary_hash
 from ..topology.schedule import learner_version
 from .client import SwarmClient
+from .dht import DhtMembership
+from .direct import PeerLinks
 from .joining import KEY_BYTES, JoinError, check_joinable, dataset_hash, share_key, shareable
 from .rules import max_parcel_bytes, shared_settings
 from .schedule import PeerBook, sampler_name, split_sampler
 from .wire import mac_matches
 
 log = logging.getLogger("ftis_engine.exchange")
+
+DHT_SCHEME = "dht:"  # --join dht:[MULTIADDR,...]: membership on hivemind's DHT (openswarm/dht.py)
+
+
+def dht_bootstrap(join: str) -> list[str]:
+    """The bootstrap multiaddrs of `--join dht:A,B` ([] for `dht:`: the first member starts the DHT)."""
+    return [part for part in join[len(DHT_SCHEME):].split(",") if part]
+
+
+def links_host(listen: str | None) -> str:
+    """The IPv4 address a member's DHT listens on: its --listen host (where its peers reach it), else every one."""
+    return listen[len("tcp://"):].rpartition(":")[0] if listen else "0.0.0.0"
 
 
 def announced(config: RunConfig, swarm) -> tuple[str, str, str]:
@@ -78,8 +92,10 @@ class OpenExchange:
     world_size = 1
     broadcast = None
 
-    def __init__(self, address: str, config: RunConfig, collectives=None, broadcast=None):
+    def __init__(self, address: str, config: RunConfig, collectives=None, broadcast=None, listen: str | None = None):
         self.address = address
+        self.listen = listen  # swarm.peers_per_step: where its peers dial it (None: behind a NAT, it only dials)
+        self.links: PeerLinks | None = None
         self.broadcast = broadcast  # a member with samplers: its weights to them (exchange.weights.WeightBroadcast)
         self.config = config
         self.name = config.members[0].name
@@ -123,13 +139,41 @@ class OpenExchange:
         self.mailbox.step = max(self.mailbox.step, start_step)
         if self.broadcast is not None:  # a member with samplers: theirs is the only other key that signs as them
             self.key = share_key(self.broadcast, secrets.token_bytes(KEY_BYTES))
-        self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config), self.dataset,
-                                  max_parcel_bytes(self.config), self._deliver, step=start_step, source=self.source)
-        self.client.start(timeout=self.timeout_s)
+        links = ("", "")
+        if self.config.swarm.peers_per_step:  # parcels go member to member; the coordinator keeps membership
+            self.links = PeerLinks(self.name, self.listen, self.config.swarm.peers_per_step, self.config.seed,
+                                   max_parcel_bytes(self.config), self._deliver, self._live)
+            links = (self.links.start(), self.links.public)
+        if self.address.startswith(DHT_SCHEME):  # membership on hivemind's DHT: no coordinator at all
+            self.client = DhtMembership(dht_bootstrap(self.address), links_host(self.listen), self.name,
+                                        self.tokenizer, shared_settings(self.config), self.dataset,
+                                        self.config.swarm.lease_s, self.source, links, self.config.train.steps,
+                                        client_mode=not self.listen)
+            self.client.step = start_step
+        else:
+            self.client = SwarmClient(self.address, self.name, self.tokenizer, shared_settings(self.config),
+                                      self.dataset, max_parcel_bytes(self.config), self._deliver, step=start_step,
+                                      source=self.source, listen=links)
+        joined = False
+        try:
+            self.client.start(timeout=self.timeout_s)
+            joined = True
+        finally:
+            if not joined and self.links is not None:  # refused, or nobody to join: its links close with it
+                self.links.close()
+        if self.address.startswith(DHT_SCHEME):
+            log.warning("%s: in the swarm's DHT; another member joins through it with --join dht:%s", self.name,
+                        ",".join(self.client.maddrs()))
 
     def send(self, buffers: dict[int, torch.Tensor], step: int) -> dict[int, int]:
         buffer = buffers[0].to(torch.int32).contiguous()
         self.client.check()
+        if self.links is not None:  # to the peers it draws and those that drew it (about 2K), not through the relay
+            self.links.check()
+            self.client.step = max(self.client.step, step)  # its beats carry it: the peers' lead bound
+            self.links.publish(step, learner_version(step), buffer.numpy().tobytes())
+            return {0: wire_bytes_sent(buffer, min(2 * self.config.swarm.peers_per_step,
+                                                   len(self._live_numbers()) - 1))}
         self.client.publish(step, learner_version(step), buffer.numpy().tobytes())
         return {0: wire_bytes_sent(buffer, len(self._live_numbers()) - 1)}
 
@@ -194,6 +238,8 @@ class OpenExchange:
             self.broadcast.close()  # its samplers' receiving threads end, and the samplers leave
         if self.client is not None:
             self.client.close(leave=True)
+        if self.links is not None:
+            self.links.close()
 
     # ------------------------------------------------------------------------------------------- the client's thread
 

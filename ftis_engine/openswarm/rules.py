@@ -22,18 +22,19 @@ from ..config import (
 )
 from ..core.errors import shown
 from ..core.limits import max_buffer_words
-from .wire import MAC, SAMPLER_INDEX, SAMPLER_MARK
+from .wire import CURVE_KEY, MAC, SAMPLER_INDEX, SAMPLER_MARK, address_problem
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
 # optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
 SHARED = ("seed", "collaboration", "rollout.group_size", "rollout.prompts_per_step", "rollout.max_new_tokens",
           "rollout.temperature", "rollout.top_p", "rollout.top_k", "data", "train.steps", "swarm.max_lead",
-          "swarm.max_staleness", "swarm.max_delay_s")
+          "swarm.max_staleness", "swarm.max_delay_s", "swarm.peers_per_step")
 MAX_NAME = 100  # a member's name (config.SAFE_NAME); a sampler's adds SAMPLER_MARK and its index
 DIGEST = re.compile(r"[0-9a-f]{64}")  # a tokenizer's or training set's sha256 (models.vocabulary_hash, dataset_hash)
 MAX_SOURCE = 120  # a tokenizer's source: builtin:, packaged: or a hub id (at most 96 characters)
 SOURCE = re.compile(rf"(?:[A-Za-z0-9][A-Za-z0-9:/_.@+=-]{{0,{MAX_SOURCE - 1}}})?")  # nothing JSON escapes
-# live names at most: with the caps above a view entry is under 400 bytes, so MAX_LIVE of them fit one header
+MAX_ADDRESS = 64  # where a member listens for its peers (swarm.peers_per_step): tcp://HOST:PORT
+# live names at most: with the caps above a view entry is under 500 bytes, so MAX_LIVE of them fit one header
 MAX_LIVE = 128
 
 
@@ -73,7 +74,34 @@ def join_problem(header: dict) -> str | None:
     if not SOURCE.fullmatch(header["source"]):
         return (f"source: {_shown(repr(header['source']))} is not a tokenizer source (at most {MAX_SOURCE} letters, "
                 "digits and : / _ . @ + = -)")
+    address, key = header.get("address", ""), header.get("key", "")
+    if address and (len(address) > MAX_ADDRESS or not address.startswith("tcp://")
+                    or address_problem(address, bind=False) is not None):
+        return (f"address: {_shown(repr(address))} is not where a member listens (tcp://HOST:PORT, at most "
+                f"{MAX_ADDRESS} characters)")
+    if address.startswith("tcp://["):
+        return f"address: {_shown(repr(address))}: an IPv6 host is not supported for direct exchange"
+    if key and not curve_key(key):
+        return f"key: {_shown(repr(key))} is not a CurveZMQ public key (40 characters of Z85 of 32 bytes)"
+    if address and not key:
+        return "key: a member that listens announces the public key its links admit with"
     return None
+
+
+def curve_key(key: str) -> bool:
+    """Whether `key` is a CurveZMQ public key libzmq takes: Z85 of 32 bytes, written as Z85 writes it (40 characters
+    of its alphabet can still decode past 2^32 a chunk, which libzmq refuses: a socket given one raises)."""
+    import struct
+
+    from zmq.utils import z85
+
+    if not CURVE_KEY.fullmatch(key):
+        return False
+    try:
+        raw = z85.decode(key.encode("ascii"))
+    except (ValueError, struct.error):
+        return False
+    return len(raw) == 32 and z85.encode(raw) == key.encode("ascii")
 
 
 def lease_problem(lease_s: float) -> str | None:

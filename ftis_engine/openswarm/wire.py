@@ -25,6 +25,7 @@ SAMPLER_INDEX = re.compile(r"0|[1-9][0-9]{0,5}")  # its k as written: ASCII, no 
 MAX_HEADER = 1 << 16  # a join carries the shared settings: a few KiB
 MAX_INT = (1 << 31) - 1  # the largest integer in a header: a step, a version or a word count fits int32
 MAC = re.compile(r"[0-9a-f]{64}")  # a parcel's mac: hex of an HMAC-SHA256
+CURVE_KEY = re.compile(r"[0-9A-Za-z.:+=^!/*?&<>()\[\]{}@%$#-]{40}")  # a CurveZMQ public key in Z85
 
 # kind -> {field: type}; every field is required, no other is accepted
 SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -38,7 +39,8 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "leave": {"name": str},
 }
 # kind -> {field: type} a message may leave out: a sampler's parcels carry a mac, a learner's none
-OPTIONAL: dict[str, dict[str, type]] = {"parcel": {"mac": str}}
+# a join: where its member listens for its peers and its link key (swarm.peers_per_step; "" or absent: none)
+OPTIONAL: dict[str, dict[str, type]] = {"parcel": {"mac": str}, "join": {"address": str, "key": str}}
 
 
 class WireError(ValueError):

@@ -53,12 +53,14 @@ class Connection:
     opened: Callable[[object], None] | None = None
 
 
-def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None) -> Connection:
+def connect_local(config: RunConfig, evaluating: bool = False, join: str | None = None, listen: str | None = None
+                  ) -> Connection:
     """Every member in this process: they step together (async: deliveries delayed by swarm.latency only); or,
-    with join (the coordinator's address), this config's one member in an open swarm, on one process."""
+    with join (the coordinator's address), this config's one member in an open swarm, on one process (listen: where
+    its peers dial it, swarm.peers_per_step)."""
 
     if join is not None:
-        exchange = OpenExchange(join, config)
+        exchange = OpenExchange(join, config, listen=listen)
         role = Role(joined=True, asynchronous=config.swarm.mode == "async")
         return Connection(exchange, role, open_peers=exchange.book, opened=exchange.attach)
     role = Role(evaluating=evaluating, asynchronous=config.swarm.mode == "async")

@@ -102,19 +102,12 @@ def _token_logprobs(x, weight, bias, targets, counted, temperature: float, backe
 
 
 def _loss(x, x_name, weight, bias, inputs: LossInputs, counted, cfg, backend) -> LossOutput:
-    num_sequences = check_count("num_sequences", inputs.num_sequences, inputs.advantages.numel(), "sequences")
-    num_tokens = inputs.num_tokens
-    if num_tokens is not None:
-        num_tokens = check_count("num_tokens", num_tokens, int(counted.sum()), "counted tokens")
+    check_count("num_sequences", inputs.num_sequences, inputs.advantages.numel(), "sequences")
+    if inputs.num_tokens is not None:
+        check_count("num_tokens", inputs.num_tokens, int(counted.sum()), "counted tokens")
     logprobs, entropy = _token_logprobs(x, weight, bias, inputs.targets, counted, cfg.temperature, backend)
     check_finite_logprobs(x, x_name, counted, logprobs)
-    loss, (sums, counts), per_sequence = ftis_objective(
-        logprobs, entropy, inputs.gen_logprobs, inputs.advantages, inputs.cu_seqlens, counted, cfg,
-        inputs.old_logprobs, inputs.group_ids, num_sequences=num_sequences, num_tokens=num_tokens,
-        gen_seq_logprobs=inputs.gen_seq_logprobs, ref_logprobs=inputs.ref_logprobs, is_self=inputs.is_self,
-        gen_seq_tokens=inputs.gen_seq_tokens, capability_ratio=inputs.capability_ratio,
-        mini_batch_index=inputs.mini_batch_index,
-    )
+    loss, (sums, counts), per_sequence = ftis_objective(logprobs, entropy, counted, inputs, cfg)
     stats = {k: sums[k] / torch.clamp(counts[k], min=1).to(sums[k].dtype) for k in sums}
     return LossOutput(loss=loss, logprobs=logprobs.detach(), stats=stats, stat_sums=sums, stat_counts=counts,
                       sequences=per_sequence)

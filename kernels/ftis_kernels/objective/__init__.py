@@ -9,9 +9,8 @@ backward vocabulary pass turns into the gradient of the logits, or of hidden, we
 """
 
 from .aggregate import aggregate, with_regularisers
-from .prepare import ObjectiveInputs, Prepared, prepare
+from .prepare import Prepared, prepare
 from .stats import statistics
 from .terms import POLICY_TERMS, PolicyTerm
 
-__all__ = ["POLICY_TERMS", "ObjectiveInputs", "PolicyTerm", "Prepared", "aggregate", "prepare", "statistics",
-           "with_regularisers"]
+__all__ = ["POLICY_TERMS", "PolicyTerm", "Prepared", "aggregate", "prepare", "statistics", "with_regularisers"]

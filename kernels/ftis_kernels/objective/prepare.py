@@ -13,30 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import LossConfig
+from ..config import LossConfig, LossInputs
 from .segments import LOG_RATIO_CLAMP, exp_log_ratio, mean_of, segment_max, segment_sum, sequence_index
-
-
-@dataclass(frozen=True)
-class ObjectiveInputs:
-    """The objective's inputs, as `ftis_objective` takes them (its docstring gives shapes and meanings)."""
-
-    logprobs: torch.Tensor
-    entropy: torch.Tensor
-    gen_logprobs: torch.Tensor
-    advantages: torch.Tensor
-    cu_seqlens: torch.Tensor
-    counted: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
-    group_ids: torch.Tensor | None = None
-    num_sequences: int | None = None
-    num_tokens: int | None = None
-    gen_seq_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    is_self: torch.Tensor | None = None
-    gen_seq_tokens: torch.Tensor | None = None
-    capability_ratio: torch.Tensor | None = None
-    mini_batch_index: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +41,7 @@ class Prepared:
     seq_norm: torch.Tensor | int  # the sequences a sequence mean divides by
     token_norm: torch.Tensor | int  # the tokens a token mean divides by
     batch_sequences: int  # S, or the whole batch's num_sequences
-    inputs: ObjectiveInputs  # the method-specific inputs (group_ids, is_self, ...) are read from here
+    inputs: LossInputs  # the method-specific inputs (group_ids, is_self, ...) are read from here
 
     @property
     def num_seqs(self) -> int:
@@ -187,50 +165,52 @@ def kl_filter(g: torch.Tensor, lb: torch.Tensor, advantages: torch.Tensor, seq: 
     return kl, filtered, torch.where(filtered, zero, advantages)
 
 
-def _normalisers(inputs: ObjectiveInputs, counted: torch.Tensor, emptied: torch.Tensor, cfg: LossConfig
-                 ) -> tuple[torch.Tensor | int, torch.Tensor | int, int]:
+def _normalisers(inputs: LossInputs, counted: torch.Tensor, emptied: torch.Tensor, dtype: torch.dtype,
+                 cfg: LossConfig) -> tuple[torch.Tensor | int, torch.Tensor | int, int]:
     """(sequences, tokens, batch sequences): what the sequence and token means divide by, this call's own counts
     unless it is one micro-batch of a batch whose num_sequences / num_tokens are given. Sequences that rejection
-    emptied leave the sequence count (verl's seq-mean); the constant normaliser counts every sequence."""
+    emptied leave the sequence count (verl's seq-mean); the constant normaliser counts every sequence. Counts in
+    `dtype`, the arithmetic one."""
     num_seqs = inputs.advantages.numel()
     if inputs.num_sequences is not None:
         seq_norm = inputs.num_sequences
     elif cfg.reject != "none":
-        seq_norm = torch.clamp(num_seqs - emptied.to(inputs.logprobs.dtype).sum(), min=1)
+        seq_norm = torch.clamp(num_seqs - emptied.to(dtype).sum(), min=1)
     else:
         seq_norm = num_seqs
     token_norm = inputs.num_tokens
     if token_norm is None:
-        token_norm = torch.clamp(counted.to(inputs.logprobs.dtype).sum(), min=1)
+        token_norm = torch.clamp(counted.to(dtype).sum(), min=1)
     return seq_norm, token_norm, num_seqs if inputs.num_sequences is None else inputs.num_sequences
 
 
-def _policies(inputs: ObjectiveInputs, seq: torch.Tensor, cfg: LossConfig
+def _policies(lb: torch.Tensor, given: torch.Tensor, inputs: LossInputs, seq: torch.Tensor, cfg: LossConfig
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(o_t, n_t, g_t) per token: the old policy (lb_t unless given), the IS weight's numerator (lb_t, the paper,
     or o_t under is_source old: decoupled PPO) and the generators' log-probs, spread over the sequences that have
-    only a sequence log-probability."""
-    lb = inputs.logprobs.detach()
+    only a sequence log-probability. lb: [N] l_t detached; given: [N] bool, the tokens counted before rejection."""
     dtype = lb.dtype
     old = lb
     if inputs.old_logprobs is not None:
-        old = torch.where(inputs.counted, inputs.old_logprobs.to(dtype), lb.new_zeros(()))
+        old = torch.where(given, inputs.old_logprobs.to(dtype), lb.new_zeros(()))
     numerator = old if cfg.is_source == "old" else lb
     gen = inputs.gen_logprobs.to(dtype)
     if inputs.gen_seq_logprobs is not None:
-        gen = spread_sequence_logprobs(gen, inputs.gen_seq_logprobs.to(dtype), numerator, seq, inputs.counted,
+        gen = spread_sequence_logprobs(gen, inputs.gen_seq_logprobs.to(dtype), numerator, seq, given,
                                        inputs.advantages.numel())
     return old, numerator, gen
 
 
-def prepare(inputs: ObjectiveInputs, cfg: LossConfig) -> Prepared:
-    """Stage 1: the rejection, the KL filter, the IS weight, the reference KL and the normalisers of one call."""
-    lb = inputs.logprobs.detach()
+def prepare(logprobs: torch.Tensor, entropy: torch.Tensor, given: torch.Tensor, inputs: LossInputs,
+            cfg: LossConfig) -> Prepared:
+    """Stage 1: the rejection, the KL filter, the IS weight, the reference KL and the normalisers of one call.
+    logprobs: [N] l_t (with gradient, in the arithmetic dtype); entropy: [N]; given: [N] bool, False where the target
+    is ignore_index; inputs: the op's (its targets are not read)."""
+    lb = logprobs.detach()
     dtype, zero = lb.dtype, lb.new_zeros(())
     num_seqs = inputs.advantages.numel()
     seq = sequence_index(inputs.cu_seqlens, lb.numel())
-    given = inputs.counted
-    old, numerator, gen = _policies(inputs, seq, cfg)
+    old, numerator, gen = _policies(lb, given, inputs, seq, cfg)
     counted, emptied = given, torch.zeros(num_seqs, dtype=torch.bool, device=inputs.advantages.device)
     if cfg.reject != "none":  # a rejected token counts nowhere from here on, as if its target were ignored
         counted, emptied = rejection(numerator, gen, seq, given, num_seqs, cfg)
@@ -245,11 +225,11 @@ def prepare(inputs: ObjectiveInputs, cfg: LossConfig) -> Prepared:
         is_weight, out_of_range = importance_weight(numerator - g, seq, tokens_per_seq, counted, cfg)
     ref_kl = None
     if inputs.ref_logprobs is not None:  # KL_ref,t from x = ref_t - l_t, differentiable through l_t
-        x = inputs.ref_logprobs.to(dtype) - inputs.logprobs
+        x = inputs.ref_logprobs.to(dtype) - logprobs
         ref_kl = torch.where(counted, kl_per_token(x, cfg.ref_kl_estimator), zero)
-    seq_norm, token_norm, batch_sequences = _normalisers(inputs, counted, emptied, cfg)
+    seq_norm, token_norm, batch_sequences = _normalisers(inputs, counted, emptied, dtype, cfg)
     return Prepared(
-        logprobs=inputs.logprobs, entropy=inputs.entropy.to(dtype), seq=seq, given=given, counted=counted,
+        logprobs=logprobs, entropy=entropy.to(dtype), seq=seq, given=given, counted=counted,
         emptied=emptied, old=old, own_gen=inputs.gen_logprobs.to(dtype), g=g, tokens_per_seq=tokens_per_seq,
         kl=kl, filtered=filtered, advantages=advantages, is_weight=is_weight, is_out_of_range=out_of_range,
         ref_kl=ref_kl, seq_norm=seq_norm, token_norm=token_norm, batch_sequences=batch_sequences, inputs=inputs,
