@@ -213,3 +213,56 @@ def test_a_run_with_bf16_masters_trains_and_resumes_end_to_end(tmp_path):
     assert {t.dtype for t in saved[0].values()} == {torch.bfloat16}
     for before, after in zip(saved, saved[1:]):
         assert sum(int((before[k] != after[k]).sum()) for k in before) > 0
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    """Small parameters with signed zeros among their values (a step of lr 0 must keep -0.0 as -0.0)."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randn(7, 5, generator=g)
+    first[0, :2] = torch.tensor([0.0, -0.0])
+    return [torch.nn.Parameter(first), torch.nn.Parameter(torch.randn(11, generator=g))]
+
+
+@pytest.mark.parametrize("kind", ["adam", "adamw"])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+@pytest.mark.parametrize("path", ["foreach", "single", "fused"])
+def test_adam_states_made_at_build_leave_the_weights_and_every_later_step_exactly_as_lazy_ones(kind, weight_decay,
+                                                                                              path):
+    """Issue 81's lever: on a GPU the Adam states are created when the optimizer is built (materialise_states), not
+    inside the first update. The oracle is the lazy optimizer: after the build the weights are bit for bit as they
+    were (signed zeros too), and three steps later weights and states equal the lazy optimizer's bit for bit."""
+    from ftis_engine.model.precision import materialise_states
+
+    cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+    options = {"foreach": {"foreach": True}, "single": {"foreach": False}, "fused": {"fused": True}}[path]
+    lazy, eager = _params(0), _params(0)
+    made = [cls(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=weight_decay, **options) for ps in (lazy, eager)]
+    materialise_states(made[1])
+    assert all(torch.equal(a, b) and torch.equal(a.signbit(), b.signbit()) for a, b in zip(lazy, eager))
+    assert all(p.grad is None for p in eager) and made[1].param_groups[0]["lr"] == 1e-2
+    assert all(float(made[1].state[p]["step"]) == 0 for p in eager) and made[0].state == {}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        grads = [torch.randn(p.shape, generator=g) for p in lazy]
+        for ps, optimizer in zip((lazy, eager), made):
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(lazy, eager))
+    for a, b in zip(lazy, eager):
+        assert made[0].state[a].keys() == made[1].state[b].keys()
+        assert all(torch.equal(made[0].state[a][k], made[1].state[b][k]) for k in made[0].state[a])
+
+
+def test_the_optimizer_is_fused_and_its_states_made_at_build_only_on_one_gpu(monkeypatch):
+    """On the CPU (every run and test here) make_optimizer keeps torch's default path, lazy states: nothing changes
+    in a CPU run's numbers. On one GPU (stood in for by the CPU's fused Adam) it asks for the fused step and makes the
+    states at once."""
+    from ftis_engine.model import precision
+
+    cpu = precision.make_optimizer(_params(0), "adam", 1e-3, (0.9, 0.999), 0.0, torch.float32)
+    assert not precision.on_one_gpu(_params(0)) and not cpu.defaults.get("fused") and cpu.state == {}
+    monkeypatch.setattr(precision, "on_one_gpu", lambda params: True)
+    gpu = precision.make_optimizer(_params(0), "adamw", 1e-3, (0.9, 0.999), 0.1, torch.float32)
+    assert gpu.defaults["fused"] is True
+    assert [sorted(s) for s in gpu.state.values()] == [["exp_avg", "exp_avg_sq", "step"]] * 2
