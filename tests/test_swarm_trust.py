@@ -205,7 +205,7 @@ def test_a_coordinator_announcing_a_bad_lease_over_a_socket_stops_the_members_st
 
 
 def _entry(step: int = 0) -> dict:
-    return {"step": step, "tokenizer": TOKENIZER, "source": ""}
+    return {"step": step, "tokenizer": TOKENIZER, "source": "", "address": "", "key": ""}
 
 
 def test_a_member_list_no_coordinator_sends_is_dropped_and_the_last_good_one_kept():
