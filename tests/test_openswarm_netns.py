@@ -168,7 +168,9 @@ def test_the_lab_gives_each_link_its_delay_and_loss():
         received = int(sink.stdout.readline())
         assert abs(received - 900) <= 5 * (1000 * 0.9 * 0.1) ** 0.5, (received, lab.shaping)
         shaped = lab.shaped()
-        assert {pair: sorted(held) for pair, held in shaped.items()} == {
+        # the hosts' packets only: the test process's own link ("here") may carry a stray packet of an earlier test
+        # in this worker (a ZeroMQ socket that dialled 10.213.1.2, this lab's "near", in its lab), no part of this
+        assert {pair: sorted(held) for pair, held in shaped.items() if "here" not in pair} == {
             ("far", "near"): [100], ("near", "far"): [100], ("lossy", "near"): [0]}, shaped
         assert shaped["far", "near"][100] >= 5 and shaped["lossy", "near"][0] >= received  # (5 SYNs, at least)
 
