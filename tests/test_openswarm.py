@@ -495,8 +495,9 @@ def _shared_for(steps):
         f"train.steps={steps}", "rollout.group_size=4", "rollout.prompts_per_step=2"]))
 
 
-def _member_hashes(steps):
-    """(tokenizer hash, shared settings, training-set hash) that the shipped member configs join with."""
+def _member_hashes(steps, *extra):
+    """(tokenizer hash, shared settings, training-set hash) that the shipped member configs join with (extra: more
+    overrides, as the members are given)."""
     from ftis_engine.config import load_config
     from ftis_engine.run.preflight import check_members
     from ftis_engine.model.models import vocabulary_hash
@@ -506,9 +507,19 @@ def _member_hashes(steps):
     from .helpers import ROOT
 
     config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", "rollout.group_size=4",
-                                                              "rollout.prompts_per_step=2"])
+                                                              "rollout.prompts_per_step=2", *extra])
     return (vocabulary_hash(check_members(config)[0]), shared_settings(config),
             dataset_hash(load_task(config.data, config.seed)))
+
+
+def assert_trained_on_each_other(tmp_path, steps, a="tiny-s", b="tiny-m-lora"):
+    """Each of two members stepped 1..steps, rejected no parcel and trained on the other's rollouts only."""
+    for me, peer in ((a, b), (b, a)):
+        records = _train_records(tmp_path, me)
+        assert [r["step"] for r in records] == list(range(1, steps + 1))
+        assert all(r["rejected_batches"] == 0 for r in records)
+        used = [k for r in records for k in r["received_sha256"]]
+        assert used and all(k.startswith(f"{peer}@") for k in used), used
 
 
 def _train_records(tmp_path, name):

@@ -65,23 +65,11 @@ def test_two_member_jobs_on_a_dht_train_on_each_others_rollouts_with_no_coordina
     --listen: a DHT client that only dials); both train on each other's directly sent parcels, none rejected."""
     import subprocess
 
-    from ftis_engine.config import load_config
-    from ftis_engine.data.tasks import load_task
-    from ftis_engine.model.models import vocabulary_hash
-    from ftis_engine.openswarm.member import dataset_hash
-    from ftis_engine.openswarm.rules import shared_settings
-    from ftis_engine.run.preflight import check_members
-
-    from .helpers import ROOT
     from .ports import free_port
-    from .test_openswarm import _member_args, _train_records
+    from .test_openswarm import _member_args, _member_hashes, assert_trained_on_each_other
 
     steps, direct = 6, "swarm.peers_per_step=1"
-    config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", "rollout.group_size=4",
-                                                              "rollout.prompts_per_step=2", direct])
-    metronome = DhtMembership([], "127.0.0.1", "metronome", vocabulary_hash(check_members(config)[0]),
-                              shared_settings(config), dataset_hash(load_task(config.data, config.seed)), 600.0,
-                              steps=steps)
+    metronome = DhtMembership([], "127.0.0.1", "metronome", *_member_hashes(steps, direct), 600.0, steps=steps)
     metronome.start(timeout=60)
     join = "dht:" + metronome.maddrs()[0]
     procs = []
@@ -96,12 +84,7 @@ def test_two_member_jobs_on_a_dht_train_on_each_others_rollouts_with_no_coordina
               "both to join and wait at step 2", timeout=300)
         metronome.step = steps
         assert all(p.wait(600) == 0 for p in procs), (tmp_path / "tiny-m-lora.log").read_text()[-3000:]
-        for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
-            records = _train_records(tmp_path, me)
-            assert [r["step"] for r in records] == list(range(1, steps + 1))
-            assert all(r["rejected_batches"] == 0 for r in records)
-            used = [k for r in records for k in r["received_sha256"]]
-            assert used and all(k.startswith(f"{peer}@") for k in used), used
+        assert_trained_on_each_other(tmp_path, steps)
     finally:
         for p in procs:
             p.kill()

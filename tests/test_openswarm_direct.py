@@ -175,28 +175,18 @@ def test_two_members_one_behind_a_nat_train_on_each_others_rollouts_sent_directl
     """Two member jobs with swarm.peers_per_step=1: tiny-s listens, tiny-m-lora only dials (no --listen, as behind a
     NAT). Each trains on the other's parcels (admitted: dealt by name and step, re-scored, none rejected), and the
     coordinator, which keeps membership only, relays nothing."""
-    from ftis_engine.config import load_config
-    from ftis_engine.data.tasks import load_task
-    from ftis_engine.model.models import vocabulary_hash
     from ftis_engine.openswarm.client import SwarmClient
     from ftis_engine.openswarm.coordinator import Coordinator
-    from ftis_engine.openswarm.member import dataset_hash
-    from ftis_engine.openswarm.rules import shared_settings
-    from ftis_engine.run.preflight import check_members
 
-    from .helpers import ROOT
     from .ports import free_port
-    from .test_openswarm import Running, _member_args, _train_records
+    from .test_openswarm import Running, _member_args, _member_hashes, assert_trained_on_each_other
 
     steps, direct = 6, "swarm.peers_per_step=1"
-    config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", "rollout.group_size=4",
-                                                              "rollout.prompts_per_step=2", direct])
-    shared = shared_settings(config)
+    tokenizer, shared, dataset = _member_hashes(steps, direct)
     coordinator = Coordinator(shared, lease_s=600.0, max_body=1 << 22)
     running = Running(coordinator=coordinator)
     # a member alone has nobody to wait for: a metronome (it sends nothing, listens nowhere) holds both at step 2
-    metronome = SwarmClient(running.address, "metronome", vocabulary_hash(check_members(config)[0]), shared,
-                            dataset_hash(load_task(config.data, config.seed)), 1 << 22, lambda *args: None)
+    metronome = SwarmClient(running.address, "metronome", tokenizer, shared, dataset, 1 << 22, lambda *args: None)
     metronome.start(timeout=30)
     procs = []
     try:
@@ -208,12 +198,7 @@ def test_two_members_one_behind_a_nat_train_on_each_others_rollouts_sent_directl
         assert metronome.members()["tiny-s"]["address"] and not metronome.members()["tiny-m-lora"]["address"]
         metronome.step = steps
         assert all(p.wait(600) == 0 for p in procs), (tmp_path / "tiny-s.log").read_text()[-2000:]
-        for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
-            records = _train_records(tmp_path, me)
-            assert [r["step"] for r in records] == list(range(1, steps + 1))
-            assert all(r["rejected_batches"] == 0 for r in records)
-            used = [k for r in records for k in r["received_sha256"]]
-            assert used and all(k.startswith(f"{peer}@") for k in used), used
+        assert_trained_on_each_other(tmp_path, steps)
         assert coordinator.relayed == 0 and coordinator.refused == 0  # nobody sent it a parcel
     finally:
         metronome.close()

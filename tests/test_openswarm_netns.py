@@ -349,16 +349,10 @@ def test_across_hosts_a_member_behind_a_nat_exchanges_directly_with_one_that_lis
     other's parcels, none rejected, over links of 50 ms each way."""
     import socket
 
-    from ftis_engine.config import load_config
-    from ftis_engine.data.tasks import load_task
-    from ftis_engine.model.models import vocabulary_hash
     from ftis_engine.openswarm.client import SwarmClient
-    from ftis_engine.openswarm.member import dataset_hash
-    from ftis_engine.openswarm.rules import shared_settings
-    from ftis_engine.run.preflight import check_members
 
     from .helpers import ROOT
-    from .test_openswarm import _member_args, _train_records, until
+    from .test_openswarm import _member_args, _member_hashes, assert_trained_on_each_other, until
 
     if not os.path.exists("/dev/net/tun"):
         pytest.skip("no /dev/net/tun: the TUN shaper, which plays the NAT, cannot run here")
@@ -373,10 +367,7 @@ def test_across_hosts_a_member_behind_a_nat_exchanges_directly_with_one_that_lis
         coordinator = lab.popen("coord", serve_args, stderr=open(tmp_path / "coord.log", "w"))
         until(lambda: (tmp_path / "c" / "coordinator.jsonl").exists() or coordinator.poll() is not None,
               "the coordinator", timeout=120)
-        config = load_config(ROOT / "configs/swarm/tiny-s.yaml", [f"train.steps={steps}", *OVERRIDES, direct])
-        metronome = SwarmClient(address, "metronome", vocabulary_hash(check_members(config)[0]),
-                                shared_settings(config), dataset_hash(load_task(config.data, config.seed)), 1 << 22,
-                                lambda *args: None)
+        metronome = SwarmClient(address, "metronome", *_member_hashes(steps, direct), 1 << 22, lambda *args: None)
         metronome.start(timeout=60)
         procs = []
         try:
@@ -389,12 +380,7 @@ def test_across_hosts_a_member_behind_a_nat_exchanges_directly_with_one_that_lis
                 socket.create_connection((lab.address("tiny-m-lora"), PORT + 1), timeout=2)
             metronome.step = steps
             assert all(p.wait(600) == 0 for p in procs), (tmp_path / "tiny-m-lora.log").read_text()[-2000:]
-            for me, peer in (("tiny-s", "tiny-m-lora"), ("tiny-m-lora", "tiny-s")):
-                records = _train_records(tmp_path, me)
-                assert [r["step"] for r in records] == list(range(1, steps + 1))
-                assert all(r["rejected_batches"] == 0 for r in records)
-                used = [k for r in records for k in r["received_sha256"]]
-                assert used and all(k.startswith(f"{peer}@") for k in used), used
+            assert_trained_on_each_other(tmp_path, steps)
             assert lab.shaped()[("here", "tiny-m-lora")].get("syn-dropped", 0) >= 1
         finally:
             metronome.close()
