@@ -58,6 +58,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
+from ftis_engine.report.metrics import read_metrics  # noqa: E402
+
 PORT = 5555
 PROFILES = {
     # prompts a member a step, completions a prompt, mean and largest completion length (tokens)
@@ -131,7 +133,7 @@ def replay_member(name: str, address: str, overrides: list[str], profile: dict, 
     rng = random.Random(seed)
     claim = -math.log(vocab)  # the true log-probability of a uniform draw: an honest claim
     with open(out, "w") as records:
-        records.write(json.dumps({"kind": "start", "name": name, "started": started, "joining": joining,
+        records.write(json.dumps({"kind": "start", "member": name, "step": 0, "started": started, "joining": joining,
                                   "welcomed": welcomed}) + "\n")
         records.flush()
         deadline = time.monotonic() + config.swarm.timeout_s
@@ -164,7 +166,7 @@ def replay_member(name: str, address: str, overrides: list[str], profile: dict, 
             time.sleep(update_s)
             metrics = got.metrics()
             records.write(json.dumps({
-                "kind": "step", "step": step, "begun": begun, "ended": time.time(), "sent_bytes": sent,
+                "kind": "step", "member": name, "step": step, "begun": begun, "ended": time.time(), "sent_bytes": sent,
                 "own_bytes": 4 * buffer.numel(), "parcels": len(arrivals.parcels),
                 "received_bytes": sum(4 * p.buffer.numel() for p in arrivals.parcels),
                 "wait_seconds": arrivals.wait_seconds, "lead_wait_seconds": arrivals.lead_wait_seconds,
@@ -282,23 +284,17 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
 
 
 def _steps_done(path: pathlib.Path) -> int:
-    if not path.exists():
-        return 0
-    return sum(1 for line in path.read_text().splitlines() if line.endswith("}") and '"kind": "step"' in line)
+    return len(read_metrics(path, kinds="step"))  # the line a member is writing left out
 
 
 def _read(path: pathlib.Path) -> list[dict]:
-    out = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+    """A replaying member's records (metrics.jsonl's format: the project's one reader)."""
+    return read_metrics(path)
 
 
 def _coordinator_events(work: pathlib.Path) -> list[dict]:
-    return _read(work / "coord" / "coordinator.jsonl")
+    path = work / "coord" / "coordinator.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
 def summarise(members, args, work, procs, names, newcomer, killed, events, begun, coord, member_bytes) -> dict:
