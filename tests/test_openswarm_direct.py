@@ -151,6 +151,36 @@ def test_a_listen_address_or_setting_that_cannot_be_is_one_line_and_leaves_nothi
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("hivemind, argv, said", [
+    (False, ["--join", "dht:", *DIRECT],
+     "error: --join: 'dht:' needs hivemind for its DHT: pip install 'ftis-engine[dht]'"),
+    (True, ["--join", "dht:"],
+     "error: --join: 'dht:' has no coordinator to relay parcels: a swarm on a DHT exchanges directly (set "
+     "swarm.peers_per_step)"),
+    (True, ["--join", "dht:/ip4/10.0.0.1/tcp/4000/p2p/Qm,10.0.0.2:4000", *DIRECT],
+     "error: --join: 'dht:/ip4/10.0.0.1/tcp/4000/p2p/Qm,10.0.0.2:4000' has '10.0.0.2:4000', which is no multiaddr"),
+    (True, ["--join", "dht:", "--listen", "tcp://localhost:6000", *DIRECT],
+     "error: --listen: 'tcp://localhost:6000' is not at an IPv4 address, where a member on a DHT listens for it too"),
+])
+def test_a_dht_join_that_cannot_be_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, hivemind, argv,
+                                                                  said):
+    """`--join dht:` (openswarm/dht.py) refuses before anything starts: hivemind absent (with it or without it here:
+    find_spec is patched either way), a swarm relayed through a coordinator, a bootstrap that is no multiaddr, a
+    --listen host that is a name."""
+    import importlib.util
+
+    from .helpers import ROOT, command_here
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (object() if hivemind else None)
+                        if name == "hivemind" else find_spec(name, *rest))
+    done = command_here(capsys, "train", "--config", ROOT / "configs/swarm/tiny-s.yaml", *argv, "--output-dir",
+                        tmp_path / "runs")
+    (line,) = done.stderr.splitlines()
+    assert done.returncode == 2 and line.startswith(said), done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_links_that_cannot_listen_at_an_address_say_so_in_one_line():
     """An address in use (another socket holds the port): ListenError naming it, not a thread's traceback."""
     import socket

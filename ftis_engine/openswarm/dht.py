@@ -4,8 +4,9 @@ with no coordinator, for a swarm of direct exchange (swarm.peers_per_step). `pip
     ftis-engine train --config member.yaml --join dht: --listen tcp://HOST:6000              # the first member
     ftis-engine train --config other.yaml --join dht:/ip4/HOST/tcp/PORT/p2p/PEER --listen ...  # any member's address
 
-A member is a subkey of one key, `ftis-swarm/<sha256 of the shared settings and the training set>` (members of
-other settings are in another swarm), signed with the member's RSA key (hivemind's RSASignatureValidator: nobody
+A member is a subkey of one key, `ftis-swarm/<sha256 of the shared settings, the training set and the lease>`
+(members of other settings, or of another swarm.lease_s, are in another swarm: with no coordinator to hold it, the
+lease is the swarm's by its key), signed with the member's RSA key (hivemind's RSASignatureValidator: nobody
 rewrites another's record); its value {step, tokenizer, source, address, key, stamp} expires a lease after each
 renewal (every lease / 4, from its own thread: a DHT call blocks for seconds on a hung peer). A member that leaves
 stores a record marked left. The view is read every second from the same thread; each entry is held to the
@@ -13,6 +14,12 @@ coordinator's rules for a join (rules.join_problem) and a step no later than the
 counted (`malformed`). A name that another owner holds at join is refused in one line; two live records under one
 name are both left out (no member knows which is the first). Any member's DHT address bootstraps a newcomer: the
 DHT has no node whose death ends it.
+
+Clocks: a record's stamp is its writer's clock. A reader leaves out a record stamped more than a quarter lease in
+its future or more than a lease in its past (the swarm's lease, one for all its members by its key; an honest
+member's stamp is at most a quarter lease old: it renews that often), so that a writer's clock, wrong or lying,
+keeps its record live at most a lease and a quarter after its last renewal. A joiner whose clock is more than 3 s off its bootstrap peer's (hivemind's own check at its first ping) is
+refused in one line naming the clock.
 
 This class has the SwarmClient's surface that OpenExchange uses (start, check, members, departed, step, dropped,
 close), so the member's transport, schedule and receiver are unchanged.
@@ -31,6 +38,7 @@ from .client import JoinRefused
 from .rules import join_problem
 
 KEY_PREFIX = "ftis-swarm/"
+MAX_DHT_TIME_DISCREPANCY_SECONDS = 3  # hivemind's (hivemind.utils.timed_storage), which a test holds it to
 OWNER = b"[owner:"
 
 
@@ -47,25 +55,26 @@ def dht_problem(address: str, cfg) -> str | None:
     return f"has {bad[0][:60]!r}, which is no multiaddr (/ip4/HOST/tcp/PORT/p2p/PEER)" if bad else None
 
 
-def swarm_key(shared: dict, dataset: str) -> str:
-    """The DHT key of the swarm of these shared settings and training set."""
-    digest = hashlib.sha256(json.dumps(shared, sort_keys=True).encode() + b"\x00" + dataset.encode()).hexdigest()
+def swarm_key(shared: dict, dataset: str, lease_s: float) -> str:
+    """The DHT key of the swarm of these shared settings, training set and lease."""
+    digest = hashlib.sha256(json.dumps([shared, dataset, float(lease_s)], sort_keys=True).encode()).hexdigest()
     return KEY_PREFIX + digest[:32]
 
 
 class DhtMembership:
     def __init__(self, bootstrap: list[str], host: str, name: str, tokenizer: str, shared: dict, dataset: str,
                  lease_s: float, source: str = "", listen: tuple[str, str] = ("", ""), steps: int | None = None,
-                 client_mode: bool = False):
+                 client_mode: bool = False, clock=time.time):
         """bootstrap: multiaddrs of any live members' DHT peers ([] for the first member); host: the IPv4 address
         this member's DHT listens on (where the others reach it); client_mode: it only dials (behind a NAT: no
-        other member can bootstrap through it)."""
+        other member can bootstrap through it); clock: what stamps its records and judges others' (the machine's)."""
         self.client_mode = client_mode
+        self._clock = clock
         # the longest a DHT call may take (a hung peer blocks one for seconds): past it the call is a TimeoutError,
         # the thread's end, which check() raises in the member's next step
         self._bound = max(10.0, lease_s)
         self.bootstrap, self.host, self.name, self.lease_s, self.steps = bootstrap, host, name, lease_s, steps
-        self.key = swarm_key(shared, dataset)
+        self.key = swarm_key(shared, dataset, lease_s)
         self._record = {"tokenizer": tokenizer, "source": source, "address": listen[0], "key": listen[1]}
         self.step = 0  # the newest step this member has published (its renewals carry it)
         self.dropped = 0  # (the relay's count: nothing is relayed here)
@@ -83,9 +92,11 @@ class DhtMembership:
 
     def start(self, timeout: float) -> None:
         """Join the DHT (through `bootstrap`) and take this member's name; raises ConnectionError (no bootstrap
-        peer answered, in one line) or JoinRefused (its name is another member's)."""
+        peer answered, in one line) or JoinRefused (its name is another member's, or its clock is off its bootstrap
+        peer's)."""
         import hivemind
         from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.dht.protocol import ValidationError
         from hivemind.p2p import P2PDaemonError
 
         from hivemind.utils.crypto import RSAPrivateKey
@@ -98,6 +109,11 @@ class DhtMembership:
                                     host_maddrs=[f"/ip4/{self.host}/tcp/0"], record_validators=[validator],
                                     client_mode=self.client_mode, nat_port_map=False, auto_nat=False,
                                     use_relay=False)
+        except ValidationError as exc:  # hivemind's first ping: the bootstrap peer's clock against this one's
+            # from None: hivemind's words follow in the message; its traceback is the forked DHT's
+            raise JoinRefused(f"this machine's clock is more than {MAX_DHT_TIME_DISCREPANCY_SECONDS} s off its "
+                              f"bootstrap peer's, past what the DHT admits ({shown(str(exc).strip())}): set it "
+                              f"right (NTP) and join again") from None
         # no bootstrap answered (hivemind raises P2PDaemonError from its daemon, RuntimeError from its node's
         # first ping), or an address is none
         except (P2PDaemonError, RuntimeError, OSError, TimeoutError, ValueError) as exc:
@@ -144,7 +160,7 @@ class DhtMembership:
     def _store(self, left: bool) -> None:
         from hivemind.utils.timed_storage import get_dht_time
 
-        value = {**self._record, "step": self.step, "stamp": time.time(), "left": left}
+        value = {**self._record, "step": self.step, "stamp": float(self._clock()), "left": left}
         self.dht.store(self.key, subkey=self._subkey, value=value, expiration_time=get_dht_time() + self.lease_s,
                        return_future=True).result(timeout=self._bound)
 
@@ -174,13 +190,16 @@ class DhtMembership:
         return {name: entries[0] for name, entries in by_name.items() if name not in doubled}
 
     def _admitted(self, name: str, value) -> bool:
-        """A record the coordinator would have admitted: a join's rules for its fields, a step within the run."""
+        """A record the coordinator would have admitted: a join's rules for its fields, a step within the run, a
+        stamp no more than a quarter lease ahead of this member's clock and no more than a lease behind it."""
         fields = {"step": int, "tokenizer": str, "source": str, "address": str, "key": str, "stamp": float,
                   "left": bool}
         if not isinstance(value, dict) or set(value) != set(fields) or not all(
                 isinstance(value[f], t) and (t is bool or not isinstance(value[f], bool)) for f, t in fields.items()):
             return False
         if value["step"] < 0 or (self.steps is not None and value["step"] > self.steps):
+            return False
+        if not -self.lease_s / 4 <= self._clock() - value["stamp"] <= self.lease_s:  # its writer's clock is off
             return False
         return join_problem({"name": name, "tokenizer": value["tokenizer"], "source": value["source"],
                              "dataset": "0" * 64, "address": value["address"], "key": value["key"]}) is None
