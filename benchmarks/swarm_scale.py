@@ -4,6 +4,8 @@ coordinator, measured at each size.
     python benchmarks/swarm_scale.py                           # 8 16 32 64 members, 20 steps, the real-PEFT profile
     python benchmarks/swarm_scale.py --sizes 8 --steps 6       # one size, short
     python benchmarks/swarm_scale.py --quick                   # 4 members, 8 steps, unshaped (the suite's smoke run)
+    python benchmarks/swarm_scale.py --peers-per-step 4 --behind-nat 8                      # direct exchange
+    python benchmarks/swarm_scale.py --membership dht --peers-per-step 4 --sizes 8 16 32    # no coordinator at all
 
 **The members replay; they do not train.** A member here is a process with the open swarm's real parts and no
 model: its transport (openswarm.member.OpenExchange: the client, the lead bound, the mailbox, the refusals of the
@@ -34,8 +36,17 @@ Measured per size: bytes and parcels a step through the coordinator (its interfa
 the relay's parcel count) and into each member, the coordinator's CPU seconds a step and its resident memory,
 each member's wait a step (the lead bound's included), the staleness of what it admitted, the sequences it dropped
 (stale, surplus, unsent) and refused, the time from a newcomer's start to its welcome and to its first parcel
-reaching a peer, and the time from the kill to the coordinator's expiry of the killed member. Writes
-benchmarks/results/swarm_scale.{json,md,png}. Needs root (namespaces).
+reaching a peer, and the time from the kill to the coordinator's expiry of the killed member. Each member also
+watches its own view of the swarm (every 0.2 s): the time until the members see the killed one gone and the
+newcomer live (the median over them) is measured alike with or without a coordinator.
+
+--membership dht (pip install 'ftis-engine[dht]'; needs --peers-per-step): no coordinator; the first member starts
+the swarm's DHT (openswarm/dht.py) and every other joins through its DHT address. The membership's cost is then
+each member's own: its DHT processes (hivemind's forked node and its libp2p daemon), CPU and proportional set size,
+sampled every few seconds. ~330 MB each (plans/issue-80-hivemind-probe.md): 32 members fit this machine's 24 GiB
+beside their replays, 64 do not.
+
+Writes benchmarks/results/swarm_scale.{json,md,png} (--output). Needs root (namespaces).
 """
 
 from __future__ import annotations
@@ -130,11 +141,13 @@ def replay_member(name: str, address: str, overrides: list[str], profile: dict, 
     joining = time.time()
     exchange.start(schedule.parcel_limit, 0)
     welcomed = time.time()
+    views = _ViewWatcher(exchange.client)
     rng = random.Random(seed)
     claim = -math.log(vocab)  # the true log-probability of a uniform draw: an honest claim
     with open(out, "w") as records:
+        maddrs = exchange.client.maddrs() if hasattr(exchange.client, "maddrs") else []  # on a DHT: join through it
         records.write(json.dumps({"kind": "start", "member": name, "step": 0, "started": started, "joining": joining,
-                                  "welcomed": welcomed}) + "\n")
+                                  "welcomed": welcomed, "maddrs": maddrs}) + "\n")
         records.flush()
         deadline = time.monotonic() + config.swarm.timeout_s
         while wait_for and len(exchange.client.members()) < wait_for and time.monotonic() < deadline:
@@ -177,7 +190,35 @@ def replay_member(name: str, address: str, overrides: list[str], profile: dict, 
                                            "stale_dropped", "surplus_dropped", "duplicate_dropped",
                                            "rejected_batches", "peer_sequences")}}) + "\n")
             records.flush()
+        views.close()
+        records.write(json.dumps({"kind": "views", "member": name, "step": config.train.steps, **views.seen}) + "\n")
     exchange.finish()
+
+
+class _ViewWatcher:
+    """A member's own view of the swarm, polled every 0.2 s: when it first saw each name live (`first_live`) and
+    when it first saw each name gone after that (`first_gone`), by this machine's clock."""
+
+    def __init__(self, client):
+        import threading
+
+        self.client, self.seen = client, {"first_live": {}, "first_gone": {}}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="view-watcher", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            now, live = time.time(), set(self.client.members())
+            for name in live:
+                self.seen["first_live"].setdefault(name, now)
+            for name in self.seen["first_live"]:
+                if name not in live:
+                    self.seen["first_gone"].setdefault(name, now)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
 
 
 # ----------------------------------------------------------------------------------------------- one size
@@ -217,21 +258,27 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     killed = names[-1] if args.kill_at else None
     events: dict = {"delays_ms": {n: round(d, 1) for n, d in delays.items()} if args.shape else {}}
+    on_dht = args.membership == "dht"
     with NetLab(hosts) as lab:
-        address = f"tcp://{lab.address('coord')}:{PORT}"
-        serve = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config",
-                 str(ROOT / "configs/swarm/swarm.yaml"), "--bind", address, "--output-dir", str(work / "coord")]
-        for override in overrides:
-            if not override.startswith("members."):
-                serve += ["--set", override]
-        coordinator = lab.popen("coord", serve, stderr=subprocess.PIPE, text=True)
-        line = coordinator.stderr.readline()
-        if not line.startswith("coordinator listening"):
-            raise RuntimeError(f"the coordinator did not start: {line.strip()}")
+        coordinator = None
+        if on_dht:
+            address = "dht:"  # the first member starts the swarm's DHT; the others join through its address
+        else:
+            address = f"tcp://{lab.address('coord')}:{PORT}"
+            serve = [sys.executable, "-m", "ftis_engine", "swarm", "serve", "--config",
+                     str(ROOT / "configs/swarm/swarm.yaml"), "--bind", address, "--output-dir", str(work / "coord")]
+            for override in overrides:
+                if not override.startswith("members."):
+                    serve += ["--set", override]
+            coordinator = lab.popen("coord", serve, stderr=subprocess.PIPE, text=True)
+            line = coordinator.stderr.readline()
+            if not line.startswith("coordinator listening"):
+                raise RuntimeError(f"the coordinator did not start: {line.strip()}")
         procs = {}
 
         def start(name: str, wait_for: int) -> None:
-            listens = args.peers_per_step and int(name[1:]) >= args.behind_nat
+            # the first member listens on a DHT: the others bootstrap through it, and a DHT client cannot serve that
+            listens = args.peers_per_step and (int(name[1:]) >= args.behind_nat or (on_dht and name == names[0]))
             argv = [sys.executable, __file__, "--member", name, "--address", address, "--profile", args.profile,
                     *(["--peers-per-step", str(args.peers_per_step)] if args.peers_per_step else []),
                     *(["--listen", f"tcp://{lab.address(name)}:{PORT + 1}"] if listens else []),
@@ -245,7 +292,12 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
 
         for name in names:
             start(name, members)
+            if on_dht and name == names[0]:  # the others join through its DHT address, in its start record
+                address = "dht:" + _first_maddr(work / f"{name}.jsonl", procs[name], work / f"{name}.log",
+                                                 args.timeout)
         cpu0, rss = None, []
+        dht_costs: dict[str, dict] = {}
+        sampled = 0.0
         bytes0 = None
         begun = time.time()
         deadline = time.monotonic() + args.timeout
@@ -253,10 +305,18 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
             steps = {n: _steps_done(work / f"{n}.jsonl") for n in procs}
             lead = max((steps[n] for n in names), default=0)
             if cpu0 is None and lead >= 1:  # the measured window starts with the first step
-                cpu0, bytes0, t0 = _proc_cpu_seconds(coordinator.pid), _interface_bytes(lab.namespaces["coord"]), \
-                    time.time()
-            if cpu0 is not None:
+                cpu0, bytes0, t0 = (_proc_cpu_seconds(coordinator.pid) if coordinator else 0.0,
+                                    _interface_bytes(lab.namespaces["coord"]), time.time())
+            if cpu0 is not None and coordinator:
                 rss.append(_proc_rss_mib(coordinator.pid))
+            if cpu0 is not None and on_dht and time.monotonic() >= sampled:  # each member's DHT processes
+                sampled = time.monotonic() + 5.0
+                for name, proc in procs.items():
+                    if proc.poll() is None:
+                        cost = _dht_cost(proc.pid)
+                        if cost:
+                            dht_costs.setdefault(name, {"first": cost, "t0": time.time()}).update(
+                                last=cost, t1=time.time())
             if killed and killed in procs and procs[killed].poll() is None and steps[killed] >= args.kill_at:
                 procs[killed].send_signal(signal.SIGKILL)
                 events["killed"] = {"name": killed, "at": time.time(), "step": steps[killed]}
@@ -268,19 +328,55 @@ def run_size(members: int, args, work: pathlib.Path) -> dict:
             time.sleep(0.5)
         else:
             raise RuntimeError(f"{members} members: not done within {args.timeout} s (steps: {steps})")
-        cpu1, bytes1, t1 = _proc_cpu_seconds(coordinator.pid), _interface_bytes(lab.namespaces["coord"]), time.time()
+        cpu1, bytes1, t1 = (_proc_cpu_seconds(coordinator.pid) if coordinator else 0.0,
+                            _interface_bytes(lab.namespaces["coord"]), time.time())
         member_bytes = {n: _interface_bytes(lab.namespaces[n]) for n in procs}
-        coordinator.send_signal(signal.SIGINT)
-        try:
-            coordinator.wait(20)
-        except subprocess.TimeoutExpired:
-            coordinator.kill()
+        if coordinator:
+            coordinator.send_signal(signal.SIGINT)
+            try:
+                coordinator.wait(20)
+            except subprocess.TimeoutExpired:
+                coordinator.kill()
     failed = {n: p.returncode for n, p in procs.items() if n != killed and p.returncode != 0}
     if failed:
         tails = {n: (work / f"{n}.log").read_text()[-600:] for n in failed}
         raise RuntimeError(f"member(s) failed: {failed}; the ends of their logs: {tails}")
     return summarise(members, args, work, procs, names, newcomer, killed, events, begun,
-                     (cpu1 - cpu0, t1 - t0, bytes0, bytes1, rss), member_bytes)
+                     (cpu1 - cpu0, t1 - t0, bytes0, bytes1, rss), member_bytes, dht_costs)
+
+
+def _first_maddr(path: pathlib.Path, proc, log: pathlib.Path, timeout: float) -> str:
+    """The DHT address in the first member's start record (written once it has started the DHT)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        starts = read_metrics(path, kinds="start") if path.exists() else []
+        if starts and starts[0].get("maddrs"):
+            return starts[0]["maddrs"][0]
+        if proc.poll() is not None:
+            raise RuntimeError(f"the first member failed to start the DHT: {log.read_text()[-600:]}")
+        time.sleep(0.2)
+    raise RuntimeError(f"the first member did not start the DHT within {timeout:g} s")
+
+
+def _dht_cost(pid: int) -> dict | None:
+    """CPU seconds by process and the proportional set size (MiB) of a member's DHT processes: its descendants
+    (hivemind's forked node and its libp2p daemon), None when it has none yet."""
+    import psutil
+
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+        cpu = {c.pid: sum(c.cpu_times()[:2]) for c in children}
+        pss = sum(c.memory_full_info().pss for c in children) / 2**20
+    except (psutil.NoSuchProcess, psutil.AccessDenied):  # a member ending while sampled: the sample is skipped
+        return None
+    return {"cpu_s": cpu, "pss_mib": pss} if children else None
+
+
+def _dht_cpu_share(cost: dict) -> float:
+    """A member's DHT processes' share of a core between its first and last sample (a process gone before the
+    last sample is left out; one born after the first counts from its start)."""
+    first, last = cost["first"]["cpu_s"], cost["last"]["cpu_s"]
+    return sum(cpu - first.get(pid, 0.0) for pid, cpu in last.items()) / (cost["t1"] - cost["t0"])
 
 
 def _steps_done(path: pathlib.Path) -> int:
@@ -297,9 +393,17 @@ def _coordinator_events(work: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
 
 
-def summarise(members, args, work, procs, names, newcomer, killed, events, begun, coord, member_bytes) -> dict:
+def summarise(members, args, work, procs, names, newcomer, killed, events, begun, coord, member_bytes,
+              dht_costs=None) -> dict:
     cpu_s, window_s, bytes0, bytes1, rss = coord
+    relay = args.membership != "dht"
     records = {n: _read(work / f"{n}.jsonl") for n in procs}
+    views = [r for n in procs for r in records[n] if r["kind"] == "views"]
+    seen_gone = [v["first_gone"][killed] - events["killed"]["at"] for v in views
+                 if killed and "killed" in events and killed in v["first_gone"]]
+    seen_live = [v["first_live"][newcomer] - events["join_started"] for v in views
+                 if v["member"] != newcomer and "join_started" in events and newcomer in v["first_live"]]
+    dht = [c for c in (dht_costs or {}).values() if c.get("t1", 0) > c["t0"]]
     steps = [r for n in names for r in records[n] if r["kind"] == "step"]
     total_steps = max((r["step"] for r in steps), default=0)
     per_member_steps = statistics.mean(sum(1 for r in records[n] if r["kind"] == "step") for n in names)
@@ -319,10 +423,15 @@ def summarise(members, args, work, procs, names, newcomer, killed, events, begun
     result = {
         "members": members, "steps": args.steps, "member_steps_mean": per_member_steps,
         "parcel_bytes_mean": mean(sent),
-        "coordinator_cpu_s_per_step": cpu_s / max(total_steps, 1), "coordinator_cpu_share": cpu_s / window_s,
+        "membership": "coordinator" if relay else "dht",
+        "coordinator_cpu_s_per_step": cpu_s / max(total_steps, 1) if relay else None,
+        "coordinator_cpu_share": cpu_s / window_s if relay else None,
         "coordinator_rss_mib_max": max(rss) if rss else None,
-        "coordinator_rx_bytes_per_step": (bytes1[0] - bytes0[0]) / max(total_steps, 1),
-        "coordinator_tx_bytes_per_step": (bytes1[1] - bytes0[1]) / max(total_steps, 1),
+        "coordinator_rx_bytes_per_step": (bytes1[0] - bytes0[0]) / max(total_steps, 1) if relay else None,
+        "coordinator_tx_bytes_per_step": (bytes1[1] - bytes0[1]) / max(total_steps, 1) if relay else None,
+        # a member's own DHT processes (hivemind's node and daemon), over the window they were sampled in
+        "dht_cpu_share_per_member": mean([_dht_cpu_share(c) for c in dht]),
+        "dht_pss_mib_per_member": mean([c["last"]["pss_mib"] for c in dht]),
         "member_rx_bytes_per_step": mean([member_bytes[n][0] / max(1, sum(1 for r in records[n] if r["kind"] == "step"))
                                           for n in names if n != killed]),
         "member_tx_bytes_per_step": mean([member_bytes[n][1] / max(1, sum(1 for r in records[n] if r["kind"] == "step"))
@@ -337,6 +446,10 @@ def summarise(members, args, work, procs, names, newcomer, killed, events, begun
                                                         "rejected_batches")},
         "refused": sum(max((r["refused"] for r in records[n] if r["kind"] == "step"), default=0) for n in names),
         "crash_noticed_s": notice, "crash_silent_s": silent, "joiner": joined, "killed": events.get("killed"),
+        # by the members' own views (each polled every 0.2 s), the median over them: alike with or without a
+        # coordinator
+        "crash_seen_by_members_s": statistics.median(seen_gone) if seen_gone else None,
+        "joiner_seen_by_members_s": statistics.median(seen_live) if seen_live else None,
         "delays_ms": events["delays_ms"],
         "wall_s": time.time() - begun,
     }
@@ -345,35 +458,48 @@ def summarise(members, args, work, procs, names, newcomer, killed, events, begun
 
 # ----------------------------------------------------------------------------------------------- report
 
-MEASURES = [  # (key, label) of the plot's panels and the table's columns
+MEASURES = [  # (key, label) of the plot's panels
     ("coordinator_tx_bytes_per_step", "coordinator out, MB/step"), ("coordinator_cpu_share", "coordinator CPU share"),
     ("coordinator_rss_mib_max", "coordinator RSS MiB"), ("member_rx_bytes_per_step", "member in, MB/step"),
     ("wait_s_per_step", "member wait s/step"), ("staleness_mean", "staleness (steps)"),
-    ("crash_noticed_s", "crash noticed after s"),
+    ("crash_seen_by_members_s", "crash seen by members after s"),
+]
+DHT_MEASURES = [  # on a DHT the membership's cost is each member's own
+    ("dht_cpu_share_per_member", "a member's DHT CPU share"), ("dht_pss_mib_per_member", "a member's DHT PSS MiB"),
+    *MEASURES[3:],
 ]
 
 
 def report(results: list[dict], settings: dict) -> str:
-    rows = ["| members | parcel KB | coordinator in / out MB a step | coordinator CPU (share of a core) | coordinator "
-            "RSS MiB | member in / out KB a step | parcels in a step | wait s a step (lead) | staleness | dropped "
-            "stale / surplus / unsent | refused | crash noticed s | joiner welcomed s / first parcel at a peer s |",
+    rows = ["| members | parcel KB | coordinator in / out MB a step | membership CPU (share of a core) | membership "
+            "memory MiB | member in / out KB a step | parcels in a step | wait s a step (lead) | staleness | dropped "
+            "stale / surplus / unsent | refused | crash noticed s: coordinator / members' views | joiner welcomed s "
+            "/ first parcel at a peer s / seen by members s |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
     for r in results:
         j = r["joiner"] or {}
-        fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
+        if r.get("membership") == "dht":  # no coordinator: each member's DHT processes
+            traffic = "- (none)"
+            cpu = f"{r['members']} x {fmt(r['dht_cpu_share_per_member'], '{:.3f}')} (each member's DHT)"
+            memory = f"{r['members']} x {fmt(r['dht_pss_mib_per_member'], '{:.0f}')} (PSS)"
+        else:
+            traffic = (f"{r['coordinator_rx_bytes_per_step'] / 1e6:.2f} / "
+                       f"{r['coordinator_tx_bytes_per_step'] / 1e6:.2f}")
+            cpu, memory = f"{r['coordinator_cpu_share']:.2f}", fmt(r["coordinator_rss_mib_max"], "{:.0f}") + " (RSS)"
         rows.append(
             f"| {r['members']} | {fmt(r['parcel_bytes_mean'] and r['parcel_bytes_mean'] / 1e3, '{:.1f}')} | "
-            f"{r['coordinator_rx_bytes_per_step'] / 1e6:.2f} / {r['coordinator_tx_bytes_per_step'] / 1e6:.2f} | "
-            f"{r['coordinator_cpu_share']:.2f} | {fmt(r['coordinator_rss_mib_max'], '{:.0f}')} | "
+            f"{traffic} | {cpu} | {memory} | "
             f"{fmt(r['member_rx_bytes_per_step'] and r['member_rx_bytes_per_step'] / 1e3, '{:.0f}')} / "
             f"{fmt(r['member_tx_bytes_per_step'] and r['member_tx_bytes_per_step'] / 1e3, '{:.0f}')} | "
             f"{fmt(r['parcels_in_per_step'], '{:.1f}')} | {fmt(r['wait_s_per_step'])} "
             f"({fmt(r['lead_wait_s_per_step'])}) | {fmt(r['staleness_mean'])} | {r['stale_dropped']} / "
             f"{r['surplus_dropped']} / {r['outbox_dropped']} | {r['rejected_batches']} + {r['refused']} | "
-            f"{fmt(r['crash_noticed_s'], '{:.1f}')} | {fmt(j.get('process_to_welcome_s'), '{:.1f}')} / "
-            f"{fmt(j.get('to_first_parcel_at_a_peer_s'), '{:.1f}')} |")
-    head = (f"# The open swarm at scale (benchmarks/swarm_scale.py)\n\nExchange {settings['exchange']}; profile "
-            f"{settings['profile']} "
+            f"{fmt(r['crash_noticed_s'], '{:.1f}')} / {fmt(r.get('crash_seen_by_members_s'), '{:.1f}')} | "
+            f"{fmt(j.get('process_to_welcome_s'), '{:.1f}')} / {fmt(j.get('to_first_parcel_at_a_peer_s'), '{:.1f}')} "
+            f"/ {fmt(r.get('joiner_seen_by_members_s'), '{:.1f}')} |")
+    head = (f"# The open swarm at scale (benchmarks/swarm_scale.py)\n\nMembership {settings['membership']}; exchange "
+            f"{settings['exchange']}; profile {settings['profile']} "
             f"({settings['profile_source']}); {settings['steps']} steps of {settings['gen_seconds']} s generation + "
             f"{settings['update_seconds']} s update (sleeps: replaying members, no model); member links "
             f"{settings['delay']}, loss {settings['loss']} each way ({settings['shaping']}); lease "
@@ -387,9 +513,10 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(MEASURES), figsize=(3.2 * len(MEASURES), 3.0))
+    measures = DHT_MEASURES if results[0].get("membership") == "dht" else MEASURES
+    fig, axes = plt.subplots(1, len(measures), figsize=(3.2 * len(measures), 3.0))
     xs = [r["members"] for r in results]
-    for ax, (key, label) in zip(axes, MEASURES):
+    for ax, (key, label) in zip(axes, measures):
         scale = 1e-6 if "bytes" in key else 1.0
         ys = [None if r[key] is None else r[key] * scale for r in results]
         ax.plot(xs, [float("nan") if y is None else y for y in ys], "o-")
@@ -418,12 +545,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--peers-per-step", type=int, default=None,
                         help="members exchange parcels directly with this many drawn peers a step "
                         "(swarm.peers_per_step; the coordinator keeps membership only); default: through its relay")
+    parser.add_argument("--membership", choices=["coordinator", "dht"], default="coordinator",
+                        help="who keeps the live set: today's coordinator, or hivemind's DHT with no coordinator "
+                        "(needs --peers-per-step and pip install 'ftis-engine[dht]')")
     parser.add_argument("--behind-nat", type=int, default=0,
                         help="with --peers-per-step: the first this many members only dial (no listen address)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--quick", action="store_true", help="4 members, 8 steps of 2.2 s, no shaping, a kill at "
-                        "step 2 and a newcomer at 1, lease 2 s")
+                        "step 2 and a newcomer at 1, lease 2 s (4 s on a DHT)")
     parser.add_argument("--output", default=str(RESULTS / "swarm_scale"))
     # a member process (run by the benchmark itself)
     parser.add_argument("--member", help=argparse.SUPPRESS)
@@ -442,9 +572,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       args.gen_seconds, args.update_seconds, args.wait_for, pathlib.Path(args.out), args.newcomer,
                       args.newcomer_by, args.listen)
         return []
+    if args.membership == "dht":
+        import importlib.util
+
+        if not args.peers_per_step:
+            parser.error("--membership dht: a swarm on a DHT exchanges directly; give --peers-per-step")
+        if importlib.util.find_spec("hivemind") is None:
+            parser.error("--membership dht: needs hivemind: pip install 'ftis-engine[dht]'")
     if args.quick:  # one small size, unshaped, with the kill and the newcomer; a built-in tokenizer
         args.profile = "quick"
-        args.sizes, args.steps, args.shape, args.kill_at, args.join_at, args.lease_s = [4], 8, False, 2, 1, 2.0
+        args.sizes, args.steps, args.shape, args.kill_at, args.join_at = [4], 8, False, 2, 1
+        args.lease_s = 4.0 if args.membership == "dht" else 2.0  # a DHT record renews from a thread of its own
         args.gen_seconds, args.update_seconds = 2.0, 0.2
     from tests.netlab import NetLab
 
@@ -457,11 +595,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{members} members ...", flush=True)
             results.append(run_size(members, args, pathlib.Path(tmp) / str(members)))
             r = results[-1]
-            print(f"  coordinator out {r['coordinator_tx_bytes_per_step'] / 1e6:.2f} MB/step, CPU "
-                  f"{r['coordinator_cpu_share']:.2f}, member wait {r['wait_s_per_step']:.2f} s/step", flush=True)
+            if r["membership"] == "dht":
+                print(f"  each member's DHT: CPU {r['dht_cpu_share_per_member'] or 0:.3f}, PSS "
+                      f"{r['dht_pss_mib_per_member'] or 0:.0f} MiB; member wait {r['wait_s_per_step']:.2f} s/step",
+                      flush=True)
+            else:
+                print(f"  coordinator out {r['coordinator_tx_bytes_per_step'] / 1e6:.2f} MB/step, CPU "
+                      f"{r['coordinator_cpu_share']:.2f}, member wait {r['wait_s_per_step']:.2f} s/step", flush=True)
     from tests.netlab import netem_available
 
-    settings = {"exchange": f"direct, {args.peers_per_step} drawn peers a step ({args.behind_nat} behind a NAT)"
+    settings = {"membership": "hivemind's DHT (no coordinator)" if args.membership == "dht" else
+                "the coordinator", "exchange": f"direct, {args.peers_per_step} drawn peers a step ({args.behind_nat} behind a NAT)"
                 if args.peers_per_step else "through the coordinator's relay", "profile": args.profile,
                 "profile_source": PROFILES[args.profile]["source"], "steps": args.steps,
                 "gen_seconds": args.gen_seconds, "update_seconds": args.update_seconds, "lease_s": args.lease_s,

@@ -212,6 +212,8 @@ def test_swarm_scale_quick_replaying_members_pass_every_check_and_the_churn_is_m
     assert r["crash_noticed_s"] is not None and r["crash_silent_s"] >= 2.0
     # the newcomer was welcomed, and a peer took its parcel (the others held for it: no race with its start-up)
     assert r["joiner"]["to_welcome_s"] is not None and r["joiner"]["to_first_parcel_at_a_peer_s"] is not None
+    # the members' own views saw both, the kill no sooner than the coordinator's expiry could have told them
+    assert r["crash_seen_by_members_s"] >= r["crash_noticed_s"] - 0.5 and r["joiner_seen_by_members_s"] is not None
     # the coordinator relays every parcel: what leaves it is at least what the members took in
     assert r["coordinator_tx_bytes_per_step"] >= r["payload_in_bytes_per_step"]
     assert "| 4 |" in (tmp_path / "swarm_scale.md").read_text()

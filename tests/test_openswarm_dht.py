@@ -144,3 +144,25 @@ def test_two_member_jobs_on_a_dht_train_on_each_others_rollouts_with_no_coordina
         for p in procs:
             p.kill()
         metronome.close()
+
+
+@pytest.mark.slow
+@needs_hivemind
+def test_the_scale_benchmark_on_a_dht_replays_members_with_no_coordinator(tmp_path):
+    """benchmarks/swarm_scale.py --membership dht, quick (4 replaying members across namespaces, a kill and a
+    newcomer): no coordinator runs, every parcel passes the receivers' checks, the members' views see the kill and
+    the newcomer, and each member's DHT processes are measured."""
+    from benchmarks import swarm_scale
+    from tests.netlab import NetLab
+
+    reason = NetLab.unavailable()
+    if reason is not None:
+        pytest.skip(f"network namespaces: {reason}")
+    [r] = swarm_scale.main(["--quick", "--membership", "dht", "--peers-per-step", "2", "--output",
+                            str(tmp_path / "swarm_scale")])
+    assert r["membership"] == "dht" and r["coordinator_tx_bytes_per_step"] is None and r["crash_noticed_s"] is None
+    assert r["rejected_batches"] == 0 and r["refused"] == 0 and r["parcels_in_per_step"] > 0
+    assert r["crash_seen_by_members_s"] is not None and r["joiner_seen_by_members_s"] is not None
+    assert r["joiner"]["to_first_parcel_at_a_peer_s"] is not None
+    assert r["dht_pss_mib_per_member"] > 0 and r["dht_cpu_share_per_member"] > 0
+    assert "4 x " in (tmp_path / "swarm_scale.md").read_text()
