@@ -934,6 +934,17 @@ def test_a_transcribed_hypothesis_keeps_its_registrations_words(name):
         assert f"{hypothesis.id} {words}" in comments, hypothesis.id
 
 
+def test_verdicts_of_a_folder_with_no_summary_is_one_line_and_exit_2(tmp_path, capsys):
+    """`python -m ftis_engine.study.verdicts` on a study still running (no summary.json yet) printed a traceback."""
+    from ftis_engine.study import verdicts
+
+    with pytest.raises(SystemExit) as done:
+        verdicts.main(["--config", "configs/study/real-peft.yaml", "--dir", str(tmp_path)])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert done.value.code == 2 and line.startswith(f"error: --dir {tmp_path}: no readable summary.json"), line
+    assert not (tmp_path / "verdicts.md").exists()
+
+
 @pytest.mark.parametrize("name", sorted(TRANSCRIBED))
 def test_the_committed_verdicts_are_what_the_command_recomputes_from_the_committed_summaries(name, tmp_path):
     """docs/studies.md's command for a published study's verdicts, run on copies of its committed summaries, writes

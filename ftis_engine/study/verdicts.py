@@ -218,7 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     command = " ".join(["python -m ftis_engine.study.verdicts --config", str(args.config)]
                        + [f"--dir {d}" for d in args.dir])
-    print(write_verdicts(args.config, args.dir, command))
+    try:
+        print(write_verdicts(args.config, args.dir, command))
+    except StudyError as exc:  # a config or folder that cannot be judged: one line, exit 2, no traceback
+        parser.exit(2, f"error: {exc}\n")
 
 
 if __name__ == "__main__":
