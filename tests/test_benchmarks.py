@@ -298,3 +298,28 @@ def test_the_real_step_benchmark_means_steps_after_the_first_and_divides_before_
     assert summary["speedup"]["full"]["step"] == 41.5 / 11.5
     table = real_step_cpu.markdown(summary, {"command": "c", "machine": "m", "date": "d", "rounds": 1, "steps": 3})
     assert "| full | before | 1.0 | 40.0 | 0.50 | 41.5 | 300 |" in table and "| full | 4.00x | 3.61x |" in table
+
+
+def test_the_committed_scale_estimate_is_what_the_script_computes_and_a_members_parcels_do_not_grow(tmp_path):
+    """benchmarks/scale_estimate.py (docs/scale.md): the committed rows are recomputed from the wire format (the DHT
+    record's size signed here when hivemind is present, else its measured constant: the same bytes); with direct
+    exchange a member's parcels a step stay 2K whatever N, while the relay's and the membership's grow with N."""
+    import json
+
+    from benchmarks import scale_estimate
+
+    from .helpers import ROOT
+
+    rows = scale_estimate.main(["--output", str(tmp_path / "scale_estimate")])
+    committed = json.loads((ROOT / "benchmarks/results/scale_estimate.json").read_text())["rows"]
+    assert json.loads(json.dumps(rows)) == committed
+    for profile in ("peft", "paper"):
+        mine = [r for r in rows if r["profile"] == profile]
+        assert len({r["member_exchange_bytes_per_step"] for r in mine}) == 1
+        assert mine[0]["member_exchange_bytes_per_step"] == 2 * 4 * mine[0]["parcel_bytes"]
+        relay = [r["relay_member_in_bytes_per_step"] for r in mine]
+        assert relay == sorted(relay) and relay[-1] == (mine[-1]["members"] - 1) * mine[0]["parcel_bytes"]
+    peft = {r["members"]: r for r in rows if r["profile"] == "peft"}
+    assert peft[16]["parcel_bytes"] == 4 * (1 + 8 * 32 + 2 * 32 * 22)  # the wire format: 8 bytes a token, 32 a sequence
+    shares = [peft[n]["share_of_membership_in_member_in"]["coordinator"] for n in (16, 64, 1000)]
+    assert shares == sorted(shares) and shares[-1] > 0.9  # the member list, sent whole every second, takes over
