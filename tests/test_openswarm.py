@@ -86,9 +86,10 @@ def test_joins_are_checked_and_every_member_hears_of_every_change(tmp_path):
     out = coordinator.handle(b"A", join("a"), now=0)
     assert kinds(out) == [(b"A", "welcome"), (b"A", "members")]
     out = coordinator.handle(b"B", join("b"), now=1)
-    assert kinds(out)[0] == (b"B", "welcome") and sorted(kinds(out)[1:]) == [(b"A", "members"), (b"B", "members")]
-    assert json.loads(out[1][1][2])["members"] == {"a": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS},
-                                                   "b": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}
+    assert kinds(out)[0] == (b"B", "welcome") and sorted(kinds(out)[1:]) == [(b"A", "changes"), (b"B", "changes")]
+    entry = {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}
+    assert json.loads(out[0][1][2])["members"] == {"a": entry, "b": entry}  # the joiner's welcome: the whole list
+    assert json.loads(out[1][1][2]) == {"joined": {"b": entry}, "left": [], "steps": {}}  # the others: what changed
     # refusals: one line naming what differs; the swarm is unchanged
     other = {**SHARED, "data": {"task": "arith"}}
     for identity, message, said in [
@@ -137,7 +138,60 @@ def test_a_member_that_leaves_is_gone_at_once():
     coordinator.handle(b"A", join("a"), now=0)
     coordinator.handle(b"B", join("b"), now=0)
     out = coordinator.handle(b"B", pack("leave", {"name": "b"}), now=1)
-    assert sorted(coordinator.live) == ["a"] and kinds(out) == [(b"A", "members")]
+    assert sorted(coordinator.live) == ["a"] and kinds(out) == [(b"A", "changes")]
+    assert json.loads(out[0][1][2]) == {"joined": {}, "left": ["b"], "steps": {}}
+
+
+def test_the_list_goes_out_whole_once_a_lease_and_as_changes_in_between():
+    """docs/scale.md: the whole list every second made a member's intake grow with the swarm. Between the whole
+    lists (the first, then once a lease) a tick sends what changed since the last: the steps that moved, who joined
+    or left; nothing when nothing did. A member that applies them holds the coordinator's list."""
+    coordinator = Coordinator(SHARED, lease_s=8, max_body=100)
+    client = SwarmClient("tcp://127.0.0.1:1", "c", TOKENIZER, SHARED, "ab" * 32, 100, lambda *a: None)
+    sent = []
+
+    def tick(now):
+        out = coordinator.expire(now) + coordinator._members(now)
+        for identity, frames in out:
+            if identity == b"A":
+                sent.append(frames[1].decode())
+                client._receive(None, frames)
+        return [json.loads(frames[2]) for identity, frames in out if identity == b"A"]
+
+    for identity, name, now in ((b"A", "a", 0), (b"B", "b", 0)):
+        for to, frames in coordinator.handle(identity, join(name), now=now):
+            if to == b"A":
+                sent.append(frames[1].decode())
+                client._receive(None, frames)
+    assert sent == ["welcome", "members", "changes"]  # a's welcome and the first whole list, then b's join
+    assert tick(1) == []  # nothing changed
+    coordinator.handle(b"A", pack("beat", {"name": "a", "step": 2}), now=1.5)
+    coordinator.handle(b"B", pack("beat", {"name": "b", "step": 1}), now=1.5)
+    assert tick(2) == [{"joined": {}, "left": [], "steps": {"a": 2, "b": 1}}]
+    assert {n: e["step"] for n, e in client.members().items()} == {"a": 2, "b": 1}
+    for to, frames in coordinator.handle(b"B", pack("leave", {"name": "b"}), now=3):
+        client._receive(None, frames)
+    assert set(client.members()) == {"a"} and client.departed() == {"b"}
+    assert tick(4) == [] and tick(8.5)[0] == {"members": coordinator._view()}  # a lease after the first: whole
+    assert client.members() == coordinator._view() and client.malformed == 0
+
+
+@pytest.mark.parametrize("changes", [
+    {"joined": {}, "left": [3], "steps": {}},  # a name that is no string
+    {"joined": {}, "left": [], "steps": {"a": -1}},  # a step that is none
+    {"joined": {}, "left": [], "steps": {"a": True}},
+    {"joined": {"x y": {"step": 0, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}, "left": [], "steps": {}},
+    {"joined": {"b": {"step": 0, "tokenizer": "not a digest", "source": "", **NO_LINKS}}, "left": [], "steps": {}},
+    {"joined": {}, "left": [], "steps": {"a": 10**6}},  # past train.steps
+])
+def test_changes_that_break_the_lists_rules_are_counted_and_the_list_is_kept(changes):
+    client = SwarmClient("tcp://127.0.0.1:1", "c", TOKENIZER, SHARED, "ab" * 32, 100, lambda *a: None)
+    whole = {"a": {"step": 1, "tokenizer": TOKENIZER, "source": "", **NO_LINKS}}
+    client._receive(None, pack("members", {"members": whole}))
+    client._receive(None, pack("changes", changes))
+    assert client.malformed == 1 and client.members() == whole
+    client._receive(None, pack("changes", {"joined": {}, "left": ["nobody"], "steps": {"ghost": 3}}))
+    assert client.malformed == 1 and client.members() == whole  # about names it does not hold: passed over
 
 
 # ------------------------------------------------------------------------------------------------- sockets

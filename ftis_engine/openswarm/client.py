@@ -254,6 +254,8 @@ class SwarmClient:
             self._stop.set()
         elif kind == "members":
             self._set_members(header["members"])
+        elif kind == "changes":
+            self._apply_changes(header)
         elif kind == "rejoin" and not self._leaving.is_set():
             self._joined.clear()
             self._send(socket, self._join())
@@ -268,6 +270,24 @@ class SwarmClient:
 
     def _deliver(self, header: dict, body: bytes) -> None:
         self.parcel_errors = hand_over(self._on_parcel, self.name, header, body, self.parcel_errors)
+
+    def _apply_changes(self, changes: dict) -> None:
+        """Take what changed in the coordinator's list since the last it sent (joined: whole entries; left: names;
+        steps: name -> newest step), held to the rules a whole list is once applied. Each change sets a value, so
+        one seen twice changes nothing, and one about a name this member does not hold (a change it missed: the
+        whole list mends it within a lease) is passed over."""
+        left, steps = changes["left"], changes["steps"]
+        if not (all(isinstance(name, str) for name in left) and all(
+                isinstance(step, int) and not isinstance(step, bool) and step >= 0 for step in steps.values())):
+            self.malformed += 1
+            return
+        with self._lock:
+            members = {name: entry for name, entry in self._members.items() if name not in left}
+        members.update(changes["joined"])
+        for name, step in steps.items():
+            if name in members and isinstance(members[name], dict):
+                members[name] = {**members[name], "step": step}
+        self._set_members(members)
 
     def _set_members(self, members: dict) -> None:
         """Take the coordinator's member list if every name is one a join may take and every entry is {step,

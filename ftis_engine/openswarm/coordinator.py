@@ -9,8 +9,11 @@ its own: joining.training_set_hash), never what a member says: a stranger who jo
 fixes nothing (it is refused), and a restart takes neither from its log (a log whose start record holds another
 training set is refused at start, as one of other settings is). It stays in the live set while it is heard from (a
 heartbeat, a parcel) within `lease_s`; a member that leaves says so; one that crashes is dropped when its lease
-expires. Every change, and every second (or lease / 4), goes to every live member as a `members` message (name ->
-newest step heard: the lead bound's view). A member whose message the coordinator cannot place (unknown, e.g.
+expires. What every live member hears of the others (name -> newest step heard, the lead bound's view, with each
+one's tokenizer, source, address and key) goes out as the whole list (`members`) in the welcome and at least once a
+lease, and in between as what changed (`changes`: who joined and left, the steps that moved) at each change and
+every second (or lease / 4) when anything did: a member's share of the membership is then a few bytes a member a
+step instead of the whole list every second (docs/scale.md), and a list a member missed is mended within a lease. A member whose message the coordinator cannot place (unknown, e.g.
 after the coordinator restarted) is told to rejoin. A coordinator restarted on the log of the one before it
 (the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
 first to rejoin still waits for the others (the lead bound) instead of running ahead alone. Each coordinator's part of
@@ -114,6 +117,8 @@ class Coordinator:
         self.refused = 0  # messages refused (a malformed one, a join refused, a parcel from no live member)
         self.suppressed = 0  # refusals and malformed messages not logged (over MAX_NOISY a minute)
         self._noisy: tuple[float, int] = (float("-inf"), 0)  # (start of the current minute, noisy records in it)
+        self._sent: dict | None = None  # the list as every live member last heard it (changes are against it)
+        self._whole_at = float("-inf")  # when the whole list goes out again
         self._echo = echo
         self._log_path, self._log = log_path, None  # opened by the first record, or by serve once it is bound
         restored, logged_dataset, recorded, logged = self._restore(log_path) if log_path is not None else \
@@ -236,7 +241,7 @@ class Coordinator:
         if kind == "leave":
             del self.live[name]
             self._record(now, "leave", name, step=entry.step)
-            return self._members()
+            return self._members(now)
         # a parcel: to every other live member (with swarm.peers_per_step the members send theirs to each other)
         problem = "the swarm's members exchange parcels directly (swarm.peers_per_step): nothing is relayed" \
             if self.direct else parcel_problem(header, body)
@@ -289,7 +294,7 @@ class Coordinator:
                          step=header["step"], tokenizer=header["tokenizer"], source=header["source"],
                          address=address, key=key, dataset=header["dataset"], identity=identity.hex())
         welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
-        return [welcome, *self._members()]
+        return [welcome, *self._members(now)]
 
     @property
     def _steps(self) -> int | None:
@@ -316,7 +321,7 @@ class Coordinator:
         gone = [name for name, entry in self.live.items() if now - entry.last_seen > self.lease_s]
         for name in gone:
             self._drop(name, now, "expired")
-        return self._members() if gone else []
+        return self._members(now) if gone else []
 
     def _drop(self, name: str, now: float, event: str) -> None:
         entry = self.live.pop(name)
@@ -326,8 +331,25 @@ class Coordinator:
         return {name: {"step": e.step, "tokenizer": e.tokenizer, "source": e.source, "address": e.address,
                        "key": e.key} for name, e in sorted(self.live.items())}
 
-    def _members(self) -> Outgoing:
-        message = pack("members", {"members": self._view()})
+    def _members(self, now: float) -> Outgoing:
+        """What every live member is to hear of the others: the whole list once a lease, else what changed since
+        it was last told (nothing when nothing did). A joiner's welcome holds the whole list, so a change it had
+        already seen there is set again, which changes nothing."""
+        view = self._view()
+        if self._sent is None or now >= self._whole_at:
+            message = pack("members", {"members": view})
+            self._whole_at = now + self.lease_s
+        else:
+            sent = self._sent
+            joined = {name: entry for name, entry in view.items()
+                      if name not in sent or {**sent[name], "step": entry["step"]} != entry}
+            steps = {name: entry["step"] for name, entry in view.items()
+                     if name in sent and name not in joined and entry["step"] != sent[name]["step"]}
+            left = sorted(name for name in sent if name not in view)
+            if not (joined or steps or left):
+                return []
+            message = pack("changes", {"joined": joined, "left": left, "steps": steps})
+        self._sent = view
         return [(entry.identity, message) for entry in self.live.values() if entry.identity]
 
     def _record(self, now: float, event: str, name: str | None, **fields) -> None:
@@ -421,7 +443,7 @@ class Coordinator:
                     self._send(socket, self.expire(now))
                     next_expiry = now + min(0.2, self.lease_s / 4)
                 if now >= next_view:  # the members' newest steps, heard from beats too (the lead bound's view)
-                    self._send(socket, self._members())
+                    self._send(socket, self._members(now))
                     next_view = now + min(1.0, self.lease_s / 4)
         finally:
             socket.close(0)

@@ -35,6 +35,7 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "beat": {"name": str, "step": int},
     "rejoin": {"reason": str},
     "members": {"members": dict},
+    "changes": {"joined": dict, "left": list, "steps": dict},
     "parcel": {"name": str, "step": int, "version": int, "words": int},
     "leave": {"name": str},
 }
