@@ -9,8 +9,10 @@ Every input is measured or computed here, and the JSON says where each came from
 - a parcel's bytes: `data.rollouts.encode` of the profile's step (prompts x completions of the mean length), the
   wire format itself (8 bytes a token + 32 a sequence);
 - the coordinator's member list: `openswarm.wire.pack("members", ...)` of N entries as the coordinator builds them
-  (`Coordinator._view`: step, tokenizer hash, source, address, key), sent to every member every min(1 s, lease / 4);
-  a beat: `pack("beat", ...)`, every lease / 4;
+  (`Coordinator._view`: step, tokenizer hash, source, address, key), sent whole to every member once a lease, and
+  `pack("changes", ...)` in between: every member's step moves once a step, so a member hears N moved steps a step,
+  in a message every min(1 s, lease / 4) (before 2026-12-07 the whole list went every min(1 s, lease / 4): the
+  JSON keeps that too); a beat: `pack("beat", ...)`, every lease / 4;
 - a DHT record: a record signed by hivemind's RSASignatureValidator as `openswarm/dht.py` stores it (needs the
   `[dht]` extra; else the size measured on 2026-12-07, 984 bytes, is used and the JSON says so), every member reading
   the swarm's whole key every min(1 s, lease / 4), each read answered by the key's replicas (hivemind's
@@ -57,8 +59,9 @@ def parcel_bytes(profile: dict) -> int:
     return 4 * encode(rollouts).numel()
 
 
-def view_entry_bytes() -> tuple[float, int]:
-    """(bytes a member entry adds to the coordinator's member list, a beat's bytes), from the wire format."""
+def view_entry_bytes() -> tuple[float, int, float, int]:
+    """(bytes a member entry adds to the coordinator's whole list, a beat's bytes, bytes a moved step adds to a
+    `changes` message, the bytes of one with nothing in it), from the wire format."""
     from ftis_engine.openswarm.wire import pack
 
     def entry(i: int) -> dict:
@@ -68,8 +71,12 @@ def view_entry_bytes() -> tuple[float, int]:
     def size(n: int) -> int:
         return sum(len(f) for f in pack("members", {"members": {f"member-{i:04d}": entry(i) for i in range(n)}}))
 
+    def changes(n: int) -> int:
+        return sum(len(f) for f in pack("changes", {"joined": {}, "left": [],
+                                                    "steps": {f"member-{i:04d}": 1234 for i in range(n)}}))
+
     beat = sum(len(f) for f in pack("beat", {"name": "member-0001", "step": 1234}))
-    return (size(100) - size(0)) / 100, beat
+    return (size(100) - size(0)) / 100, beat, (changes(100) - changes(0)) / 100, changes(0)
 
 
 def dht_record_bytes() -> tuple[int, str]:
@@ -94,11 +101,14 @@ def mathis_bytes_per_s(rtt_s: float, loss: float, mss: int = 1448) -> float:
 
 
 def estimate(n: int, k: int, profile: dict, parcel: int, entry: float, beat: int, record: int, lease_s: float,
-             rtt_s: float, loss: float) -> dict:
+             rtt_s: float, loss: float, moved: float = 0.0, empty: int = 0) -> dict:
     step_s = profile["step_s"]
-    view_s = min(1.0, lease_s / 4)  # how often the member list comes (coordinator) or is read (DHT)
+    view_s = min(1.0, lease_s / 4)  # how often changes come (coordinator) or the key is read (DHT)
     exchange = 2 * k * parcel  # a member's bytes a step each way, direct
-    coordinator_view = n * entry * step_s / view_s  # a member takes in a step
+    # a member takes in a step: the others' moved steps, the messages that carry them (at most one a tick, and one
+    # a moved step at most), and the whole list once a lease
+    coordinator_view = n * moved + min(step_s / view_s, n) * empty + n * entry * step_s / lease_s
+    whole_every_tick = n * entry * step_s / view_s  # the list before 2026-12-07
     dht_reads = n * record * step_s / view_s
     per_connection = mathis_bytes_per_s(rtt_s, loss)
     return {
@@ -108,9 +118,10 @@ def estimate(n: int, k: int, profile: dict, parcel: int, entry: float, beat: int
                              "dht": 8 * (exchange + dht_reads) / step_s / 1e3},
         "share_of_membership_in_member_in": {"coordinator": coordinator_view / (exchange + coordinator_view),
                                              "dht": dht_reads / (exchange + dht_reads)},
+        "member_in_kbit_s_whole_list_every_tick": 8 * (exchange + whole_every_tick) / step_s / 1e3,
         "relay_member_in_bytes_per_step": (n - 1) * parcel,  # today's relay: every other member's parcel
-        "coordinator_out_mbit_s": {"relay": 8 * n * (n - 1) * parcel / step_s / 1e6 + 8 * n * n * entry / view_s / 1e6,
-                                   "direct": 8 * n * n * entry / view_s / 1e6},
+        "coordinator_out_mbit_s": {"relay": 8 * n * (n - 1) * parcel / step_s / 1e6 + 8 * n * coordinator_view
+                                   / step_s / 1e6, "direct": 8 * n * coordinator_view / step_s / 1e6},
         "coordinator_in_beats_per_s": n / (lease_s / 4),
         "coordinator_in_bytes_per_s": n / (lease_s / 4) * beat,
         "dht_replica_out_mbit_s": 8 * n * n * record / view_s / 1e6,  # every reader's read answered by each replica
@@ -126,18 +137,21 @@ def report(rows: list[dict], settings: dict) -> str:
             f"{settings['loss']:.0%} loss; lease {settings['lease_s']:g} s; {settings['peers_per_step']} drawn peers "
             f"a step. Sizes from the project's wire format; DHT record {settings['dht_record_bytes']} bytes "
             f"({settings['dht_record_source']}); a member-list entry {settings['view_entry_bytes']:.0f} bytes, a "
-            f"beat {settings['beat_bytes']} bytes. One TCP connection under this loss: at most "
+            f"moved step in a change {settings['moved_step_bytes']:.0f}, a change message "
+            f"{settings['changes_message_bytes']} + those, a beat {settings['beat_bytes']} bytes. One TCP connection under this loss: at most "
             f"{settings['tcp_kbyte_s']:.0f} KB/s (Mathis).\n\n")
     lines = ["| profile | members | parcel KB | member in, kbit/s: direct + coordinator's list / direct + DHT reads "
-             "| the list's / reads' share of it | relay: member in KB a step | coordinator out Mbit/s: relay / "
-             "direct | a DHT replica out Mbit/s | a parcel's transfer s (steps late) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| the list's / reads' share of it | (the whole list every second: kbit/s) | relay: member in KB a step "
+             "| coordinator out Mbit/s: relay / direct | a DHT replica out Mbit/s | a parcel's transfer s (steps "
+             "late) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['profile']} | {r['members']} | {r['parcel_bytes'] / 1e3:.1f} | "
             f"{r['member_in_kbit_s']['coordinator']:.0f} / {r['member_in_kbit_s']['dht']:.0f} | "
             f"{r['share_of_membership_in_member_in']['coordinator']:.0%} / "
-            f"{r['share_of_membership_in_member_in']['dht']:.0%} | {r['relay_member_in_bytes_per_step'] / 1e3:,.0f} | "
+            f"{r['share_of_membership_in_member_in']['dht']:.0%} | "
+            f"({r['member_in_kbit_s_whole_list_every_tick']:.0f}) | {r['relay_member_in_bytes_per_step'] / 1e3:,.0f} | "
             f"{r['coordinator_out_mbit_s']['relay']:,.1f} / {r['coordinator_out_mbit_s']['direct']:,.1f} | "
             f"{r['dht_replica_out_mbit_s']:,.1f} | {r['parcel_transfer_s']:.1f} ({r['parcel_steps_late']:.2f}) |")
     return head + "\n".join(lines) + "\n"
@@ -154,7 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.members) or args.peers_per_step < 1 or not 0 < args.loss < 1:
         parser.error("--members at least 2 each, --peers-per-step at least 1, --loss in (0, 1)")
-    entry, beat = view_entry_bytes()
+    entry, beat, moved, empty = view_entry_bytes()
     record, record_source = dht_record_bytes()
     rtt = 2 * args.one_way_delay_ms / 1e3
     rows = []
@@ -162,9 +176,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parcel = parcel_bytes(profile)
         for n in args.members:
             rows.append({"profile": name, **estimate(n, args.peers_per_step, profile, parcel, entry, beat, record,
-                                                     args.lease_s, rtt, args.loss)})
+                                                     args.lease_s, rtt, args.loss, moved, empty)})
     settings = {"one_way_delay_ms": args.one_way_delay_ms, "rtt_s": rtt, "loss": args.loss, "lease_s": args.lease_s,
                 "peers_per_step": args.peers_per_step, "view_entry_bytes": entry, "beat_bytes": beat,
+                "moved_step_bytes": moved, "changes_message_bytes": empty,
                 "dht_record_bytes": record, "dht_record_source": record_source, "dht_replicas": DHT_REPLICAS,
                 "tcp_kbyte_s": mathis_bytes_per_s(rtt, args.loss) / 1e3,
                 "profiles": {name: {**p, "parcel_bytes": parcel_bytes(p)} for name, p in PROFILES.items()}}
