@@ -156,12 +156,12 @@ def test_a_failed_runs_last_error_is_read_from_the_end_of_its_log(tmp_path, monk
 
 
 def test_coordinator_log_lines_are_read_bounded(tmp_path, monkeypatch):
-    from ftis_engine.openswarm import coordinator
+    from ftis_engine.openswarm import coordlog
 
     path = tmp_path / "coordinator.jsonl"
     start = {"time": 0, "event": "start", "member": None, "shared": {"a": 1}, "dataset": "0" * 64}
     long_line = json.dumps({"event": "join", "member": "x" * 200})
     path.write_text(json.dumps(start) + "\n" + long_line + "\n")
-    monkeypatch.setattr(coordinator, "MAX_LOG_LINE", len(long_line) - 10)
-    members, dataset, recorded, logged = coordinator.Coordinator._restore(path)
+    monkeypatch.setattr(coordlog, "MAX_LOG_LINE", len(long_line) - 10)
+    members, dataset, recorded, logged = coordlog.restore(path)
     assert recorded == {"a": 1} and dataset == "0" * 64 and logged  # the cut line is no record: skipped

@@ -264,8 +264,12 @@ def test_the_swarm_holds_at_most_max_live_names_and_its_member_list_always_fits_
         out = coordinator.handle(str(k).encode(), pack("join", header), now=0)
         assert kinds(out)[0] == (str(k).encode(), "welcome"), k
     assert refusal(coordinator.handle(b"X", join("x", shared=longest), now=0)).startswith("the swarm is full")
-    (_, frames), *_ = coordinator._members()
+    (_, frames), *_ = coordinator._members(now=coordinator.lease_s)  # the whole list, as once a lease
     assert len(frames[2]) <= MAX_HEADER and unpack(frames, 0)[0] == "members"  # a member takes it
+    # every name replaced at once: the changes (all left, all joined) would not fit; the whole list goes instead
+    coordinator.live = {f"{k:03d}" + "m" * 97: entry for k, entry in enumerate(coordinator.live.values())}
+    (_, frames), *_ = coordinator._members(now=coordinator.lease_s + 0.5)
+    assert len(frames[2]) <= MAX_HEADER and unpack(frames, 0)[0] == "members"
 
 
 def test_a_step_past_two_to_the_31_is_refused_by_the_wire():

@@ -46,7 +46,8 @@ from dataclasses import dataclass
 
 from ..config import value_differences
 from ..core.errors import shown
-from ..core.safefile import open_append, open_bounded
+from ..core.safefile import open_append
+from .coordlog import restore
 from .joining import training_set_hash
 from .rules import (  # noqa: F401 (MAX_SOURCE, load_swarm_config, max_parcel_bytes, shared_settings: importable here)
     DIGEST,
@@ -64,15 +65,6 @@ from .wire import MAX_HEADER, SAMPLER_MARK, WireError, ipv6, pack, unpack
 
 MAX_NOISY = 20  # refusals and malformed messages logged a minute; the rest are counted
 RECEIVE_HWM = 64  # messages read ahead per connection: memory bounded by this x the frame cap per connection
-MAX_LOG_LINE = 4 * MAX_HEADER  # a line of coordinator.jsonl: an event with a member list (one header) and its fields
-
-
-def _identity(value) -> bytes:
-    """A logged connection identity (hex) as bytes; b"" for none or one that is not hex."""
-    try:
-        return bytes.fromhex(value) if isinstance(value, str) else b""
-    except ValueError:
-        return b""
 
 
 @dataclass
@@ -121,7 +113,7 @@ class Coordinator:
         self._whole_at = float("-inf")  # when the whole list goes out again
         self._echo = echo
         self._log_path, self._log = log_path, None  # opened by the first record, or by serve once it is bound
-        restored, logged_dataset, recorded, logged = self._restore(log_path) if log_path is not None else \
+        restored, logged_dataset, recorded, logged = restore(log_path) if log_path is not None else \
             ({}, None, None, False)
         if logged and recorded is None:
             raise SwarmLogError(f"{log_path} holds the log of a coordinator that recorded no shared settings (an "
@@ -146,7 +138,7 @@ class Coordinator:
 
     def open_log(self, now: float) -> None:
         """Start this coordinator's part of the log: a `start` record with the swarm's shared settings and lease
-        (what a restart on this log must have: _restore), then, restarted, the members whose places it holds.
+        (what a restart on this log must have: coordlog.restore), then, restarted, the members whose places it holds.
         Called by serve once its socket is bound (a coordinator that cannot bind writes nothing), else by the first
         record."""
         if self._log is not None or self._log_path is None:
@@ -157,58 +149,6 @@ class Coordinator:
         self._log.flush()
         if self._restored:
             self._record(now, "restored", None, members=self._restored, dataset=self.dataset)
-
-    @staticmethod
-    def _restore(log_path: pathlib.Path) -> tuple[dict[str, tuple[str, int, str, bytes, str, str]], str | None,
-                                                  dict | None, bool]:
-        """The members live when the previous coordinator of this log stopped, killed or not (name -> (tokenizer,
-        newest step logged, tokenizer source, the connection identity it joined from, its listening address and link
-        key)), the training set's hash
-        its newest `start` record holds (a coordinator's own; a join's, a stranger's word, never counts), the shared
-        settings that record holds and whether the log holds any record; ({}, None, None, False) for a new log. A
-        member that is gone holds its place for one lease at most. Read a line at a time: the log grows with the run. Every coordinator
-        that wrote to a log had its settings (each was refused at start otherwise) and held its directory's lock
-        (swarm serve's RunLock), so all of it is one swarm's."""
-        if not log_path.is_file():
-            return {}, None, None, False
-        recorded: dict | None = None
-        logged = False
-        tokenizers: dict[str, str] = {}
-        sources: dict[str, str] = {}
-        links: dict[str, tuple[str, str]] = {}  # name -> (address, key) of its join
-        identities: dict[str, bytes] = {}
-        steps: dict[str, int] = {}
-        live: list[str] = []
-        dataset = None
-        with open_bounded(log_path, 1 << 62, "coordinator.jsonl") as log:  # a regular file, read a line at a time
-            for line in iter(lambda: log.readline(MAX_LOG_LINE), b""):  # each line bounded: a longer one is cut
-                try:  # into parts that are no record
-                    record = json.loads(line)
-                except ValueError:  # a line the killed coordinator did not finish (or not UTF-8)
-                    continue
-                if not isinstance(record, dict):
-                    continue
-                logged = True
-                if record.get("event") == "start" and isinstance(record.get("shared"), dict):
-                    recorded = record["shared"]
-                    said = record.get("dataset")  # a start record of before this was logged: nothing to compare
-                    dataset = said if isinstance(said, str) and DIGEST.fullmatch(said) else None
-                name = record.get("member")
-                if isinstance(record.get("tokenizer"), str) and isinstance(name, str):
-                    tokenizers[name] = record["tokenizer"]
-                    sources[name] = str(record.get("source", ""))
-                    links[name] = (str(record.get("address", "")), str(record.get("key", "")))
-                    identities[name] = _identity(record.get("identity"))
-                if isinstance(record.get("step"), int) and isinstance(name, str):
-                    steps[name] = record["step"]
-                if isinstance(record.get("live"), list):
-                    live = record["live"]
-        # what a join would be refused for is not restored either (a log written before these caps)
-        members = {name: (tokenizers[name], steps.get(name, 0), sources[name], identities[name], *links[name])
-                   for name in live if isinstance(name, str) and name in tokenizers and join_problem(
-                       {"name": name, "tokenizer": tokenizers[name], "source": sources[name], "dataset": "0" * 64,
-                        "address": links[name][0], "key": links[name][1]}) is None}
-        return dict(list(members.items())[:MAX_LIVE]), dataset, recorded, logged
 
     # ---------------------------------------------------------------------------------------------- decisions
 
@@ -349,6 +289,9 @@ class Coordinator:
             if not (joined or steps or left):
                 return []
             message = pack("changes", {"joined": joined, "left": left, "steps": steps})
+            whole = pack("members", {"members": view})
+            if len(message[2]) >= len(whole[2]):  # most names changed at once: the whole list, which fits a header
+                message = whole
         self._sent = view
         return [(entry.identity, message) for entry in self.live.values() if entry.identity]
 
