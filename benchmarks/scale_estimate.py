@@ -171,18 +171,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     entry, beat, moved, empty = view_entry_bytes()
     record, record_source = dht_record_bytes()
     rtt = 2 * args.one_way_delay_ms / 1e3
-    rows = []
-    for name, profile in PROFILES.items():
-        parcel = parcel_bytes(profile)
-        for n in args.members:
-            rows.append({"profile": name, **estimate(n, args.peers_per_step, profile, parcel, entry, beat, record,
-                                                     args.lease_s, rtt, args.loss, moved, empty)})
+    parcels = {name: parcel_bytes(profile) for name, profile in PROFILES.items()}
+    rows = [{"profile": name, **estimate(n, args.peers_per_step, profile, parcels[name], entry, beat, record,
+                                         args.lease_s, rtt, args.loss, moved, empty)}
+            for name, profile in PROFILES.items() for n in args.members]
     settings = {"one_way_delay_ms": args.one_way_delay_ms, "rtt_s": rtt, "loss": args.loss, "lease_s": args.lease_s,
                 "peers_per_step": args.peers_per_step, "view_entry_bytes": entry, "beat_bytes": beat,
                 "moved_step_bytes": moved, "changes_message_bytes": empty,
                 "dht_record_bytes": record, "dht_record_source": record_source, "dht_replicas": DHT_REPLICAS,
                 "tcp_kbyte_s": mathis_bytes_per_s(rtt, args.loss) / 1e3,
-                "profiles": {name: {**p, "parcel_bytes": parcel_bytes(p)} for name, p in PROFILES.items()}}
+                "profiles": {name: {**p, "parcel_bytes": parcels[name]} for name, p in PROFILES.items()}}
     output = pathlib.Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.with_suffix(".json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")

@@ -13,7 +13,8 @@ expires. What every live member hears of the others (name -> newest step heard, 
 one's tokenizer, source, address and key) goes out as the whole list (`members`) in the welcome and at least once a
 lease, and in between as what changed (`changes`: who joined and left, the steps that moved) at each change and
 every second (or lease / 4) when anything did: a member's share of the membership is then a few bytes a member a
-step instead of the whole list every second (docs/scale.md), and a list a member missed is mended within a lease. A member whose message the coordinator cannot place (unknown, e.g.
+step instead of the whole list every second (docs/scale.md), and a list a member missed is mended within a lease.
+A member whose message the coordinator cannot place (unknown, e.g.
 after the coordinator restarted) is told to rejoin. A coordinator restarted on the log of the one before it
 (the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
 first to rejoin still waits for the others (the lead bound) instead of running ahead alone. Each coordinator's part of

@@ -18,8 +18,8 @@ DHT has no node whose death ends it.
 Clocks: a record's stamp is its writer's clock. A reader leaves out a record stamped more than a quarter lease in
 its future or more than a lease in its past (the swarm's lease, one for all its members by its key; an honest
 member's stamp is at most a quarter lease old: it renews that often), so that a writer's clock, wrong or lying,
-keeps its record live at most a lease and a quarter after its last renewal. A joiner whose clock is more than 3 s off its bootstrap peer's (hivemind's own check at its first ping) is
-refused in one line naming the clock.
+keeps its record live at most a lease and a quarter after its last renewal. A joiner whose clock is more than 3 s
+off its bootstrap peer's (hivemind's own check at its first ping) is refused in one line naming the clock.
 
 This class has the SwarmClient's surface that OpenExchange uses (start, check, members, departed, step, dropped,
 close), so the member's transport, schedule and receiver are unchanged.
@@ -38,7 +38,6 @@ from .client import JoinRefused
 from .rules import join_problem
 
 KEY_PREFIX = "ftis-swarm/"
-MAX_DHT_TIME_DISCREPANCY_SECONDS = 3  # hivemind's (hivemind.utils.timed_storage), which a test holds it to
 OWNER = b"[owner:"
 
 
@@ -100,6 +99,7 @@ class DhtMembership:
         from hivemind.p2p import P2PDaemonError
 
         from hivemind.utils.crypto import RSAPrivateKey
+        from hivemind.utils.timed_storage import MAX_DHT_TIME_DISCREPANCY_SECONDS
 
         validator = RSASignatureValidator(RSAPrivateKey())  # its own key (not the process's: tests hold several)
         self._subkey = self.name.encode() + validator.local_public_key
