@@ -228,6 +228,41 @@ def test_aggregation_over_seeds_gives_final_area_early_curve_and_stats(tmp_path)
     assert "b" in entry["by_member"] and entry["by_member"]["b"]["final"] == {}
 
 
+def _train_lines(path: pathlib.Path, rows: list[tuple[int, float, float]]) -> None:
+    """Train records of member a at (step, filtered_frac over all 8 sequences, is_truncated_frac); 4 are the peer's."""
+    lines = [{"step": 0, "member": "a", "kind": "eval", "dataset": "tiny-add", "accuracy": 0.5}]
+    lines += [{"step": s, "member": "a", "kind": "train", "filtered_frac": f, "is_truncated_frac": t,
+               "sequences": 8, "own_sequences": 4} for s, f, t in rows]
+    path.mkdir(parents=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (path / "final_eval.json").write_text("[]")
+
+
+def test_the_filters_drop_and_the_truncated_share_are_kept_step_by_step_over_seeds(tmp_path):
+    """Issue 77's report: per step, the share of the peers' sequences the filter dropped (the step's filtered_frac
+    over all sequences times 8 / 4 peers' sequences) and the truncated share, mean and band over the seeds, at the
+    steps every seed logged; a figure of them beside the eval curves, for collaborating groups only."""
+    from ftis_engine.study import draw_figures
+
+    spec = study_module.StudyConfig.model_validate({**MINIMAL, "figures": [{"name": "f", "groups": ["pair-f-tis"]}]})
+    group = plan(spec, tmp_path, quick=False)[1]
+    _train_lines(group.runs[0].run_dir, [(1, 0.0, 0.1), (2, 0.25, 0.3)])
+    _train_lines(group.runs[1].run_dir, [(1, 0.125, 0.2), (2, 0.5, 0.5), (3, 0.5, 0.5)])  # step 3: seed 1 only
+    summary = aggregate(spec, [group], quick=False, command="c")
+    trace = summary["groups"][0]["by_member"]["a"]["train_curve"]
+    assert trace["peer_filtered_frac"]["steps"] == [1, 2] and trace["peer_filtered_frac"]["seeds"] == [0, 1]
+    assert trace["peer_filtered_frac"]["values"] == [[0.0, 0.25], [0.5, 1.0]]
+    assert trace["peer_filtered_frac"]["mean"] == pytest.approx([0.125, 0.75])
+    assert trace["is_truncated_frac"]["mean"] == pytest.approx([0.15, 0.4])
+    low, high = trace["is_truncated_frac"]["low"][0], trace["is_truncated_frac"]["high"][0]
+    assert low == 0.0 and high == pytest.approx(0.15 + 12.706 * math.sqrt(0.005) / math.sqrt(2))  # set within [0, 1]
+    assert summary["groups"][0]["by_member"]["b"]["train_curve"] == {}
+    drawn = draw_figures(spec, summary, tmp_path / "figures")
+    assert [p.name for p in drawn] == ["f.png", "f-train.png"] and all(p.stat().st_size > 0 for p in drawn)
+    summary["groups"][0]["collaboration"] = "alone"  # no peers: nothing to draw
+    assert [p.name for p in draw_figures(spec, summary, tmp_path / "alone")] == ["f.png"]
+
+
 def test_a_run_without_an_eval_of_one_dataset_leaves_the_other_seeds_paired_by_seed(tmp_path):
     raw = {**MINIMAL, "seeds": [3, 4, 5],
            "groups": [{"name": "alone", "members": "pair", "collaboration": "alone"},

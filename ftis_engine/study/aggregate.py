@@ -34,6 +34,9 @@ ATTACK_SUFFIX = "-asr-"
 # filtered), so the step's mean over all sequences, times sequences / peer sequences, is the mean over the peers':
 # peer_kl_mean is the KL between the members, as the receiver's estimator measures it.
 PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
+# the training stats also kept step by step (mean and 95% band over seeds at each step: the training figure): what
+# the filter dropped of the peers' sequences and what share of the importance weights the cap truncated
+STEP_STATS = ("peer_filtered_frac", "is_truncated_frac")
 
 
 # what an accuracy or an attack success rate can be (a share of the eval questions), and a difference of two
@@ -228,14 +231,16 @@ def _curve_area(points: list[tuple[int, float]]) -> float:
     return area / (points[-1][0] - points[0][0])
 
 
-def read_run(source: pathlib.Path) -> tuple[dict, dict, dict]:
-    """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}, {dataset: {eval set sizes}})
-    of a finished run, from its directory or a metrics file (its metrics.jsonl, or the .jsonl.gz a study keeps in
-    records/); an attack success rate's set is its eval set's size. MetricsError naming the file (and the line) for
-    one that cannot be read, or holds a record out of range (checked_records)."""
+def read_run(source: pathlib.Path) -> tuple[dict, dict, dict, dict]:
+    """({(member, dataset): [(step, accuracy)]}, {member: {stat: [values by step]}}, {dataset: {eval set sizes}},
+    {member: {stat: {step: value}}} of the STEP_STATS) of a finished run, from its directory or a metrics file (its
+    metrics.jsonl, or the .jsonl.gz a study keeps in records/); an attack success rate's set is its eval set's
+    size. MetricsError naming the file (and the line) for one that cannot be read, or holds a record out of range
+    (checked_records)."""
     evals: dict[tuple[str, str], list[tuple[int, float]]] = {}
     train: dict[str, dict[str, list[float]]] = {}
     sizes: dict[str, set[int]] = {}
+    traces: dict[str, dict[str, dict[int, float]]] = {}
     for record, _ in checked_records(source / "metrics.jsonl" if source.is_dir() else source):
         if record["kind"] == "eval":
             evals.setdefault((record["member"], record["dataset"]), []).append((record["step"], record["accuracy"]))
@@ -256,7 +261,11 @@ def read_run(source: pathlib.Path) -> tuple[dict, dict, dict]:
             for key, source in PEER_STATS.items():
                 if peers > 0 and isinstance(record.get(source), (int, float)):
                     stats.setdefault(key, []).append(float(record[source]) * record["sequences"] / peers)
-    return {k: sorted(v) for k, v in evals.items()}, train, sizes
+            trace = traces.setdefault(record["member"], {})
+            for key in STEP_STATS:
+                if stats.get(key) and isinstance(record.get("step"), int):  # this record's value: the list's last
+                    trace.setdefault(key, {})[record["step"]] = stats[key][-1]
+    return {k: sorted(v) for k, v in evals.items()}, train, sizes, traces
 
 
 def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str) -> dict:
@@ -289,10 +298,12 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
                 # from None: a one-line error for the user; the cause adds nothing to it
                 raise StudyError(f"{exc} (group {group.name}, seed {run.seed}); restore the file, or delete it (and "
                                  "the run's directory) to run that seed again") from None
-        per_run = {seed: (evals, train) for seed, (evals, train, _) in read.items()}
-        entry["eval_questions"] = eval_questions([sizes for _, _, sizes in read.values()])
+        per_run = {seed: (evals, train) for seed, (evals, train, _, _) in read.items()}
+        entry["eval_questions"] = eval_questions([sizes for _, _, sizes, _ in read.values()])
         for member in entry["members"]:
-            result: dict[str, Any] = {"final": {}, "auc": {}, "early": {}, "curve": {}, "train": {}}
+            traces = {seed: trace.get(member, {}) for seed, (_, _, _, trace) in read.items()}
+            result: dict[str, Any] = {"final": {}, "auc": {}, "early": {}, "curve": {}, "train": {},
+                                      "train_curve": _step_curves(traces)}
             datasets = sorted({d for evals, _ in per_run.values() for (m, d) in evals if m == member})
             for dataset in datasets:
                 # a run without this curve (no eval of it) is left out, and every value keeps its own seed
@@ -328,6 +339,22 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
     return {"study": study.study, "quick": quick, "command": command,
             "seeds": study.quick.seeds if quick else study.seeds, "groups": out_groups,
             "eval_questions": eval_questions([g["eval_questions"] for g in out_groups])}
+
+
+def _step_curves(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, dict]:
+    """Stat -> {steps, mean, low, high, seeds, values} of each STEP_STATS over the seeds that logged it, at the
+    steps they all logged (each a share: its band within [0, 1])."""
+    out = {}
+    for key in STEP_STATS:
+        by_seed = {seed: trace[key] for seed, trace in traces.items() if trace.get(key)}
+        if not by_seed:
+            continue
+        steps = sorted(set.intersection(*(set(t) for t in by_seed.values())))
+        values = [[t[s] for t in by_seed.values()] for s in steps]
+        points = [interval(v, bounds=ACCURACY_BOUNDS) for v in values]
+        out[key] = {"steps": steps, "mean": [p["mean"] for p in points], "low": [p["low"] for p in points],
+                    "high": [p["high"] for p in points], "seeds": list(by_seed), "values": values}
+    return out
 
 
 def eval_questions(sizes: list[dict]) -> dict[str, int | list[int]]:

@@ -1,6 +1,8 @@
 """A study's figures: the eval curves of each figure's groups (a column per member, a row per eval set, a line per
 group with its 95% band over seeds, on the seeds the groups share) and the distance figures (each method's paired
-difference from alone at each member set, the member sets in order of their measured peer KL)."""
+difference from alone at each member set, the member sets in order of their measured peer KL). Beside each curves
+figure whose collaborating groups logged them, `<name>-train.png`: per step, the share of the peers' sequences the
+KL filter dropped and the share of importance weights the cap truncated (mean over seeds, 95% band)."""
 
 from __future__ import annotations
 
@@ -92,7 +94,44 @@ def draw_figures(study: StudyConfig, summary: dict, out_dir: pathlib.Path) -> li
         fig.suptitle(textwrap.fill(title, width=int(11 * 5.2 * len(members))))  # about 11 characters an inch
         written.append(save_figure(fig, out_dir / f"{figure.name}.png", out_dir.parent, dpi=100))
         plt.close(fig)
+        if any(g["collaboration"] != "alone" and g["by_member"].get(m, {}).get("train_curve")
+               for g in chosen for m in members):
+            written.append(_train_figure(plt, figure, chosen, members, out_dir))
     return written
+
+
+STEP_LABELS = {"peer_filtered_frac": "peers' sequences the KL filter dropped",
+               "is_truncated_frac": "tokens whose IS weight passed C\n(truncated; under NoIS measured, not applied)"}
+
+
+def _train_figure(plt, figure: FigureSettings, groups: list[dict], members: list[str],
+                  out_dir: pathlib.Path) -> pathlib.Path:
+    """A row per STEP_STATS stat, a column per member, a line per collaborating group: its value at each training
+    step (mean over the seeds that logged it, 95% band within [0, 1]). Alone groups have no peers: left out."""
+    stats = list(STEP_LABELS)
+    fig, axes = plt.subplots(len(stats), len(members), figsize=(5.2 * len(members), 3.2 * len(stats)),
+                             squeeze=False, layout="constrained")
+    for row, stat in enumerate(stats):
+        for col, member in enumerate(members):
+            ax = axes[row][col]
+            for k, g in enumerate(groups):
+                curve = g["by_member"].get(member, {}).get("train_curve", {}).get(stat)
+                if g["collaboration"] == "alone" or not curve:
+                    continue
+                ax.plot(curve["steps"], curve["mean"], color=f"C{k % 10}",
+                        label=f"{g['group']} (seeds {seed_list(curve['seeds'])})")
+                ax.fill_between(curve["steps"], [max(0.0, v) for v in curve["low"]],
+                                [min(1.0, v) for v in curve["high"]], color=f"C{k % 10}", alpha=0.15)
+            ax.set(title=f"{member}: {STEP_LABELS[stat]}", xlabel="step", ylabel="share")
+            ax.set_ylim(bottom=0.0, top=max(0.05, ax.get_ylim()[1]))  # shares of a few percent stay readable
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=7)
+    title = f"{figure.title or figure.name}: training, per step (mean over seeds, 95% band)"
+    fig.suptitle(textwrap.fill(title, width=int(11 * 5.2 * len(members))), fontsize=10)
+    path = save_figure(fig, out_dir / f"{figure.name}-train.png", out_dir.parent, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def distance_points(groups: list[dict], member: str, metric: str, dataset: str,
