@@ -254,22 +254,50 @@ def test_one_connection_holds_one_name():
     assert sorted(coordinator.live) == ["a"]
 
 
-def test_the_swarm_holds_at_most_max_live_names_and_its_member_list_always_fits_one_header():
+def _list_of(messages: list[list[bytes]], client: SwarmClient) -> dict:
+    """What `client` holds after the coordinator's messages to one member (each through the wire's own checks)."""
+    for frames in messages:
+        assert len(frames[2]) <= MAX_HEADER  # every message, every part of a list, fits one header
+        client._receive(None, frames)
+    return client.members()
+
+
+def test_the_swarm_holds_max_live_names_and_each_part_of_its_member_list_fits_one_header():
+    """MAX_LIVE names, each entry as large as a join may make it: the welcome and the whole list go out in parts of
+    one header each, and a member given them holds exactly the coordinator's list (its own view is the oracle)."""
+    import zmq
+
     longest = {**SHARED, "train": {"steps": MAX_INT}}  # a run as long as a step can count: the largest steps
     coordinator = Coordinator(longest, lease_s=10, max_body=100)
     for k in range(MAX_LIVE):  # each as large as a join may make it, at the largest step
-        name = f"{k:03d}" + "n" * 97 + ("/sampler-999999" if k % 2 else "")
+        name = f"{k:04d}" + "n" * 96 + ("/sampler-999999" if k % 2 else "")
         header = {"name": name, "tokenizer": TOKENIZER, "source": "s" * MAX_SOURCE, "shared": longest,
                   "dataset": DATA, "step": MAX_INT}
+        if not k % 2:  # a member that listens (a sampler only sends)
+            header.update(address="tcp://" + "h" * 51 + ":65535", key=zmq.curve_keypair()[0].decode())
         out = coordinator.handle(str(k).encode(), pack("join", header), now=0)
         assert kinds(out)[0] == (str(k).encode(), "welcome"), k
     assert refusal(coordinator.handle(b"X", join("x", shared=longest), now=0)).startswith("the swarm is full")
-    (_, frames), *_ = coordinator._members(now=coordinator.lease_s)  # the whole list, as once a lease
-    assert len(frames[2]) <= MAX_HEADER and unpack(frames, 0)[0] == "members"  # a member takes it
+    assert MAX_LIVE >= 1000 and len(json.dumps(coordinator._view())) > 4 * MAX_HEADER  # the list spans parts
+
+    def member() -> SwarmClient:
+        return SwarmClient("tcp://127.0.0.1:1", "me", TOKENIZER, longest, DATA, 1 << 10, lambda *p: None)
+
+    last = str(MAX_LIVE - 1).encode()
+    joiner = member()
+    # the last joiner's welcome and the parts after it (nothing else came to it)
+    welcome = [frames for identity, frames in out if identity == last]
+    assert [f[1] for f in welcome][0] == b"welcome" and len(welcome) > 1
+    assert _list_of(welcome, joiner) == coordinator._view() and joiner._joined.is_set() and joiner.malformed == 0
+    # the whole list, as once a lease, to every live member
+    outgoing = coordinator._members(now=coordinator.lease_s)
+    assert {identity for identity, _ in outgoing} == {str(k).encode() for k in range(MAX_LIVE)}
+    assert _list_of([f for i, f in outgoing if i == b"7"], member()) == coordinator._view()
     # every name replaced at once: the changes (all left, all joined) would not fit; the whole list goes instead
-    coordinator.live = {f"{k:03d}" + "m" * 97: entry for k, entry in enumerate(coordinator.live.values())}
-    (_, frames), *_ = coordinator._members(now=coordinator.lease_s + 0.5)
-    assert len(frames[2]) <= MAX_HEADER and unpack(frames, 0)[0] == "members"
+    coordinator.live = {f"{k:04d}" + "m" * 96: entry for k, entry in enumerate(coordinator.live.values())}
+    outgoing = coordinator._members(now=coordinator.lease_s + 0.5)
+    assert {f[1] for _, f in outgoing} == {b"members"}
+    assert _list_of([f for i, f in outgoing if i == b"7"], joiner) == coordinator._view() and joiner.malformed == 0
 
 
 def test_a_step_past_two_to_the_31_is_refused_by_the_wire():

@@ -21,7 +21,8 @@ from ftis_engine.openswarm.coordinator import (  # noqa: E402
     shared_settings,
 )
 from ftis_engine.openswarm.joining import dataset_hash, training_set_hash  # noqa: E402
-from ftis_engine.openswarm.wire import pack  # noqa: E402
+from ftis_engine.openswarm.rules import MAX_PARTS, list_parts  # noqa: E402
+from ftis_engine.openswarm.wire import MAX_HEADER, pack  # noqa: E402
 from ftis_engine.data.tasks import TaskError, load_task  # noqa: E402
 
 from .helpers import ROOT, command_here  # noqa: E402
@@ -216,10 +217,51 @@ def test_a_member_list_no_coordinator_sends_is_dropped_and_the_last_good_one_kep
     client._receive(None, pack("members", {"members": good}))
     assert client.members() == good and client.malformed == 0
     for members in ({**good, "peer": _entry(6)}, {f"n{k}": _entry() for k in range(MAX_LIVE + 1)}):
-        client._receive(None, pack("members", {"members": members}))
+        for frames in _in_parts(members, number=1):
+            client._receive(None, frames)
     assert client.members() == good and client.malformed == 2
-    client._receive(None, pack("members", {"members": {f"n{k}": _entry() for k in range(MAX_LIVE)}}))
+    for frames in _in_parts({f"n{k}": _entry() for k in range(MAX_LIVE)}, number=2):
+        client._receive(None, frames)
     assert len(client.members()) == MAX_LIVE and client.malformed == 2
+
+
+def _in_parts(members: dict, number: int) -> list[list[bytes]]:
+    """A member list as a coordinator sends it: whole in one header, or in parts (rules.list_parts), each through
+    the wire's checks."""
+    parts = list_parts(members)
+    headers = [{"members": members}] if len(parts) == 1 else [
+        {"members": part, "part": k, "parts": len(parts), "list": number} for k, part in enumerate(parts)]
+    return [pack("members", header) for header in headers]
+
+
+def test_a_member_list_in_parts_is_taken_only_whole_and_one_not_a_coordinators_is_dropped():
+    """Parts arrive in any order and the list is taken once all are in; a newer list's part drops an older list's
+    parts; a part past its count, a count past MAX_PARTS, a part without its list's number, or one name in two
+    parts is counted as malformed and changes nothing."""
+    client = quiet_client()
+    first = {f"n{k:03d}": _entry() for k in range(600)}
+    frames = _in_parts(first, number=1)
+    assert len(frames) == 2 and all(len(f[2]) <= MAX_HEADER for f in frames)
+    client._receive(None, frames[1])
+    assert client.members() == {}  # half a list is no list
+    client._receive(None, frames[0])
+    assert client.members() == first and client.malformed == 0
+    second = {f"m{k:03d}": _entry() for k in range(600)}
+    newer = _in_parts(second, number=2)
+    client._receive(None, newer[0])
+    client._receive(None, _in_parts({f"x{k:03d}": _entry() for k in range(600)}, number=3)[1])  # list 3 starts
+    client._receive(None, newer[1])  # list 2's last part: its first was dropped with list 3's start
+    assert client.members() == first and client.malformed == 0
+    part = {"n000": _entry()}
+    for header in ({"members": part, "part": 2, "parts": 2, "list": 4}, {"members": part, "part": 0, "parts": 1,
+                   "list": 4}, {"members": part, "part": 0, "parts": MAX_PARTS + 1, "list": 4},
+                   {"members": part, "part": 0, "parts": 2}):
+        client._receive(None, pack("members", header))
+    assert client.members() == first and client.malformed == 4
+    for k in (0, 1):  # n000 in both parts of list 5
+        client._receive(None, pack("members", {"members": {"n000": _entry(), f"p{k}": _entry()}, "part": k,
+                                               "parts": 2, "list": 5}))
+    assert client.members() == first and client.malformed == 5
 
 
 # ------------------------------------------------------------------------------------------------- its log

@@ -18,7 +18,10 @@ member logs or records is plain printable text; a refusal's reason, free text, i
 What the coordinator announces is held to the rules a coordinator's own config obeys (rules.lease_problem,
 rules.view_problem): a welcome whose lease no coordinator's config allows (1e-300 s: beats as fast as the loop
 turns) is refused, the member stops with one line (CoordinatorRefused); a member list with more names than a
-coordinator admits, or a member at a step past train.steps, is counted and dropped as a malformed one.
+coordinator admits, or a member at a step past train.steps, is counted and dropped as a malformed one. A list
+in parts (rules.list_parts) is taken once every part of one list is in, all of them together held to those rules:
+parts of a newer list replace those of an older one, and a part that names no list, claims more than MAX_PARTS
+parts or a name another part of its list holds is counted and dropped.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from collections.abc import Callable
 
 from ..core.errors import shown
 from ..data.rollouts import claimed_sequences
-from .rules import join_problem, lease_problem, view_problem
+from .rules import MAX_PARTS, join_problem, lease_problem, view_problem
 from .wire import MAX_HEADER, WireError, ipv6, pack, parcel_mac, unpack
 
 log = logging.getLogger("ftis_engine.exchange")
@@ -76,6 +79,8 @@ class SwarmClient:
         self._departed: set[str] = set()  # names seen leaving (or coming back at an older step) since asked
         self._lock = threading.Lock()
         self._joined = threading.Event()
+        self._welcomed = False  # a welcome came (its list may still be in parts): joined once the list is whole
+        self._parts: tuple[int, int, dict[int, dict]] | None = None  # (list, parts, the parts in) of a list in parts
         self._stop = threading.Event()
         self._leaving = threading.Event()
         self.refused: str | None = None
@@ -247,17 +252,20 @@ class SwarmClient:
                 self._stop.set()
                 return
             self._beat_s = min(1.0, header["lease_s"] / 4)  # its step, fresh for the peers' lead bound
-            self._set_members(header["members"])
-            self._joined.set()
+            self._welcomed = True
+            if self._take_list(header):
+                self._joined.set()
         elif kind == "refuse":  # shown to a person as the command's error: escaped and cut here, where it enters
             self.refused = shown(header["reason"], limit=300)
             self._stop.set()
         elif kind == "members":
-            self._set_members(header["members"])
+            if self._take_list(header) and self._welcomed:
+                self._joined.set()
         elif kind == "changes":
             self._apply_changes(header)
         elif kind == "rejoin" and not self._leaving.is_set():
             self._joined.clear()
+            self._welcomed = False
             self._send(socket, self._join())
         elif kind == "parcel" and header["name"] != self.name:
             # an honest empty step is one word; a name is a member's or a sampler's (what the coordinator admits)
@@ -288,6 +296,33 @@ class SwarmClient:
             if name in members and isinstance(members[name], dict):
                 members[name] = {**members[name], "step": step}
         self._set_members(members)
+
+    def _take_list(self, header: dict) -> bool:
+        """Take a whole list ({members}) or one part of one (with part, parts and list); True once a whole list
+        was taken or refused, False while parts of one are missing (or this part was malformed)."""
+        fields = [header.get(f) for f in ("part", "parts", "list")]
+        if all(f is None for f in fields):
+            self._set_members(header["members"])
+            return True
+        part, parts, number = fields
+        if None in fields or not 2 <= parts <= MAX_PARTS or part >= parts:
+            self.malformed += 1
+            return False
+        if self._parts is None or self._parts[:2] != (number, parts):  # a newer list (or the first): start again
+            self._parts = (number, parts, {})
+        got = self._parts[2]
+        got[part] = header["members"]
+        if len(got) < parts:
+            return False
+        self._parts = None
+        whole: dict = {}
+        for k in range(parts):
+            if whole.keys() & got[k].keys():  # one name in two parts: no coordinator cuts a list so
+                self.malformed += 1
+                return True
+            whole.update(got[k])
+        self._set_members(whole)
+        return True
 
     def _set_members(self, members: dict) -> None:
         """Take the coordinator's member list if every name is one a join may take and every entry is {step,

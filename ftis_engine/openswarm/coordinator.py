@@ -1,37 +1,36 @@
-"""The open swarm's coordinator: who is in the swarm (leases), whether a member may join (the shared settings and
-the dataset), and the relay of every member's parcels to the other live members.
+"""The open swarm's coordinator: who is in the swarm (leases), whether a member may join (the shared settings and the
+dataset), and the relay of every member's parcels to the other live members. A member joins under its name with its
+shared settings, its tokenizer's hash and its dataset's hash; it is refused in one line naming the first field that
+differs from the swarm's, when its training set differs from the swarm's, or when a live member already has its name.
+The swarm's shared settings and its training set's sha256 are the coordinator's own, from its config (the training
+set's computed from its `data` and `seed` as each member computes its own: joining.training_set_hash), never what a
+member says: a stranger who joins first with a made-up hash fixes nothing (it is refused), and a restart takes
+neither from its log (a log whose start record holds another training set is refused at start, as one of other
+settings is). It stays in the live set while it is heard from (a heartbeat, a parcel) within `lease_s`; a member that
+leaves says so; one that crashes is dropped when its lease expires. What every live member hears of the others (name
+-> newest step heard, the lead bound's view, with each one's tokenizer, source, address and key) goes out as the
+whole list (`members`, in parts of one header each past ~120 names: rules.list_parts) in the welcome and at least
+once a lease, and in between as what changed (`changes`: who joined and left, the steps that moved) at each change
+and every second (or lease / 4) when anything did: a member's share of the membership is then a few bytes a member a
+step instead of the whole list every second (docs/scale.md), and a list a member missed is mended within a lease. A
+member whose message the coordinator cannot place (unknown, e.g. after the coordinator restarted) is told to rejoin.
+A coordinator restarted on the log of the one before it (the same --output-dir) holds the places of the members that
+were live for a lease while they rejoin, so the first to rejoin still waits for the others (the lead bound) instead
+of running ahead alone. Each coordinator's part of its log begins with a `start` record of the swarm's shared
+settings: one whose settings differ from the newest there is refused at start (SwarmLogError, naming the fields),
+never left to refuse every correct member with what it restored; `swarm serve` locks its --output-dir as a run locks
+its directory (rundir.RunLock). A place is held for the connection that had it (its identity is in its join's log
+line, a secret between it and the coordinator), so no stranger takes a member's name in that window and has the
+member refused when it comes back. A member's step (in a join, a beat or a parcel) past train.steps is refused:
+taken, it would turn off its peers' lead bound for it.
 
-A member joins under its name with its shared settings, its tokenizer's hash and its dataset's hash; it is refused
-in one line naming the first field that differs from the swarm's, when its training set differs from the swarm's,
-or when a live member already has its name. The swarm's shared settings and its training set's sha256 are the
-coordinator's own, from its config (the training set's computed from its `data` and `seed` as each member computes
-its own: joining.training_set_hash), never what a member says: a stranger who joins first with a made-up hash
-fixes nothing (it is refused), and a restart takes neither from its log (a log whose start record holds another
-training set is refused at start, as one of other settings is). It stays in the live set while it is heard from (a
-heartbeat, a parcel) within `lease_s`; a member that leaves says so; one that crashes is dropped when its lease
-expires. What every live member hears of the others (name -> newest step heard, the lead bound's view, with each
-one's tokenizer, source, address and key) goes out as the whole list (`members`) in the welcome and at least once a
-lease, and in between as what changed (`changes`: who joined and left, the steps that moved) at each change and
-every second (or lease / 4) when anything did: a member's share of the membership is then a few bytes a member a
-step instead of the whole list every second (docs/scale.md), and a list a member missed is mended within a lease.
-A member whose message the coordinator cannot place (unknown, e.g.
-after the coordinator restarted) is told to rejoin. A coordinator restarted on the log of the one before it
-(the same --output-dir) holds the places of the members that were live for a lease while they rejoin, so the
-first to rejoin still waits for the others (the lead bound) instead of running ahead alone. Each coordinator's part of
-its log begins with a `start` record of the swarm's shared settings: one whose settings differ from the newest there
-is refused at start (SwarmLogError, naming the fields), never left to refuse every correct member with what it
-restored; `swarm serve` locks its --output-dir as a run locks its directory (rundir.RunLock). A place is held for the
-connection that had it (its identity is in its join's log line, a secret between it and the coordinator), so no
-stranger takes a member's name in that window and has the member refused when it comes back. A member's step (in a
-join, a beat or a parcel) past train.steps is refused: taken, it would turn off its peers' lead bound for it.
-
-What a stranger can make it hold is bounded, so that the member list always fits one header (wire.MAX_HEADER) and a
-flood of bad messages cannot fill its log: a join's name is a member's name (config.SAFE_NAME) or one of its
-samplers' (`<member>/sampler-<k>`), its tokenizer and dataset are sha256 hex digests, its tokenizer source is at most
-MAX_SOURCE plain characters, one connection holds one name and the swarm at most MAX_LIVE; refusals and malformed
-messages are logged MAX_NOISY a minute (the rest counted, in a later `suppressed` record), without the live list;
-and the socket never reads a frame larger than the largest honest parcel or header (ZMQ_MAXMSGSIZE: the connection
-is closed instead).
+What a stranger can make it hold is bounded, so that each entry of the member list is under 500 bytes (a part of the
+list fits one header, wire.MAX_HEADER) and a flood of bad messages cannot fill its log: a join's name is a member's
+name (config.SAFE_NAME) or one of its samplers' (`<member>/sampler-<k>`), its tokenizer and dataset are sha256 hex
+digests, its tokenizer source is at most MAX_SOURCE plain characters, one connection holds one name and the swarm at
+most MAX_LIVE; refusals and malformed messages are logged MAX_NOISY a minute (the rest counted, in a later
+`suppressed` record), without the live list; and the socket never reads a frame larger than the largest honest parcel
+or header (ZMQ_MAXMSGSIZE: the connection is closed instead).
 
 The decisions (`handle`, `expire`) take the time as an argument and return what to send, so they are tested
 without sockets or clocks; `serve` runs them on a ZeroMQ ROUTER socket.
@@ -54,7 +53,9 @@ from .rules import (  # noqa: F401 (MAX_SOURCE, load_swarm_config, max_parcel_by
     DIGEST,
     MAX_LIVE,
     MAX_SOURCE,
+    PART_BYTES,
     _shown,
+    list_parts,
     first_difference,
     join_problem,
     load_swarm_config,
@@ -112,6 +113,7 @@ class Coordinator:
         self._noisy: tuple[float, int] = (float("-inf"), 0)  # (start of the current minute, noisy records in it)
         self._sent: dict | None = None  # the list as every live member last heard it (changes are against it)
         self._whole_at = float("-inf")  # when the whole list goes out again
+        self._lists = 0  # whole lists sent in parts (each part names its list: a member never mixes two lists)
         self._echo = echo
         self._log_path, self._log = log_path, None  # opened by the first record, or by serve once it is bound
         restored, logged_dataset, recorded, logged = restore(log_path) if log_path is not None else \
@@ -234,8 +236,9 @@ class Coordinator:
             self._record(now, "join" if current is None or current.identity != b"" else "rejoin", name,
                          step=header["step"], tokenizer=header["tokenizer"], source=header["source"],
                          address=address, key=key, dataset=header["dataset"], identity=identity.hex())
-        welcome = (identity, pack("welcome", {"lease_s": self.lease_s, "members": self._view()}))
-        return [welcome, *self._members(now)]
+        first, *rest = self._whole(self._view())
+        welcome = (identity, pack("welcome", {"lease_s": self.lease_s, **first}))
+        return [welcome, *((identity, pack("members", part)) for part in rest), *self._members(now)]
 
     @property
     def _steps(self) -> int | None:
@@ -248,13 +251,14 @@ class Coordinator:
 
     def _room_for(self, identity: bytes, name: str) -> str | None:
         """Why a valid join cannot take a place: its connection holds another name (one connection is one member
-        or sampler), or the swarm holds MAX_LIVE names (the member list must fit one header); None if it can."""
+        or sampler), or the swarm holds MAX_LIVE names (what a coordinator holds and sends is bounded); None if it
+        can."""
         held = next((other for other, entry in self.live.items() if entry.identity == identity and other != name),
                     None)
         if held is not None:
             return f"name: this connection already holds {held!r}; one connection joins under one name"
         if name not in self.live and len(self.live) >= MAX_LIVE:
-            return f"the swarm is full: {MAX_LIVE} live names, the most its member list carries"
+            return f"the swarm is full: {MAX_LIVE} live names, the most a coordinator admits"
         return None
 
     def expire(self, now: float) -> Outgoing:
@@ -272,13 +276,22 @@ class Coordinator:
         return {name: {"step": e.step, "tokenizer": e.tokenizer, "source": e.source, "address": e.address,
                        "key": e.key} for name, e in sorted(self.live.items())}
 
+    def _whole(self, view: dict) -> list[dict]:
+        """The headers of a whole list: {members} when it fits one part, else each part with its index, the count
+        and this list's number."""
+        parts = list_parts(view)
+        if len(parts) == 1:
+            return [{"members": view}]
+        self._lists += 1
+        return [{"members": part, "part": k, "parts": len(parts), "list": self._lists} for k, part in enumerate(parts)]
+
     def _members(self, now: float) -> Outgoing:
         """What every live member is to hear of the others: the whole list once a lease, else what changed since
         it was last told (nothing when nothing did). A joiner's welcome holds the whole list, so a change it had
         already seen there is set again, which changes nothing."""
         view = self._view()
+        messages = None
         if self._sent is None or now >= self._whole_at:
-            message = pack("members", {"members": view})
             self._whole_at = now + self.lease_s
         else:
             sent = self._sent
@@ -290,11 +303,13 @@ class Coordinator:
             if not (joined or steps or left):
                 return []
             message = pack("changes", {"joined": joined, "left": left, "steps": steps})
-            whole = pack("members", {"members": view})
-            if len(message[2]) >= len(whole[2]):  # most names changed at once: the whole list, which fits a header
-                message = whole
+            # most names changed at once (or more than a header holds): the whole list instead
+            if len(message[2]) <= PART_BYTES and len(message[2]) < len(json.dumps(view, separators=(",", ":"))):
+                messages = [message]
+        if messages is None:
+            messages = [pack("members", header) for header in self._whole(view)]
         self._sent = view
-        return [(entry.identity, message) for entry in self.live.values() if entry.identity]
+        return [(entry.identity, message) for entry in self.live.values() if entry.identity for message in messages]
 
     def _record(self, now: float, event: str, name: str | None, **fields) -> None:
         """One log line (and an echo). Refusals and malformed messages (a stranger's doing) carry no live list, their

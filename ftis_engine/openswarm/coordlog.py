@@ -10,7 +10,9 @@ from ..core.safefile import open_bounded
 from .rules import DIGEST, MAX_LIVE, join_problem
 from .wire import MAX_HEADER
 
-MAX_LOG_LINE = 4 * MAX_HEADER  # a line of coordinator.jsonl: an event with a member list (one header) and its fields
+# a line of coordinator.jsonl: an event with the live names, or a restart's restored members (MAX_LIVE entries of
+# under 500 bytes: ~8 headers), and its fields
+MAX_LOG_LINE = 16 * MAX_HEADER
 
 
 def _identity(value) -> bytes:

@@ -34,8 +34,30 @@ DIGEST = re.compile(r"[0-9a-f]{64}")  # a tokenizer's or training set's sha256 (
 MAX_SOURCE = 120  # a tokenizer's source: builtin:, packaged: or a hub id (at most 96 characters)
 SOURCE = re.compile(rf"(?:[A-Za-z0-9][A-Za-z0-9:/_.@+=-]{{0,{MAX_SOURCE - 1}}})?")  # nothing JSON escapes
 MAX_ADDRESS = 64  # where a member listens for its peers (swarm.peers_per_step): tcp://HOST:PORT
-# live names at most: with the caps above a view entry is under 500 bytes, so MAX_LIVE of them fit one header
-MAX_LIVE = 128
+# live names at most. With the caps above a list entry is under 500 bytes: a whole list of more than ~120 names goes
+# out in parts of at most PART_BYTES each (list_parts), each within one header; a member takes the list once it holds
+# every part (client.SwarmClient). MAX_LIVE bounds what a coordinator holds and sends, not the wire.
+MAX_LIVE = 1024
+PART_BYTES = (1 << 16) - 1024  # a part's entries, as JSON, within one header (wire.MAX_HEADER) with its other fields
+MAX_PARTS = -(-MAX_LIVE * 500 // PART_BYTES) + 1  # the most parts a list of MAX_LIVE entries takes (a member's bound)
+
+
+def list_parts(view: dict[str, dict]) -> list[dict[str, dict]]:
+    """A member list cut into parts, in its order, each part's entries at most PART_BYTES of JSON: [view] when it
+    fits one. Each entry is under 500 bytes (the join's caps), so no part is empty and MAX_LIVE entries take at
+    most MAX_PARTS."""
+    import json
+
+    parts: list[dict[str, dict]] = [{}]
+    size = 2  # {}
+    for name, entry in view.items():
+        cost = len(json.dumps({name: entry}, separators=(",", ":")))  # its "name":{...} and a comma
+        if parts[-1] and size + cost > PART_BYTES:
+            parts.append({})
+            size = 2
+        parts[-1][name] = entry
+        size += cost
+    return parts
 
 
 def shared_settings(config: RunConfig) -> dict:

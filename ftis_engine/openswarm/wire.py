@@ -41,7 +41,10 @@ SCHEMAS: dict[str, dict[str, type | tuple[type, ...]]] = {
 }
 # kind -> {field: type} a message may leave out: a sampler's parcels carry a mac, a learner's none
 # a join: where its member listens for its peers and its link key (swarm.peers_per_step; "" or absent: none)
-OPTIONAL: dict[str, dict[str, type]] = {"parcel": {"mac": str}, "join": {"address": str, "key": str}}
+# a member list in parts (rules.list_parts): its part's index, how many parts and which list (all three, or none)
+LIST_PART = {"part": int, "parts": int, "list": int}
+OPTIONAL: dict[str, dict[str, type]] = {"parcel": {"mac": str}, "join": {"address": str, "key": str},
+                                        "welcome": LIST_PART, "members": LIST_PART}
 
 
 class WireError(ValueError):
