@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("zmq")
 
 from ftis_engine.openswarm.client import JoinRefused, SwarmClient  # noqa: E402
-from ftis_engine.openswarm.coordinator import Coordinator, first_difference, shared_settings  # noqa: E402
+from ftis_engine.openswarm.coordinator import Coordinator, Live, first_difference, shared_settings  # noqa: E402
+from ftis_engine.openswarm.rules import list_parts  # noqa: E402
 from ftis_engine.openswarm.joining import training_set_hash  # noqa: E402
 from ftis_engine.openswarm.wire import MAGIC, WireError, pack, unpack  # noqa: E402
 
@@ -252,6 +253,23 @@ def test_over_sockets_members_join_exchange_parcels_and_leave():
         until(lambda: set(a.members()) == {"a"}, "a to see b leave")
     finally:
         a.close()
+        running.close()
+
+
+def test_over_sockets_a_joiner_takes_a_member_list_of_several_parts_whole():
+    """A swarm of 600 names (fake live entries that never expire; what is sent to them is undeliverable): the
+    joiner's welcome and the list's parts cross the socket and the joiner holds the coordinator's list exactly."""
+    coordinator = Coordinator(SHARED, lease_s=5.0, max_body=1 << 20)
+    for k in range(600):
+        coordinator.live[f"peer-{k:03d}-" + "x" * 80] = Live(f"gone-{k}".encode(), TOKENIZER, 0, time.monotonic() + 1e6,
+                                                             0.0, source="s" * 100)
+    running = Running(coordinator=coordinator)
+    joiner = client(running.address, "me")  # returns once joined: the whole list in
+    try:
+        assert len(list_parts(coordinator._view())) > 2
+        assert joiner.members() == coordinator._view() and joiner.malformed == 0
+    finally:
+        joiner.close()
         running.close()
 
 
