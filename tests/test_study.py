@@ -232,7 +232,9 @@ def _train_lines(path: pathlib.Path, rows: list[tuple[int, float, float]]) -> No
     """Train records of member a at (step, filtered_frac over all 8 sequences, is_truncated_frac); 4 are the peer's."""
     lines = [{"step": 0, "member": "a", "kind": "eval", "dataset": "tiny-add", "accuracy": 0.5}]
     lines += [{"step": s, "member": "a", "kind": "train", "filtered_frac": f, "is_truncated_frac": t,
-               "sequences": 8, "own_sequences": 4} for s, f, t in rows]
+               "sequences": 8, "own_sequences": 4, "peer_sequences": 4, "own_ratio_mean": 1 + s / 100}
+              for s, f, t in rows]
+    lines[-1]["own_ratio_mean"] = float("nan")  # a step without own rollouts: no ratio (left out of the range)
     path.mkdir(parents=True)
     (path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     (path / "final_eval.json").write_text("[]")
@@ -257,6 +259,13 @@ def test_the_filters_drop_and_the_truncated_share_are_kept_step_by_step_over_see
     low, high = trace["is_truncated_frac"]["low"][0], trace["is_truncated_frac"]["high"][0]
     assert low == 0.0 and high == pytest.approx(0.15 + 12.706 * math.sqrt(0.005) / math.sqrt(2))  # set within [0, 1]
     assert summary["groups"][0]["by_member"]["b"]["train_curve"] == {}
+    # the checks: every step of every seed (the NaN ratios left out), all of a step's peers filtered twice
+    checks = summary["groups"][0]["by_member"]["a"]["checks"]
+    assert checks == {"steps": 5, "own_ratio": [1.01, 1.02], "peer_sequences": [4.0, 4.0], "peer_filtered_max": 1.0,
+                      "all_filtered_steps": 2}
+    table = study_module.report_markdown(summary, [])
+    assert "| pair-f-tis | a | 5 | 1.0100, 1.0200 | 4, 4 | 1.000 | 2 |" in table
+    assert "| pair-f-tis | b | 0 | – | – | – | – |" in table
     drawn = draw_figures(spec, summary, tmp_path / "figures")
     assert [p.name for p in drawn] == ["f.png", "f-train.png"] and all(p.stat().st_size > 0 for p in drawn)
     summary["groups"][0]["collaboration"] = "alone"  # no peers: nothing to draw

@@ -37,6 +37,10 @@ PEER_STATS = {"peer_kl_mean": "kl_mean", "peer_filtered_frac": "filtered_frac"}
 # the training stats also kept step by step (mean and 95% band over seeds at each step: the training figure): what
 # the filter dropped of the peers' sequences and what share of the importance weights the cap truncated
 STEP_STATS = ("peer_filtered_frac", "is_truncated_frac")
+# what rules out a bug in a run (`checks`): the weights reaching the engine (own_ratio_mean: exp(trained - generated
+# log-prob) over the member's own rollouts, 1 when the engine generated with the weights trained) and the peers'
+# sequences counted, each step; the extremes over every step of every seed
+CHECK_STATS = ("own_ratio_mean", "peer_sequences")
 
 
 # what an accuracy or an attack success rate can be (a share of the eval questions), and a difference of two
@@ -254,17 +258,19 @@ def read_run(source: pathlib.Path) -> tuple[dict, dict, dict, dict]:
                         sizes.setdefault(record["dataset"] + ATTACK_SUFFIX + kind, set()).add(record["samples"])
         elif record["kind"] == "train":
             stats = train.setdefault(record["member"], {})
-            for key in TRAIN_STATS:
-                if isinstance(record.get(key), (int, float)):
-                    stats.setdefault(key, []).append(float(record[key]))
+            taken = {key: float(record[key]) for key in TRAIN_STATS if isinstance(record.get(key), (int, float))}
             peers = (record.get("sequences") or 0) - (record.get("own_sequences") or 0)  # null: not logged
-            for key, source in PEER_STATS.items():
-                if peers > 0 and isinstance(record.get(source), (int, float)):
-                    stats.setdefault(key, []).append(float(record[source]) * record["sequences"] / peers)
-            trace = traces.setdefault(record["member"], {})
-            for key in STEP_STATS:
-                if stats.get(key) and isinstance(record.get("step"), int):  # this record's value: the list's last
-                    trace.setdefault(key, {})[record["step"]] = stats[key][-1]
+            taken.update({key: float(record[source]) * record["sequences"] / peers for key, source in PEER_STATS.items()
+                          if peers > 0 and isinstance(record.get(source), (int, float))})
+            for key, value in taken.items():
+                stats.setdefault(key, []).append(value)
+            taken.update({key: float(record[key]) for key in CHECK_STATS
+                          if _number(record.get(key)) and math.isfinite(record[key])})
+            if isinstance(record.get("step"), int):
+                trace = traces.setdefault(record["member"], {})
+                for key in (*STEP_STATS, *CHECK_STATS):
+                    if key in taken:
+                        trace.setdefault(key, {})[record["step"]] = taken[key]
     return {k: sorted(v) for k, v in evals.items()}, train, sizes, traces
 
 
@@ -303,7 +309,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
         for member in entry["members"]:
             traces = {seed: trace.get(member, {}) for seed, (_, _, _, trace) in read.items()}
             result: dict[str, Any] = {"final": {}, "auc": {}, "early": {}, "curve": {}, "train": {},
-                                      "train_curve": _step_curves(traces)}
+                                      "train_curve": _step_curves(traces), "checks": _checks(traces)}
             datasets = sorted({d for evals, _ in per_run.values() for (m, d) in evals if m == member})
             for dataset in datasets:
                 # a run without this curve (no eval of it) is left out, and every value keeps its own seed
@@ -355,6 +361,20 @@ def _step_curves(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, di
         out[key] = {"steps": steps, "mean": [p["mean"] for p in points], "low": [p["low"] for p in points],
                     "high": [p["high"] for p in points], "seeds": list(by_seed), "values": values}
     return out
+
+
+def _checks(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, Any]:
+    """Over every step of every seed: the range of own_ratio_mean and of the peers' sequences a step, the largest
+    share of them the filter dropped and how many steps it dropped all of them (None where nothing was logged)."""
+    def values(key: str) -> list[float]:
+        return [v for trace in traces.values() for v in trace.get(key, {}).values()]
+
+    own, peers, filtered = values("own_ratio_mean"), values("peer_sequences"), values("peer_filtered_frac")
+    return {"steps": sum(len(set().union(*t.values())) for t in traces.values()),  # train steps logged
+            "own_ratio": [min(own), max(own)] if own else None,
+            "peer_sequences": [min(peers), max(peers)] if peers else None,
+            "peer_filtered_max": max(filtered) if filtered else None,
+            "all_filtered_steps": sum(v >= 1.0 - 1e-9 for v in filtered)}
 
 
 def eval_questions(sizes: list[dict]) -> dict[str, int | list[int]]:

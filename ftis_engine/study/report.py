@@ -31,6 +31,7 @@ from .tables import (
     _distance_tables,
     _fmt,
     _paired_table,
+    check_table,
     seed_list,
 )
 
@@ -55,6 +56,7 @@ def report_markdown(summary: dict, figures: list[pathlib.Path]) -> str:
         body += _paired_table(groups, datasets, "vs_baseline", "Paired with each group's baseline (Δ = group - "
                               "baseline, per seed, mean and 95% t-interval over the seeds both have):", cells,
                               lambda g: g.get("baseline"))
+        body += check_table(groups)
     body += _distance_tables(summary["groups"], cells)
     if figures:
         body += ["## Figures", ""] + [f"![{p.stem}](figures/{p.name})" for p in figures] + [""]

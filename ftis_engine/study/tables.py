@@ -264,3 +264,26 @@ def set_distances(groups: list[dict], member: str) -> dict[str, float]:
         if g["collaboration"] != "alone" and kl:
             kls.setdefault(g["member_set"], []).append(kl["mean"])
     return {s: max(0.0, sum(v) / len(v)) for s, v in kls.items()}
+
+
+def check_table(groups: list[dict]) -> list[str]:
+    """What rules out a bug in the runs themselves, per group and member, over every step of every seed (aggregate
+    `checks`): the range of own_ratio_mean, the peers' sequences a step, the largest share of them the filter
+    dropped and the steps it dropped all of them. [] for a summary made before these were kept."""
+    rows = [(g, member, r["checks"]) for g in groups for member, r in g["by_member"].items() if r.get("checks")]
+    if not rows:
+        return []
+    lines = ["What rules out a bug in the runs themselves, over every step of every seed: **own ratio** is the mean "
+             "of exp(trained - generated log-prob) over a member's own rollouts (1 when its engine generated with "
+             "the weights it trains: each push reached the engine); **peer sequences** the peers' sequences it "
+             "trained on a step (received and counted); **filtered** the largest share of them the KL filter "
+             "dropped in a step, and in how many steps it dropped all of them.", "",
+             "| group | member | steps | own ratio (min, max) | peer sequences a step (min, max) | filtered (max) | "
+             "steps all filtered |", "|---|---|---|---|---|---|---|"]
+    for g, member, c in rows:
+        own = "–" if c["own_ratio"] is None else f"{c['own_ratio'][0]:.4f}, {c['own_ratio'][1]:.4f}"
+        peers = "–" if c["peer_sequences"] is None else f"{c['peer_sequences'][0]:g}, {c['peer_sequences'][1]:g}"
+        filtered = "–" if c["peer_filtered_max"] is None else f"{c['peer_filtered_max']:.3f}"
+        lines.append(f"| {g['group']} | {member} | {c['steps']} | {own} | {peers} | {filtered} | "
+                     f"{c['all_filtered_steps'] if c['peer_filtered_max'] is not None else '–'} |")
+    return lines + [""]
