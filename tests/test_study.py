@@ -242,29 +242,32 @@ def _train_lines(path: pathlib.Path, rows: list[tuple[int, float, float]]) -> No
 
 def test_the_filters_drop_and_the_truncated_share_are_kept_step_by_step_over_seeds(tmp_path):
     """Issue 77's report: per step, the share of the peers' sequences the filter dropped (the step's filtered_frac
-    over all sequences times 8 / 4 peers' sequences) and the truncated share, mean and band over the seeds, at the
-    steps every seed logged; a figure of them beside the eval curves, for collaborating groups only."""
+    over all sequences times 8 / 4 peers' sequences) and the truncated share, mean and band over the seeds that
+    logged that step; a figure of them beside the eval curves, for collaborating groups only."""
     from ftis_engine.study import draw_figures
 
     spec = study_module.StudyConfig.model_validate({**MINIMAL, "figures": [{"name": "f", "groups": ["pair-f-tis"]}]})
     group = plan(spec, tmp_path, quick=False)[1]
     _train_lines(group.runs[0].run_dir, [(1, 0.0, 0.1), (2, 0.25, 0.3)])
     _train_lines(group.runs[1].run_dir, [(1, 0.125, 0.2), (2, 0.5, 0.5), (3, 0.5, 0.5)])  # step 3: seed 1 only
+    with open(group.runs[0].run_dir / "metrics.jsonl", "a") as f:  # a ratio past any float: left out, no crash
+        f.write(json.dumps({"step": 4, "member": "a", "kind": "train", "own_ratio_mean": 10 ** 400}) + "\n")
     summary = aggregate(spec, [group], quick=False, command="c")
     trace = summary["groups"][0]["by_member"]["a"]["train_curve"]
-    assert trace["peer_filtered_frac"]["steps"] == [1, 2] and trace["peer_filtered_frac"]["seeds"] == [0, 1]
-    assert trace["peer_filtered_frac"]["values"] == [[0.0, 0.25], [0.5, 1.0]]
-    assert trace["peer_filtered_frac"]["mean"] == pytest.approx([0.125, 0.75])
-    assert trace["is_truncated_frac"]["mean"] == pytest.approx([0.15, 0.4])
+    assert trace["peer_filtered_frac"]["steps"] == [1, 2, 3] and trace["peer_filtered_frac"]["seeds"] == [0, 1]
+    assert trace["peer_filtered_frac"]["values"] == [[0.0, 0.25], [0.5, 1.0], [1.0]]
+    assert trace["peer_filtered_frac"]["n"] == [2, 2, 1]
+    assert trace["peer_filtered_frac"]["mean"] == pytest.approx([0.125, 0.75, 1.0])
+    assert trace["is_truncated_frac"]["mean"] == pytest.approx([0.15, 0.4, 0.5])
     low, high = trace["is_truncated_frac"]["low"][0], trace["is_truncated_frac"]["high"][0]
     assert low == 0.0 and high == pytest.approx(0.15 + 12.706 * math.sqrt(0.005) / math.sqrt(2))  # set within [0, 1]
     assert summary["groups"][0]["by_member"]["b"]["train_curve"] == {}
     # the checks: every step of every seed (the NaN ratios left out), all of a step's peers filtered twice
     checks = summary["groups"][0]["by_member"]["a"]["checks"]
-    assert checks == {"steps": 5, "own_ratio": [1.01, 1.02], "peer_sequences": [4.0, 4.0], "peer_filtered_max": 1.0,
+    assert checks == {"steps": 6, "own_ratio": [1.01, 1.02], "peer_sequences": [4.0, 4.0], "peer_filtered_max": 1.0,
                       "all_filtered_steps": 2}
     table = study_module.report_markdown(summary, [])
-    assert "| pair-f-tis | a | 5 | 1.0100, 1.0200 | 4, 4 | 1.000 | 2 |" in table
+    assert "| pair-f-tis | a | 6 | 1.0100, 1.0200 | 4, 4 | 1.000 | 2 |" in table
     assert "| pair-f-tis | b | 0 | – | – | – | – |" in table
     drawn = draw_figures(spec, summary, tmp_path / "figures")
     assert [p.name for p in drawn] == ["f.png", "f-train.png"] and all(p.stat().st_size > 0 for p in drawn)

@@ -235,33 +235,46 @@ def _in_parts(members: dict, number: int) -> list[list[bytes]]:
 
 
 def test_a_member_list_in_parts_is_taken_only_whole_and_one_not_a_coordinators_is_dropped():
-    """Parts arrive in any order and the list is taken once all are in; a newer list's part drops an older list's
-    parts; a part past its count, a count past MAX_PARTS, a part without its list's number, or one name in two
-    parts is counted as malformed and changes nothing."""
+    """A list in parts is taken once all its parts came in order (one connection keeps the coordinator's order: a
+    gap is a lost part, and nothing of that list is taken); a list's first part drops what was held of another, and
+    so do a welcome and a list in one header; a part past its count, a count past MAX_PARTS, a part without its
+    list's number, or one name in two parts is counted as malformed and changes nothing."""
     client = quiet_client()
     first = {f"n{k:03d}": _entry() for k in range(600)}
     frames = _in_parts(first, number=1)
     assert len(frames) == 2 and all(len(f[2]) <= MAX_HEADER for f in frames)
-    client._receive(None, frames[1])
-    assert client.members() == {}  # half a list is no list
+    client._receive(None, frames[1])  # its first part never came: dropped
     client._receive(None, frames[0])
+    assert client.members() == {}  # half a list is no list
+    client._receive(None, frames[1])
     assert client.members() == first and client.malformed == 0
-    second = {f"m{k:03d}": _entry() for k in range(600)}
-    newer = _in_parts(second, number=2)
-    client._receive(None, newer[0])
-    client._receive(None, _in_parts({f"x{k:03d}": _entry() for k in range(600)}, number=3)[1])  # list 3 starts
-    client._receive(None, newer[1])  # list 2's last part: its first was dropped with list 3's start
-    assert client.members() == first and client.malformed == 0
+    second = _in_parts({f"m{k:03d}": _entry() for k in range(600)}, number=2)
+    third = _in_parts({f"x{k:03d}": _entry() for k in range(600)}, number=3)
+    for frames, held in (([second[0], third[1], second[1]], first),  # another list's part between list 2's
+                         ([second[0], pack("members", {"members": {"me": _entry()}}), second[1]], {"me": _entry()}),
+                         ([second[0], pack("welcome", {"lease_s": 10, "members": {"me": {**_entry(), "step": 1}}}),
+                           second[1]], {"me": {**_entry(), "step": 1}})):
+        for f in frames:
+            client._receive(None, f)
+        assert client.members() == held and client.malformed == 0  # list 2 never taken
     part = {"n000": _entry()}
     for header in ({"members": part, "part": 2, "parts": 2, "list": 4}, {"members": part, "part": 0, "parts": 1,
                    "list": 4}, {"members": part, "part": 0, "parts": MAX_PARTS + 1, "list": 4},
                    {"members": part, "part": 0, "parts": 2}):
         client._receive(None, pack("members", header))
-    assert client.members() == first and client.malformed == 4
+    assert client.members() == {"me": {**_entry(), "step": 1}} and client.malformed == 4
     for k in (0, 1):  # n000 in both parts of list 5
         client._receive(None, pack("members", {"members": {"n000": _entry(), f"p{k}": _entry()}, "part": k,
                                                "parts": 2, "list": 5}))
-    assert client.members() == first and client.malformed == 5
+    assert client.members() == {"me": {**_entry(), "step": 1}} and client.malformed == 5
+    fourth = _in_parts({f"y{k:03d}": _entry() for k in range(1000)}, number=6)
+    assert len(fourth) == 3
+    for f in (fourth[0], fourth[2], fourth[1]):  # out of order: part 1 came late (lost, as far as order says)
+        client._receive(None, f)
+    assert client.members() == {"me": {**_entry(), "step": 1}} and client.malformed == 5
+    for f in third:  # a whole list in order after all that
+        client._receive(None, f)
+    assert set(client.members()) == {f"x{k:03d}" for k in range(600)} and client.malformed == 5
 
 
 # ------------------------------------------------------------------------------------------------- its log

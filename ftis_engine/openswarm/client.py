@@ -19,9 +19,10 @@ What the coordinator announces is held to the rules a coordinator's own config o
 rules.view_problem): a welcome whose lease no coordinator's config allows (1e-300 s: beats as fast as the loop
 turns) is refused, the member stops with one line (CoordinatorRefused); a member list with more names than a
 coordinator admits, or a member at a step past train.steps, is counted and dropped as a malformed one. A list
-in parts (rules.list_parts) is taken once every part of one list is in, all of them together held to those rules:
-parts of a newer list replace those of an older one, and a part that names no list, claims more than MAX_PARTS
-parts or a name another part of its list holds is counted and dropped.
+in parts (rules.list_parts) is taken once every part of one list is in, in order (one connection keeps the
+coordinator's order: a gap is a part lost, and the parts held are dropped until the next list's first part), all of
+them together held to those rules; a part that names no list, claims more than MAX_PARTS parts or a name another
+part of its list holds is counted and dropped. A welcome, a rejoin and a list in one header drop a list in parts.
 """
 
 from __future__ import annotations
@@ -253,6 +254,7 @@ class SwarmClient:
                 return
             self._beat_s = min(1.0, header["lease_s"] / 4)  # its step, fresh for the peers' lead bound
             self._welcomed = True
+            self._parts = None  # a welcome opens a list: nothing of an earlier coordinator's lists is kept
             if self._take_list(header):
                 self._joined.set()
         elif kind == "refuse":  # shown to a person as the command's error: escaped and cut here, where it enters
@@ -266,6 +268,7 @@ class SwarmClient:
         elif kind == "rejoin" and not self._leaving.is_set():
             self._joined.clear()
             self._welcomed = False
+            self._parts = None
             self._send(socket, self._join())
         elif kind == "parcel" and header["name"] != self.name:
             # an honest empty step is one word; a name is a member's or a sampler's (what the coordinator admits)
@@ -302,14 +305,18 @@ class SwarmClient:
         was taken or refused, False while parts of one are missing (or this part was malformed)."""
         fields = [header.get(f) for f in ("part", "parts", "list")]
         if all(f is None for f in fields):
+            self._parts = None
             self._set_members(header["members"])
             return True
         part, parts, number = fields
         if None in fields or not 2 <= parts <= MAX_PARTS or part >= parts:
             self.malformed += 1
             return False
-        if self._parts is None or self._parts[:2] != (number, parts):  # a newer list (or the first): start again
+        if part == 0:  # a list's first part: whatever was held of another is dropped
             self._parts = (number, parts, {})
+        elif self._parts is None or self._parts[:2] != (number, parts) or part != len(self._parts[2]):
+            self._parts = None  # a part after a gap (one was lost): nothing of this list is taken
+            return False
         got = self._parts[2]
         got[part] = header["members"]
         if len(got) < parts:

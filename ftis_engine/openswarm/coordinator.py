@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -113,7 +114,9 @@ class Coordinator:
         self._noisy: tuple[float, int] = (float("-inf"), 0)  # (start of the current minute, noisy records in it)
         self._sent: dict | None = None  # the list as every live member last heard it (changes are against it)
         self._whole_at = float("-inf")  # when the whole list goes out again
-        self._lists = 0  # whole lists sent in parts (each part names its list: a member never mixes two lists)
+        # the number of the last list sent in parts (each part names its list: a member never mixes two lists); from
+        # a random start, so a restarted coordinator's lists are not its predecessor's numbers
+        self._lists = secrets.randbelow(1 << 30)
         self._echo = echo
         self._log_path, self._log = log_path, None  # opened by the first record, or by serve once it is bound
         restored, logged_dataset, recorded, logged = restore(log_path) if log_path is not None else \
@@ -282,7 +285,7 @@ class Coordinator:
         parts = list_parts(view)
         if len(parts) == 1:
             return [{"members": view}]
-        self._lists += 1
+        self._lists = (self._lists + 1) % (1 << 31)
         return [{"members": part, "part": k, "parts": len(parts), "list": self._lists} for k, part in enumerate(parts)]
 
     def _members(self, now: float) -> Outgoing:
@@ -304,7 +307,8 @@ class Coordinator:
                 return []
             message = pack("changes", {"joined": joined, "left": left, "steps": steps})
             # most names changed at once (or more than a header holds): the whole list instead
-            if len(message[2]) <= PART_BYTES and len(message[2]) < len(json.dumps(view, separators=(",", ":"))):
+            whole = len(json.dumps({"members": view}, separators=(",", ":")))  # as pack writes the whole list
+            if len(message[2]) <= PART_BYTES and len(message[2]) < whole:
                 messages = [message]
         if messages is None:
             messages = [pack("members", header) for header in self._whole(view)]

@@ -41,6 +41,7 @@ STEP_STATS = ("peer_filtered_frac", "is_truncated_frac")
 # log-prob) over the member's own rollouts, 1 when the engine generated with the weights trained) and the peers'
 # sequences counted, each step; the extremes over every step of every seed
 CHECK_STATS = ("own_ratio_mean", "peer_sequences")
+TRAIN_STEPS = "train_steps"  # a run's trace of the steps it logged a train record at (the checks' count)
 
 
 # what an accuracy or an attack success rate can be (a share of the eval questions), and a difference of two
@@ -264,10 +265,11 @@ def read_run(source: pathlib.Path) -> tuple[dict, dict, dict, dict]:
                           if peers > 0 and isinstance(record.get(source), (int, float))})
             for key, value in taken.items():
                 stats.setdefault(key, []).append(value)
-            taken.update({key: float(record[key]) for key in CHECK_STATS
-                          if _number(record.get(key)) and math.isfinite(record[key])})
+            taken.update({key: float(record[key]) for key in CHECK_STATS  # NaN (no own rollouts), inf: none
+                          if _number(record.get(key)) and -MAX_MAGNITUDE <= record[key] <= MAX_MAGNITUDE})
             if isinstance(record.get("step"), int):
                 trace = traces.setdefault(record["member"], {})
+                trace.setdefault(TRAIN_STEPS, {})[record["step"]] = 1.0
                 for key in (*STEP_STATS, *CHECK_STATS):
                     if key in taken:
                         trace.setdefault(key, {})[record["step"]] = taken[key]
@@ -348,18 +350,20 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
 
 
 def _step_curves(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, dict]:
-    """Stat -> {steps, mean, low, high, seeds, values} of each STEP_STATS over the seeds that logged it, at the
-    steps they all logged (each a share: its band within [0, 1])."""
+    """Stat -> {steps, mean, low, high, n, seeds, values} of each STEP_STATS at every step a seed logged it, over
+    the seeds that logged it there (`n` of them; an asynchronous run's peers arrive at different steps in different
+    seeds); each a share: its band within [0, 1]."""
     out = {}
     for key in STEP_STATS:
         by_seed = {seed: trace[key] for seed, trace in traces.items() if trace.get(key)}
-        if not by_seed:
+        steps = sorted(set().union(*by_seed.values()))
+        if not steps:
             continue
-        steps = sorted(set.intersection(*(set(t) for t in by_seed.values())))
-        values = [[t[s] for t in by_seed.values()] for s in steps]
+        values = [[t[s] for t in by_seed.values() if s in t] for s in steps]
         points = [interval(v, bounds=ACCURACY_BOUNDS) for v in values]
         out[key] = {"steps": steps, "mean": [p["mean"] for p in points], "low": [p["low"] for p in points],
-                    "high": [p["high"] for p in points], "seeds": list(by_seed), "values": values}
+                    "high": [p["high"] for p in points], "n": [len(v) for v in values], "seeds": list(by_seed),
+                    "values": values}
     return out
 
 
@@ -370,7 +374,7 @@ def _checks(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, Any]:
         return [v for trace in traces.values() for v in trace.get(key, {}).values()]
 
     own, peers, filtered = values("own_ratio_mean"), values("peer_sequences"), values("peer_filtered_frac")
-    return {"steps": sum(len(set().union(*t.values())) for t in traces.values()),  # train steps logged
+    return {"steps": sum(len(t.get(TRAIN_STEPS, {})) for t in traces.values()),
             "own_ratio": [min(own), max(own)] if own else None,
             "peer_sequences": [min(peers), max(peers)] if peers else None,
             "peer_filtered_max": max(filtered) if filtered else None,
