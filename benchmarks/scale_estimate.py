@@ -15,8 +15,11 @@ Every input is measured or computed here, and the JSON says where each came from
   JSON keeps that too); a beat: `pack("beat", ...)`, every lease / 4;
 - a DHT record: a record signed by hivemind's RSASignatureValidator as `openswarm/dht.py` stores it (needs the
   `[dht]` extra; else the size measured on 2026-12-07, 984 bytes, is used and the JSON says so), every member reading
-  the swarm's whole key every min(1 s, lease / 4), each read answered by the key's replicas (hivemind's
-  num_replicas, 5);
+  the swarm's whole key every min(1 s, lease / 4), each read answered by each of the key's replicas with its whole
+  copy (hivemind's num_replicas, 5; a get with latest=True visits the key's nearest nodes, a bucket of 20, and merges
+  every holder's copy: hivemind/dht/node.py, read in 1.1.10), so a member takes in 5 copies a read; and one node's
+  answer is one p2pd message, at most 4 MiB (hivemind/p2p/p2p_daemon_bindings/control.py, DEFAULT_MAX_MSG_SIZE):
+  a key of more records than that holds cannot be read (read in the source, not measured);
 - TCP under loss: the Mathis et al. (1997) bound on one connection's throughput, MSS / RTT x 1.22 / sqrt(p);
 - a step's seconds: the profile's (the real-PEFT study's CPU member-step, the H200's step at the paper-like shape:
   benchmarks/results/pair_h200), and the scale benchmark's (benchmarks/results/swarm_scale*.json) where it has run.
@@ -45,7 +48,8 @@ PROFILES = {  # prompts x completions a member a step, mean completion tokens, a
                              "(benchmarks/results/pair_h200), scaled to 300 tokens"},
 }
 DHT_RECORD_MEASURED = 984  # bytes, 2026-12-07 (hivemind 1.1.12): subkey 402 (name + RSA public key), value 574 + 8
-DHT_REPLICAS = 5  # hivemind.dht.node.DHTNode's num_replicas default
+DHT_REPLICAS = 5  # hivemind.dht.node.DHTNode's num_replicas default: the copies a read takes in
+DHT_MAX_MESSAGE = 4 << 20  # p2pd's message cap in hivemind (DEFAULT_MAX_MSG_SIZE): one holder's answer to a get
 
 
 def parcel_bytes(profile: dict) -> int:
@@ -109,7 +113,7 @@ def estimate(n: int, k: int, profile: dict, parcel: int, entry: float, beat: int
     # a moved step at most), and the whole list once a lease
     coordinator_view = n * moved + min(step_s / view_s, n) * empty + n * entry * step_s / lease_s
     whole_every_tick = n * entry * step_s / view_s  # the list before 2026-12-07
-    dht_reads = n * record * step_s / view_s
+    dht_reads = DHT_REPLICAS * n * record * step_s / view_s  # the whole key from each replica, every read
     per_connection = mathis_bytes_per_s(rtt_s, loss)
     return {
         "members": n, "peers_per_step": min(k, n - 1), "step_s": step_s, "parcel_bytes": parcel,
@@ -125,6 +129,7 @@ def estimate(n: int, k: int, profile: dict, parcel: int, entry: float, beat: int
         "coordinator_in_beats_per_s": n / (lease_s / 4),
         "coordinator_in_bytes_per_s": n / (lease_s / 4) * beat,
         "dht_replica_out_mbit_s": 8 * n * n * record / view_s / 1e6,  # every reader's read answered by each replica
+        "dht_key_bytes": n * record, "dht_key_readable": n * record < DHT_MAX_MESSAGE,
         "tcp_bytes_per_s_per_connection": per_connection,
         "parcel_transfer_s": rtt_s * 1.5 + parcel / per_connection,  # connection set up, then the bound
         "parcel_steps_late": (rtt_s * 1.5 + parcel / per_connection) / step_s,
@@ -139,7 +144,10 @@ def report(rows: list[dict], settings: dict) -> str:
             f"({settings['dht_record_source']}); a member-list entry {settings['view_entry_bytes']:.0f} bytes, a "
             f"moved step in a change {settings['moved_step_bytes']:.0f}, a change message "
             f"{settings['changes_message_bytes']} + those, a beat {settings['beat_bytes']} bytes. One TCP connection under this loss: at most "
-            f"{settings['tcp_kbyte_s']:.0f} KB/s (Mathis).\n\n")
+            f"{settings['tcp_kbyte_s']:.0f} KB/s (Mathis). A DHT read takes in the whole key from each of its "
+            f"{settings['dht_replicas']} replicas; one replica's answer is one p2pd message of at most "
+            f"{settings['dht_max_message_bytes'] >> 20} MiB, so a key of more than "
+            f"{settings['dht_max_readable_records']:,} records (members, or a liar's subkeys) cannot be read.\n\n")
     lines = ["| profile | members | parcel KB | member in, kbit/s: direct + coordinator's list / direct + DHT reads "
              "| the list's / reads' share of it | (the whole list every second: kbit/s) | relay: member in KB a step "
              "| coordinator out Mbit/s: relay / direct | a DHT replica out Mbit/s | a parcel's transfer s (steps "
@@ -179,6 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 "peers_per_step": args.peers_per_step, "view_entry_bytes": entry, "beat_bytes": beat,
                 "moved_step_bytes": moved, "changes_message_bytes": empty,
                 "dht_record_bytes": record, "dht_record_source": record_source, "dht_replicas": DHT_REPLICAS,
+                "dht_max_message_bytes": DHT_MAX_MESSAGE, "dht_max_readable_records": DHT_MAX_MESSAGE // record,
                 "tcp_kbyte_s": mathis_bytes_per_s(rtt, args.loss) / 1e3,
                 "profiles": {name: {**p, "parcel_bytes": parcels[name]} for name, p in PROFILES.items()}}
     output = pathlib.Path(args.output)

@@ -323,3 +323,10 @@ def test_the_committed_scale_estimate_is_what_the_script_computes_and_a_members_
     assert peft[16]["parcel_bytes"] == 4 * (1 + 8 * 32 + 2 * 32 * 22)  # the wire format: 8 bytes a token, 32 a sequence
     shares = [peft[n]["share_of_membership_in_member_in"]["coordinator"] for n in (16, 64, 1000)]
     assert shares == sorted(shares) and shares[-1] > 0.9  # the member list, sent whole every second, takes over
+    # a DHT read takes in the whole key from each of its 5 replicas; past a 4-MiB key no replica's answer comes
+    record, row = 984, peft[1000]
+    reads = 5 * 1000 * record * row["step_s"] / 1.0
+    assert row["member_in_kbit_s"]["dht"] == pytest.approx(8 * (row["member_exchange_bytes_per_step"] + reads)
+                                                           / row["step_s"] / 1e3)
+    assert row["dht_key_readable"] and not scale_estimate.estimate(
+        4263, 4, scale_estimate.PROFILES["peft"], 1, 1.0, 1, record, 10.0, 0.2, 0.01)["dht_key_readable"]
