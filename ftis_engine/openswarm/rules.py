@@ -1,9 +1,8 @@
-"""An open swarm's rules, which the coordinator enforces and its members and clients check before they ask: the
-shared settings every member must agree on (SHARED) and the swarm's config (load_swarm_config), what a join's own
-fields may be (join_problem: the caps keep every member list within one header, wire.MAX_HEADER) and what a parcel
-may be (parcel_problem, max_parcel_bytes). What a coordinator announces is held to the same rules its own config
-obeys (lease_problem, view_problem): a member takes no setting from a coordinator that no coordinator's config
-could have."""
+"""An open swarm's rules, which the coordinator enforces and its members and clients check before they ask: the shared
+settings every member must agree on (SHARED) and the swarm's config (load_swarm_config), what a join's own fields may
+be (join_problem: the caps keep each part of a member list within one header, wire.MAX_HEADER) and what a parcel may
+be (parcel_problem, max_parcel_bytes). What a coordinator announces is held to the same rules its own config obeys
+(lease_problem, view_problem): a member takes no setting from a coordinator that no coordinator's config could have."""
 
 from __future__ import annotations
 
@@ -22,7 +21,7 @@ from ..config import (
 )
 from ..core.errors import shown
 from ..core.limits import max_buffer_words
-from .wire import CURVE_KEY, MAC, SAMPLER_INDEX, SAMPLER_MARK, address_problem
+from .wire import CURVE_KEY, MAC, MAX_HEADER, SAMPLER_INDEX, SAMPLER_MARK, address_problem
 
 # What every member of one open swarm must agree on (the rest of a member's config is its own: its model, LoRA,
 # optimizer, loss, ranks). Vertical collaboration only: each member generates whole groups of its own prompts.
@@ -38,7 +37,7 @@ MAX_ADDRESS = 64  # where a member listens for its peers (swarm.peers_per_step):
 # out in parts of at most PART_BYTES each (list_parts), each within one header; a member takes the list once it holds
 # every part (client.SwarmClient). MAX_LIVE bounds what a coordinator holds and sends, not the wire.
 MAX_LIVE = 1024
-PART_BYTES = (1 << 16) - 1024  # a part's entries, as JSON, within one header (wire.MAX_HEADER) with its other fields
+PART_BYTES = MAX_HEADER - 1024  # a part's entries, as JSON, within one header with its other fields
 MAX_PARTS = -(-MAX_LIVE * 500 // PART_BYTES) + 1  # the most parts a list of MAX_LIVE entries takes (a member's bound)
 
 

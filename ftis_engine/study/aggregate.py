@@ -331,11 +331,7 @@ def aggregate(study: StudyConfig, groups: list[Group], quick: bool, command: str
                     result["early"][dataset] = interval([sum(b[s] for s in early_steps) / len(early_steps)
                                                          for b in by_step], seeds, ACCURACY_BOUNDS)
                 # each step's value per seed too: a figure of groups with other seeds draws the seeds they share
-                values = [[b[s] for b in by_step] for s in steps]
-                points = [interval(v, bounds=ACCURACY_BOUNDS) for v in values]
-                result["curve"][dataset] = {"steps": steps, "mean": [p["mean"] for p in points],
-                                            "low": [p["low"] for p in points], "high": [p["high"] for p in points],
-                                            "seeds": seeds, "values": values}
+                result["curve"][dataset] = _band_curve(steps, [[b[s] for b in by_step] for s in steps], seeds)
             for key in (*TRAIN_STATS, *PEER_STATS):
                 stats = {seed: sum(t[member][key]) / len(t[member][key]) for seed, (_, t) in per_run.items()
                          if member in t and t[member].get(key)}
@@ -360,11 +356,16 @@ def _step_curves(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, di
         if not steps:
             continue
         values = [[t[s] for t in by_seed.values() if s in t] for s in steps]
-        points = [interval(v, bounds=ACCURACY_BOUNDS) for v in values]
-        out[key] = {"steps": steps, "mean": [p["mean"] for p in points], "low": [p["low"] for p in points],
-                    "high": [p["high"] for p in points], "n": [len(v) for v in values], "seeds": list(by_seed),
-                    "values": values}
+        out[key] = _band_curve(steps, values, list(by_seed), n=[len(v) for v in values])
     return out
+
+
+def _band_curve(steps: list[int], values: list[list[float]], seeds: list[int], **extra) -> dict[str, Any]:
+    """A curve of shares: at each step the mean and 95% interval (within [0, 1]) of that step's values, and the
+    values themselves with the seeds they come from."""
+    points = [interval(v, bounds=ACCURACY_BOUNDS) for v in values]
+    return {"steps": steps, "mean": [p["mean"] for p in points], "low": [p["low"] for p in points],
+            "high": [p["high"] for p in points], **extra, "seeds": seeds, "values": values}
 
 
 def _checks(traces: dict[int, dict[str, dict[int, float]]]) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pathlib
 import textwrap
 
 from ..core.safefile import save_figure
-from .aggregate import ACCURACY_BOUNDS, interval
+from .aggregate import ACCURACY_BOUNDS, STEP_STATS, interval
 from .config import FigureSettings, StudyConfig
 from .tables import against, seed_list, set_distances
 
@@ -108,7 +108,7 @@ def _train_figure(plt, figure: FigureSettings, groups: list[dict], members: list
                   out_dir: pathlib.Path) -> pathlib.Path:
     """A row per STEP_STATS stat, a column per member, a line per collaborating group: its value at each training
     step (mean over the seeds that logged it, 95% band within [0, 1]). Alone groups have no peers: left out."""
-    stats = list(STEP_LABELS)
+    stats = STEP_STATS
     fig, axes = plt.subplots(len(stats), len(members), figsize=(5.2 * len(members), 3.2 * len(stats)),
                              squeeze=False, layout="constrained")
     for row, stat in enumerate(stats):
@@ -120,8 +120,7 @@ def _train_figure(plt, figure: FigureSettings, groups: list[dict], members: list
                     continue
                 ax.plot(curve["steps"], curve["mean"], color=f"C{k % 10}",
                         label=f"{g['group']} (seeds {seed_list(curve['seeds'])})")
-                ax.fill_between(curve["steps"], [max(0.0, v) for v in curve["low"]],
-                                [min(1.0, v) for v in curve["high"]], color=f"C{k % 10}", alpha=0.15)
+                ax.fill_between(curve["steps"], curve["low"], curve["high"], color=f"C{k % 10}", alpha=0.15)
             ax.set(title=f"{member}: {STEP_LABELS[stat]}", xlabel="step", ylabel="share")
             ax.set_ylim(bottom=0.0, top=max(0.05, ax.get_ylim()[1]))  # shares of a few percent stay readable
             ax.grid(alpha=0.3)
